@@ -1,0 +1,49 @@
+"""Pure-torch twin of the fused score-and-select kernel.
+
+This is the CPU path and the reference the Triton kernel is tested against. It materialises one
+``[B, H, Tq, S]`` slab of attention probabilities (never ``S x S``): ``Tq`` is the handful of
+query rows that score the image, so the slab stays small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def score_and_select_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    visual: torch.Tensor,
+    n_keep: int,
+    *,
+    scaling: float,
+    key_mask: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_weights: torch.Tensor,
+    reduce: str,
+    debias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score visual keys by the attention the query rows pay them, then keep the top ``n_keep``.
+
+    ``scores[b, s] = debias[b, s] * sum_t w[b, t] * R_h(softmax_s'(q[b,h,t] . k[b,h,s'] * scaling))[s]``
+    with the softmax over keys that are valid and at or before ``query_pos[b, t]``, ``R_h`` the
+    mean or max over heads (GQA heads share their kv head) and 0 for non-visual keys.
+    Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`.
+    """
+    n_heads = q.shape[1]
+    seq = k.shape[2]
+    groups = n_heads // k.shape[1]
+    keys = k.repeat_interleave(groups, dim=1) if groups > 1 else k  # [B, H, S, D]
+    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scaling  # [B, H, Tq, S]
+    positions = torch.arange(seq, device=q.device)
+    allowed = key_mask[:, None, :] & (positions[None, None, :] <= query_pos[:, :, None])  # [B, Tq, S]
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no allowed key gives 0
+    per_query = probs.mean(dim=1) if reduce == "mean" else probs.amax(dim=1)  # [B, Tq, S]
+    scores = torch.einsum("bt,bts->bs", query_weights.float(), per_query)
+    if debias is not None:
+        scores = scores * debias.float()
+    scores = scores.masked_fill(~visual, 0.0)
+    ranked = scores.masked_fill(~visual, float("-inf"))
+    kept = ranked.topk(n_keep, dim=-1).indices.sort(dim=-1).values
+    return scores, kept
