@@ -105,7 +105,9 @@ def score_and_select(
     if query_pos is None:
         query_pos = torch.arange(seq - n_query, seq, device=q.device).expand(batch, n_query)
     elif tuple(query_pos.shape) != (batch, n_query):
-        raise ValueError(f"query_pos has shape {list(query_pos.shape)}, expected [{batch}, {n_query}]")
+        raise ValueError(
+            f"query_pos has shape {list(query_pos.shape)}, expected [{batch}, {n_query}]"
+        )
     if query_weights is None:
         query_weights = torch.full((batch, n_query), 1.0 / n_query, device=q.device)
     elif tuple(query_weights.shape) != (batch, n_query):

@@ -1,0 +1,491 @@
+"""Triton fused score-and-select: attention mass on visual keys without materialising attention.
+
+Formula (the contract of :func:`vlm_focus.kernels.naive.score_and_select_naive`)::
+
+    scores[b, s] = debias[b, s] * sum_t w[b, t] * R_h(softmax_s'(q[b,h,t] . k[b,h,s'] * c))[s]
+
+with ``allowed`` = valid key and ``s' <= query_pos[b, t]``, ``R_h`` the mean or max over query heads
+(GQA heads read their shared kv head), 0 for non-visual keys, then the top ``n_keep`` visual keys.
+
+Three launches, none of which writes a ``[Tq, S]`` or ``[S, S]`` tensor:
+
+1. ``_lse_kernel``, grid ``(B * H, Tq blocks, S splits)``. Each program holds a block of query rows
+   of one head in registers and streams its range of key tiles, keeping an online max and sum of
+   ``exp2`` (log2 domain, fp32) per row. It writes one partial log-sum-exp per row and split,
+   ``[B, H, Tq, n_split]``. Splitting S gives a batch-1 call enough programs to fill the GPU.
+2. ``_score_kernel``, grid ``(S blocks, head parts x Tq blocks, B)``. Each program owns one tile of
+   keys. It merges the partial log-sum-exps of its rows (a few floats per row), then for each kv
+   head loads the key tile once and, for every query head of the group, forms
+   ``p = exp2(s - lse)`` in registers and folds it into a ``[Tq block, keys]`` accumulator: a sum
+   for ``mean``, an elementwise max for ``max``. The query weights and the ``1 / H`` are applied
+   at the end. Because a program holds every head of its keys, ``max`` needs no atomics. For
+   ``mean``, which is linear, the heads may be split over programs to add parallelism when S is
+   short. Each program writes one partial score row ``[keys]``, so the buffer is
+   ``[B, n_parts, S]`` with ``n_parts`` sized to the GPU, not to S. Key tiles that hold no visual
+   key skip the head loop. Keys are read twice (pass 1 and 2); queries are tiny and come from L2.
+3. ``_select_kernel``, grid ``(B,)``. It sums the partial scores, applies ``debias`` and the visual
+   mask, writes ``scores``, then finds the ``n_keep``-th largest score by a 32-step bitwise
+   bisection on order-preserving integer keys (a radix select with 1-bit digits: every step is one
+   compare-and-count over the row, held in registers for S <= 16384) and writes the kept positions
+   in ascending order with a prefix sum. Ties at the threshold go to the lowest positions, as in
+   the twin.
+
+Why selection is a second kernel and not fused into pass 2: top-k needs every score of a row, and
+the score tiles of one row are produced by many programs. Fusing would need a grid-wide barrier
+(a "last program done" atomic counter with acquire/release fences) inside pass 2. That saves one
+launch of a few microseconds, while a fence bug there would corrupt selections silently. The
+separate kernel reads only ``B * n_parts * S`` floats (from L2) and replaces what would otherwise
+be five or more torch launches (sum of partials, debias, masking, ``topk``, ``sort``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_SELECT_MAX_SINGLE = 16384  # row length up to which the selection keeps the whole row in registers
+
+
+@triton.jit
+def _lse_kernel(
+    q_ptr,
+    k_ptr,
+    kmask_ptr,
+    qpos_ptr,
+    lse_ptr,
+    n_heads,
+    groups,
+    n_query,
+    seq,
+    head_dim,
+    n_split,
+    keys_per_split,
+    qk_scale,
+    sqb,
+    sqh,
+    sqt,
+    sqd,
+    skb,
+    skh,
+    sks,
+    skd,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Partial log2-sum-exp of one head's query block over one range of keys."""
+    pid_bh = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    kv = h // groups
+
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok = offs_t < n_query
+    d_ok = offs_d < head_dim
+    q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
+    q = tl.load(
+        q_base + offs_t[:, None] * sqt + offs_d[None, :] * sqd,
+        mask=t_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_T, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    qpos = tl.load(qpos_ptr + b * n_query + offs_t, mask=t_ok, other=-1)  # [BLOCK_T]
+    k_base = k_ptr + b.to(tl.int64) * skb + kv * skh
+
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_T], tl.float32)
+    start = pid_s * keys_per_split
+    end = tl.minimum(seq, start + keys_per_split)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k = tl.load(
+            k_base + offs_n[:, None] * sks + offs_d[None, :] * skd,
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        valid = tl.load(kmask_ptr + b * seq + offs_n, mask=n_ok, other=0) != 0
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_T, BLOCK_N]
+        allowed = valid[None, :] & (offs_n[None, :] <= qpos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row that has seen no allowed key keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_sum = l_sum * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+        m = m_new
+    # -inf when the row has no allowed key in this range (log2 only of positive sums)
+    lse = tl.where(l_sum > 0.0, m + tl.log2(tl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
+    row = (b * n_heads + h) * n_query + offs_t
+    tl.store(lse_ptr + row * n_split + pid_s, lse, mask=t_ok)
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr,
+    k_ptr,
+    kmask_ptr,
+    vis_ptr,
+    qpos_ptr,
+    w_ptr,
+    lse_ptr,
+    part_ptr,
+    n_heads,
+    n_kv,
+    groups,
+    n_query,
+    seq,
+    head_dim,
+    n_split,
+    kv_per_part,
+    n_hparts,
+    n_parts,
+    qk_scale,
+    head_scale,
+    sqb,
+    sqh,
+    sqt,
+    sqd,
+    skb,
+    skh,
+    sks,
+    skd,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    REDUCE_MAX: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Partial score ``sum_t w_t R_h p[h, t, s]`` of one key tile over one part of heads/queries."""
+    pid_n = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = tl.program_id(2)
+    hp = pid_p % n_hparts
+    tb = pid_p // n_hparts
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_sp = tl.arange(0, SPLIT_PAD)
+    n_ok = offs_n < seq
+    t_ok = offs_t < n_query
+    d_ok = offs_d < head_dim
+    vis = tl.load(vis_ptr + b * seq + offs_n, mask=n_ok, other=0) != 0  # [BLOCK_N]
+    valid = tl.load(kmask_ptr + b * seq + offs_n, mask=n_ok, other=0) != 0
+    qpos = tl.load(qpos_ptr + b * n_query + offs_t, mask=t_ok, other=-1)  # [BLOCK_T]
+    w = tl.load(w_ptr + b * n_query + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+    allowed = valid[None, :] & (offs_n[None, :] <= qpos[:, None])  # [BLOCK_T, BLOCK_N]
+
+    kv_lo = hp * kv_per_part
+    kv_hi = tl.minimum(n_kv, kv_lo + kv_per_part)
+    # Tiles without a visual key score 0 by definition: skip their heads entirely.
+    has_visual = tl.max(vis.to(tl.int32), axis=0) > 0
+    kv_hi = tl.where(has_visual, kv_hi, kv_lo)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)  # sum or max over heads of p
+    q_base = q_ptr + b.to(tl.int64) * sqb
+    q_rows = offs_t[:, None] * sqt + offs_d[None, :] * sqd
+    k_base = k_ptr + b.to(tl.int64) * skb
+    k_rows = offs_n[:, None] * sks + offs_d[None, :] * skd
+    for kv in range(kv_lo, kv_hi):
+        # keys of this tile and kv head, loaded once for every query head of the group
+        k = tl.load(
+            k_base + kv * skh + k_rows,
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        for g in range(groups):
+            h = kv * groups + g
+            q = tl.load(
+                q_base + h * sqh + q_rows,
+                mask=t_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_T, BLOCK_D]
+            if DOT_FP32:
+                q = q.to(tl.float32)
+            # Merge the pass-1 partial log-sum-exps of these rows.
+            row = (b * n_heads + h) * n_query + offs_t
+            parts = tl.load(
+                lse_ptr + row[:, None] * n_split + offs_sp[None, :],
+                mask=t_ok[:, None] & (offs_sp[None, :] < n_split),
+                other=float("-inf"),
+            )  # [BLOCK_T, SPLIT_PAD]
+            top = tl.max(parts, axis=1)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.sum(tl.exp2(parts - top[:, None]), axis=1)
+            # Rows with no allowed key get -inf; their p is masked to 0 below anyway.
+            lse = tl.where(total > 0.0, top + tl.log2(tl.where(total > 0.0, total, 1.0)), top)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_T, BLOCK_N]
+            p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
+            if REDUCE_MAX:
+                acc = tl.maximum(acc, p)
+            else:
+                acc += p
+    score = tl.sum(acc * w[:, None], axis=0) * head_scale  # [BLOCK_N]
+    score = tl.where(vis, score, 0.0)
+    tl.store(part_ptr + (b * n_parts + pid_p).to(tl.int64) * seq + offs_n, score, mask=n_ok)
+
+
+@triton.jit
+def _order_key(x):
+    """int32 keys whose signed order is the float order of ``x`` (+0 and -0 share one key)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _final_tile(part_ptr, vis_ptr, debias_ptr, scores_ptr, b, offs, seq, n_parts, HAS_DEBIAS):
+    """Sum the partial scores of one tile, apply debias and the visual mask, store, return keys."""
+    ok = offs < seq
+    acc = tl.zeros(offs.shape, tl.float32)
+    for p in range(n_parts):
+        acc += tl.load(part_ptr + (b * n_parts + p).to(tl.int64) * seq + offs, mask=ok, other=0.0)
+    if HAS_DEBIAS:
+        acc = acc * tl.load(debias_ptr + b * seq + offs, mask=ok, other=0.0).to(tl.float32)
+    vis = tl.load(vis_ptr + b * seq + offs, mask=ok, other=0) != 0
+    acc = tl.where(vis, acc, 0.0)
+    tl.store(scores_ptr + b * seq + offs, acc, mask=ok)
+    return tl.where(vis, _order_key(acc), -2147483648)
+
+
+@triton.jit
+def _select_kernel(
+    part_ptr,
+    vis_ptr,
+    debias_ptr,
+    scores_ptr,
+    kept_ptr,
+    seq,
+    n_parts,
+    n_keep,
+    HAS_DEBIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    N_TILES: tl.constexpr,
+):
+    """Final scores of one row, then its ``n_keep`` largest visual positions in ascending order."""
+    b = tl.program_id(0)
+    sign = -2147483648  # non-visual keys sit at the int32 minimum, below every real score
+    one = tl.full([], 1, tl.int32)  # int32, so that one << 31 is the sign bit
+    if N_TILES == 1:
+        offs = tl.arange(0, BLOCK)
+        key = _final_tile(
+            part_ptr, vis_ptr, debias_ptr, scores_ptr, b, offs, seq, n_parts, HAS_DEBIAS
+        )
+        # Radix select with 1-bit digits on the sign-flipped (unsigned-ordered) keys: keep the
+        # largest prefix such that at least n_keep keys are >= it.
+        prefix = tl.zeros([], tl.int32)
+        for bit in range(31, -1, -1):
+            cand = prefix | (one << bit)
+            count = tl.sum((key >= (cand ^ sign)).to(tl.int32), axis=0)
+            prefix = tl.where(count >= n_keep, cand, prefix)
+        thr = prefix ^ sign
+        above = key > thr
+        tie = key == thr
+        need = n_keep - tl.sum(above.to(tl.int32), axis=0)
+        tie_i = tie.to(tl.int32)
+        take = above | (tie & (tl.cumsum(tie_i, axis=0) - tie_i < need))
+        take_i = take.to(tl.int32)
+        pos = tl.cumsum(take_i, axis=0) - take_i
+        tl.store(kept_ptr + b * n_keep + pos, offs.to(tl.int64), mask=take)
+    else:
+        for tile in range(N_TILES):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            _final_tile(
+                part_ptr, vis_ptr, debias_ptr, scores_ptr, b, offs, seq, n_parts, HAS_DEBIAS
+            )
+        tl.debug_barrier()  # scores written above are re-read by other threads below
+        prefix = tl.zeros([], tl.int32)
+        for bit in range(31, -1, -1):
+            cand = prefix | (one << bit)
+            count = tl.zeros([], tl.int32)
+            for tile in range(N_TILES):
+                offs = tile * BLOCK + tl.arange(0, BLOCK)
+                key = _stored_key(scores_ptr, vis_ptr, b, offs, seq)
+                count += tl.sum((key >= (cand ^ sign)).to(tl.int32), axis=0)
+            prefix = tl.where(count >= n_keep, cand, prefix)
+        thr = prefix ^ sign
+        n_above = tl.zeros([], tl.int32)
+        for tile in range(N_TILES):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            key = _stored_key(scores_ptr, vis_ptr, b, offs, seq)
+            n_above += tl.sum((key > thr).to(tl.int32), axis=0)
+        need = n_keep - n_above
+        n_out = tl.zeros([], tl.int32)
+        n_tie = tl.zeros([], tl.int32)
+        for tile in range(N_TILES):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            key = _stored_key(scores_ptr, vis_ptr, b, offs, seq)
+            tie_i = (key == thr).to(tl.int32)
+            take = (key > thr) | ((tie_i != 0) & (n_tie + tl.cumsum(tie_i, axis=0) - tie_i < need))
+            take_i = take.to(tl.int32)
+            pos = n_out + tl.cumsum(take_i, axis=0) - take_i
+            tl.store(kept_ptr + b * n_keep + pos, offs.to(tl.int64), mask=take)
+            n_out += tl.sum(take_i, axis=0)
+            n_tie += tl.sum(tie_i, axis=0)
+
+
+@triton.jit
+def _stored_key(scores_ptr, vis_ptr, b, offs, seq):
+    ok = offs < seq
+    vis = tl.load(vis_ptr + b * seq + offs, mask=ok, other=0) != 0
+    score = tl.load(scores_ptr + b * seq + offs, mask=ok, other=0.0)
+    return tl.where(vis, _order_key(score), -2147483648)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Launch shape. ``_plan`` picks one from the problem size and the GPU; tests force others."""
+
+    block_n: int = 64  # keys per tile (both passes)
+    block_t: int = 16  # query rows per tile: a power of two >= 16 (tl.dot minimum)
+    n_split: int = 1  # key ranges in pass 1
+    n_hparts: int = 1  # kv-head ranges in pass 2 (mean only)
+    select_block: int = 0  # selection tile; 0 = whole row in one tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, reduce: str) -> _Plan:
+    """Heuristic launch shape: enough programs (~4 per SM) for a batch-1 call at every S."""
+    batch, n_heads, n_query, _ = q.shape
+    n_kv, seq = k.shape[1], k.shape[2]
+    block_n = 64
+    block_t = min(64, max(16, _next_pow2(n_query)))
+    n_tblocks = triton.cdiv(n_query, block_t)
+    n_blocks = triton.cdiv(seq, block_n)
+    # The interpreter runs programs one after another: few, large programs are fastest there.
+    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    target = 4 * n_sm
+    n_split = max(1, min(n_blocks, triton.cdiv(target, batch * n_heads * n_tblocks)))
+    n_hparts = 1
+    if reduce == "mean":
+        n_hparts = max(1, min(n_kv, triton.cdiv(target, batch * n_blocks * n_tblocks)))
+    return _Plan(block_n=block_n, block_t=block_t, n_split=n_split, n_hparts=n_hparts)
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    visual: torch.Tensor,
+    n_keep: int,
+    *,
+    scaling: float,
+    key_mask: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_weights: torch.Tensor,
+    reduce: str,
+    debias: torch.Tensor | None,
+    plan: _Plan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the three kernels with an explicit launch shape."""
+    batch, n_heads, n_query, head_dim = q.shape
+    n_kv, seq = k.shape[1], k.shape[2]
+    if q.dtype != k.dtype:
+        common = torch.promote_types(q.dtype, k.dtype)
+        q, k = q.to(common), k.to(common)
+    device = q.device
+    groups = n_heads // n_kv
+    block_n, block_t = plan.block_n, plan.block_t
+    block_d = max(16, _next_pow2(head_dim))
+    n_tblocks = triton.cdiv(n_query, block_t)
+    n_blocks = triton.cdiv(seq, block_n)
+    # Whole tiles per split, then drop splits that would be empty.
+    keys_per_split = triton.cdiv(n_blocks, max(1, plan.n_split)) * block_n
+    n_split = triton.cdiv(seq, keys_per_split)
+    kv_per_part = triton.cdiv(n_kv, max(1, plan.n_hparts)) if reduce == "mean" else n_kv
+    n_hparts = triton.cdiv(n_kv, kv_per_part)
+    n_parts = n_hparts * n_tblocks
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 inputs only
+    # The CPU interpreter (triton 3.9) returns garbage from tl.dot on bf16 tiles, so there the tiles
+    # go to fp32 first. Exact: a product of two bf16/fp16 numbers fits in an fp32 mantissa.
+    dot_fp32 = not q.is_cuda
+
+    kmask = key_mask.contiguous().view(torch.uint8)  # [B, S]
+    vis = visual.contiguous().view(torch.uint8)  # [B, S]
+    qpos = query_pos.to(device=device, dtype=torch.int64).contiguous()  # [B, Tq]
+    weights = query_weights.to(device=device, dtype=torch.float32).contiguous()  # [B, Tq]
+    qk_scale = float(scaling) * _LOG2E  # work in log2 so the kernels use exp2
+    lse = torch.empty(batch, n_heads, n_query, n_split, device=device, dtype=torch.float32)
+    parts = torch.empty(batch, n_parts, seq, device=device, dtype=torch.float32)
+    scores = torch.empty(batch, seq, device=device, dtype=torch.float32)
+    kept = torch.empty(batch, n_keep, device=device, dtype=torch.int64)
+
+    _lse_kernel[(batch * n_heads, n_tblocks, n_split)](
+        q, k, kmask, qpos, lse,
+        n_heads, groups, n_query, seq, head_dim, n_split, keys_per_split, qk_scale,
+        *q.stride(), *k.stride(),
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
+        DOT_FP32=dot_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    _score_kernel[(n_blocks, n_parts, batch)](
+        q, k, kmask, vis, qpos, weights, lse, parts,
+        n_heads, n_kv, groups, n_query, seq, head_dim, n_split, kv_per_part, n_hparts, n_parts,
+        qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
+        *q.stride(), *k.stride(),
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT_PAD=max(2, _next_pow2(n_split)),
+        REDUCE_MAX=reduce == "max", PRECISION=precision, DOT_FP32=dot_fp32,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    sel_block = plan.select_block or min(_SELECT_MAX_SINGLE, max(16, _next_pow2(seq)))
+    has_debias = debias is not None
+    debias_arg = debias.to(device=device).contiguous() if has_debias else scores
+    _select_kernel[(batch,)](
+        parts, vis, debias_arg, scores, kept, seq, n_parts, n_keep,
+        HAS_DEBIAS=has_debias, BLOCK=sel_block, N_TILES=triton.cdiv(seq, sel_block),
+        num_warps=4 if sel_block <= 2048 else (8 if sel_block <= 8192 else 16),
+    )  # fmt: skip
+    return scores, kept
+
+
+def score_and_select_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    visual: torch.Tensor,
+    n_keep: int,
+    *,
+    scaling: float,
+    key_mask: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_weights: torch.Tensor,
+    reduce: str,
+    debias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused Triton score-and-select; same arguments and results as the torch twin.
+
+    Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`
+    (``visual`` is already AND-ed with ``key_mask``).
+    """
+    return _launch(
+        q,
+        k,
+        visual,
+        n_keep,
+        scaling=scaling,
+        key_mask=key_mask,
+        query_pos=query_pos,
+        query_weights=query_weights,
+        reduce=reduce,
+        debias=debias,
+        plan=_plan(q, k, reduce),
+    )
