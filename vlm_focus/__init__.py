@@ -1,3 +1,32 @@
-"""vlm_focus: attention-driven visual-token pruning, grounding and hallucination mitigation."""
+"""vlm_focus: attention-driven visual-token pruning, grounding and hallucination mitigation
+for Hugging Face vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL).
+
+    import vlm_focus as vf
+    handle = vf.wrap(model, pruner="fastv", keep=0.25, layer=2)
+    model.generate(**inputs)
+    handle.last_trace.kept
+    handle.remove()
+"""
+
+from .api import FocusHandle, wrap
+from .config import FocusConfig
+from .model_adapters import ModelAdapter, register_adapter, supported_models
+from .pruners import Pruner, pruners, register_pruner
+from .trace import FocusTrace, StageTrace
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "FocusConfig",
+    "FocusHandle",
+    "FocusTrace",
+    "ModelAdapter",
+    "Pruner",
+    "StageTrace",
+    "__version__",
+    "pruners",
+    "register_adapter",
+    "register_pruner",
+    "supported_models",
+    "wrap",
+]

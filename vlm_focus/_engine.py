@@ -1,0 +1,433 @@
+"""Instance hooks that prune visual tokens inside an unmodified HF decoder.
+
+The decoder computes RoPE ``(cos, sin)``, the mask and ``position_ids`` once at full length and
+hands the same objects to every layer. So:
+
+* a pre-hook on the top model reads ``input_ids`` and the image inputs of each prefill and lays
+  out the visual tokens (via the model adapter);
+* a pre-hook on every layer ``>= K`` slices ``hidden_states`` (only at a stage layer), cos/sin,
+  the 4-D (or 2-D) mask and ``position_ids`` down to the tokens it keeps. Kept tokens keep their
+  ORIGINAL positions, so RoPE sees exactly what the unpruned model would;
+* in decode, each layer's own cache length tells prefill from decode; a layer ``>= K`` holds a
+  shorter cache, so a materialised mask (``S + t`` wide) is column-sliced to
+  ``kept ++ [S, S + t)``. With ``K = 0`` every cache is short, so the decoder's 2-D mask is
+  sliced before it builds its masks, and missing decode positions are filled from the full mask.
+
+Batches: every row drops the same number of visual tokens (the smallest number any row asks to
+drop), so all rows keep one common length and no row keeps fewer tokens than ``keep`` asks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from .config import FocusConfig, keep_count
+from .model_adapters import ImageLayout, ModelAdapter
+from .pruners import Pruner, StageContext
+from .trace import FocusTrace, StageTrace
+
+_CACHE_KEYS = ("cache", "past_key_values")
+
+
+def _cache_of(kwargs: dict[str, Any]) -> Cache | None:
+    for key in _CACHE_KEYS:
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def _cache_length(cache: Cache | None, layer: int = 0) -> int:
+    return 0 if cache is None else int(cache.get_seq_length(layer))
+
+
+@dataclass
+class _Prefill:
+    """State of one pruned prefill and the decode steps that follow it."""
+
+    layout: list[list[ImageLayout]]
+    visual: torch.Tensor  # [B, S] bool, original
+    valid: torch.Tensor  # [B, S] bool, original
+    full_len: int
+    drops: list[int]  # visual tokens every row drops at each stage
+    inputs: dict[str, Any]
+    trace: FocusTrace
+    current: torch.Tensor  # [B, S'] original positions still present
+    per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per layer: which prefill columns of the decode mask it keeps. The decode mask spans the
+    # full prompt, or layer 0's kept prompt when K = 0 (the decoder hook sliced it already).
+    decode_cols: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache: Any = None  # weakref to the cache this prefill filled
+
+
+def _gather_seq(
+    x: torch.Tensor, index: torch.Tensor, dim: int, batch_dim: int | None = None
+) -> torch.Tensor:
+    """Pick ``index [B, T]`` along sequence dim ``dim`` of ``x``; the batch dim is ``batch_dim``
+    (default ``dim - 1``) and a batch of 1 is broadcast first."""
+    dim = dim % x.dim()
+    batch_dim = dim - 1 if batch_dim is None else batch_dim
+    batch = index.shape[0]
+    shape = list(x.shape)
+    shape[batch_dim] = batch
+    x = x.expand(shape)
+    view = [1] * x.dim()
+    view[batch_dim], view[dim] = batch, index.shape[1]
+    full = list(x.shape)
+    full[dim] = index.shape[1]
+    return x.gather(dim, index.view(view).expand(full))
+
+
+def _slice_mask(mask: Any, rows: torch.Tensor | None, cols: torch.Tensor) -> Any:
+    """Slice a 4-D ``[B, H, Sq, Sk]`` or 2-D ``[B, Sk]`` mask; other mask kinds are rejected."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(
+            f"vlm_focus cannot slice an attention mask of type {type(mask).__name__}; "
+            "use attn_implementation='sdpa', 'eager' or 'flash_attention_2'"
+        )
+    if mask.dim() == 4:
+        if rows is not None:
+            mask = _gather_seq(mask, rows, 2, batch_dim=0)
+        return _gather_seq(mask, cols, 3, batch_dim=0)
+    if mask.dim() == 2:
+        return _gather_seq(mask, cols, 1)
+    raise ValueError(f"unexpected attention mask with shape {list(mask.shape)}")
+
+
+def _decode_columns(kept: torch.Tensor, full_len: int, width: int) -> torch.Tensor:
+    """Columns of a full-width decode mask that a layer holding ``kept`` still has."""
+    tail = torch.arange(full_len, width, device=kept.device).expand(kept.shape[0], -1)
+    return torch.cat([kept, tail], dim=1)
+
+
+class FocusEngine:
+    """Owns the hooks on one model instance and the state of the current prefill."""
+
+    def __init__(
+        self, model: nn.Module, adapter: ModelAdapter, config: FocusConfig, pruner: Pruner
+    ) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.config = config
+        self.pruner = pruner
+        self.stages = dict(config.stages)
+        self.first_layer = min(self.stages)
+        self.layers = adapter.decoder_layers(model)
+        self.state: _Prefill | None = None
+        self.last_trace: FocusTrace | None = None
+        self._hooks: list[Any] = []
+        self._recorded: dict[str, Any] = {}
+        self._patched: list[tuple[Any, str]] = []
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def attach(self) -> None:
+        self._hooks.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
+        if self.first_layer == 0:
+            decoder = self.adapter.decoder(self.model)
+            self._hooks.append(
+                decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True)
+            )
+        for index in range(self.first_layer, len(self.layers)):
+            self._hooks.append(
+                self.layers[index].register_forward_pre_hook(
+                    self._layer_hook(index), with_kwargs=True
+                )
+            )
+
+        self._record_encoder_inputs()
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for owner, name in self._patched:
+            owner.__dict__.pop(name, None)  # drop the instance attribute: the method is back
+        self._patched.clear()
+        self.state = None
+
+    def _record_encoder_inputs(self) -> None:
+        """``generate()`` runs the image encoder before prefill and then drops ``image_sizes`` /
+        ``image_grid_thw`` from the forward call; record them on the way into the encoder."""
+        if not self.adapter.layout_inputs:
+            return
+        owner = getattr(self.model, "base_model", self.model)
+        for name in self.adapter.encoders:
+            method = getattr(owner, name, None)
+            if method is None:
+                continue
+            signature = inspect.signature(method)
+
+            def recording(*args, _method=method, _signature=signature, **kwargs):
+                bound = _signature.bind_partial(*args, **kwargs).arguments
+                for key in self.adapter.layout_inputs:
+                    if bound.get(key) is not None:
+                        self._recorded[key] = bound[key]
+                return _method(*args, **kwargs)
+
+            owner.__dict__[name] = functools.wraps(method)(recording)
+            self._patched.append((owner, name))
+
+    # --- top-level hook: one layout per prefill -----------------------------------------------
+    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = _cache_of(kwargs)
+        if cache is not None and getattr(cache, "is_compileable", False):
+            raise ValueError(
+                "vlm_focus pruning gives each layer its own cache length, which a static "
+                "(compileable) cache cannot hold; use the default DynamicCache "
+                "(do not set cache_implementation='static')"
+            )
+        has_pixels = any(kwargs.get(k) is not None for k in self.adapter.pixel_inputs)
+        if input_ids is None:
+            if has_pixels:
+                raise ValueError("vlm_focus needs input_ids (not inputs_embeds) to find images")
+            self.state = None
+            return args, kwargs
+        visual = self.adapter.visual_mask(self.model, input_ids)
+        if bool(visual.any()):
+            self._start_prefill(input_ids, visual, cache, kwargs)
+            return args, kwargs
+        state = self.state
+        if state is not None and cache is not None and state.cache is not None:
+            if state.cache() is cache and _cache_length(cache) > 0:
+                if self.first_layer == 0:
+                    kwargs = self._fill_decode_inputs(kwargs, input_ids, cache)
+                return args, kwargs
+        self.state = None  # a text-only call passes through unpruned
+        return args, kwargs
+
+    def _start_prefill(
+        self, input_ids: torch.Tensor, visual: torch.Tensor, cache: Any, kwargs: dict
+    ) -> None:
+        if _cache_length(cache) > 0:
+            raise ValueError(
+                "vlm_focus prunes a prompt's images in its prefill; a prompt with images "
+                "appended to a non-empty cache is not supported"
+            )
+        if kwargs.get("labels") is not None:
+            raise ValueError(
+                "labels are not supported while pruning (the forward returns logits for the "
+                "kept tokens only); compute the loss unwrapped or with keep=1.0"
+            )
+        for name in self.adapter.required_with_images:
+            if kwargs.get(name) is None:
+                raise ValueError(
+                    f"'{self.adapter.model_type}' needs `{name}` (from the processor) with images"
+                )
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("vlm_focus needs a 2-D attention_mask [batch, seq] (or none)")
+        valid = (
+            attention_mask.bool()
+            if attention_mask is not None
+            else torch.ones_like(input_ids, dtype=torch.bool)
+        )
+        visual = visual & valid
+        layout_inputs = {**self._recorded, **{k: v for k, v in kwargs.items() if v is not None}}
+        self._recorded.clear()
+        layout = self.adapter.layout(self.model, input_ids, layout_inputs)
+        n_visual = visual.sum(1).tolist()
+        drops, remaining = [], list(n_visual)
+        for _, keep in self.config.stages:
+            want = [r - min(r, keep_count(keep, n)) for r, n in zip(remaining, n_visual)]
+            drop = min(want)
+            drops.append(drop)
+            remaining = [r - drop for r in remaining]
+        batch, seq = input_ids.shape
+        trace = FocusTrace(
+            n_visual=n_visual,
+            visual_positions=[torch.nonzero(v).flatten() for v in visual],
+        )
+        self.state = _Prefill(
+            layout=layout,
+            visual=visual,
+            valid=valid,
+            full_len=seq,
+            drops=drops,
+            inputs={k: v for k, v in kwargs.items() if not isinstance(v, Cache)},
+            trace=trace,
+            current=torch.arange(seq, device=input_ids.device).expand(batch, seq),
+        )
+        self.last_trace = trace
+
+    def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Cache) -> dict:
+        """With K = 0 the cache is short everywhere: supply the full-width mask and, for 1-D
+        RoPE, the original positions, so nothing downstream derives them from the cache."""
+        state = self.state
+        n_new = input_ids.shape[1]
+        width = state.full_len + _cache_length(cache) - state.per_layer[0].shape[1] + n_new
+        kwargs = dict(kwargs)
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(input_ids.shape[0], width, dtype=torch.long, device=input_ids.device)
+            kwargs["attention_mask"] = mask
+        if self.adapter.rope == "1d" and kwargs.get("position_ids") is None:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            kwargs["position_ids"] = positions[:, -n_new:]
+        return kwargs
+
+    # --- decoder hook (K = 0 decode): slice the 2-D mask before masks are built -----------------
+    def _on_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state = self.state
+        mask = kwargs.get("attention_mask")
+        cache = _cache_of(kwargs)
+        if state is None or 0 not in state.per_layer or _cache_length(cache) == 0:
+            return args, kwargs
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            kept = state.per_layer[0]
+            if mask.shape[1] != _cache_length(cache) + self._new_tokens(kwargs):
+                kwargs = dict(kwargs)
+                kwargs["attention_mask"] = _gather_seq(
+                    mask, _decode_columns(kept, state.full_len, mask.shape[1]), 1
+                )
+        return args, kwargs
+
+    @staticmethod
+    def _new_tokens(kwargs: dict) -> int:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None:
+            return embeds.shape[1]
+        return kwargs["input_ids"].shape[1]
+
+    # --- layer hooks ----------------------------------------------------------------------------
+    def _layer_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            state = self.state
+            if state is None:
+                return None
+            cache = _cache_of(kwargs)
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if _cache_length(cache, index) == 0:
+                hidden, kwargs = self._prefill_layer(index, module, hidden, kwargs, cache)
+            else:
+                kwargs = self._decode_layer(index, hidden, kwargs, cache)
+            if args:
+                return (hidden, *args[1:]), kwargs
+            kwargs["hidden_states"] = hidden
+            return args, kwargs
+
+        return hook
+
+    def _prefill_layer(
+        self, index: int, layer: nn.Module, hidden: torch.Tensor, kwargs: dict, cache: Any
+    ) -> tuple[torch.Tensor, dict]:
+        state = self.state
+        if hidden.shape[1] != state.current.shape[1]:
+            raise RuntimeError(
+                f"layer {index} got {hidden.shape[1]} tokens, expected {state.current.shape[1]}"
+            )
+        if cache is not None and state.cache is None:
+            state.cache = weakref.ref(cache)
+        cos, sin = kwargs["position_embeddings"]
+        if index in self.stages:
+            local = self._run_stage(index, layer, hidden, cos, sin)
+            hidden = _gather_seq(hidden, local, 1)
+            state.current = state.current.gather(1, local)
+        current = state.current
+        state.per_layer[index] = current
+        base = state.per_layer.get(0) if self.first_layer == 0 else None
+        state.decode_cols[index] = current if base is None else torch.searchsorted(base, current)
+        kwargs = dict(kwargs)
+        kwargs["position_embeddings"] = (_gather_seq(cos, current, 1), _gather_seq(sin, current, 1))
+        kwargs["attention_mask"] = _slice_mask(kwargs.get("attention_mask"), current, current)
+        position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, torch.Tensor):
+            kwargs["position_ids"] = _gather_seq(position_ids, current, position_ids.dim() - 1)
+        if index == len(self.layers) - 1:
+            state.trace.sequence = current
+        return hidden, kwargs
+
+    def _decode_layer(self, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any) -> dict:
+        state = self.state
+        mask = kwargs.get("attention_mask")
+        if not isinstance(mask, torch.Tensor):
+            return kwargs  # no mask: every cached key is attendable, nothing to slice
+        width, n_new = mask.shape[-1], hidden.shape[1]
+        own = _cache_length(cache, index)
+        if width == own + n_new:
+            return kwargs
+        kept_cols = state.decode_cols[index]
+        prompt = state.full_len if self.first_layer > 0 else state.per_layer[0].shape[1]
+        if width - prompt != own - kept_cols.shape[1] + n_new:
+            raise RuntimeError(f"layer {index}: decode mask width {width} matches no cache length")
+        kwargs = dict(kwargs)
+        kwargs["attention_mask"] = _slice_mask(
+            mask, None, _decode_columns(kept_cols, prompt, width)
+        )
+        return kwargs
+
+    def _run_stage(
+        self,
+        index: int,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Score and select at a stage layer; returns the local indices ``[B, S'']`` to keep."""
+        state = self.state
+        stage_index = len(state.trace.stages)
+        current = state.current
+        visual = state.visual.gather(1, current)
+        drop = state.drops[stage_index]
+        counts = visual.sum(1) - drop  # [B]
+        n_keep = int(counts.min())
+        ctx = StageContext(
+            model=self.model,
+            adapter=self.adapter,
+            config=self.config,
+            layer_index=index,
+            stage_index=stage_index,
+            decoder_layer=layer,
+            hidden=hidden,
+            cos=_gather_seq(cos, current, 1),
+            sin=_gather_seq(sin, current, 1),
+            positions=current,
+            visual=visual,
+            valid=state.valid.gather(1, current),
+            layout=state.layout,
+            inputs=state.inputs,
+        )
+        sync = hidden.is_cuda
+        if sync:
+            torch.cuda.synchronize(hidden.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            selection = self.pruner.select(ctx, n_keep)
+        kept_visual = selection.kept
+        if kept_visual is None or bool((counts != n_keep).any()):
+            kept_visual = _top_visual(selection.scores, visual, counts)
+        if sync:
+            torch.cuda.synchronize(hidden.device)
+        state.trace.seconds += time.perf_counter() - start
+        keep_mask = ~visual
+        for b, kept in enumerate(kept_visual):
+            keep_mask[b, kept] = True
+        local = torch.nonzero(keep_mask)[:, 1].view(hidden.shape[0], -1)  # sorted per row
+        scores = selection.scores.float()
+        state.trace.stages.append(
+            StageTrace(
+                layer=index,
+                kept=[current[b, k].sort().values for b, k in enumerate(kept_visual)],
+                scores=[scores[b][visual[b]].detach().cpu() for b in range(len(kept_visual))],
+                candidates=[current[b][visual[b]] for b in range(len(kept_visual))],
+            )
+        )
+        return local
+
+
+def _top_visual(scores: torch.Tensor, visual: torch.Tensor, counts: torch.Tensor) -> list:
+    """Per row, the ``counts[b]`` highest-scoring visual indices (ragged rows)."""
+    ranked = scores.float().masked_fill(~visual, float("-inf"))
+    return [ranked[b].topk(int(counts[b])).indices.sort().values for b in range(scores.shape[0])]

@@ -1,0 +1,112 @@
+"""``wrap()``: one call that makes an unmodified HF VLM prune its visual tokens, and its undo."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from ._engine import FocusEngine
+from .config import FocusConfig
+from .model_adapters import get_adapter
+from .pruners import get_pruner
+from .trace import FocusTrace
+
+_HANDLE_ATTR = "_vlm_focus_handle"
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(FocusConfig)} - {"options"}
+
+
+class FocusHandle:
+    """Returned by :func:`wrap`. ``remove()`` (or leaving a ``with`` block) takes every hook off
+    the model, after which it computes exactly what it did before wrapping."""
+
+    def __init__(self, model: nn.Module, engine: FocusEngine) -> None:
+        self.model = model
+        self.config = engine.config
+        self._engine: FocusEngine | None = engine
+
+    @property
+    def last_trace(self) -> FocusTrace | None:
+        """What the last prefill with images did (``None`` before the first one)."""
+        return self._engine.last_trace if self._engine is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self._engine is not None
+
+    def remove(self) -> None:
+        """Remove all hooks. Idempotent."""
+        if self._engine is None:
+            return
+        self._engine.detach()
+        self._engine = None
+        if getattr(self.model, _HANDLE_ATTR, None) is self:
+            delattr(self.model, _HANDLE_ATTR)
+
+    def __enter__(self) -> FocusHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"FocusHandle({type(self.model).__name__}, {self.config}, {state})"
+
+
+def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) -> FocusHandle:
+    """Prune visual tokens inside ``model``'s language model; returns a :class:`FocusHandle`.
+
+    ``options`` are :class:`FocusConfig` fields (``pruner``, ``keep``, ``layer``, ``query``,
+    ``reduce``) and the chosen pruner's own options. The model object is patched in place with
+    instance hooks only. Wrapping an already wrapped model raises ``ValueError``: call
+    ``handle.remove()`` first.
+
+    Example::
+
+        handle = vf.wrap(model, pruner="fastv", keep=0.25, layer=2)
+        out = model.generate(**inputs, max_new_tokens=32)
+        handle.last_trace.kept, handle.remove()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap() expects a transformers model (nn.Module), got {type(model)}")
+    adapter = get_adapter(model)
+    if config is not None and not isinstance(config, FocusConfig):
+        raise TypeError(f"config must be a FocusConfig, got {type(config).__name__}")
+    if getattr(model, _HANDLE_ATTR, None) is not None:
+        raise ValueError(
+            "this model is already wrapped; call handle.remove() before wrapping again"
+        )
+    config = _build_config(config, options)
+    pruner_cls = get_pruner(config.pruner)
+    try:
+        pruner_options = pruner_cls.Options(**config.options)
+    except TypeError as err:
+        allowed = sorted(_CONFIG_FIELDS | set(pruner_cls.option_names()))
+        raise ValueError(
+            f"unknown option for pruner '{config.pruner}': {sorted(config.options)}; "
+            f"allowed: {', '.join(allowed)}"
+        ) from err
+    n_layers = len(adapter.decoder_layers(model))
+    for layer, _ in config.stages:
+        if layer >= n_layers:
+            raise ValueError(
+                f"layer={layer} is out of range: this model has layers [0, {n_layers})"
+            )
+    engine = FocusEngine(model, adapter, config, pruner_cls(config, pruner_options))
+    engine.attach()
+    handle = FocusHandle(model, engine)
+    setattr(model, _HANDLE_ATTR, handle)
+    return handle
+
+
+def _build_config(config: FocusConfig | None, options: dict[str, Any]) -> FocusConfig:
+    base = dataclasses.asdict(config) if config is not None else {}
+    extra = dict(base.pop("options", {}) or {})
+    for key, value in options.items():
+        if key in _CONFIG_FIELDS:
+            base[key] = value
+        else:
+            extra[key] = value
+    return FocusConfig(**base, options=extra)

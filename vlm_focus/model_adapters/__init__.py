@@ -1,0 +1,50 @@
+"""Model adapters: one per ``config.model_type``, kept as data in a registry.
+
+Third parties add support for another VLM with :func:`register_adapter`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import ImageLayout, ModelAdapter
+from .llava import LLAVA
+from .llava_next import LLAVA_NEXT
+from .qwen2_vl import QWEN2_5_VL, QWEN2_VL
+
+__all__ = ["ImageLayout", "ModelAdapter", "get_adapter", "register_adapter", "supported_models"]
+
+_ADAPTERS: dict[str, ModelAdapter] = {}
+
+
+def register_adapter(adapter: ModelAdapter, *, replace: bool = False) -> None:
+    """Register ``adapter`` for its ``model_type``. Re-registering a type needs ``replace=True``."""
+    if not isinstance(adapter, ModelAdapter):
+        raise TypeError(f"expected a ModelAdapter, got {type(adapter).__name__}")
+    name = adapter.model_type
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"adapter model_type must be a non-empty string, got {name!r}")
+    if name in _ADAPTERS and not replace:
+        raise ValueError(f"an adapter for '{name}' is already registered (pass replace=True)")
+    _ADAPTERS[name] = adapter
+
+
+def supported_models() -> list[str]:
+    """The model types with a registered adapter."""
+    return sorted(_ADAPTERS)
+
+
+def get_adapter(model: nn.Module) -> ModelAdapter:
+    """The adapter for ``model.config.model_type``; ``ValueError`` listing the supported ones."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _ADAPTERS:
+        raise ValueError(
+            f"unsupported model type {model_type!r} ({type(model).__name__}); supported: "
+            f"{', '.join(supported_models())}. Register one with vlm_focus.register_adapter()."
+        )
+    return _ADAPTERS[model_type]
+
+
+for _adapter in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL):
+    register_adapter(_adapter)

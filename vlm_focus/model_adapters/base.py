@@ -1,0 +1,138 @@
+"""What the pruning machinery needs to know about one VLM family, declared as data.
+
+An adapter names where the decoder stack lives, which token ids mark visual tokens, whether RoPE is
+1-D or multimodal (M-RoPE), and how to lay each image's tokens out on its 2-D grid. It never
+copies model code: the layout functions read ``input_ids``, the config and the processor outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ImageLayout:
+    """Where one image (or video) sits in one batch row.
+
+    ``positions[i]`` is the sequence position of the image's i-th visual token and ``cells[i]`` its
+    ``(view, row, col)``: view 0 is the base image (or the first video frame), view 1 an anyres
+    high-resolution composite or the next frame. Tokens with no grid cell (LLaVA-NeXT row
+    newlines, a CLS token) have ``row = col = -1``. ``grids[v]`` is ``(rows, cols)`` of view ``v``.
+    """
+
+    positions: torch.Tensor  # [n] int64, ascending
+    cells: torch.Tensor  # [n, 3] int64: view, row, col
+    grids: list[tuple[int, int]]
+    kind: str = "image"  # "image" or "video"
+    image_size: tuple[int, int] | None = None  # (height, width) in pixels when known
+
+    def __post_init__(self) -> None:
+        if self.positions.shape[0] != self.cells.shape[0]:
+            raise ValueError("positions and cells must describe the same number of tokens")
+
+
+LayoutFn = Callable[[nn.Module, torch.Tensor, Mapping[str, Any]], list[list[ImageLayout]]]
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """Declarative description of one ``config.model_type``.
+
+    Attributes:
+        model_type: the ``config.model_type`` this adapter serves.
+        language_model: dotted path from the wrapped model to the text decoder (``.layers`` and
+            ``.rotary_emb`` hang under it).
+        layers, attention, input_norm, rotary: attribute names inside the decoder.
+        image_token_attrs / video_token_attrs: config attributes holding the token ids, first
+            one present wins.
+        rope: ``"1d"`` or ``"mrope"``; with M-RoPE the model folds 3-D positions into cos/sin
+            itself, so pruning only has to keep each kept token's original cos/sin.
+        layout: ``layout(model, input_ids, inputs) -> [[ImageLayout per image] per row]``.
+        required_with_images: forward inputs that must accompany images (clear error if absent).
+        layout_inputs: image inputs the layout needs (``image_sizes``, ``image_grid_thw``).
+            ``generate()`` encodes images before prefill and drops these from the forward call,
+            so the engine records them from the model's ``encoders`` methods.
+    """
+
+    model_type: str
+    layout: LayoutFn
+    language_model: str = "model.language_model"
+    layers: str = "layers"
+    attention: str = "self_attn"
+    input_norm: str = "input_layernorm"
+    rotary: str = "rotary_emb"
+    rope: str = "1d"
+    image_token_attrs: tuple[str, ...] = ("image_token_id", "image_token_index")
+    video_token_attrs: tuple[str, ...] = ()
+    pixel_inputs: tuple[str, ...] = ("pixel_values",)
+    required_with_images: tuple[str, ...] = ()
+    #: inputs the layout reads; generate() hands them to the image encoder, not to forward.
+    layout_inputs: tuple[str, ...] = ()
+    encoders: tuple[str, ...] = ("get_image_features",)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # --- resolution helpers -------------------------------------------------------------------
+    def decoder(self, model: nn.Module) -> nn.Module:
+        """The text decoder module (owner of ``layers`` and ``rotary_emb``)."""
+        module = model
+        for part in self.language_model.split("."):
+            if not hasattr(module, part):
+                raise ValueError(
+                    f"{type(model).__name__} has no '{self.language_model}' for model_type "
+                    f"'{self.model_type}': pass the *ForConditionalGeneration model"
+                )
+            module = getattr(module, part)
+        return module
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return getattr(self.decoder(model), self.layers)
+
+    def token_ids(self, model: nn.Module) -> tuple[int | None, int | None]:
+        """(image token id, video token id or None)."""
+        config = model.config
+        image = next(
+            (getattr(config, a) for a in self.image_token_attrs if hasattr(config, a)), None
+        )
+        video = next(
+            (getattr(config, a) for a in self.video_token_attrs if hasattr(config, a)), None
+        )
+        if image is None:
+            raise ValueError(f"config of '{self.model_type}' has none of {self.image_token_attrs}")
+        return image, video
+
+    def visual_mask(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` bool: which positions hold visual tokens."""
+        image, video = self.token_ids(model)
+        mask = input_ids == image
+        if video is not None:
+            mask |= input_ids == video
+        return mask
+
+
+def runs(positions: torch.Tensor) -> list[torch.Tensor]:
+    """Split ascending positions into maximal runs of consecutive integers."""
+    if positions.numel() == 0:
+        return []
+    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    return list(torch.tensor_split(positions, breaks.tolist()))
+
+
+def grid_cells(rows: int, cols: int, view: int = 0) -> torch.Tensor:
+    """``[rows*cols, 3]`` cells of a row-major grid."""
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    return torch.stack([torch.full_like(r, view), r, c], dim=-1).reshape(-1, 3)
+
+
+def chunk_positions(row_positions: torch.Tensor, sizes: list[int], what: str) -> list[torch.Tensor]:
+    """Split one row's visual positions into consecutive chunks of the given sizes."""
+    if sum(sizes) != row_positions.numel():
+        raise ValueError(
+            f"{what}: the prompt holds {row_positions.numel()} visual tokens but the images "
+            f"need {sum(sizes)} ({sizes}); input_ids and the image inputs disagree"
+        )
+    return list(torch.split(row_positions, sizes))

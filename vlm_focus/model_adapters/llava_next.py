@@ -1,0 +1,83 @@
+"""LLaVA-NeXT (``llava_next``): a base grid, then the anyres crops stitched into one grid,
+unpadded to the image's aspect ratio, with one newline token closing each of its rows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.llava_next.modeling_llava_next import (
+    get_anyres_image_grid_shape,
+    unpad_image,
+)
+
+from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
+
+
+def _image_cells(model: nn.Module, image_size: list[int], anyres: bool):
+    """Cells of one image's tokens: base grid, then the unpadded hi-res grid plus newlines."""
+    config = model.config
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    base = grid_cells(side, side, view=0)
+    if not anyres:  # a single crop: the base grid and one trailing newline
+        return torch.cat([base, torch.tensor([[0, -1, -1]])]), [(side, side)]
+    crops_h, crops_w = get_anyres_image_grid_shape(
+        image_size, config.image_grid_pinpoints, config.vision_config.image_size
+    )
+    rows, cols = torch.meshgrid(
+        torch.arange(crops_h * side), torch.arange(crops_w * side), indexing="ij"
+    )
+    # Unpad a grid of coordinates exactly as the model unpads features, so cells match tokens.
+    kept = unpad_image(torch.stack([rows, cols]), image_size)  # [2, h, w]
+    h, w = kept.shape[1:]
+    kept = kept - kept.amin(dim=(1, 2), keepdim=True)  # address the [h, w] unpadded grid from 0
+    hires = torch.stack([torch.ones_like(kept[0]), kept[0], kept[1]], dim=-1)  # [h, w, 3]
+    newline = torch.tensor([1, -1, -1]).expand(h, 1, 3)
+    hires = torch.cat([hires, newline], dim=1).reshape(-1, 3)
+    return torch.cat([base, hires]), [(side, side), (h, w)]
+
+
+def llava_next_layout(
+    model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any]
+) -> list[list[ImageLayout]]:
+    image_sizes = inputs.get("image_sizes")
+    if image_sizes is None:
+        raise ValueError("llava_next needs `image_sizes` (from the processor) with pixel_values")
+    sizes = [list(map(int, s)) for s in torch.as_tensor(image_sizes).tolist()]
+    visual = LLAVA_NEXT.visual_mask(model, input_ids)
+    per_row = _images_per_row(visual, len(sizes))
+    layouts: list[list[ImageLayout]] = []
+    first = 0
+    for b in range(input_ids.shape[0]):
+        positions = torch.nonzero(visual[b]).flatten().cpu()
+        row_sizes = sizes[first : first + per_row[b]]
+        first += per_row[b]
+        cells = [_image_cells(model, s, anyres=True) for s in row_sizes]
+        if sum(c.shape[0] for c, _ in cells) != positions.numel():
+            cells = [_image_cells(model, s, anyres=False) for s in row_sizes]
+        chunks = chunk_positions(positions, [c.shape[0] for c, _ in cells], f"row {b}")
+        layouts.append(
+            [
+                ImageLayout(p, c, grids, image_size=(s[0], s[1]))
+                for p, (c, grids), s in zip(chunks, cells, row_sizes, strict=True)
+            ]
+        )
+    return layouts
+
+
+def _images_per_row(visual: torch.Tensor, n_images: int) -> list[int]:
+    """Images per row, counted as runs of image tokens (the processor puts text between images)."""
+    v = visual.int()
+    counts = (((v[:, 1:] - v[:, :-1]) == 1).sum(-1) + v[:, 0]).tolist()
+    if sum(counts) != n_images:
+        raise ValueError(
+            f"found {sum(counts)} runs of image tokens but image_sizes lists {n_images} images"
+        )
+    return counts
+
+
+LLAVA_NEXT = ModelAdapter(
+    model_type="llava_next", layout=llava_next_layout, layout_inputs=("image_sizes",)
+)

@@ -1,0 +1,78 @@
+"""Qwen2-VL and Qwen2.5-VL: ``t*h*w / merge^2`` tokens per image or video between
+``<vision_start>`` and ``<vision_end>``, laid out on the merged ``image_grid_thw`` grid; M-RoPE."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, runs
+
+
+def _grid_layouts(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, list, torch.Tensor]]:
+    """(token count, grids, cells) per image/video; each temporal slice is one view."""
+    out = []
+    for t, h, w in torch.as_tensor(grid_thw).tolist():
+        rows, cols = h // merge, w // merge
+        cells = torch.cat([grid_cells(rows, cols, view=i) for i in range(t)])
+        out.append((t * rows * cols, [(rows, cols)] * t, cells))
+    return out
+
+
+def qwen_layout(
+    model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any]
+) -> list[list[ImageLayout]]:
+    adapter = QWEN2_VL
+    image_id, video_id = adapter.token_ids(model)
+    merge = model.config.vision_config.spatial_merge_size
+    items = {
+        "image": iter(_grid_layouts(inputs.get("image_grid_thw", torch.zeros(0, 3)), merge)),
+        "video": iter(_grid_layouts(inputs.get("video_grid_thw", torch.zeros(0, 3)), merge)),
+    }
+    layouts: list[list[ImageLayout]] = []
+    for b in range(input_ids.shape[0]):
+        row = input_ids[b].cpu()
+        visual = torch.nonzero((row == image_id) | (row == video_id)).flatten()
+        row_layouts = []
+        for span in runs(visual):
+            kind = "image" if row[span[0]] == image_id else "video"
+            remaining = span
+            while remaining.numel():  # adjacent images form one run: consume grid by grid
+                grid = next(items[kind], None)
+                if grid is None:
+                    raise ValueError(
+                        f"row {b}: more {kind} tokens than {kind}_grid_thw describes; "
+                        "pass the processor's image_grid_thw / video_grid_thw"
+                    )
+                n, grids, cells = grid
+                chunk, *_ = chunk_positions(remaining[:n], [n], f"row {b} {kind}")
+                row_layouts.append(ImageLayout(chunk, cells, grids, kind=kind))
+                remaining = remaining[n:]
+        layouts.append(row_layouts)
+    return layouts
+
+
+QWEN2_VL = ModelAdapter(
+    model_type="qwen2_vl",
+    layout=qwen_layout,
+    rope="mrope",
+    video_token_attrs=("video_token_id",),
+    pixel_inputs=("pixel_values", "pixel_values_videos"),
+    # Without it Qwen2-VL raises and Qwen2.5-VL silently falls back to 1-D positions.
+    required_with_images=("mm_token_type_ids",),
+    layout_inputs=("image_grid_thw", "video_grid_thw"),
+    encoders=("get_image_features", "get_video_features"),
+)
+QWEN2_5_VL = ModelAdapter(
+    model_type="qwen2_5_vl",
+    layout=qwen_layout,
+    rope="mrope",
+    video_token_attrs=("video_token_id",),
+    pixel_inputs=("pixel_values", "pixel_values_videos"),
+    required_with_images=("mm_token_type_ids",),
+    layout_inputs=("image_grid_thw", "video_grid_thw"),
+    encoders=("get_image_features", "get_video_features"),
+)

@@ -1,0 +1,168 @@
+"""The pruner interface and the per-stage context a pruner scores from.
+
+A pruner sees one :class:`StageContext` per pruning stage and returns a :class:`Selection`:
+a score per token of the current sequence (higher is kept; only visual tokens are candidates).
+The engine turns scores into kept sets, so every pruner gets batching, padding, ragged visual
+counts and multi-stage schedules for free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..kernels import score_and_select
+
+if TYPE_CHECKING:
+    from ..config import FocusConfig
+    from ..model_adapters import ImageLayout, ModelAdapter
+
+
+@dataclass
+class NoOptions:
+    """A pruner without options of its own."""
+
+
+@dataclass
+class Selection:
+    """``scores [B, S]`` over the current sequence (non-visual entries are ignored) and,
+    optionally, ``kept [B, n_keep]`` local indices when the pruner already selected them."""
+
+    scores: torch.Tensor
+    kept: torch.Tensor | None = None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the decoder applies it: ``x * cos + rotate_half(x) * sin``; M-RoPE arrives
+    already folded into ``cos``/``sin`` (``[B, T, D]``), so one formula serves both."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class StageContext:
+    """Everything a pruner may read at one stage, for the CURRENT (possibly already pruned) rows.
+
+    Attributes:
+        layer_index: the decoder layer whose input is being pruned.
+        hidden: ``[B, S, D]`` that layer's input hidden states.
+        cos, sin: ``[B, S, head_dim]`` rotary tables of the current tokens.
+        positions: ``[B, S]`` original sequence position of each current token.
+        visual: ``[B, S]`` bool, current visual tokens (the candidates).
+        valid: ``[B, S]`` bool, False on padding.
+        layout: per row, the images' :class:`ImageLayout` in original positions.
+        inputs: the prefill's forward inputs (``pixel_values``, grids, ...), for pre-LLM sources.
+    """
+
+    model: nn.Module
+    adapter: ModelAdapter
+    config: FocusConfig
+    layer_index: int
+    stage_index: int
+    decoder_layer: nn.Module
+    hidden: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    visual: torch.Tensor
+    valid: torch.Tensor
+    layout: list[list[ImageLayout]]
+    inputs: dict[str, Any]
+
+    @property
+    def attention(self) -> nn.Module:
+        return getattr(self.decoder_layer, self.adapter.attention)
+
+    def query_rows(self, query: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local indices ``[B, Tq]`` of the scoring rows and their weights ``[B, Tq]``.
+
+        ``last``: the final prompt token. ``text``: every valid token after the row's last
+        visual token, equally weighted (rows with fewer such tokens get zero-weight filler).
+        """
+        query = query or self.config.query
+        batch, seq = self.visual.shape
+        if query == "last":
+            rows = torch.full((batch, 1), seq - 1, device=self.hidden.device)
+            return rows, torch.ones(batch, 1, device=self.hidden.device)
+        index = torch.arange(seq, device=self.hidden.device).expand(batch, seq)
+        last_visual = torch.where(self.visual, index, -1).amax(dim=1, keepdim=True)  # [B, 1]
+        is_text = self.valid & (index > last_visual)
+        n_text = is_text.sum(1)
+        tq = int(n_text.max())
+        rows = torch.arange(seq - tq, seq, device=self.hidden.device).expand(batch, tq)
+        selected = is_text.gather(1, rows)
+        weights = selected.float() / n_text.clamp(min=1)[:, None]
+        return rows, weights
+
+    def query_key(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[B, H, Tq, D]`` for the given rows and k ``[B, Hkv, S, D]``, after RoPE, computed
+        with this layer's own norm and projections (never the full ``S x S`` attention)."""
+        attn = self.attention
+        norm = getattr(self.decoder_layer, self.adapter.input_norm)
+        head_dim = attn.head_dim
+        batch, seq, width = self.hidden.shape
+        normed = norm(self.hidden)  # [B, S, D]
+        q_in = normed.gather(1, rows[..., None].expand(-1, -1, width))  # [B, Tq, D]
+        q = attn.q_proj(q_in).view(batch, rows.shape[1], -1, head_dim).transpose(1, 2)
+        k = attn.k_proj(normed).view(batch, seq, -1, head_dim).transpose(1, 2)
+        index = rows[..., None].expand(-1, -1, self.cos.shape[-1])
+        q = apply_rope(q, self.cos.gather(1, index), self.sin.gather(1, index))
+        k = apply_rope(k, self.cos, self.sin)
+        return q, k
+
+    def attention_scores(
+        self,
+        n_keep: int,
+        *,
+        query: str | None = None,
+        reduce: str | None = None,
+        query_weights: torch.Tensor | None = None,
+        debias: torch.Tensor | None = None,
+    ) -> Selection:
+        """Attention mass from the query rows to each visual token, via the kernel dispatch."""
+        rows, weights = self.query_rows(query)
+        if query_weights is not None:
+            weights = query_weights
+        q, k = self.query_key(rows)
+        scores, kept = score_and_select(
+            q,
+            k,
+            self.visual,
+            n_keep,
+            scaling=self.attention.scaling,
+            key_mask=self.valid,
+            query_pos=rows,
+            query_weights=weights,
+            reduce=reduce or self.config.reduce,
+            debias=debias,
+        )
+        return Selection(scores=scores, kept=kept)
+
+
+class Pruner:
+    """Base class. Subclasses set ``name`` and ``Options`` (a dataclass checked in
+    ``__post_init__``) and implement :meth:`select`."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    #: One line for the README table: what the pruner scores.
+    summary: ClassVar[str] = ""
+
+    def __init__(self, config: FocusConfig, options: Any) -> None:
+        self.config = config
+        self.options = options
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls.Options)]
+
+    def select(self, ctx: StageContext, n_keep: int) -> Selection:
+        raise NotImplementedError
