@@ -19,8 +19,6 @@ drop), so all rows keep one common length and no row keeps fewer tokens than ``k
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 import weakref
 from collections.abc import Callable
@@ -31,6 +29,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from ._encoder_inputs import EncoderInputs
 from .config import FocusConfig, keep_count
 from .model_adapters import ImageLayout, ModelAdapter
 from .pruners import Pruner, StageContext
@@ -127,8 +126,7 @@ class FocusEngine:
         self.state: _Prefill | None = None
         self.last_trace: FocusTrace | None = None
         self._hooks: list[Any] = []
-        self._recorded: dict[str, Any] = {}
-        self._patched: list[tuple[Any, str]] = []
+        self._encoder_inputs: EncoderInputs | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -145,38 +143,16 @@ class FocusEngine:
                 )
             )
 
-        self._record_encoder_inputs()
+        self._encoder_inputs = EncoderInputs(self.model, self.adapter)
 
     def detach(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        for owner, name in self._patched:
-            owner.__dict__.pop(name, None)  # drop the instance attribute: the method is back
-        self._patched.clear()
+        if self._encoder_inputs is not None:
+            self._encoder_inputs.close()  # the encoder methods are back
+            self._encoder_inputs = None
         self.state = None
-
-    def _record_encoder_inputs(self) -> None:
-        """``generate()`` runs the image encoder before prefill and then drops ``image_sizes`` /
-        ``image_grid_thw`` from the forward call; record them on the way into the encoder."""
-        if not self.adapter.layout_inputs:
-            return
-        owner = getattr(self.model, "base_model", self.model)
-        for name in self.adapter.encoders:
-            method = getattr(owner, name, None)
-            if method is None:
-                continue
-            signature = inspect.signature(method)
-
-            def recording(*args, _method=method, _signature=signature, **kwargs):
-                bound = _signature.bind_partial(*args, **kwargs).arguments
-                for key in self.adapter.layout_inputs:
-                    if bound.get(key) is not None:
-                        self._recorded[key] = bound[key]
-                return _method(*args, **kwargs)
-
-            owner.__dict__[name] = functools.wraps(method)(recording)
-            self._patched.append((owner, name))
 
     # --- top-level hook: one layout per prefill -----------------------------------------------
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -234,8 +210,8 @@ class FocusEngine:
             else torch.ones_like(input_ids, dtype=torch.bool)
         )
         visual = visual & valid
-        layout_inputs = {**self._recorded, **{k: v for k, v in kwargs.items() if v is not None}}
-        self._recorded.clear()
+        recorded = self._encoder_inputs.take() if self._encoder_inputs is not None else {}
+        layout_inputs = {**recorded, **{k: v for k, v in kwargs.items() if v is not None}}
         layout = self.adapter.layout(self.model, input_ids, layout_inputs)
         n_visual = visual.sum(1).tolist()
         drops, remaining = [], list(n_visual)
