@@ -1,0 +1,68 @@
+"""`vlm-focus organism train|eval|scenes`: retrain, re-measure and export the organism models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vlm-focus organism", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train one organism model from scratch")
+    t.add_argument("--model", choices=["default", "guide", "tiny"], default="default")
+    t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
+    t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=2)
+    e = sub.add_parser("eval", help="measure a model on the held-out set")
+    e.add_argument(
+        "--path", type=Path, default=None, help="model folder (default: shipped default)"
+    )
+    e.add_argument("--out", type=Path, default=None, help="write metrics json here")
+    e.add_argument("--images", type=int, default=500, help="held-out images for POPE")
+    e.add_argument("--only", nargs="*", default=None, help="subset of measurements to run")
+    e.add_argument("--threads", type=int, default=2)
+    s = sub.add_parser("scenes", help="write held-out scenes as PNG + COCO json + POPE files")
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--n", type=int, default=500)
+    s.add_argument("--no-images", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns a process exit code."""
+    args = _parser().parse_args(argv)
+    import torch
+
+    if args.command == "train":
+        from .train import default_recipe, train
+
+        torch.set_num_threads(args.threads)
+        recipe = default_recipe(args.model, scale=args.scale)
+        recipe.seed = args.seed
+        summary = train(recipe, args.out)
+        print(json.dumps({"minutes_total": summary["minutes_total"]}))
+        return 0
+    if args.command == "eval":
+        from . import default_model_path
+        from .evaluate import evaluate
+
+        torch.set_num_threads(args.threads)
+        metrics = evaluate(args.path or default_model_path(), n_images=args.images, only=args.only)
+        text = json.dumps(metrics, indent=1)
+        if args.out:
+            args.out.write_text(text)
+        print(text)
+        return 0
+    if args.command == "scenes":
+        from .pope import write_heldout
+
+        write_heldout(args.out, n=args.n, images=not args.no_images)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

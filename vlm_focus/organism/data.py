@@ -1,0 +1,229 @@
+"""Training batches for the organism VLMs: dense patch labels and question/answer sequences.
+
+Two text formats are used, as in the curriculum of ORGANISM training:
+- `cat_last`: several questions packed after the image, each answer right after the last category
+  token (`... is there a red_circle yes is the red_circle left of the blue_square no ...`);
+- `chat`: the standard chat template, one to several turns
+  (`USER: <image>\\nIs there a red_circle in the image? ASSISTANT: yes<eos>USER: ...`).
+Ids are built directly from VOCAB; a test checks they equal the saved processor's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .scenes import (
+    CATEGORIES,
+    COLOURS,
+    COMPANIONS,
+    RELATIONS,
+    SHAPES,
+    Scene,
+    caption,
+    generate_scene,
+    relation_holds,
+)
+from .vocab import (
+    BOS,
+    CAPTION_PROMPT,
+    CLIP_MEAN,
+    CLIP_STD,
+    EOS,
+    IMAGE,
+    PAD,
+    POPE_SUFFIX,
+    encode,
+    presence_question,
+    relation_question,
+)
+
+IGNORE = -100
+TRAIN_SEED_BASE = 10_000_000  # training scenes; held-out and probe scenes use seeds below
+_MEAN = np.asarray(CLIP_MEAN, dtype=np.float32)
+_STD = np.asarray(CLIP_STD, dtype=np.float32)
+
+
+def pixel_values(scenes: list[Scene]) -> torch.Tensor:
+    """CLIP-normalised pixels `[B, 3, H, W]`, equal to the processor's output for these images."""
+    arr = np.stack([s.image() for s in scenes]).astype(np.float32) / 255.0
+    return torch.from_numpy(((arr - _MEAN) / _STD).transpose(0, 3, 1, 2).copy())
+
+
+def patch_labels(scene: Scene, patch: int) -> np.ndarray:
+    """Per-patch category label `[g*g]`: 0 background, c+1 object, IGNORE for partial cover.
+
+    A patch belongs to an object when the object's exact mask covers >= 30% of it, to the
+    background when no object covers more than 5%, and is ignored in between.
+    """
+    g = scene.size // patch
+    cover = np.zeros((len(scene.objects) + 1, g, g), dtype=np.float32)
+    for i, o in enumerate(scene.objects):
+        cover[i + 1] = o.mask(scene.size).reshape(g, patch, g, patch).mean(axis=(1, 3))
+    best = cover.argmax(0)
+    frac = cover.max(0)
+    cats = np.asarray([0] + [o.category + 1 for o in scene.objects])
+    label = np.where(frac >= 0.3, cats[best], IGNORE)
+    label = np.where(frac <= 0.05, 0, label)
+    return label.reshape(-1)
+
+
+def negative_category(scene: Scene, rng: np.random.Generator) -> int:
+    """An absent category: 1/3 hard (shares colour or shape), 1/3 companion, 1/3 random."""
+    present = set(scene.categories)
+    absent = [c for c in range(len(CATEGORIES)) if c not in present]
+    kind = rng.integers(3)
+    if kind == 0:
+        n_shapes = len(SHAPES)
+        hard = [
+            c
+            for c in absent
+            if any(c // n_shapes == p // n_shapes or c % n_shapes == p % n_shapes for p in present)
+        ]
+        if hard:
+            return int(rng.choice(hard))
+    if kind == 1:
+        comp = [int(c) for p in present for c in COMPANIONS[p] if c not in present]
+        if comp:
+            return int(rng.choice(comp))
+    return int(rng.choice(absent))
+
+
+@dataclass
+class QA:
+    """One question with its answer text and a kind tag (presence, relation, caption)."""
+
+    kind: str
+    question: str
+    answer: str
+    short: list[int]  # cat_last form of the question (ids), for the packed curriculum
+
+
+def presence_qa(scene: Scene, rng: np.random.Generator, positive: bool | None = None) -> QA:
+    if positive is None:
+        positive = bool(rng.random() < 0.5)
+    cat = int(rng.choice(scene.categories)) if positive else negative_category(scene, rng)
+    name = CATEGORIES[cat]
+    question = presence_question(name)
+    if rng.random() < 0.5:
+        question += POPE_SUFFIX
+    return QA("presence", question, "yes" if positive else "no", encode(f"is there a {name}"))
+
+
+def relation_qa(scene: Scene, rng: np.random.Generator) -> QA | None:
+    """A left/right/above/below question about two present objects, or None if none is clear."""
+    if len(scene.objects) < 2:
+        return None
+    for _ in range(10):
+        i, j = rng.choice(len(scene.objects), 2, replace=False)
+        a, b = scene.objects[i], scene.objects[j]
+        rel = str(rng.choice(RELATIONS))
+        truth = relation_holds(a, b, rel)
+        if truth is not None:
+            q = relation_question(a.name, rel, b.name)
+            short = encode(q.rstrip("?"))
+            return QA("relation", q, "yes" if truth else "no", short)
+    return None
+
+
+def caption_qa(scene: Scene) -> QA:
+    return QA("caption", CAPTION_PROMPT, caption(scene), [])
+
+
+def sample_qas(scene: Scene, rng: np.random.Generator, mix: dict[str, float], n: int) -> list[QA]:
+    """n question/answer pairs drawn by kind weights `mix` (captions at most once)."""
+    kinds = list(mix)
+    p = np.asarray([mix[k] for k in kinds], dtype=np.float64)
+    out: list[QA] = []
+    for _ in range(n):
+        kind = kinds[int(rng.choice(len(kinds), p=p / p.sum()))]
+        qa = None
+        if kind == "relation":
+            qa = relation_qa(scene, rng)
+        elif kind == "caption" and not any(q.kind == "caption" for q in out):
+            qa = caption_qa(scene)
+        if qa is None:
+            qa = presence_qa(scene, rng)
+        out.append(qa)
+    return out
+
+
+def cat_last_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
+    """Packed category-last sequence and labels (loss on each answer token only)."""
+    ids = [BOS, *encode("USER:"), *([IMAGE] * n_visual)]
+    labels = [IGNORE] * len(ids)
+    for qa in qas:
+        ids += qa.short
+        labels += [IGNORE] * len(qa.short)
+        ans = encode(qa.answer)
+        ids += ans
+        labels += ans
+    return ids, labels
+
+
+def chat_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
+    """Chat-template sequence and labels (loss on answer tokens and their <eos>)."""
+    ids = [BOS]
+    labels = [IGNORE]
+    for t, qa in enumerate(qas):
+        prompt = encode("USER:") + ([IMAGE] * n_visual if t == 0 else [])
+        prompt += encode(qa.question) + encode("ASSISTANT:")
+        ans = encode(qa.answer) + [EOS]
+        ids += prompt + ans
+        labels += [IGNORE] * len(prompt) + ans
+    return ids, labels
+
+
+def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
+
+
+class Batcher:
+    """Endless stream of training batches from scenes with seeds >= TRAIN_SEED_BASE."""
+
+    def __init__(self, n_visual: int, patch: int, seed: int = 0) -> None:
+        self.n_visual = n_visual
+        self.patch = patch
+        self.rng = np.random.default_rng(seed)
+
+    def scenes(self, batch: int, min_objects: int = 1) -> list[Scene]:
+        out = []
+        while len(out) < batch:
+            s = generate_scene(int(self.rng.integers(TRAIN_SEED_BASE, 2**31)))
+            if len(s.objects) >= min_objects:
+                out.append(s)
+        return out
+
+    def dense(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, patch labels `[B, g*g]`)."""
+        scenes = self.scenes(batch)
+        labels = torch.from_numpy(np.stack([patch_labels(s, self.patch) for s in scenes]))
+        return pixel_values(scenes), labels.long()
+
+    def text(self, batch: int, form: str, mix: dict[str, float], turns: tuple[int, int]) -> dict:
+        """A batch of sequences in `form` ('cat_last' or 'chat') with `turns` = (min, max) QAs."""
+        scenes = self.scenes(batch)
+        build = cat_last_ids if form == "cat_last" else chat_ids
+        ids, labels = [], []
+        for s in scenes:
+            n = int(self.rng.integers(turns[0], turns[1] + 1))
+            qas = sample_qas(s, self.rng, mix, n)
+            if form == "cat_last":
+                qas = [q for q in qas if q.kind != "caption"] or [presence_qa(s, self.rng)]
+            i, lab = build(qas, self.n_visual)
+            ids.append(i)
+            labels.append(lab)
+        input_ids = pad(ids, PAD)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": (input_ids != PAD).long(),
+            "labels": pad(labels, IGNORE),
+            "pixel_values": pixel_values(scenes),
+        }
+
+
+def colour_of(category: int) -> str:
+    return list(COLOURS)[category // len(SHAPES)]

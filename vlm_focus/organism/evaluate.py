@@ -1,0 +1,331 @@
+"""Held-out measurements of an organism model (greedy decoding, standard chat template).
+
+- POPE yes/no on the three splits (accuracy, precision, recall, F1, predicted yes-ratio);
+- relation questions ("Is the A left of the B?") accuracy;
+- captions: object precision (1 - CHAIR_i), recall, CHAIR_s, position accuracy;
+- grounding: pointing game of attention at the query's category token, per layer (head mean and
+  the best head chosen on the other half of the images), against the other objects and chance;
+- logit lens: per layer, the yes/no answer read from the last prompt position (where it forms);
+- pruning through `vlm_focus.wrap`: attention-scored (fastv) against random at keep 0.11;
+- latency of loading the model and answering one question.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .pope import SPLITS, parse_yes_no, pope_eligible, pope_metrics, pope_questions
+from .scenes import CATEGORIES, POSITIONS, Scene, heldout_scenes
+from .vocab import CAPTION_PROMPT, IMAGE, NO, TOKEN_ID, YES
+
+QUESTION_SEED = 777
+
+
+def load(path: Path, attn: str = "sdpa"):
+    """(model, processor) from a model folder, offline, in float32 eval mode."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn
+    )
+    return model.eval(), AutoProcessor.from_pretrained(path)
+
+
+def _inputs(processor, scenes: list[Scene], questions: list[str]) -> dict:
+    prompts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+            add_generation_prompt=True,
+        )
+        for q in questions
+    ]
+    images = [Image.fromarray(s.image()) for s in scenes]
+    return processor(images=images, text=prompts, padding=True, return_tensors="pt")
+
+
+@torch.no_grad()
+def answer(model, processor, scenes, questions, max_new_tokens=2, batch=32) -> list[str]:
+    """Greedy answers to (scene, question) pairs, decoded without special tokens."""
+    out: list[str] = []
+    for i in range(0, len(questions), batch):
+        inputs = _inputs(processor, scenes[i : i + batch], questions[i : i + batch])
+        gen = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        new = gen[:, inputs["input_ids"].shape[1] :]
+        out += processor.batch_decode(new, skip_special_tokens=True)
+    return [o.strip() for o in out]
+
+
+def relation_set(n: int) -> tuple[list[Scene], list[str], list[str]]:
+    """Fixed held-out relation questions: one per multi-object scene, balanced by construction."""
+    from .data import relation_qa
+
+    rng = np.random.default_rng(QUESTION_SEED)
+    scenes, questions, labels = [], [], []
+    for s in heldout_scenes(2 * n, min_objects=2):
+        qa = relation_qa(s, rng)
+        if qa is not None:
+            scenes.append(s)
+            questions.append(qa.question)
+            labels.append(qa.answer)
+        if len(scenes) == n:
+            break
+    return scenes, questions, labels
+
+
+def pope_eval(model, processor, n_images: int) -> dict:
+    """POPE metrics per split; identical (image, question) pairs are answered once."""
+    scenes = pope_eligible(n_images)
+    by_id = {s.seed: s for s in scenes}
+    rows = {split: pope_questions(scenes, split) for split in SPLITS}
+    keys = sorted({(r["image_id"], r["text"]) for split in SPLITS for r in rows[split]})
+    answers = answer(model, processor, [by_id[k[0]] for k in keys], [k[1] for k in keys])
+    cache = dict(zip(keys, answers, strict=True))
+    out = {}
+    for split in SPLITS:
+        parsed = [parse_yes_no(cache[(r["image_id"], r["text"])]) for r in rows[split]]
+        m = pope_metrics([r["label"] for r in rows[split]], [p for p, _ in parsed])
+        m["unparseable"] = sum(not ok for _, ok in parsed)
+        out[split] = m
+    out["prompt"] = "USER: <image>\\n{question} ASSISTANT: (no suffix)"
+    return out
+
+
+def relation_eval(model, processor, n: int = 400) -> dict:
+    scenes, questions, labels = relation_set(n)
+    preds = [parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)]
+    return pope_metrics(labels, preds)
+
+
+def caption_eval(model, processor, n: int = 300) -> dict:
+    """Object precision/recall of generated captions against the scene's exact objects."""
+    scenes = heldout_scenes(n)
+    caps = answer(model, processor, scenes, [CAPTION_PROMPT] * n, max_new_tokens=24)
+    mentions = correct = gt_total = gt_found = pos_ok = bad_caps = 0
+    lengths = []
+    for s, cap in zip(scenes, caps, strict=True):
+        words = cap.split()
+        lengths.append(len(words))
+        named = [w for w in words if w in CATEGORIES]
+        present = {o.name: o for o in s.objects}
+        mentions += len(named)
+        hits = [w for w in named if w in present]
+        correct += len(hits)
+        bad_caps += len(hits) < len(named)
+        gt_total += len(present)
+        gt_found += len(set(hits))
+        for i, w in enumerate(words[:-1]):
+            if w in present and words[i + 1] in POSITIONS:
+                pos_ok += words[i + 1] == present[w].position(s.size)
+    return {
+        "object_precision": correct / max(mentions, 1),
+        "object_recall": gt_found / max(gt_total, 1),
+        "chair_i": 1 - correct / max(mentions, 1),
+        "chair_s": bad_caps / n,
+        "position_accuracy": pos_ok / max(correct, 1),
+        "mean_length_words": float(np.mean(lengths)),
+        "n": n,
+        "examples": [{"image_id": s.seed, "caption": c} for s, c in zip(scenes[:5], caps[:5])],
+    }
+
+
+def _patch_centres(grid: int, size: int) -> np.ndarray:
+    step = size / grid
+    c = (np.arange(grid) + 0.5) * step
+    yy, xx = np.meshgrid(c, c, indexing="ij")
+    return np.stack([xx.ravel(), yy.ravel()], 1)  # [N, 2] (x, y)
+
+
+def _in_box(points: np.ndarray, box: tuple[int, int, int, int]) -> np.ndarray:
+    x, y, w, h = box
+    return (
+        (points[:, 0] >= x) & (points[:, 0] < x + w) & (points[:, 1] >= y) & (points[:, 1] < y + h)
+    )
+
+
+@torch.no_grad()
+def grounding_eval(model, processor, n: int = 200) -> dict:
+    """Pointing game of attention rows at the query's category token (and at the last token).
+
+    For each layer: the head-mean map's argmax patch hits the queried object when its centre lies
+    in the object's box; `other` counts argmaxes inside another object's box; `chance` is the
+    target box's share of patch centres. The best head is chosen on the even images and scored on
+    the odd ones.
+    """
+    eager = (
+        type(model)
+        .from_pretrained(model.name_or_path, dtype=torch.float32, attn_implementation="eager")
+        .eval()
+    )
+    rng = np.random.default_rng(QUESTION_SEED + 1)
+    scenes = heldout_scenes(n, min_objects=2)
+    grid = int(round(np.sqrt(eager.config.image_seq_length)))
+    centres = _patch_centres(grid, scenes[0].size)
+    n_layers = eager.config.text_config.num_hidden_layers
+    n_heads = eager.config.text_config.num_attention_heads
+    hits = {k: np.zeros((2, n_layers, n_heads + 1)) for k in ("category", "last")}
+    other = {k: np.zeros((2, n_layers, n_heads + 1)) for k in ("category", "last")}
+    counts, chance = np.zeros(2), []
+    for i, s in enumerate(scenes):
+        target = s.objects[int(rng.integers(len(s.objects)))]
+        from .vocab import presence_question
+
+        inputs = _inputs(processor, [s], [presence_question(target.name)])
+        out = eager(**inputs, output_attentions=True)
+        ids = inputs["input_ids"][0]
+        img = (ids == IMAGE).nonzero().squeeze(1)
+        q_pos = {
+            "category": int((ids == TOKEN_ID[target.name]).nonzero()[-1]),
+            "last": len(ids) - 1,
+        }
+        tbox = _in_box(centres, target.box())
+        obox = np.zeros(len(centres), dtype=bool)
+        for o in s.objects:
+            if o is not target:
+                obox |= _in_box(centres, o.box())
+        chance.append(tbox.mean())
+        half = i % 2
+        counts[half] += 1
+        for key, pos in q_pos.items():
+            for layer, att in enumerate(out.attentions):
+                maps = att[0, :, pos, img].float().numpy()  # [H, N]
+                maps = np.concatenate([maps, maps.mean(0, keepdims=True)])  # [H+1, N]
+                arg = maps.argmax(1)
+                hits[key][half, layer] += tbox[arg]
+                other[key][half, layer] += obox[arg]
+    result: dict = {"n_images": len(scenes), "chance": float(np.mean(chance)), "per_layer": {}}
+    for key in hits:
+        rows = []
+        for layer in range(n_layers):
+            best = int(hits[key][0, layer, :n_heads].argmax())
+            rows.append(
+                {
+                    "layer": layer,
+                    "head_mean_hit": float(hits[key][:, layer, -1].sum() / counts.sum()),
+                    "head_mean_other": float(other[key][:, layer, -1].sum() / counts.sum()),
+                    "best_head": best,
+                    "best_head_hit_heldout": float(hits[key][1, layer, best] / counts[1]),
+                    "best_head_other_heldout": float(other[key][1, layer, best] / counts[1]),
+                }
+            )
+        result["per_layer"][key] = rows
+    return result
+
+
+@torch.no_grad()
+def logit_lens(model, processor, kind: str, n: int = 300) -> list[dict]:
+    """Per layer, accuracy of yes/no read from the last prompt position through norm + lm_head."""
+    from .data import presence_qa
+
+    if kind == "relation":
+        scenes, questions, labels = relation_set(n)
+    else:
+        rng = np.random.default_rng(QUESTION_SEED + 2)
+        scenes = heldout_scenes(n)
+        qas = [presence_qa(s, rng, positive=i % 2 == 0) for i, s in enumerate(scenes)]
+        questions = [q.question for q in qas]
+        labels = [q.answer for q in qas]
+    lm = model.model.language_model
+    captured: list[torch.Tensor] = []
+    hooks = [
+        layer.register_forward_hook(
+            lambda _m, _i, o: captured.append(o[0] if isinstance(o, tuple) else o)
+        )
+        for layer in lm.layers
+    ]
+    correct = np.zeros(len(lm.layers))
+    try:
+        for i in range(0, n, 32):
+            captured.clear()
+            inputs = _inputs(processor, scenes[i : i + 32], questions[i : i + 32])
+            model(**inputs)
+            gold = torch.tensor([YES if a == "yes" else NO for a in labels[i : i + 32]])
+            for layer, h in enumerate(captured):
+                logits = model.lm_head(lm.norm(h[:, -1]))
+                pred = torch.where(logits[:, YES] > logits[:, NO], YES, NO)
+                correct[layer] += int((pred == gold).sum())
+    finally:
+        for h in hooks:
+            h.remove()
+    return [{"layer": i, "accuracy": float(c / n)} for i, c in enumerate(correct)]
+
+
+def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
+    """Accuracy retained under `vlm_focus.wrap` pruning: fastv vs random, yes/no at layer 0 and
+    relations at layer 0 and 2 (queries: all text after the image)."""
+    import vlm_focus as vf
+
+    from .data import presence_qa
+
+    rng = np.random.default_rng(QUESTION_SEED + 3)
+    pres_scenes = heldout_scenes(n)
+    qas = [presence_qa(s, rng, positive=i % 2 == 0) for i, s in enumerate(pres_scenes)]
+    tasks = {
+        "presence": (pres_scenes, [q.question for q in qas], [q.answer for q in qas]),
+        "relation": relation_set(n),
+    }
+    out: dict = {"keep": keep, "query": "text"}
+    for task, (scenes, questions, labels) in tasks.items():
+        base = pope_metrics(
+            labels, [parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)]
+        )
+        out[task] = {"full_accuracy": base["accuracy"]}
+        for layer in (0, 2):
+            for pruner in ("fastv", "random"):
+                handle = vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query="text")
+                try:
+                    preds = [
+                        parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)
+                    ]
+                finally:
+                    handle.remove()
+                acc = pope_metrics(labels, preds)["accuracy"]
+                out[task][f"{pruner}_layer{layer}_accuracy"] = acc
+                out[task][f"{pruner}_layer{layer}_retention"] = acc / max(base["accuracy"], 1e-9)
+    return out
+
+
+def latency(path: Path) -> dict:
+    """Seconds to load the model + processor and answer one question (greedy)."""
+    t0 = time.perf_counter()
+    model, processor = load(path)
+    t1 = time.perf_counter()
+    scene = heldout_scenes(1)[0]
+    ans = answer(model, processor, [scene], [f"Is there a {scene.objects[0].name} in the image?"])
+    t2 = time.perf_counter()
+    return {"load_s": t1 - t0, "answer_s": t2 - t1, "total_s": t2 - t0, "answer": ans[0]}
+
+
+ALL = ("latency", "pope", "relation", "caption", "grounding", "logit_lens", "pruning")
+
+
+def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> dict:
+    """All measurements (or `only` those named in ALL) of the model at `path`."""
+    todo = only or list(ALL)
+    bad = [t for t in todo if t not in ALL]
+    if bad:
+        raise ValueError(f"only={bad}; allowed: {ALL}")
+    results: dict = {"model": str(path)}
+    if "latency" in todo:
+        results["latency"] = latency(path)
+    model, processor = load(path)
+    steps = {
+        "pope": lambda: pope_eval(model, processor, n_images),
+        "relation": lambda: relation_eval(model, processor),
+        "caption": lambda: caption_eval(model, processor),
+        "grounding": lambda: grounding_eval(model, processor),
+        "logit_lens": lambda: {
+            k: logit_lens(model, processor, k) for k in ("presence", "relation")
+        },
+        "pruning": lambda: pruning_eval(model, processor),
+    }
+    for name, run in steps.items():
+        if name in todo:
+            t = time.perf_counter()
+            results[name] = run()
+            results.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 1)
+    return results

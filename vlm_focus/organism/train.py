@@ -1,0 +1,319 @@
+"""Training recipe of the organism VLMs (CPU, bf16 autocast, three stages).
+
+1. `vision`: the CLIP tower plus a per-patch head learns each patch's category (exact masks,
+   background weighted 0.3) and its row and column, on the features LLaVA feeds the projector
+   (`hidden_states[-1][:, 1:]`). The tower is then frozen.
+2. `cat_last`: projector + LM learn packed category-last questions (presence and relations), where
+   the answer follows the last category token.
+3. `chat`: the standard chat template with presence, relation and caption turns.
+Each stage runs for `steps` or `minutes`, whichever ends first; the learning rate follows a cosine
+over the larger of the step and time fractions, so a slow machine still ends its schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .data import (
+    IGNORE,
+    Batcher,
+    cat_last_ids,
+    chat_ids,
+    pad,
+    pixel_values,
+    presence_qa,
+    relation_qa,
+)
+from .scenes import CATEGORIES, generate_scene
+from .vocab import NO, PAD, SPECS, YES, OrganismSpec, build_config, build_processor
+
+
+@dataclass
+class StageConfig:
+    """One training stage: format, length, optimiser settings and task mix."""
+
+    name: str
+    steps: int
+    minutes: float
+    lr: float
+    batch: int = 16
+    warmup: int = 100
+    mix: dict[str, float] = field(default_factory=dict)
+    turns: tuple[int, int] = (1, 1)
+
+
+@dataclass
+class Recipe:
+    spec: str
+    stages: list[StageConfig]
+    seed: int = 0
+    eval_every: int = 100
+
+
+def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
+    """The shipped recipe; `scale` multiplies steps and minutes (e.g. 0.01 for a smoke run)."""
+    if spec == "guide":
+        minutes, steps = (3.0, 4.0, 8.0), (600, 500, 1000)
+    else:
+        minutes, steps = (8.0, 14.0, 26.0), (1000, 900, 2000)
+    m = [max(x * scale, 0.05) for x in minutes]
+    s = [max(int(x * scale), 2) for x in steps]
+    return Recipe(
+        spec=spec,
+        stages=[
+            StageConfig("vision", s[0], m[0], 1e-3, batch=32),
+            StageConfig(
+                "cat_last", s[1], m[1], 1e-3, mix={"presence": 0.7, "relation": 0.3}, turns=(6, 8)
+            ),
+            StageConfig(
+                "chat",
+                s[2],
+                m[2],
+                5e-4,
+                mix={"presence": 0.5, "relation": 0.3, "caption": 0.2},
+                turns=(1, 4),
+            ),
+        ],
+    )
+
+
+class PatchHead(nn.Module):
+    """Per-patch classifier on tower features: category (C+1 with background), row, column."""
+
+    def __init__(self, hidden: int, grid: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.category = nn.Linear(hidden, len(CATEGORIES) + 1)
+        self.row = nn.Linear(hidden, grid)
+        self.col = nn.Linear(hidden, grid)
+
+    def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.norm(feats)  # [B, N, D]
+        return self.category(h), self.row(h), self.col(h)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Endless batches from `make()`, built in a worker process so that drawing overlaps compute."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def __iter__(self):
+        while True:
+            yield self.make()
+
+
+def _prefetch(make):
+    """Iterator over `make()` results, produced one step ahead by a single worker process."""
+    loader = torch.utils.data.DataLoader(
+        _Stream(make),
+        batch_size=None,
+        num_workers=1,
+        prefetch_factor=2,
+        worker_init_fn=lambda _: torch.set_num_threads(1),
+    )
+    return iter(loader)
+
+
+def tower_features(model, pixels: torch.Tensor) -> torch.Tensor:
+    """The features LLaVA projects: last hidden state of the tower without CLS, `[B, N, D]`."""
+    out = model.model.vision_tower(pixels, output_hidden_states=True)
+    return out.hidden_states[-1][:, 1:]
+
+
+def _lr(stage: StageConfig, step: int, t0: float) -> float:
+    frac = max(step / stage.steps, (time.time() - t0) / (60 * stage.minutes))
+    warm = min(1.0, (step + 1) / stage.warmup)
+    return stage.lr * warm * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def _done(stage: StageConfig, step: int, t0: float) -> bool:
+    return step >= stage.steps or time.time() - t0 >= 60 * stage.minutes
+
+
+class Probe:
+    """A fixed held-out probe (teacher forced) that tracks learning during training."""
+
+    def __init__(self, spec: OrganismSpec, n: int = 96) -> None:
+        rng = np.random.default_rng(12345)
+        self.scenes = [generate_scene(8_000_000 + i) for i in range(n)]
+        self.presence = [
+            presence_qa(s, rng, positive=i % 2 == 0) for i, s in enumerate(self.scenes)
+        ]
+        rel = [(s, relation_qa(s, rng)) for s in self.scenes]
+        self.relation = [(s, q) for s, q in rel if q is not None]
+        self.n_visual = spec.n_visual
+
+    @torch.no_grad()
+    def _accuracy(self, model, pairs, form: str) -> float:
+        build = cat_last_ids if form == "cat_last" else chat_ids
+        ids, labels = zip(*(build([q], self.n_visual) for _, q in pairs), strict=True)
+        input_ids, lab = pad(list(ids), PAD), pad(list(labels), IGNORE)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=(input_ids != PAD).long(),
+                pixel_values=pixel_values([s for s, _ in pairs]),
+            ).logits.float()
+        # the first supervised token of each row is the yes/no answer
+        first = (lab != IGNORE).float().argmax(1)
+        rows = torch.arange(len(pairs))
+        step_logits = logits[rows, first - 1]
+        pred = torch.where(step_logits[:, YES] > step_logits[:, NO], YES, NO)
+        return float((pred == lab[rows, first]).float().mean())
+
+    def __call__(self, model, form: str) -> dict[str, float]:
+        model.eval()
+        out = {
+            "presence": self._accuracy(
+                model, list(zip(self.scenes, self.presence, strict=True)), form
+            ),
+            "relation": self._accuracy(model, self.relation, form),
+        }
+        model.train()
+        return out
+
+
+def train_vision(model, spec: OrganismSpec, stage: StageConfig, batcher: Batcher, log) -> None:
+    """Stage 1: dense per-patch pretraining of the tower with the exact masks."""
+    tower = model.model.vision_tower
+    head = PatchHead(spec.vision_hidden, spec.grid)
+    params = list(tower.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
+    weight = torch.ones(len(CATEGORIES) + 1)
+    weight[0] = 0.3
+    g = spec.grid
+    rows = torch.arange(g).repeat_interleave(g)
+    cols = torch.arange(g).repeat(g)
+    t0, step = time.time(), 0
+    tower.train()
+    stream = _prefetch(functools.partial(batcher.dense, stage.batch))
+    while not _done(stage, step, t0):
+        for group in opt.param_groups:
+            group["lr"] = _lr(stage, step, t0)
+        pixels, labels = next(stream)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cat, row, col = head(tower_features(model, pixels))
+        cat, row, col = cat.float(), row.float(), col.float()
+        loss_cat = nn.functional.cross_entropy(
+            cat.flatten(0, 1), labels.flatten(), weight=weight, ignore_index=IGNORE
+        )
+        b = labels.shape[0]
+        loss_pos = nn.functional.cross_entropy(
+            row.flatten(0, 1), rows.repeat(b)
+        ) + nn.functional.cross_entropy(col.flatten(0, 1), cols.repeat(b))
+        loss = loss_cat + 0.2 * loss_pos
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 25 == 0 or _done(stage, step, t0):
+            mask = labels > 0
+            acc = (
+                float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
+            )
+            log(stage.name, step, time.time() - t0, {"loss": loss.item(), "object_patch_acc": acc})
+    for p in tower.parameters():
+        p.requires_grad_(False)
+    tower.eval()
+
+
+def train_lm(model, stage: StageConfig, batcher: Batcher, probe: Probe, log, every: int) -> None:
+    """Stages 2 and 3: projector + language model on question/answer sequences."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
+    t0, step = time.time(), 0
+    model.train()
+    model.model.vision_tower.eval()
+    form = stage.name
+    stream = _prefetch(functools.partial(batcher.text, stage.batch, form, stage.mix, stage.turns))
+    while not _done(stage, step, t0):
+        for group in opt.param_groups:
+            group["lr"] = _lr(stage, step, t0)
+        batch = next(stream)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        record = {"loss": loss.item()}
+        if step % every == 0 or _done(stage, step, t0):
+            record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
+            log(stage.name, step, time.time() - t0, record)
+        elif step % 25 == 0:
+            log(stage.name, step, time.time() - t0, record)
+
+
+def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
+    """Run the recipe from scratch; save the HF model, processor, log and curves to `out_dir`.
+
+    Each finished stage is checkpointed (`stage_<name>.pt`) and skipped on a rerun.
+    """
+    from .curves import plot_curves
+
+    torch.manual_seed(recipe.seed)
+    spec = SPECS[recipe.spec]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration(build_config(spec))
+    model.config.use_cache = False
+    batcher = Batcher(spec.n_visual, spec.patch, seed=recipe.seed)
+    probe = Probe(spec)
+    log_path = out_dir / "train_log.jsonl"
+    history: list[dict] = []
+    if log_path.exists():
+        history = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+
+    def log(stage: str, step: int, seconds: float, values: dict) -> None:
+        row = {"stage": stage, "step": step, "seconds": round(seconds, 1), **values}
+        history.append(row)
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if not quiet:
+            print(json.dumps(row), flush=True)
+
+    timings: dict[str, float] = {}
+    for stage in recipe.stages:
+        ckpt = out_dir / f"stage_{stage.name}.pt"
+        if ckpt.exists():
+            state = torch.load(ckpt)
+            model.load_state_dict(state["model"])
+            timings[stage.name] = state["seconds"]
+            if stage.name == "vision":
+                model.model.vision_tower.requires_grad_(False)
+            continue
+        history[:] = [h for h in history if h["stage"] != stage.name]
+        log_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+        t0 = time.time()
+        if stage.name == "vision":
+            train_vision(model, spec, stage, batcher, log)
+        else:
+            train_lm(model, stage, batcher, probe, log, recipe.eval_every)
+        timings[stage.name] = time.time() - t0
+        torch.save({"model": model.state_dict(), "seconds": timings[stage.name]}, ckpt)
+    model.config.use_cache = True
+    model.save_pretrained(out_dir)
+    build_processor(spec).save_pretrained(out_dir)
+    summary = {
+        "recipe": asdict(recipe),
+        "seconds": timings,
+        "minutes_total": sum(timings.values()) / 60,
+    }
+    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    plot_curves(history, out_dir / "learning_curves.png", title=spec.name)
+    return summary
