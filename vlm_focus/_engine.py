@@ -142,7 +142,7 @@ class FocusEngine:
                     self._layer_hook(index), with_kwargs=True
                 )
             )
-
+        self._hooks.extend(self.pruner.attach(self.model, self.adapter))  # e.g. vision tower
         self._encoder_inputs = EncoderInputs(self.model, self.adapter)
 
     def detach(self) -> None:
@@ -238,19 +238,20 @@ class FocusEngine:
         self.last_trace = trace
 
     def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Cache) -> dict:
-        """With K = 0 the cache is short everywhere: supply the full-width mask and, for 1-D
-        RoPE, the original positions, so nothing downstream derives them from the cache."""
+        """With K = 0 every cache is short, so a decode step without ``position_ids`` would be
+        positioned from the short cache: supply the original positions (full prompt + step)."""
+        if kwargs.get("position_ids") is not None:
+            return kwargs
         state = self.state
-        n_new = input_ids.shape[1]
+        batch, n_new = input_ids.shape
         width = state.full_len + _cache_length(cache) - state.per_layer[0].shape[1] + n_new
-        kwargs = dict(kwargs)
         mask = kwargs.get("attention_mask")
         if mask is None:
-            mask = torch.ones(input_ids.shape[0], width, dtype=torch.long, device=input_ids.device)
-            kwargs["attention_mask"] = mask
-        if self.adapter.rope == "1d" and kwargs.get("position_ids") is None:
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            kwargs["position_ids"] = positions[:, -n_new:]
+            text = torch.arange(width - n_new, width, device=input_ids.device).expand(batch, -1)
+        else:
+            text = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n_new:]
+        kwargs = dict(kwargs)
+        kwargs["position_ids"] = self.adapter.decode_positions(self.model, text)
         return kwargs
 
     # --- decoder hook (K = 0 decode): slice the 2-D mask before masks are built -----------------

@@ -25,11 +25,13 @@ class FocusHandle:
         self.model = model
         self.config = engine.config
         self._engine: FocusEngine | None = engine
+        self._final_trace: FocusTrace | None = None
 
     @property
     def last_trace(self) -> FocusTrace | None:
-        """What the last prefill with images did (``None`` before the first one)."""
-        return self._engine.last_trace if self._engine is not None else None
+        """What the last prefill with images did (``None`` before the first one); still
+        readable after ``remove()``."""
+        return self._engine.last_trace if self._engine is not None else self._final_trace
 
     @property
     def active(self) -> bool:
@@ -39,6 +41,7 @@ class FocusHandle:
         """Remove all hooks. Idempotent."""
         if self._engine is None:
             return
+        self._final_trace = self._engine.last_trace
         self._engine.detach()
         self._engine = None
         if getattr(self.model, _HANDLE_ATTR, None) is self:

@@ -30,10 +30,19 @@ class ImageLayout:
     grids: list[tuple[int, int]]
     kind: str = "image"  # "image" or "video"
     image_size: tuple[int, int] | None = None  # (height, width) in pixels when known
+    #: ``[n, 2]`` (crop, patch): the vision-encoder crop (0 = base image) and the patch index
+    #: inside that crop each token comes from, ``-1`` where none (newlines, merged patches).
+    patches: torch.Tensor | None = None
+    n_crops: int = 1  # encoder crops this image used (base image + anyres crops)
 
     def __post_init__(self) -> None:
         if self.positions.shape[0] != self.cells.shape[0]:
             raise ValueError("positions and cells must describe the same number of tokens")
+
+
+def text_positions(model: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """1-D RoPE: decode position ids are the text positions themselves, ``[B, T]``."""
+    return positions
 
 
 LayoutFn = Callable[[nn.Module, torch.Tensor, Mapping[str, Any]], list[list[ImageLayout]]]
@@ -57,6 +66,12 @@ class ModelAdapter:
         layout_inputs: image inputs the layout needs (``image_sizes``, ``image_grid_thw``).
             ``generate()`` encodes images before prefill and drops these from the forward call,
             so the engine records them from the model's ``encoders`` methods.
+        vision_layers: dotted path to the vision encoder's layer list when it has a [CLS]
+            token whose attention scores patches (CLIP); ``None`` where there is no CLS.
+        vision_attention, vision_norm: attribute names inside one vision encoder layer.
+        feature_layer_attr: config attribute naming the hidden-state index the LLM reads.
+        square_padded_views: views whose image the reference processor pads to a square
+            (LLaVA-1.5's ``expand2square``) before resizing.
     """
 
     model_type: str
@@ -74,6 +89,14 @@ class ModelAdapter:
     #: inputs the layout reads; generate() hands them to the image encoder, not to forward.
     layout_inputs: tuple[str, ...] = ()
     encoders: tuple[str, ...] = ("get_image_features",)
+    vision_layers: str | None = None
+    vision_attention: str = "self_attn"
+    vision_norm: str = "layer_norm1"
+    feature_layer_attr: str = "vision_feature_layer"
+    square_padded_views: tuple[int, ...] = ()
+    #: ``(model, text_positions [B, T]) -> position_ids`` for decode steps the engine must
+    #: position itself (pruning before layer 0 leaves every cache short).
+    decode_positions: Callable[[nn.Module, torch.Tensor], torch.Tensor] = text_positions
     extra: dict[str, Any] = field(default_factory=dict)
 
     # --- resolution helpers -------------------------------------------------------------------
@@ -91,6 +114,17 @@ class ModelAdapter:
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return getattr(self.decoder(model), self.layers)
+
+    def vision_encoder_layers(self, model: nn.Module) -> nn.ModuleList | None:
+        """The vision encoder's layers (``None`` when the adapter declares none)."""
+        if self.vision_layers is None:
+            return None
+        module = model
+        for part in self.vision_layers.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                return None
+        return module
 
     def token_ids(self, model: nn.Module) -> tuple[int | None, int | None]:
         """(image token id, video token id or None)."""

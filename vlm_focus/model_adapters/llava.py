@@ -26,16 +26,26 @@ def llava_layout(
     side = vision.image_size // vision.patch_size
     per_image, with_cls = _tokens_per_image(model)
     cells = grid_cells(side, side)
+    # (crop, patch index in the encoder's token order, CLS = 0 when kept)
+    patches = torch.stack([torch.zeros(side * side, dtype=torch.long), torch.arange(side**2)], 1)
     if with_cls:
         cells = torch.cat([torch.tensor([[0, -1, -1]]), cells])
+        patches = torch.cat([torch.tensor([[0, -1]]), patches])
     visual = LLAVA.visual_mask(model, input_ids)
     layouts = []
     for b in range(input_ids.shape[0]):
         positions = torch.nonzero(visual[b]).flatten().cpu()
         n_images = positions.numel() // per_image
         chunks = chunk_positions(positions, [per_image] * n_images, f"row {b}")
-        layouts.append([ImageLayout(p, cells.clone(), [(side, side)]) for p in chunks])
+        layouts.append(
+            [ImageLayout(p, cells.clone(), [(side, side)], patches=patches) for p in chunks]
+        )
     return layouts
 
 
-LLAVA = ModelAdapter(model_type="llava", layout=llava_layout)
+LLAVA = ModelAdapter(
+    model_type="llava",
+    layout=llava_layout,
+    vision_layers="model.vision_tower.encoder.layers",
+    square_padded_views=(0,),
+)

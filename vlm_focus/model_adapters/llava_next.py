@@ -39,6 +39,29 @@ def _image_cells(model: nn.Module, image_size: list[int], anyres: bool):
     return torch.cat([base, hires]), [(side, side), (h, w)]
 
 
+def _image_patches(model: nn.Module, image_size: list[int], anyres: bool):
+    """``([n, 2] (crop, patch) per token, crops)`` in the order of :func:`_image_cells`: crop 0
+    is the base image, crops 1.. the anyres crops in row-major order; newlines get -1."""
+    config = model.config
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    base = torch.stack([torch.zeros(side * side, dtype=torch.long), torch.arange(side**2)], 1)
+    newline = torch.tensor([[-1, -1]])
+    if not anyres:
+        return torch.cat([base, newline]), 1
+    crops_h, crops_w = get_anyres_image_grid_shape(
+        image_size, config.image_grid_pinpoints, config.vision_config.image_size
+    )
+    rows, cols = torch.meshgrid(
+        torch.arange(crops_h * side), torch.arange(crops_w * side), indexing="ij"
+    )
+    kept = unpad_image(torch.stack([rows, cols]), image_size)  # [2, h, w] canvas coordinates
+    crop = 1 + (kept[0] // side) * crops_w + kept[1] // side
+    patch = (kept[0] % side) * side + kept[1] % side
+    hires = torch.stack([crop, patch], dim=-1)  # [h, w, 2]
+    hires = torch.cat([hires, newline.expand(hires.shape[0], 1, 2)], dim=1).reshape(-1, 2)
+    return torch.cat([base, hires]), 1 + crops_h * crops_w
+
+
 def llava_next_layout(
     model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any]
 ) -> list[list[ImageLayout]]:
@@ -54,14 +77,17 @@ def llava_next_layout(
         positions = torch.nonzero(visual[b]).flatten().cpu()
         row_sizes = sizes[first : first + per_row[b]]
         first += per_row[b]
+        anyres = True
         cells = [_image_cells(model, s, anyres=True) for s in row_sizes]
         if sum(c.shape[0] for c, _ in cells) != positions.numel():
+            anyres = False
             cells = [_image_cells(model, s, anyres=False) for s in row_sizes]
+        patches = [_image_patches(model, s, anyres) for s in row_sizes]
         chunks = chunk_positions(positions, [c.shape[0] for c, _ in cells], f"row {b}")
         layouts.append(
             [
-                ImageLayout(p, c, grids, image_size=(s[0], s[1]))
-                for p, (c, grids), s in zip(chunks, cells, row_sizes, strict=True)
+                ImageLayout(p, c, grids, image_size=(s[0], s[1]), patches=pt, n_crops=n)
+                for p, (c, grids), s, (pt, n) in zip(chunks, cells, row_sizes, patches, strict=True)
             ]
         )
     return layouts
@@ -79,5 +105,8 @@ def _images_per_row(visual: torch.Tensor, n_images: int) -> list[int]:
 
 
 LLAVA_NEXT = ModelAdapter(
-    model_type="llava_next", layout=llava_next_layout, layout_inputs=("image_sizes",)
+    model_type="llava_next",
+    layout=llava_next_layout,
+    layout_inputs=("image_sizes",),
+    vision_layers="model.vision_tower.encoder.layers",
 )

@@ -55,10 +55,19 @@ def qwen_layout(
     return layouts
 
 
+def mrope_decode_positions(model: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """Text positions shifted by the ``rope_deltas`` the model stored at prefill: ``[3, B, T]``."""
+    deltas = getattr(model.model, "rope_deltas", None)
+    if deltas is not None:
+        positions = positions + deltas.to(positions.device)
+    return positions[None].expand(3, -1, -1)
+
+
 QWEN2_VL = ModelAdapter(
     model_type="qwen2_vl",
     layout=qwen_layout,
     rope="mrope",
+    decode_positions=mrope_decode_positions,
     video_token_attrs=("video_token_id",),
     pixel_inputs=("pixel_values", "pixel_values_videos"),
     # Without it Qwen2-VL raises and Qwen2.5-VL silently falls back to 1-D positions.
@@ -70,6 +79,7 @@ QWEN2_5_VL = ModelAdapter(
     model_type="qwen2_5_vl",
     layout=qwen_layout,
     rope="mrope",
+    decode_positions=mrope_decode_positions,
     video_token_attrs=("video_token_id",),
     pixel_inputs=("pixel_values", "pixel_values_videos"),
     required_with_images=("mm_token_type_ids",),

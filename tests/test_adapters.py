@@ -1,0 +1,95 @@
+"""Model adapters lay each image's tokens on the right 2-D grid, checked against the models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import IMAGE, make_inputs, make_model
+
+import vlm_focus as vf
+from vlm_focus.model_adapters import get_adapter
+
+
+def _layout(kind, batch=2):
+    model = make_model(kind)
+    inputs = make_inputs(kind, model, batch=batch)
+    adapter = get_adapter(model)
+    return model, inputs, adapter.layout(model, inputs["input_ids"], inputs)
+
+
+def test_llava_square_grid():
+    model, inputs, layout = _layout("llava")
+    for b, images in enumerate(layout):
+        (image,) = images
+        assert image.grids == [(4, 4)]
+        assert torch.equal(
+            image.positions, torch.nonzero(inputs["input_ids"][b] == IMAGE).flatten()
+        )
+        assert image.cells[5].tolist() == [0, 1, 1]  # row-major: token 5 = row 1, col 1
+
+
+def test_llava_next_newlines_and_unpadded_grid_match_the_model():
+    model, inputs, layout = _layout("llava_next")
+    with torch.no_grad():
+        features = model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_sizes"]
+        ).pooler_output
+    newline = model.model.image_newline
+    for b, images in enumerate(layout):
+        (image,) = images
+        assert image.cells.shape[0] == features[b].shape[0]
+        is_newline = (image.cells[:, 0] == 1) & (image.cells[:, 1] < 0)
+        # the model's newline embedding sits exactly where the layout says
+        matches = (features[b] == newline).all(-1)
+        assert torch.equal(matches, is_newline)
+        (h, w) = image.grids[1]
+        assert int(is_newline.sum()) == h
+        hires = image.cells[(image.cells[:, 0] == 1) & (image.cells[:, 1] >= 0)]
+        assert hires[:, 1].max() == h - 1 and hires[:, 2].max() == w - 1
+    # 40x70 (wide) image: unpadding removes rows, so the hi-res grid is wider than tall.
+    assert layout[0][0].grids[1][1] > layout[0][0].grids[1][0]
+    assert layout[1][0].grids[1][0] > layout[1][0].grids[1][1]  # 64x30 is tall
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_merged_grid_from_image_grid_thw(kind):
+    model, inputs, layout = _layout(kind)
+    assert layout[0][0].grids == [(4, 3)] and layout[1][0].grids == [(2, 4)]
+    assert layout[0][0].cells[-1].tolist() == [0, 3, 2]
+    for b, images in enumerate(layout):
+        ids = inputs["input_ids"][b]
+        assert torch.equal(images[0].positions, torch.nonzero(ids == IMAGE).flatten())
+
+
+def test_qwen_two_images_in_one_row_are_split_by_grid():
+    model = make_model("qwen2_vl")
+    ids = torch.tensor([[1, 122] + [IMAGE] * 6 + [123, 5, 122] + [IMAGE] * 2 + [123, 7]])
+    inputs = {"image_grid_thw": torch.tensor([[1, 4, 6], [1, 2, 4]])}
+    (row,) = get_adapter(model).layout(model, ids, inputs)
+    assert [im.grids for im in row] == [[(2, 3)], [(1, 2)]]
+    assert row[1].positions.tolist() == [11, 12]
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        get_adapter(model).layout(model, ids, {"image_grid_thw": torch.tensor([[1, 4, 6]])})
+
+
+def test_unknown_model_type_lists_supported_and_registration_works():
+    model = make_model("llava")
+    model.config.model_type = "my_vlm"
+    with pytest.raises(ValueError, match="supported: llava, llava_next, qwen2_5_vl, qwen2_vl"):
+        vf.wrap(model)
+    llava = get_adapter(make_model("llava"))
+    vf.register_adapter(dataclasses.replace(llava, model_type="my_vlm"))
+    try:
+        assert "my_vlm" in vf.supported_models()
+        inputs = make_inputs("llava", model)
+        with vf.wrap(model, keep=4, layer=1) as handle:
+            model(**inputs)
+        assert handle.last_trace.n_kept == [4]
+        with pytest.raises(ValueError, match="already registered"):
+            vf.register_adapter(dataclasses.replace(llava, model_type="my_vlm"))
+    finally:
+        from vlm_focus.model_adapters import _ADAPTERS
+
+        _ADAPTERS.pop("my_vlm")

@@ -1,0 +1,259 @@
+"""wrap()'s contract: exact restore, identity at keep=1.0, the scores it prunes by, the trace,
+and clear errors on bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import KINDS, make_inputs, make_model
+from transformers import DynamicCache, StaticCache
+
+import vlm_focus as vf
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_remove_restores_logits_exactly(kind):
+    model = make_model(kind)
+    inputs = make_inputs(kind, model, batch=2)
+    before = _logits(model, inputs)
+    handle = vf.wrap(model, keep=0.25, layer=1)
+    assert _logits(model, inputs).shape[1] < before.shape[1]
+    handle.remove()
+    assert torch.equal(_logits(model, inputs), before)
+    fresh = make_model(kind)  # same seed: a never-wrapped twin
+    assert torch.equal(_logits(fresh, inputs), before)
+    handle.remove()  # idempotent
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_keep_one_is_identical_to_unwrapped(kind, layer):
+    model = make_model(kind)
+    inputs = make_inputs(kind, model, batch=2)
+    before = _logits(model, inputs)
+    with vf.wrap(model, keep=1.0, layer=layer) as handle:
+        after = _logits(model, inputs)
+        assert handle.last_trace.n_kept == handle.last_trace.n_visual
+    assert torch.equal(after, before)
+
+
+@pytest.mark.parametrize("query", ["last", "text"])
+@pytest.mark.parametrize("layer", [0, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_scores_equal_eager_attention_head_mean(kind, layer, query):
+    model = make_model(kind, attn="eager")
+    inputs = make_inputs(kind, model, batch=2)
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions[layer]  # [B, H, S, S]
+    mask = inputs["attention_mask"].bool()
+    with vf.wrap(model, keep=0.5, layer=layer, query=query) as handle:
+        _logits(model, inputs)
+    trace = handle.last_trace
+    for b in range(2):
+        visual = trace.visual_positions[b]
+        if query == "last":
+            rows = torch.tensor([mask.shape[1] - 1])
+        else:
+            after = torch.arange(mask.shape[1]) > visual.max()
+            rows = torch.nonzero(after & mask[b]).flatten()
+        expected = attentions[b].mean(0)[rows][:, visual].mean(0)
+        torch.testing.assert_close(trace.scores[b], expected, atol=1e-6, rtol=1e-5)
+        top = visual[expected.topk(trace.n_kept[b]).indices].sort().values
+        assert torch.equal(trace.kept[b], top)
+
+
+def test_trace_records_original_positions_and_counts():
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model, batch=2)  # rows hold 12 and 8 visual tokens
+    with vf.wrap(model, keep=0.5, layer=2) as handle:
+        logits = _logits(model, inputs)
+    trace = handle.last_trace
+    assert trace.n_visual == [12, 8]
+    # Same drop count per row: row 1 drops 4 (its half), so row 0 keeps 12 - 4.
+    assert trace.n_kept == [8, 4]
+    ids = inputs["input_ids"]
+    for b in range(2):
+        assert bool((ids[b, trace.kept[b]] == 120).all())
+        assert torch.equal(trace.kept[b], trace.kept[b].sort().values)
+        assert trace.scores[b].shape == (trace.n_visual[b],)
+    assert trace.sequence.shape[1] == logits.shape[1] == ids.shape[1] - 4
+    assert trace.seconds > 0
+    assert [s.layer for s in trace.stages] == [2]
+
+
+def test_keep_count_and_ratio_rounding():
+    model = make_model("llava")  # 16 visual tokens
+    inputs = make_inputs("llava", model)
+    for keep, expected in [(5, 5), (0.25, 4), (0.11, 2), (1, 1), (16, 16)]:
+        with vf.wrap(model, keep=keep, layer=1) as handle:
+            _logits(model, inputs)
+        assert handle.last_trace.n_kept == [expected]
+
+
+def test_text_only_call_passes_through_unpruned():
+    model = make_model("llava")
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    before = _logits(model, {"input_ids": ids})
+    with vf.wrap(model, keep=0.25, layer=1) as handle:
+        after = _logits(model, {"input_ids": ids})
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        assert handle.last_trace is None
+    assert torch.equal(after, before)
+    assert out.shape == (1, 8)
+
+
+def test_wrapping_twice_raises_until_removed():
+    model = make_model("llava")
+    handle = vf.wrap(model)
+    with pytest.raises(ValueError, match="already wrapped"):
+        vf.wrap(model)
+    handle.remove()
+    vf.wrap(model).remove()
+
+
+def test_static_cache_is_rejected_clearly():
+    model = make_model("llava")
+    inputs = make_inputs("llava", model)
+    with vf.wrap(model, keep=0.5, layer=1):
+        cache = StaticCache(config=model.config.text_config, max_cache_len=64)
+        with pytest.raises(ValueError, match="static"):
+            model(**inputs, cache=cache)
+        with pytest.raises(ValueError, match="static"):
+            model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
+        # the dynamic cache works
+        model(**inputs, cache=DynamicCache(config=model.config.text_config), use_cache=True)
+
+
+def test_manual_decode_loop_without_generate_matches_generate():
+    for layer in (0, 2):
+        model = make_model("llava")
+        inputs = make_inputs("llava", model, batch=2)
+        with torch.no_grad(), vf.wrap(model, keep=0.5, layer=layer):
+            expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, -4:]
+            out = model(**inputs, use_cache=True)
+            cache, mask = out.past_key_values, inputs["attention_mask"]
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = [token]
+            positions = mask.long().cumsum(-1)[:, -1:] - 1
+            for _ in range(3):
+                mask = torch.cat([mask, torch.ones_like(token)], 1)
+                positions = positions + 1
+                step = model(
+                    input_ids=token,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                token = step.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(token)
+        assert torch.equal(torch.cat(tokens, 1), expected)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"keep": 0}, "count must be >= 1"),
+        ({"keep": -0.5}, r"ratio must lie in \(0, 1\]"),
+        ({"keep": 1.5}, r"ratio must lie in \(0, 1\]"),
+        ({"keep": True}, "ratio in"),
+        ({"layer": -1}, "layer=-1"),
+        ({"layer": 4}, r"out of range: this model has layers \[0, 4\)"),
+        ({"layer": (2, 1), "keep": (0.5, 0.25)}, "strictly increasing"),
+        ({"layer": (1, 2), "keep": 0.5}, "same number of stages"),
+        ({"pruner": "nope"}, "unknown pruner 'nope'; registered: .*fastv"),
+        ({"pruner": "fastv", "temperature": 2}, "unknown option .*allowed: .*keep"),
+        ({"pruner": "random", "seed": "x"}, "seed='x' must be an int"),
+        ({"query": "first"}, "query='first' is not one of"),
+        ({"reduce": "sum"}, "reduce='sum' is not one of"),
+    ],
+)
+def test_bad_options_raise_value_error(options, message):
+    model = make_model("llava")
+    with pytest.raises(ValueError, match=message):
+        vf.wrap(model, **options)
+    assert not hasattr(model, "_vlm_focus_handle")
+
+
+def test_keep_count_above_visual_count_raises_at_call():
+    model = make_model("llava")
+    inputs = make_inputs("llava", model)
+    with vf.wrap(model, keep=17, layer=1), pytest.raises(ValueError, match="more than the 16"):
+        model(**inputs)
+
+
+def test_unsupported_model_and_wrong_types():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    text_only = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+    )
+    with pytest.raises(ValueError, match="unsupported model type 'llama'.*llava, llava_next"):
+        vf.wrap(text_only)
+    with pytest.raises(TypeError, match="expects a transformers model"):
+        vf.wrap("llava-hf/llava-1.5-7b-hf")
+    with pytest.raises(TypeError, match="FocusConfig"):
+        vf.wrap(make_model("llava"), config={"keep": 0.5})
+
+
+def test_missing_processor_inputs_are_named():
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model)
+    inputs.pop("mm_token_type_ids")
+    with vf.wrap(model), pytest.raises(ValueError, match="mm_token_type_ids"):
+        model(**inputs)
+    model = make_model("llava")
+    inputs = make_inputs("llava", model)
+    with vf.wrap(model), pytest.raises(ValueError, match="labels"):
+        model(**inputs, labels=inputs["input_ids"])
+
+
+def test_config_object_and_keyword_options_combine():
+    model = make_model("llava")
+    config = vf.FocusConfig(pruner="random", keep=4, layer=1, options={"seed": 3})
+    with vf.wrap(model, config, layer=2) as handle:
+        assert handle.config.layer == 2 and handle.config.options == {"seed": 3}
+    assert vf.FocusConfig(keep=8).to_dict()["keep"] == 8
+    assert {"fastv", "random", "pool"} <= set(vf.pruners())
+
+
+def test_register_pruner_checks_names_and_duplicates():
+    class Mine(vf.Pruner):
+        name = "fastv"
+
+    with pytest.raises(ValueError, match="already registered"):
+        vf.register_pruner(Mine)
+    Mine.name = "Bad Name"
+    with pytest.raises(ValueError, match="lowercase identifier"):
+        vf.register_pruner(Mine)
+    with pytest.raises(TypeError):
+        vf.register_pruner(object)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_decode_without_mask_or_positions_restores_original_positions(kind):
+    """With K = 0 every cache is short; positions must still continue from the full prompt."""
+    model = make_model(kind)
+    inputs = make_inputs(kind, model, batch=1)
+    inputs.pop("attention_mask")
+    with torch.no_grad(), vf.wrap(model, keep=0.5, layer=0):
+        expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, -4:]
+        out = model(**inputs, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens = [token]
+        for _ in range(3):
+            step = model(input_ids=token, cache=out.cache, use_cache=True)
+            token = step.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+    assert torch.equal(torch.cat(tokens, 1), expected)
