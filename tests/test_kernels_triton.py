@@ -152,11 +152,14 @@ def test_launch_shapes_agree(plan: kt._Plan, reduce: str) -> None:
 
 
 @in_process
-def test_non_contiguous_inputs() -> None:
+@pytest.mark.parametrize(
+    "q_dtype,k_dtype", [(torch.float16, torch.float16), (torch.float32, torch.bfloat16)]
+)
+def test_non_contiguous_and_mixed_dtypes(q_dtype: torch.dtype, k_dtype: torch.dtype) -> None:
     """q and k as the transposed views attention layers produce ([B, S, H, D] -> [B, H, S, D])."""
     args = make_inputs(n_kv=2, groups=2, n_query=3, seq=90, head_dim=48, device=DEVICE, seed=2)
-    args["q"] = args["q"].transpose(1, 2).contiguous().transpose(1, 2)
-    args["k"] = args["k"].transpose(1, 2).contiguous().transpose(1, 2)
+    args["q"] = args["q"].to(q_dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    args["k"] = args["k"].to(k_dtype).transpose(1, 2).contiguous().transpose(1, 2)
     assert not args["q"].is_contiguous() and not args["k"].is_contiguous()
     _check(*_run_both(args, "mean"), torch.float32)
 

@@ -59,7 +59,6 @@ def _lse_kernel(
     qpos_ptr,
     lse_ptr,
     n_heads,
-    groups,
     n_query,
     seq,
     head_dim,
@@ -74,6 +73,7 @@ def _lse_kernel(
     skh,
     sks,
     skd,
+    GROUPS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -86,7 +86,7 @@ def _lse_kernel(
     pid_s = tl.program_id(2)
     b = pid_bh // n_heads
     h = pid_bh % n_heads
-    kv = h // groups
+    kv = h // GROUPS
 
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -144,7 +144,6 @@ def _score_kernel(
     part_ptr,
     n_heads,
     n_kv,
-    groups,
     n_query,
     seq,
     head_dim,
@@ -162,6 +161,7 @@ def _score_kernel(
     skh,
     sks,
     skd,
+    GROUPS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -210,8 +210,10 @@ def _score_kernel(
         )  # [BLOCK_N, BLOCK_D]
         if DOT_FP32:
             k = k.to(tl.float32)
-        for g in range(groups):
-            h = kv * groups + g
+        # GROUPS is a constant, so for MHA (GROUPS = 1) this loop folds away and the kv loop,
+        # now innermost, gets software-pipelined key loads.
+        for g in range(GROUPS):
+            h = kv * GROUPS + g
             q = tl.load(
                 q_base + h * sqh + q_rows,
                 mask=t_ok[:, None] & d_ok[None, :],
@@ -251,7 +253,9 @@ def _order_key(x):
 
 
 @triton.jit
-def _final_tile(part_ptr, vis_ptr, debias_ptr, scores_ptr, b, offs, seq, n_parts, HAS_DEBIAS):
+def _final_tile(
+    part_ptr, vis_ptr, debias_ptr, scores_ptr, b, offs, seq, n_parts, HAS_DEBIAS: tl.constexpr
+):
     """Sum the partial scores of one tile, apply debias and the visual mask, store, return keys."""
     ok = offs < seq
     acc = tl.zeros(offs.shape, tl.float32)
@@ -371,7 +375,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, reduce: str) -> _Plan:
     batch, n_heads, n_query, _ = q.shape
     n_kv, seq = k.shape[1], k.shape[2]
     block_n = 64
-    block_t = min(64, max(16, _next_pow2(n_query)))
+    block_t = min(32, max(16, _next_pow2(n_query)))  # 32 rows keep pass 2 in registers
     n_tblocks = triton.cdiv(n_query, block_t)
     n_blocks = triton.cdiv(seq, block_n)
     # The interpreter runs programs one after another: few, large programs are fastest there.
@@ -401,8 +405,11 @@ def _launch(
     """Run the three kernels with an explicit launch shape."""
     batch, n_heads, n_query, head_dim = q.shape
     n_kv, seq = k.shape[1], k.shape[2]
-    if q.dtype != k.dtype:
+    if q.dtype != k.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        # mixed or other dtypes: one of the types tl.dot takes, never below the inputs' precision
         common = torch.promote_types(q.dtype, k.dtype)
+        if common not in (torch.float16, torch.bfloat16):
+            common = torch.float32
         q, k = q.to(common), k.to(common)
     device = q.device
     groups = n_heads // n_kv
@@ -421,8 +428,8 @@ def _launch(
     # go to fp32 first. Exact: a product of two bf16/fp16 numbers fits in an fp32 mantissa.
     dot_fp32 = not q.is_cuda
 
-    kmask = key_mask.contiguous().view(torch.uint8)  # [B, S]
-    vis = visual.contiguous().view(torch.uint8)  # [B, S]
+    kmask = key_mask.to(device).contiguous().view(torch.uint8)  # [B, S]
+    vis = visual.to(device).contiguous().view(torch.uint8)  # [B, S]
     qpos = query_pos.to(device=device, dtype=torch.int64).contiguous()  # [B, Tq]
     weights = query_weights.to(device=device, dtype=torch.float32).contiguous()  # [B, Tq]
     qk_scale = float(scaling) * _LOG2E  # work in log2 so the kernels use exp2
@@ -433,17 +440,18 @@ def _launch(
 
     _lse_kernel[(batch * n_heads, n_tblocks, n_split)](
         q, k, kmask, qpos, lse,
-        n_heads, groups, n_query, seq, head_dim, n_split, keys_per_split, qk_scale,
+        n_heads, n_query, seq, head_dim, n_split, keys_per_split, qk_scale,
         *q.stride(), *k.stride(),
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
+        GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
         DOT_FP32=dot_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     _score_kernel[(n_blocks, n_parts, batch)](
         q, k, kmask, vis, qpos, weights, lse, parts,
-        n_heads, n_kv, groups, n_query, seq, head_dim, n_split, kv_per_part, n_hparts, n_parts,
+        n_heads, n_kv, n_query, seq, head_dim, n_split, kv_per_part, n_hparts, n_parts,
         qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
         *q.stride(), *k.stride(),
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT_PAD=max(2, _next_pow2(n_split)),
+        GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLIT_PAD=max(2, _next_pow2(n_split)),
         REDUCE_MAX=reduce == "max", PRECISION=precision, DOT_FP32=dot_fp32,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
