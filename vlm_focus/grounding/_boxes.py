@@ -1,0 +1,123 @@
+"""Points and boxes from attention maps: Gaussian smoothing, a threshold, connected components."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+import torch
+
+from ._maps import HeatMap
+
+MapLike = HeatMap | torch.Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box in image pixels, ``[x, y, w, h]`` (COCO order), and its score."""
+
+    x: float
+    y: float
+    w: float
+    h: float
+    score: float
+
+    @property
+    def xywh(self) -> list[float]:
+        return [self.x, self.y, self.w, self.h]
+
+
+def _pixels(source: MapLike) -> tuple[np.ndarray, float]:
+    """(``[H, W]`` float64 map, default smoothing sigma in pixels)."""
+    if isinstance(source, HeatMap):
+        rows, cols = source.grid.shape
+        height, width = source.image_size
+        cell = min(height / rows, width / cols)
+        return source.pixels.double().numpy(), 0.5 * cell
+    if isinstance(source, torch.Tensor):
+        source = source.detach().cpu().double().numpy()
+    if not isinstance(source, np.ndarray):
+        raise TypeError(f"expected a HeatMap, tensor or array, got {type(source).__name__}")
+    if source.ndim != 2 or min(source.shape) < 1:
+        raise ValueError(f"a map must be 2-D [H, W], got shape {list(source.shape)}")
+    if not np.isfinite(source).all():
+        raise ValueError("the map holds NaN or infinite values")
+    return source.astype(np.float64), 1.0
+
+
+def smooth(pixels: np.ndarray, sigma: float) -> np.ndarray:
+    """Gaussian smoothing (``cv2.GaussianBlur``, kernel ``2*ceil(3 sigma)+1``); 0 = none."""
+    if sigma < 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    if sigma == 0:
+        return pixels
+    size = 2 * int(np.ceil(3 * sigma)) + 1
+    return cv2.GaussianBlur(pixels, (size, size), sigmaX=sigma, sigmaY=sigma)
+
+
+def point(source: MapLike, *, sigma: float | None = None) -> tuple[float, float]:
+    """The map's peak ``(x, y)`` in image pixels (centre of the maximal pixel after smoothing).
+
+    Pointing game: a hit when this point lies inside a box of the queried object.
+    """
+    pixels, default = _pixels(source)
+    smoothed = smooth(pixels, default if sigma is None else sigma)
+    row, col = np.unravel_index(int(np.argmax(smoothed)), smoothed.shape)
+    return float(col) + 0.5, float(row) + 0.5
+
+
+def boxes(
+    source: MapLike,
+    *,
+    threshold: float | str = "otsu",
+    sigma: float | None = None,
+    max_boxes: int | None = None,
+    min_area: int = 1,
+) -> list[Box]:
+    """Boxes around the map's high-attention blobs, best first.
+
+    The map is smoothed (Gaussian, ``sigma`` pixels; default half a grid cell for a
+    :class:`HeatMap`), scaled to ``[0, 1]`` by its maximum and thresholded: a float ``t`` in
+    ``(0, 1)`` keeps pixels ``>= t * max`` (relative), ``"otsu"`` picks Otsu's threshold on the
+    8-bit map. Each 8-connected component (``cv2.connectedComponentsWithStats``) of at least
+    ``min_area`` pixels gives a box ``[x, y, w, h]`` scored by the map's mass inside the
+    component, ``score = sum_{p in component} map[p]`` (unsmoothed map).
+    """
+    pixels, default = _pixels(source)
+    if max_boxes is not None and (not isinstance(max_boxes, int) or max_boxes < 1):
+        raise ValueError(f"max_boxes must be a positive int or None, got {max_boxes!r}")
+    smoothed = smooth(pixels, default if sigma is None else sigma)
+    peak = float(smoothed.max())
+    if peak <= 0:
+        return []
+    scaled = np.clip(smoothed / peak, 0.0, 1.0)
+    if isinstance(threshold, str):
+        if threshold != "otsu":
+            raise ValueError(f"threshold={threshold!r}: use 'otsu' or a float in (0, 1)")
+        image = np.round(scaled * 255).astype(np.uint8)
+        _, binary = cv2.threshold(image, 0, 1, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    else:
+        if not 0 < float(threshold) < 1:
+            raise ValueError(f"a relative threshold must lie in (0, 1), got {threshold}")
+        binary = (scaled >= float(threshold)).astype(np.uint8)
+    count, labels, stats, _ = cv2.connectedComponentsWithStats(binary, connectivity=8)
+    mass = np.bincount(labels.ravel(), weights=pixels.ravel(), minlength=count)
+    found = []
+    for label in range(1, count):
+        x, y, w, h, area = (int(v) for v in stats[label])
+        if area >= min_area:
+            found.append(Box(float(x), float(y), float(w), float(h), float(mass[label])))
+    found.sort(key=lambda b: -b.score)
+    return found[:max_boxes] if max_boxes is not None else found
+
+
+def iou(a: list[float] | Box, b: list[float] | Box) -> float:
+    """Intersection over union of two ``[x, y, w, h]`` boxes."""
+    ax, ay, aw, ah = a.xywh if isinstance(a, Box) else a
+    bx, by, bw, bh = b.xywh if isinstance(b, Box) else b
+    ix = max(0.0, min(ax + aw, bx + bw) - max(ax, bx))
+    iy = max(0.0, min(ay + ah, by + bh) - max(ay, by))
+    inter = ix * iy
+    union = aw * ah + bw * bh - inter
+    return inter / union if union > 0 else 0.0
