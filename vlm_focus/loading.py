@@ -1,0 +1,110 @@
+"""Load a supported VLM and its processor (offline-friendly), and build inputs for one image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from .model_adapters import get_adapter
+
+DEFAULT_MODEL = "embedded"
+
+
+def resolve_model_path(model: str | None) -> str:
+    """``None``/``"embedded"`` → the shipped organism model; anything else is a path or hub id."""
+    if model in (None, DEFAULT_MODEL):
+        from .organism import default_model_path
+
+        path = default_model_path()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"the embedded default model is missing at {path}; reinstall vlm-focus or pass "
+                "--model PATH_OR_HUB_ID"
+            )
+        return str(path)
+    return model
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    dtype: torch.dtype | str = "auto",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> tuple[torch.nn.Module, Any]:
+    """``(model, processor)`` for a supported VLM, loaded with safetensors only.
+
+    Raises ``ValueError`` for a model type without an adapter (before loading any weights).
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    get_adapter(_ConfigHolder(config))  # unsupported model types fail here, named
+    vlm = AutoModelForImageTextToText.from_pretrained(
+        path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+    )
+    processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return vlm.to(device).eval(), processor
+
+
+class _ConfigHolder:
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+
+def load_image(image: str | Path | Image.Image) -> Image.Image:
+    """An RGB PIL image from a path or a PIL image; clear errors for missing or unreadable files."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if not isinstance(image, (str, Path)):
+        raise TypeError(f"image must be a path or a PIL image, got {type(image).__name__}")
+    path = Path(image)
+    if not path.is_file():
+        raise FileNotFoundError(f"image file not found: {path}")
+    try:
+        with Image.open(path) as opened:
+            return opened.convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"{path} is not a readable image: {err}") from err
+
+
+def build_inputs(
+    processor: Any, images: Image.Image | list[Image.Image], prompts: str | list[str]
+) -> dict[str, torch.Tensor]:
+    """Processor inputs for one image and one user question per row, in the model's chat
+    format, left-padded so that a batch can be generated from."""
+    images = images if isinstance(images, list) else [images]
+    prompts = prompts if isinstance(prompts, list) else [prompts]
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
+    for prompt in prompts:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("the prompt is empty: type a question or a phrase")
+    texts = [_chat_text(processor, p) for p in prompts]
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.padding_side = "left"
+    return dict(processor(images=images, text=texts, return_tensors="pt", padding=True))
+
+
+def _chat_text(processor: Any, prompt: str) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    if getattr(processor, "chat_template", None):
+        return processor.apply_chat_template(messages, add_generation_prompt=True)
+    token = getattr(processor, "image_token", "<image>")
+    return f"{token}\n{prompt}"
+
+
+def decode_new_tokens(processor: Any, inputs: dict, sequences: torch.Tensor) -> list[str]:
+    """The generated continuation of each row, as text."""
+    new = sequences[:, inputs["input_ids"].shape[1] :]
+    return [t.strip() for t in processor.batch_decode(new, skip_special_tokens=True)]
