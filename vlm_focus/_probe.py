@@ -300,7 +300,9 @@ class AttentionProbe:
             else:
                 return
             with torch.no_grad():
-                probs = self._rows(module, attn, hidden, kwargs, local, rows, past, call.valid)
+                probs = layer_attention_rows(
+                    self.adapter, module, hidden, kwargs, local, rows, past, call.valid
+                )
             record = Rows(index, probs, rows, row_mask, tracker.step)
             if self.on_rows is not None:
                 self.on_rows(record)
@@ -317,38 +319,42 @@ class AttentionProbe:
             return rows, mask
         return cached[1], cached[2]
 
-    def _rows(
-        self,
-        layer: nn.Module,
-        attn: nn.Module,
-        hidden: torch.Tensor,
-        kwargs: dict,
-        local: torch.Tensor,
-        rows: torch.Tensor,
-        past: torch.Tensor | None,
-        valid: torch.Tensor,
-    ) -> torch.Tensor:
-        norm = getattr(layer, self.adapter.input_norm)
-        cos, sin = kwargs["position_embeddings"]
-        batch, new, width = hidden.shape
-        head_dim = attn.head_dim
-        cos = cos.expand(batch, -1, -1)
-        sin = sin.expand(batch, -1, -1)
-        normed = norm(hidden)  # [B, T, D]
-        q_in = normed.gather(1, local[..., None].expand(-1, -1, width))  # [B, Tq, D]
-        q = attn.q_proj(q_in).view(batch, local.shape[1], -1, head_dim).transpose(1, 2)
-        index = local[..., None].expand(-1, -1, cos.shape[-1])
-        q = apply_rope(q, cos.gather(1, index), sin.gather(1, index))  # [B, H, Tq, D]
-        k = attn.k_proj(normed).view(batch, new, -1, head_dim).transpose(1, 2)
-        k = apply_rope(k, cos, sin)  # [B, Hkv, T, D]
-        if past is not None:
-            k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]
-        total = k.shape[2]
-        if valid.shape[1] != total:
-            raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")
-        keys = torch.arange(total, device=hidden.device)
-        allowed = valid[:, None, :] & (keys[None, None, :] <= rows[:, :, None])  # [B, Tq, L]
-        return attention_probs(q, k, attn.scaling, allowed)
+
+def layer_attention_rows(
+    adapter: ModelAdapter,
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    kwargs: dict,
+    local: torch.Tensor,
+    rows: torch.Tensor,
+    past: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """Attention probabilities ``[B, H, Tq, L]`` of the query rows ``local [B, Tq]`` (indices into
+    this call's ``hidden``; absolute positions ``rows``) over the layer's keys (``past`` cached
+    keys, then this call's), from the layer's own norm, projections and RoPE tables."""
+    attn = getattr(layer, adapter.attention)
+    norm = getattr(layer, adapter.input_norm)
+    cos, sin = kwargs["position_embeddings"]
+    batch, new, width = hidden.shape
+    head_dim = attn.head_dim
+    cos = cos.expand(batch, -1, -1)
+    sin = sin.expand(batch, -1, -1)
+    normed = norm(hidden)  # [B, T, D]
+    q_in = normed.gather(1, local[..., None].expand(-1, -1, width))  # [B, Tq, D]
+    q = attn.q_proj(q_in).view(batch, local.shape[1], -1, head_dim).transpose(1, 2)
+    index = local[..., None].expand(-1, -1, cos.shape[-1])
+    q = apply_rope(q, cos.gather(1, index), sin.gather(1, index))  # [B, H, Tq, D]
+    k = attn.k_proj(normed).view(batch, new, -1, head_dim).transpose(1, 2)
+    k = apply_rope(k, cos, sin)  # [B, Hkv, T, D]
+    if past is not None:
+        k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]
+    total = k.shape[2]
+    if valid.shape[1] != total:
+        raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")
+    keys = torch.arange(total, device=hidden.device)
+    allowed = valid[:, None, :] & (keys[None, None, :] <= rows[:, :, None])  # [B, Tq, L]
+    return attention_probs(q, k, attn.scaling, allowed)
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
@@ -370,17 +376,18 @@ def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
 class AttentionBias:
     """Add a per-key bias to the attention logits of chosen layers (SDPA and eager).
 
-    ``bias_fn(prefill, call, positions [B, T]) -> [B, T, L] float or None`` gives the additive
-    bias for the call's query rows over its keys; ``-inf`` blocks a key. The layer's own mask
-    (causal + padding) is rebuilt as an additive float mask and the bias added, so the model's
-    attention becomes ``softmax(q k^T * scaling + mask + bias)``.
+    ``bias_fn(index, layer, hidden, kwargs, prefill, call) -> [B, T, L] float or None`` gives
+    the additive bias of decoder layer ``index`` for the call's ``T`` query rows over its ``L``
+    keys (``-inf`` blocks a key); it may read the layer's own q/k (:func:`layer_attention_rows`).
+    The layer's own mask (causal + padding) is rebuilt as an additive float mask and the bias
+    added, so the model's attention becomes ``softmax(q k^T * scaling + mask + bias)``.
     """
 
     def __init__(
         self,
         model: nn.Module,
         layers: Sequence[int],
-        bias_fn: Callable[[Prefill, CallState, torch.Tensor], torch.Tensor | None],
+        bias_fn: Callable[..., torch.Tensor | None],
     ) -> None:
         implementation = getattr(model.config, "_attn_implementation", None) or "eager"
         if implementation not in ("eager", "sdpa"):
@@ -395,7 +402,6 @@ class AttentionBias:
         self.bias_fn = bias_fn
         self.tracker: _Tracker | None = None
         self._hooks: list[Any] = []
-        self._bias_cache: tuple[Any, torch.Tensor | None] | None = None
 
     def __enter__(self) -> AttentionBias:
         self.attach()
@@ -410,7 +416,7 @@ class AttentionBias:
         self.tracker = _Tracker(self.model, self.adapter)
         for index in self.layers:
             layer = self.decoder_layers[index]
-            self._hooks.append(layer.register_forward_pre_hook(self._hook, with_kwargs=True))
+            self._hooks.append(layer.register_forward_pre_hook(self._hook(index), with_kwargs=True))
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -420,25 +426,23 @@ class AttentionBias:
             self.tracker.close()
             self.tracker = None
 
-    def _bias(self, call: CallState, prefill: Prefill, hidden: torch.Tensor) -> Any:
-        cached = self._bias_cache
-        if cached is not None and cached[0] is call:
-            return cached[1]
-        batch, new = call.input_ids.shape
-        positions = torch.arange(call.past, call.past + new, device=hidden.device)
-        bias = self.bias_fn(prefill, call, positions.expand(batch, new))
-        self._bias_cache = (call, bias)
-        return bias
+    def _hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            tracker = self.tracker
+            if tracker is None or tracker.call is None or tracker.prefill is None:
+                return None
+            hidden = args[0] if args else kwargs["hidden_states"]
+            with torch.no_grad():
+                bias = self.bias_fn(index, module, hidden, kwargs, tracker.prefill, tracker.call)
+            if bias is None:
+                return None
+            return args, self._biased(kwargs, hidden, bias, tracker.call)
 
-    def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        tracker = self.tracker
-        if tracker is None or tracker.call is None or tracker.prefill is None:
-            return None
-        call = tracker.call
-        hidden = args[0] if args else kwargs["hidden_states"]
-        bias = self._bias(call, tracker.prefill, hidden)
-        if bias is None:
-            return None
+        return hook
+
+    def _biased(
+        self, kwargs: dict, hidden: torch.Tensor, bias: torch.Tensor, call: CallState
+    ) -> dict:
         batch, new = hidden.shape[:2]
         total = call.valid.shape[1]
         if tuple(bias.shape) != (batch, new, total):
@@ -464,4 +468,4 @@ class AttentionBias:
         out = (base + bias.masked_fill(blocked, 0.0)).clamp(min=low).masked_fill(blocked, low)
         kwargs = dict(kwargs)
         kwargs["attention_mask"] = out
-        return args, kwargs
+        return kwargs

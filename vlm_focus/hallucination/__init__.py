@@ -1,0 +1,30 @@
+"""Object-hallucination mitigation from a VLM's own attention, and the visual attention score.
+
+    from vlm_focus import hallucination as hal
+    with hal.attention_reweight(model, strength=1.0, layers=[0, 1]):
+        model.generate(**inputs)
+    with hal.visual_beam(model, weight=2.0) as proc:
+        model.generate(**inputs, num_beams=4, logits_processor=[proc])
+    with hal.instruction_contrast(model, inputs, generic_inputs) as proc:
+        model.generate(**inputs, logits_processor=[proc])
+    hal.vas(model, inputs).overall
+
+Each method installs instance hooks only while active and removes them on exit, under SDPA or
+eager attention.
+"""
+
+from ._beam import VisualBeam, visual_beam
+from ._contrast import InstructionContrast, instruction_contrast
+from ._reweight import AttentionReweight, attention_reweight
+from ._vas import VisualAttention, vas
+
+__all__ = [
+    "AttentionReweight",
+    "InstructionContrast",
+    "VisualAttention",
+    "VisualBeam",
+    "attention_reweight",
+    "instruction_contrast",
+    "vas",
+    "visual_beam",
+]

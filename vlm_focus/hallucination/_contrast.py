@@ -1,0 +1,156 @@
+"""Instruction-aware contrastive decoding (IAVA-style)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LogitsProcessor
+
+from .._probe import AttentionBias, AttentionProbe, check_layers
+from ..grounding._maps import extend_with_answer
+from ..model_adapters import get_adapter
+
+
+def _instruction_attention(
+    model: nn.Module, inputs: Mapping[str, Any], layers: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[B, S]`` visual mask, ``[B, S]`` attention of the instruction rows per visual token,
+    mean over layers, heads and rows, normalised to sum 1 over each row's visual tokens)."""
+    with torch.no_grad(), AttentionProbe(model, layers, rows="text") as probe:
+        model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
+        visual = probe.prefill.visual
+    total = None
+    for rec in probe.records:
+        w = rec.mask.float() / rec.mask.sum(1, keepdim=True).clamp(min=1)
+        part = torch.einsum("bhts,bt->bs", rec.probs, w) / rec.probs.shape[1]
+        total = part if total is None else total + part
+    attention = total.masked_fill(~visual, 0.0)
+    return visual, attention / attention.sum(1, keepdim=True).clamp(min=1e-12)
+
+
+class InstructionContrast(LogitsProcessor):
+    """A ``LogitsProcessor`` and context manager; see :func:`instruction_contrast`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Mapping[str, Any],
+        generic_inputs: Mapping[str, Any],
+        *,
+        alpha: float,
+        beta: float,
+        ratio: float,
+        layers: Sequence[int] | None,
+    ) -> None:
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        if not 0 <= beta < 1:
+            raise ValueError(f"beta (plausibility cutoff) must lie in [0, 1), got {beta}")
+        if not 0 < ratio < 1:
+            raise ValueError(f"ratio (irrelevant share) must lie in (0, 1), got {ratio}")
+        for name, value in (("inputs", inputs), ("generic_inputs", generic_inputs)):
+            if not isinstance(value, Mapping) or "input_ids" not in value:
+                raise TypeError(f"{name} must be the processor's output mapping with input_ids")
+        self.model = model
+        self.inputs = dict(inputs)
+        self.alpha, self.beta, self.ratio = float(alpha), float(beta), float(ratio)
+        n_layers = len(get_adapter(model).decoder_layers(model))
+        self.layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+        visual, user = _instruction_attention(model, inputs, self.layers)
+        g_visual, generic = _instruction_attention(model, generic_inputs, self.layers)
+        if visual.shape[0] != g_visual.shape[0] or not torch.equal(visual.sum(1), g_visual.sum(1)):
+            raise ValueError("generic_inputs must hold the same images as inputs")
+        # align the generic prompt's visual tokens to the user prompt's positions
+        aligned = torch.zeros_like(user)
+        for b in range(visual.shape[0]):
+            aligned[b, visual[b]] = generic[b, g_visual[b]]
+        self.visual = visual
+        self.relevance = (user - aligned).masked_fill(~visual, float("inf"))  # [B, S]
+        self.irrelevant = torch.zeros_like(visual)
+        for b in range(visual.shape[0]):
+            idx = torch.nonzero(visual[b]).flatten()
+            n = max(1, int(round(self.ratio * idx.numel())))
+            order = torch.sort(self.relevance[b, idx], stable=True).indices[:n]
+            self.irrelevant[b, idx[order]] = True
+        self.blocked = visual & ~self.irrelevant  # the relevant tokens, hidden in the contrast run
+        self.active = False
+        self.last_irrelevant_logits: torch.Tensor | None = None
+
+    def __enter__(self) -> InstructionContrast:
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        self.active = False
+
+    def irrelevant_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, V]`` when only the instruction-irrelevant visual tokens are
+        visible (the relevant ones blocked as keys at every layer), for the sequence so far."""
+        prompt = self.inputs["input_ids"]
+        batch, seq = prompt.shape
+        if input_ids.shape[0] != batch or not torch.equal(input_ids[:, :seq], prompt):
+            raise ValueError(
+                "instruction_contrast serves the prompt it was built for, one sequence per row "
+                "(no beams or num_return_sequences)"
+            )
+        inputs, _ = extend_with_answer(self.inputs, input_ids[:, seq:])
+        blocked = self.blocked.to(input_ids.device)
+
+        def block(index, layer, hidden, kwargs, prefill, call):
+            bias = torch.zeros(batch, hidden.shape[1], call.valid.shape[1], device=hidden.device)
+            bias[:, :, :seq] = torch.where(blocked, float("-inf"), 0.0)[:, None, :]
+            return bias
+
+        n_layers = len(get_adapter(self.model).decoder_layers(self.model))
+        with torch.no_grad(), AttentionBias(self.model, range(n_layers), block):
+            logits = self.model(**inputs, use_cache=False, logits_to_keep=1).logits[:, -1]
+        return logits
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.active:
+            return scores
+        full = scores.float()
+        irrelevant = self.irrelevant_logits(input_ids).float()
+        self.last_irrelevant_logits = irrelevant
+        out = (1 + self.alpha) * full - self.alpha * irrelevant
+        probs = torch.softmax(full, dim=-1)
+        cutoff = self.beta * probs.amax(-1, keepdim=True)
+        return out.masked_fill(probs < cutoff, float("-inf")).to(scores.dtype)
+
+
+def instruction_contrast(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    generic_inputs: Mapping[str, Any],
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.1,
+    ratio: float = 0.5,
+    layers: Sequence[int] | None = None,
+) -> InstructionContrast:
+    """Instruction-aware visual contrastive decoding (IAVA-style).
+
+    1. Instruction-irrelevant visual tokens: with ``a_u`` and ``a_g`` the attention the
+       instruction rows pay each visual token (mean over ``layers``, heads and rows, normalised
+       over the image) under the user instruction (``inputs``) and under a generic one
+       (``generic_inputs``: same image, e.g. "Write a general description of the image."), the
+       ``ratio`` share of tokens with the smallest gain ``a_u - a_g`` are irrelevant.
+    2. At each step, ``l_full`` are the model's logits and ``l_irr`` the logits of a run in which
+       only the irrelevant visual tokens are visible (the others blocked as keys at every layer).
+    3. ``l = (1 + alpha) * l_full - alpha * l_irr`` on plausible tokens
+       ``{y : p_full(y) >= beta * max_y' p_full(y')}``, ``-inf`` elsewhere.
+
+    Usage (one sequence per prompt row: greedy or sampling)::
+
+        with instruction_contrast(model, inputs, generic_inputs) as proc:
+            model.generate(**inputs, logits_processor=[proc])
+    """
+    return InstructionContrast(
+        model, inputs, generic_inputs, alpha=alpha, beta=beta, ratio=ratio, layers=layers
+    )

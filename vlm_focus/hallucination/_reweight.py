@@ -1,0 +1,127 @@
+"""Attention intervention: raise the logits of task-relevant visual tokens at chosen layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._probe import AttentionBias, CallState, Prefill, layer_attention_rows, rows_from_mask
+from ..model_adapters import get_adapter
+
+
+def relevant_tokens(scores: torch.Tensor, visual: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``[B, S]`` bool: per row the ``ceil(ratio * n_visual)`` visual tokens of highest score
+    (ties to the lower position)."""
+    out = torch.zeros_like(visual)
+    for b in range(visual.shape[0]):
+        idx = torch.nonzero(visual[b]).flatten()
+        if idx.numel() == 0:
+            continue
+        n = max(1, int(torch.ceil(torch.tensor(ratio * idx.numel())).item()))
+        order = torch.sort(scores[b, idx].float(), descending=True, stable=True).indices[:n]
+        out[b, idx[order]] = True
+    return out
+
+
+class AttentionReweight:
+    """Context manager; see :func:`attention_reweight`."""
+
+    def __init__(
+        self, model: nn.Module, strength: float, layers: Sequence[int] | None, ratio: float
+    ) -> None:
+        if not isinstance(strength, int | float) or isinstance(strength, bool):
+            raise TypeError(f"strength must be a number, got {strength!r}")
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio must lie in (0, 1], got {ratio}")
+        n_layers = len(get_adapter(model).decoder_layers(model))
+        self.model = model
+        self.strength = float(strength)
+        self.ratio = float(ratio)
+        self.adapter = get_adapter(model)
+        self.relevant: dict[int, torch.Tensor] = {}  # layer -> [B, S] bool (last prefill)
+        self.text_rows: torch.Tensor | None = None  # [B, S] bool
+        self._prefill: Prefill | None = None
+        self._bias = AttentionBias(
+            model, range(n_layers) if layers is None else layers, self._bias_fn
+        )
+        self.layers = self._bias.layers
+
+    def __enter__(self) -> AttentionReweight:
+        self._bias.attach()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove every hook: the model is exactly as before."""
+        self._bias.remove()
+
+    def _bias_fn(
+        self,
+        index: int,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        kwargs: dict,
+        prefill: Prefill,
+        call: CallState,
+    ) -> torch.Tensor | None:
+        if prefill is not self._prefill:
+            self._prefill = prefill
+            self.relevant.clear()
+            self.text_rows = prefill.text_after_image()
+        if not bool(prefill.visual.any()) or self.strength == 0:
+            return None
+        if index not in self.relevant:
+            if call.past != 0:
+                return None  # a decode step of a prefill this context did not see
+            # relevance: attention of the instruction rows to the visual keys, this layer's q/k
+            rows, row_mask = rows_from_mask(self.text_rows)
+            probs = layer_attention_rows(
+                self.adapter, layer, hidden, kwargs, rows, rows, None, call.valid
+            )  # [B, H, Tq, S]
+            w = row_mask.float() / row_mask.sum(1, keepdim=True).clamp(min=1)
+            scores = torch.einsum("bhts,bt->bs", probs, w) / probs.shape[1]
+            self.relevant[index] = relevant_tokens(scores, prefill.visual, self.ratio)
+        relevant = self.relevant[index]
+        batch, new = hidden.shape[:2]
+        total = call.valid.shape[1]
+        seq = relevant.shape[1]
+        positions = torch.arange(call.past, call.past + new, device=hidden.device)
+        is_text = torch.ones(batch, new, dtype=torch.bool, device=hidden.device)
+        prompt_rows = positions < seq
+        if bool(prompt_rows.any()):
+            is_text[:, prompt_rows] = self.text_rows[:, positions[prompt_rows]]
+        columns = torch.zeros(batch, total, device=hidden.device)
+        columns[:, :seq] = relevant.float() * self.strength
+        return columns[:, None, :] * is_text[:, :, None].float()  # [B, T, L]
+
+
+def attention_reweight(
+    model: nn.Module,
+    *,
+    strength: float = 1.0,
+    layers: Sequence[int] | None = None,
+    ratio: float = 0.25,
+) -> AttentionReweight:
+    """Raise the attention logits of task-relevant visual tokens (attention intervention).
+
+    At each chosen layer, on the prompt's prefill, the instruction rows ``T`` (text after the
+    image) score the visual tokens from the layer's own q/k (the text-to-vision submatrix of
+    attention, i.e. vision-text similarity)::
+
+        r[v] = 1/(H |T|) sum_h sum_{t in T} A^{l,h}[t, v]
+
+    The top ``ratio`` share of visual tokens by ``r`` are task-relevant. From then on (prefill
+    and every decode step) the logits of text rows to those keys get ``+ strength``::
+
+        A'[t, :] = softmax(q_t k^T * scaling + mask + strength * 1[relevant])
+
+    so their attention weight grows by ``exp(strength)`` before renormalisation, while all other
+    visual tokens are left as they are. Use as a context manager around ``generate()``; works
+    with SDPA and eager (the layer's mask becomes an additive float mask).
+    """
+    return AttentionReweight(model, strength, layers, ratio)
