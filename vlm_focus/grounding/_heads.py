@@ -42,10 +42,11 @@ class LocalizationHeads:
 
 
 def elbow_index(values: Sequence[float]) -> int:
-    """Number of items to keep from a descending sequence: up to and including its elbow.
+    """Number of items to keep from a descending sequence: the items before its elbow.
 
     The elbow is the point with the largest distance below the chord joining the first and last
-    values (kneedle); a sequence of fewer than three values keeps everything.
+    values (kneedle), i.e. the first point of the flat tail; a sequence of fewer than three
+    values, or one without an elbow, keeps everything.
     """
     v = torch.as_tensor(list(values), dtype=torch.float64)
     n = v.numel()
@@ -57,7 +58,8 @@ def elbow_index(values: Sequence[float]) -> int:
         return n
     y = (v - v[-1]) / span  # 1 -> 0
     chord = 1.0 - x
-    return int(torch.argmax(chord - y)) + 1 if bool((chord - y).max() > 0) else n
+    gap = chord - y
+    return max(1, int(torch.argmax(gap))) if bool(gap.max() > 0) else n
 
 
 def rank_heads(mass: torch.Tensor, spread: torch.Tensor, top_k: int) -> tuple[list, int]:
