@@ -247,6 +247,7 @@ def test_n_keep_equal_to_visual_count_keeps_every_visual_key() -> None:
     "change,error,match",
     [
         (dict(q=torch.zeros(2, 2, 16)), ValueError, "q must be"),
+        (dict(q=torch.zeros(2, 2, 0, 64)), ValueError, "Tq = 0"),
         (dict(k=torch.zeros(2, 3, 63, 64)), ValueError, "multiple of kv heads"),
         (dict(k=torch.zeros(2, 2, 63, 32)), ValueError, "head_dim"),
         (dict(visual=torch.ones(2, 63)), TypeError, "visual must be a bool"),

@@ -93,6 +93,8 @@ def score_and_select(
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} disagree on batch or head_dim")
     if n_kv == 0 or n_heads % n_kv:
         raise ValueError(f"query heads ({n_heads}) must be a multiple of kv heads ({n_kv})")
+    if n_query == 0:
+        raise ValueError("q has no query rows (Tq = 0); pass at least one query row to score with")
     if reduce not in ("mean", "max"):
         raise ValueError(f"reduce={reduce!r} is not one of ('mean', 'max')")
     _check_bool("visual", visual, (batch, seq))

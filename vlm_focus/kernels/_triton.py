@@ -231,7 +231,8 @@ def _score_kernel(
             top = tl.max(parts, axis=1)
             top = tl.where(top == float("-inf"), 0.0, top)
             total = tl.sum(tl.exp2(parts - top[:, None]), axis=1)
-            # Rows with no allowed key get -inf; their p is masked to 0 below anyway.
+            # A row whose splits are all -inf has no allowed key at all: its lse is a placeholder
+            # (0) and every p of the row is masked to 0 below.
             lse = tl.where(total > 0.0, top + tl.log2(tl.where(total > 0.0, total, 1.0)), top)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_T, BLOCK_N]
             p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
