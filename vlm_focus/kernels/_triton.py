@@ -40,6 +40,7 @@ be five or more torch launches (sum of partials, debias, masking, ``topk``, ``so
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -367,6 +368,11 @@ class _Plan:
     num_stages: int = 2
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
@@ -380,7 +386,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, reduce: str) -> _Plan:
     n_tblocks = triton.cdiv(n_query, block_t)
     n_blocks = triton.cdiv(seq, block_n)
     # The interpreter runs programs one after another: few, large programs are fastest there.
-    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    n_sm = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else 1
     target = 4 * n_sm
     n_split = max(1, min(n_blocks, triton.cdiv(target, batch * n_heads * n_tblocks)))
     n_hparts = 1
