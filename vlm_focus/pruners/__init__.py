@@ -21,7 +21,12 @@ import re
 
 from .base import NoOptions, Pruner, Selection, StageContext, apply_rope
 from .baselines import PoolPruner, RandomPruner
+from .debiased import DebiasedPruner
+from .diverse import DiversePruner
 from .fastv import FastVPruner
+from .guided import GuidedPruner, guided_generate
+from .pyramid import PyramidPruner
+from .text import TextPruner
 
 __all__ = [
     "NoOptions",
@@ -30,6 +35,7 @@ __all__ = [
     "StageContext",
     "apply_rope",
     "get_pruner",
+    "guided_generate",
     "pruners",
     "register_pruner",
 ]
@@ -60,5 +66,14 @@ def get_pruner(name: str) -> type[Pruner]:
     return _PRUNERS[name]
 
 
-for _cls in (FastVPruner, RandomPruner, PoolPruner):
+for _cls in (
+    FastVPruner,
+    TextPruner,
+    DebiasedPruner,
+    PyramidPruner,
+    GuidedPruner,
+    DiversePruner,
+    RandomPruner,
+    PoolPruner,
+):
     register_pruner(_cls)

@@ -155,6 +155,9 @@ class Pruner:
     Options: ClassVar[type] = NoOptions
     #: One line for the README table: what the pruner scores.
     summary: ClassVar[str] = ""
+    #: True when the scores are LLM attention from :meth:`StageContext.attention_scores`
+    #: (such pruners can be wrapped by ``debiased``).
+    attention_based: ClassVar[bool] = False
 
     def __init__(self, config: FocusConfig, options: Any) -> None:
         self.config = config
@@ -163,6 +166,11 @@ class Pruner:
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls.Options)]
+
+    def attach(self, model: nn.Module, adapter: ModelAdapter) -> list[Any]:
+        """Called once by ``wrap()``: register any hooks the pruner needs outside the decoder
+        (e.g. on the vision tower) and return their handles; ``remove()`` removes them."""
+        return []
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         raise NotImplementedError

@@ -1,0 +1,118 @@
+"""Glue between a :class:`StageContext` and the plain-tensor math in ``_math``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import score_and_select
+from ..model_adapters import ImageLayout
+from .base import StageContext
+
+
+@dataclass
+class ImageTokens:
+    """The tokens of one image that are still present at this stage.
+
+    ``local``: their indices in the current sequence; ``cells``: their ``(view, row, col)``;
+    ``member``: their indices within ``layout.positions``.
+    """
+
+    row: int
+    image: int  # index of the image in the whole batch (row-major)
+    layout: ImageLayout
+    local: torch.Tensor
+    cells: torch.Tensor
+    member: torch.Tensor
+
+
+def image_tokens(ctx: StageContext) -> list[list[ImageTokens]]:
+    """Per row, per image: which of its tokens the current sequence still holds, and where."""
+    out = []
+    positions = ctx.positions.cpu()
+    n_seq = positions.shape[1]
+    count = 0
+    for b, images in enumerate(ctx.layout):
+        row = []
+        for layout in images:
+            where = torch.searchsorted(positions[b], layout.positions)
+            clamped = where.clamp(max=n_seq - 1)
+            present = positions[b][clamped] == layout.positions
+            member = torch.nonzero(present).flatten()
+            row.append(
+                ImageTokens(b, count, layout, clamped[present], layout.cells[present], member)
+            )
+            count += 1
+        out.append(row)
+    return out
+
+
+def row_counts(ctx: StageContext, n_keep: int) -> list[int]:
+    """Visual tokens row b keeps at this stage: the engine drops the same number from every
+    row, so rows with more visual tokens keep more than ``n_keep``."""
+    n_visual = ctx.visual.sum(1)
+    drop = int(n_visual.min()) - n_keep
+    return [int(n) - drop for n in n_visual]
+
+
+def rank_scores(ctx: StageContext, chosen: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
+    """Scores that make the engine keep exactly ``chosen[b]`` (local indices) in row b: chosen
+    tokens score ``2 + base`` and the others ``base``, with ``base`` scaled into ``[0, 1)``."""
+    base = base.float().cpu()
+    span = base.masked_fill(~ctx.visual.cpu(), 0.0).abs().amax(1, keepdim=True).clamp(min=1e-12)
+    scores = (base / span).clamp(-1.0, 0.999)
+    for b, index in enumerate(chosen):
+        scores[b, index] += 2.0
+    return scores.to(ctx.hidden.device)
+
+
+def per_query_scores(
+    ctx: StageContext,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    candidates: torch.Tensor,
+    reduce: str | None = None,
+) -> torch.Tensor:
+    """``[B, Tq, S]``: the attention each query row pays each candidate key, one row at a
+    time through the score-and-select dispatch (the query rows become the batch)."""
+    batch, heads, tq, dim = q.shape
+    flat_q = q.permute(0, 2, 1, 3).reshape(batch * tq, heads, 1, dim)
+    flat_k = k.repeat_interleave(tq, dim=0)  # [B*Tq, Hkv, S, D]
+    scores, _ = score_and_select(
+        flat_q,
+        flat_k,
+        candidates.repeat_interleave(tq, dim=0),
+        1,
+        scaling=ctx.attention.scaling,
+        key_mask=ctx.valid.repeat_interleave(tq, dim=0),
+        query_pos=rows.reshape(batch * tq, 1),
+        query_weights=torch.ones(batch * tq, 1, device=q.device),
+        reduce=reduce or ctx.config.reduce,
+    )
+    return scores.view(batch, tq, -1)
+
+
+def cell_xy(cells: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+    """``[n, 2]`` normalised ``(y, x)`` centres in ``[0, 1]`` of each token's cell (NaN for
+    tokens without a cell)."""
+    out = torch.full((cells.shape[0], 2), float("nan"))
+    has = cells[:, 1] >= 0
+    if has.any():
+        sizes = torch.tensor(grids, dtype=torch.float32)[cells[has, 0]]  # [m, 2]
+        out[has] = (cells[has, 1:].float() + 0.5) / sizes
+    return out
+
+
+def fill_cellless(values: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """Tokens without a grid cell (row newlines, CLS) take the value of the token before them
+    (the first one takes the mean of those with a cell)."""
+    values = values.clone()
+    has = cells[:, 1] >= 0
+    if bool(has.all()) or not bool(has.any()):
+        return values
+    fallback = values[has].mean()
+    for i in torch.nonzero(~has).flatten().tolist():
+        values[i] = values[i - 1] if i > 0 else fallback
+    return values
