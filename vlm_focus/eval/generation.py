@@ -1,0 +1,207 @@
+"""Batched greedy generation for the evaluations: optional pruning (``vf.wrap``), an optional
+mitigation from ``vlm_focus.hallucination``, and per-batch timing of prefill and decoding."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+from ..loading import build_inputs, load_image
+from ..model_adapters import get_adapter
+
+MITIGATIONS = ("none", "reweight", "beam", "contrast")
+BEAMS = 4  # beam width of the visual-attention beam search
+
+
+class _PrefillClock(LogitsProcessor):
+    """Notes when ``generate()`` first asks for the next token: the end of prefill."""
+
+    def __init__(self, sync) -> None:
+        self.sync = sync
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        if self.first is None:
+            self.sync()
+            self.first = time.perf_counter()
+        return scores
+
+
+@dataclass
+class Setting:
+    """What one evaluation run does to the model; recorded with its results."""
+
+    pruner: str | None = None
+    keep: float | int = 1.0
+    layer: int = 0
+    mitigate: str = "none"
+    max_new_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mitigate not in MITIGATIONS:
+            raise ValueError(f"mitigate={self.mitigate!r}; allowed: {', '.join(MITIGATIONS)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def pruned(self) -> bool:
+        return self.pruner is not None and self.keep != 1.0
+
+    @property
+    def tag(self) -> str:
+        """File-name tag, e.g. ``unpruned`` or ``fastv-k0.25-l2-beam``."""
+        tag = f"{self.pruner}-k{self.keep:g}-l{self.layer}" if self.pruned else "unpruned"
+        return tag if self.mitigate == "none" else f"{tag}-{self.mitigate}"
+
+    def describe(self) -> dict[str, Any]:
+        beams = BEAMS if self.mitigate == "beam" else 1
+        return {
+            "pruner": self.pruner if self.pruned else None,
+            "keep": self.keep if self.pruned else 1.0,
+            "layer": self.layer if self.pruned else None,
+            "mitigate": self.mitigate,
+            "decoding": f"{'beam search' if beams > 1 else 'greedy'}, num_beams={beams}, "
+            f"do_sample=False, max_new_tokens={self.max_new_tokens}",
+        }
+
+
+class Generator:
+    """Answers ``(image, prompt)`` rows with one model under one :class:`Setting`.
+
+    ``guide``/``guide_processor`` are the small model for the ``guided`` pruner.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        processor: Any,
+        setting: Setting,
+        *,
+        guide: torch.nn.Module | None = None,
+        guide_processor: Any = None,
+    ) -> None:
+        self.model, self.processor, self.setting = model, processor, setting
+        self.adapter = get_adapter(model)
+        self.guide, self.guide_processor = guide, guide_processor
+        if setting.pruned and setting.pruner == "guided" and guide is None:
+            raise ValueError("pruner 'guided' needs a guide model (--guide PATH)")
+        self.device = next(model.parameters()).device
+        cuda = self.device.type == "cuda"
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def inputs(self, images: list, prompts: list[str], processor: Any = None) -> dict:
+        processor = processor or self.processor
+        try:
+            inputs = build_inputs(processor, [load_image(i) for i in images], prompts)
+        except (TypeError, AttributeError) as err:
+            raise ValueError(
+                f"the processor could not build image inputs ({err}); the evaluations need a "
+                "vision-language model whose processor takes images"
+            ) from err
+        return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in inputs.items()}
+
+    def visual_counts(self, inputs: dict) -> list[int]:
+        """Visual tokens per row; ``ValueError`` when a row has none (no image in the inputs)."""
+        visual = self.adapter.visual_mask(self.model, inputs["input_ids"])
+        mask = inputs.get("attention_mask")
+        if mask is not None:
+            visual = visual & mask.bool()
+        counts = visual.sum(1).tolist()
+        if min(counts) == 0:
+            raise ValueError(
+                "the model's inputs hold no image tokens (check that the processor inserts the "
+                "image placeholder: a vision-language model and its own processor are needed)"
+            )
+        return counts
+
+    def __call__(self, images: list, prompts: list[str]) -> tuple[list[str], list[dict]]:
+        """Answers and per-row facts: visual tokens kept/total, new tokens, and the batch's
+        prefill and generate seconds divided evenly over its rows."""
+        s = self.setting
+        inputs = self.inputs(images, prompts)
+        n_visual = self.visual_counts(inputs)
+        clock = _PrefillClock(self.sync)
+        gen: dict[str, Any] = dict(
+            max_new_tokens=s.max_new_tokens, do_sample=False, logits_processor=[clock]
+        )
+        handle = None
+        with torch.no_grad():
+            if s.pruned:
+                import vlm_focus as vf
+
+                options = {"guide": self.guide} if s.pruner == "guided" else {}
+                handle = vf.wrap(self.model, pruner=s.pruner, keep=s.keep, layer=s.layer, **options)
+            try:
+                self.sync()
+                start = time.perf_counter()
+                sequences = self._generate(inputs, images, prompts, gen, handle)
+                self.sync()
+                total = time.perf_counter() - start
+            finally:
+                if handle is not None:
+                    handle.remove()
+        texts = self.decode(inputs, sequences)
+        kept = handle.last_trace.n_kept if handle is not None else n_visual
+        prefill = (clock.first or start + total) - start
+        new_tokens = self.count_new(inputs, sequences)
+        batch = len(texts)
+        rows = [
+            {
+                "visual_kept": int(kept[b]),
+                "visual_total": int(n_visual[b]),
+                "new_tokens": int(new_tokens[b]),
+                "prefill_s": prefill / batch,
+                "generate_s": total / batch,
+            }
+            for b in range(batch)
+        ]
+        return texts, rows
+
+    def _generate(self, inputs, images, prompts, gen, handle) -> torch.Tensor:
+        from .. import hallucination as hal
+
+        s, model = self.setting, self.model
+        if handle is not None and s.pruner == "guided":
+            from ..pruners import guided_generate
+
+            guide_inputs = self.inputs(images, prompts, self.guide_processor)
+            return guided_generate(handle, inputs, guide_inputs, **gen).sequences
+        if s.mitigate == "reweight":
+            with hal.attention_reweight(model):
+                return model.generate(**inputs, **gen)
+        if s.mitigate == "beam":
+            with hal.visual_beam(model) as proc:
+                gen["logits_processor"] = [gen["logits_processor"][0], proc]
+                return model.generate(**inputs, num_beams=BEAMS, **gen)
+        if s.mitigate == "contrast":
+            from ..grounding import GENERIC_PROMPT
+
+            generic = self.inputs(images, [GENERIC_PROMPT] * len(prompts))
+            with hal.instruction_contrast(model, inputs, generic) as proc:
+                gen["logits_processor"] = [gen["logits_processor"][0], proc]
+                return model.generate(**inputs, **gen)
+        return model.generate(**inputs, **gen)
+
+    def decode(self, inputs: dict, sequences: torch.Tensor) -> list[str]:
+        new = sequences[:, inputs["input_ids"].shape[1] :]
+        return [t.strip() for t in self.processor.batch_decode(new, skip_special_tokens=True)]
+
+    def count_new(self, inputs: dict, sequences: torch.Tensor) -> list[int]:
+        """Generated tokens per row, up to and including the first end-of-sequence token."""
+        new = sequences[:, inputs["input_ids"].shape[1] :].tolist()
+        config = getattr(self.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        counts = []
+        for row in new:
+            n = len(row)
+            for i, t in enumerate(row):
+                if t in eos:
+                    n = i + 1
+                    break
+            counts.append(n)
+        return counts
