@@ -395,3 +395,18 @@ def test_localization_heads_pick_the_planted_heads(monkeypatch, tmp_path):
     torch.testing.assert_close(by_heads[1][0].grid, by_dict[1][0].grid, atol=0, rtol=0)
     with pytest.raises(ValueError, match="outside"):
         G.heatmap(model, inputs, heads={1: [9]})
+
+
+def test_default_geometry_follows_the_adapter_and_can_be_overridden():
+    model = make_model("llava")  # its adapter declares the base view square-padded
+    inputs = make_inputs("llava", model, batch=1)
+    padded = G.heatmap(model, inputs, image_size=(40, 60))[0][0]
+    assert padded.image_size == (40, 60)
+    assert padded.frames == [view_frame((40, 60), "pad")]
+    cropped = G.heatmap(model, inputs, image_size=(40, 60), geometry="crop")[0][0]
+    assert cropped.frames == [view_frame((40, 60), "crop")]
+    torch.testing.assert_close(padded.grid, cropped.grid, atol=0, rtol=0)
+    assert float(cropped.pixels[:, :10].abs().sum()) == 0.0  # outside the central square
+    next_model = make_model("qwen2_vl")
+    heat = G.heatmap(next_model, make_inputs("qwen2_vl", next_model, batch=1))[0][0]
+    assert heat.frames == [(0.0, 0.0, 32.0, 24.0)] and heat.image_size == (32, 24)

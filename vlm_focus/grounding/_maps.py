@@ -12,10 +12,16 @@ pixels) that depends on the preprocessing (``geometry``):
 
 * ``"resize"``: the image was resized (squashed) to the grid: the frame is the whole image
   (LLaVA-NeXT's base view and unpadded anyres view, Qwen's merged dynamic grid);
-* ``"crop"``: shortest side resized, then a centred square crop (the CLIP processor used by
-  LLaVA-1.5 in transformers): the frame is the central ``min(H, W)`` square;
-* ``"pad"``: padded to a square first (LLaVA's original ``expand2square``): the frame is the
-  centred ``max(H, W)`` square, partly outside the image.
+* ``"crop"``: shortest side resized, then a centred square crop (CLIP's image processor and
+  transformers' ``LlavaImageProcessor`` with ``do_pad=False``): the frame is the central
+  ``min(H, W)`` square;
+* ``"pad"``: padded to a square first (LLaVA-1.5's reference ``expand2square``; the views an
+  adapter lists in ``square_padded_views``): the frame is the centred ``max(H, W)`` square,
+  partly outside the image.
+
+The default is per view from the adapter (``"pad"`` for ``square_padded_views``, ``"resize"``
+otherwise); pass ``geometry=`` to match the processor actually used. Square images (the
+organism's 192 x 192 scenes) are unaffected.
 
 Cell ``(r, c)`` of a ``rows x cols`` view covers ``[y0 + r*height/rows, y0 + (r+1)*height/rows)``
 by ``[x0 + c*width/cols, ...)``. The pixel map is the attention *density* (mass per pixel),
@@ -323,12 +329,19 @@ def upsample(
     return values[0, 0].double().div(cell_area).masked_fill(~inside, 0.0).float()
 
 
-def _geometry(model: nn.Module, geometry: str | None) -> str:
-    if geometry is None:
-        geometry = get_adapter(model).extra.get("pixel_geometry", "resize")
-    if geometry not in GEOMETRIES:
+def _geometry(model: nn.Module, geometry: str | None) -> str | None:
+    """A checked explicit geometry, or None: per view from the adapter (its
+    ``square_padded_views`` are ``"pad"``, the others ``"resize"``)."""
+    if geometry is not None and geometry not in GEOMETRIES:
         raise ValueError(f"geometry={geometry!r}; allowed: {GEOMETRIES}")
     return geometry
+
+
+def view_geometries(model: nn.Module, n_views: int, geometry: str | None) -> list[str]:
+    if geometry is not None:
+        return [geometry] * n_views
+    padded = getattr(get_adapter(model), "square_padded_views", ())
+    return ["pad" if v in padded else "resize" for v in range(n_views)]
 
 
 def _image_size(
@@ -355,11 +368,12 @@ def build_map(
     values: torch.Tensor,
     layout: ImageLayout,
     image_size: tuple[int, int],
-    geometry: str,
+    geometry: str | Sequence[str],
     row: int = 0,
     image: int = 0,
 ) -> HeatMap:
-    """Scatter per-token values ``[n]`` of one image onto its views and into pixels."""
+    """Scatter per-token values ``[n]`` of one image onto its views and into pixels
+    (``geometry``: one for every view, or one per view)."""
     values = values.detach().float().cpu()
     cells = layout.cells
     views = []
@@ -369,7 +383,8 @@ def build_map(
         sel = has_cell & (cells[:, 0] == v)
         grid.index_put_((cells[sel, 1], cells[sel, 2]), values[sel], accumulate=True)
         views.append(grid)
-    frames = [view_frame(image_size, geometry) for _ in views]
+    geometries = [geometry] * len(views) if isinstance(geometry, str) else list(geometry)
+    frames = [view_frame(image_size, g) for g in geometries]
     pixels = torch.zeros(image_size)
     for grid, frame in zip(views, frames, strict=True):
         pixels += upsample(grid, image_size, frame)
@@ -470,7 +485,10 @@ def heatmap(
         layers: decoder layers to average (default: all; ``heads`` implies its own layers).
         heads: localization heads (:func:`select_localization_heads`) or ``{layer: [heads]}``.
         image_size: ``(H, W)`` or one per row/image, used when the layout does not know it.
-        geometry: ``"resize"``, ``"crop"`` or ``"pad"`` (default from the model adapter).
+        geometry: ``"resize"``, ``"crop"`` or ``"pad"`` for every view; default per view from
+            the model adapter (``square_padded_views`` -> ``"pad"``, else ``"resize"``). Pass
+            ``"crop"`` for a processor that resizes the short side and centre-crops (CLIP's
+            default, ``do_pad=False``).
 
     Returns:
         per batch row, one :class:`HeatMap` per image.
@@ -533,14 +551,15 @@ def maps_from_values(
     probed: _Probed,
     values: list[list[torch.Tensor]],
     image_size: Any,
-    geometry: str,
+    geometry: str | None,
 ) -> list[list[HeatMap]]:
     out = []
     for b, (row_values, row_layouts) in enumerate(zip(values, probed.layout, strict=True)):
         row = []
         for i, (v, layout) in enumerate(zip(row_values, row_layouts, strict=True)):
             size = _image_size(model, layout, image_size, b, i)
-            row.append(build_map(v, layout, size, geometry, b, i))
+            geometries = view_geometries(model, len(layout.grids), geometry)
+            row.append(build_map(v, layout, size, geometries, b, i))
         out.append(row)
     return out
 
