@@ -1,4 +1,4 @@
-"""`vlm-focus organism train|eval|scenes`: retrain, re-measure and export the organism models."""
+"""`vlm-focus organism train|eval|ship|scenes`: retrain, re-measure and ship the organism models."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--n", type=int, default=500)
     s.add_argument("--no-images", action="store_true")
+    h = sub.add_parser("ship", help="copy a trained model + metrics into vlm_focus/assets")
+    h.add_argument("--path", type=Path, required=True, help="trained model folder")
+    h.add_argument("--name", choices=["default", "guide"], required=True)
+    h.add_argument("--metrics", type=Path, required=True, help="metrics json from `eval`")
+    h.add_argument("--heldout", action="store_true", help="also write assets/heldout + samples")
     return p
 
 
@@ -55,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.write_text(text)
         print(text)
+        return 0
+    if args.command == "ship":
+        from .export import ship, ship_heldout
+
+        dest = ship(args.path, args.name, json.loads(args.metrics.read_text()))
+        if args.heldout:
+            ship_heldout()
+        print(dest)
         return 0
     if args.command == "scenes":
         from .pope import write_heldout

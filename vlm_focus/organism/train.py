@@ -56,21 +56,21 @@ class Recipe:
     spec: str
     stages: list[StageConfig]
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 150
 
 
 def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
     """The shipped recipe; `scale` multiplies steps and minutes (e.g. 0.01 for a smoke run)."""
     if spec == "guide":
-        minutes, steps = (3.0, 4.0, 8.0), (600, 500, 1000)
+        minutes, steps = (4.0, 6.0, 10.0), (3000, 2000, 4000)
     else:
-        minutes, steps = (8.0, 14.0, 26.0), (1000, 900, 2000)
+        minutes, steps = (10.0, 16.0, 30.0), (3000, 2000, 4000)
     m = [max(x * scale, 0.05) for x in minutes]
     s = [max(int(x * scale), 2) for x in steps]
     return Recipe(
         spec=spec,
         stages=[
-            StageConfig("vision", s[0], m[0], 1e-3, batch=32),
+            StageConfig("vision", s[0], m[0], 1e-3, batch=16),
             StageConfig(
                 "cat_last", s[1], m[1], 1e-3, mix={"presence": 0.7, "relation": 0.3}, turns=(6, 8)
             ),
@@ -184,7 +184,9 @@ class Probe:
         return out
 
 
-def train_vision(model, spec: OrganismSpec, stage: StageConfig, batcher: Batcher, log) -> None:
+def train_vision(
+    model, spec: OrganismSpec, stage: StageConfig, batcher: Batcher, log, log_every: int = 25
+) -> None:
     """Stage 1: dense per-patch pretraining of the tower with the exact masks."""
     tower = model.model.vision_tower
     head = PatchHead(spec.vision_hidden, spec.grid)
@@ -218,7 +220,7 @@ def train_vision(model, spec: OrganismSpec, stage: StageConfig, batcher: Batcher
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        if step % 25 == 0 or _done(stage, step, t0):
+        if step % log_every == 0 or _done(stage, step, t0):
             mask = labels > 0
             acc = (
                 float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
@@ -229,7 +231,15 @@ def train_vision(model, spec: OrganismSpec, stage: StageConfig, batcher: Batcher
     tower.eval()
 
 
-def train_lm(model, stage: StageConfig, batcher: Batcher, probe: Probe, log, every: int) -> None:
+def train_lm(
+    model,
+    stage: StageConfig,
+    batcher: Batcher,
+    probe: Probe | None,
+    log,
+    every: int,
+    log_every: int = 25,
+) -> None:
     """Stages 2 and 3: projector + language model on question/answer sequences."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
@@ -250,10 +260,10 @@ def train_lm(model, stage: StageConfig, batcher: Batcher, probe: Probe, log, eve
         opt.step()
         step += 1
         record = {"loss": loss.item()}
-        if step % every == 0 or _done(stage, step, t0):
+        if probe is not None and (step % every == 0 or _done(stage, step, t0)):
             record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
             log(stage.name, step, time.time() - t0, record)
-        elif step % 25 == 0:
+        elif step % log_every == 0:
             log(stage.name, step, time.time() - t0, record)
 
 
