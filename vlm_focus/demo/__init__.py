@@ -1,0 +1,12 @@
+"""Gradio demo: ask a question about an image, see the answer, the attention maps with boxes and
+region scores, which visual tokens pruning kept, and the prefill speed-up.
+
+    vlm-focus demo                      # embedded model on http://127.0.0.1:7860
+    vlm-focus demo --model PATH_OR_ID --port 8000
+
+The request function (:func:`run_request`) needs no gradio; the app (``vlm_focus.demo.app``) does.
+"""
+
+from .request import MITIGATIONS, DemoResult, GroundedMap, run_request
+
+__all__ = ["MITIGATIONS", "DemoResult", "GroundedMap", "run_request"]

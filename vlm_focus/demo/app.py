@@ -1,0 +1,281 @@
+"""``vlm-focus demo``: a Gradio page over :func:`vlm_focus.demo.request.run_request`.
+
+The model loads once at startup (the embedded organism model by default, safetensors only, no
+repository code unless ``--trust-remote-code``). The page binds to 127.0.0.1 unless ``--host``
+says otherwise, shares nothing unless ``--share``, sends no analytics and loads no web fonts.
+Requests go through gradio's queue: ``--concurrency`` at a time, at most ``--queue-size`` waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import numpy as np  # noqa: E402
+
+from .request import MITIGATIONS, DemoResult, run_request  # noqa: E402
+
+DEFAULT_QUESTION = "Is there a red_circle in the image?"
+EXAMPLE_PROMPTS = (
+    "Is there a red_circle in the image?",
+    "Describe the image.",
+    "Is there a blue_square in the image?",
+)
+DEFAULT_PRUNER = "fastv"
+DEFAULT_KEEP = 0.25
+N_SAMPLES = 6
+MAX_FILE_SIZE = 64 * 1024 * 1024  # bytes per upload
+LOCAL_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]
+LOCAL_MONO = ["ui-monospace", "Consolas", "monospace"]
+
+
+def sample_scenes(n: int = N_SAMPLES) -> dict[str, np.ndarray]:
+    """Name -> RGB image of the bundled sample scenes (rendered held-out scenes when the package
+    ships none)."""
+    from PIL import Image
+
+    from ..organism import sample_scene_paths
+
+    out: dict[str, np.ndarray] = {}
+    for path in sample_scene_paths()[:n]:
+        with Image.open(path) as opened:
+            out[path.stem] = np.asarray(opened.convert("RGB"))
+    if not out:
+        from ..organism.scenes import heldout_scenes
+
+        for scene in heldout_scenes(n):
+            out[f"scene-{scene.seed}"] = scene.image()
+    return out
+
+
+def _n_layers(model: Any) -> int:
+    from ..model_adapters import get_adapter
+
+    try:
+        return len(get_adapter(model).decoder_layers(model))
+    except ValueError:
+        return 1
+
+
+def _let_unreadable_files_through(component: Any) -> None:
+    """Make an image input hand files it cannot read to the request function, which answers
+    them with a clear message (gradio's own check only says "Error"). Patches the instance."""
+    strict = component.preprocess
+
+    def preprocess(payload: Any) -> Any:
+        try:
+            return strict(payload)
+        except Exception:
+            return None if payload is None else getattr(payload, "path", None)
+
+    component.preprocess = preprocess
+
+
+def outputs_of(result: DemoResult) -> tuple:
+    """The page's output values for one result (same order as the output components)."""
+    if not result.ok:
+        status = f"**Could not answer.** {result.message}"
+        return (status, "", "", "", "", None, None, [], [])
+    notes = " ".join(result.notices)
+    status = f"Done in {result.seconds:.1f} s." + (f" {notes}" if notes else "")
+    stats = f"**{result.kept_text}**  \n{result.timing_text}"
+    gallery = [(m.overlay, f"{m.phrase}: {m.scores[0]:.2f}" if m.scores else m.phrase)
+               for m in result.object_maps]  # fmt: skip
+    mitigated = result.answer_mitigated if result.mitigation != "none" else ""
+    return (
+        status,
+        result.answer,
+        result.answer_unpruned,
+        mitigated,
+        stats,
+        result.heatmap,
+        result.kept_overlay,
+        gallery,
+        result.box_rows(),
+    )
+
+
+def build_app(model: Any, processor: Any, *, max_new_tokens: int = 24, repeats: int = 3):
+    """The demo page (``gr.Blocks``) serving ``model``; call ``.queue(...).launch(...)`` on it."""
+    import gradio as gr
+
+    import vlm_focus as vf
+
+    samples = sample_scenes()
+    n_layers = _n_layers(model)
+    default_layer = min(2, n_layers - 1)
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+
+    with gr.Blocks(analytics_enabled=False, title="vlm_focus demo") as demo:
+        gr.Markdown(
+            "## vlm_focus: where the model looks, and what pruning keeps\n"
+            f"Model: `{name}`. Ask about an image: the page shows the answer with and without "
+            "visual-token pruning, the attention map of your phrase and of each object the "
+            "answer names (with boxes and their region scores), the visual tokens the pruner "
+            "kept, and the prefill time pruned against unpruned, measured in the same request."
+        )
+        with gr.Row():
+            with gr.Column(scale=1):
+                image = gr.Image(
+                    type="filepath",
+                    image_mode=None,
+                    format="png",
+                    sources=["upload", "clipboard"],
+                    label="Image",
+                    elem_id="image",
+                    height=320,
+                )
+                _let_unreadable_files_through(image)
+                sample = gr.Dropdown(
+                    choices=list(samples),
+                    value=None,
+                    label="...or a sample scene",
+                    elem_id="sample",
+                )
+                prompt = gr.Textbox(
+                    value=DEFAULT_QUESTION, label="Question or phrase", elem_id="prompt"
+                )
+                gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[prompt], label="Prompts")
+                with gr.Row():
+                    pruner = gr.Dropdown(choices=vf.pruners(), value=DEFAULT_PRUNER, label="Pruner")
+                    mitigation = gr.Dropdown(
+                        choices=list(MITIGATIONS), value="none", label="Mitigation"
+                    )
+                keep = gr.Slider(0.05, 1.0, value=DEFAULT_KEEP, step=0.05, label="Keep ratio")
+                layer = gr.Slider(
+                    0, max(n_layers - 1, 0), value=default_layer, step=1, label="Prune at layer"
+                )
+                run = gr.Button("Run", variant="primary", elem_id="run")
+            with gr.Column(scale=2):
+                status = gr.Markdown(elem_id="status")
+                answer = gr.Textbox(label="Answer (pruned)", elem_id="answer")
+                with gr.Row():
+                    unpruned = gr.Textbox(label="Answer (unpruned)", elem_id="answer-unpruned")
+                    mitigated = gr.Textbox(
+                        label="Answer (unpruned, with the mitigation)", elem_id="answer-mitigated"
+                    )
+                stats = gr.Markdown(elem_id="stats")
+                with gr.Row():
+                    heat = gr.Image(
+                        label="Attention to the prompt phrase, with boxes",
+                        format="png",
+                        interactive=False,
+                        elem_id="heatmap",
+                        height=320,
+                    )
+                    kept = gr.Image(
+                        label="Visual tokens kept (pruned patches darkened)",
+                        format="png",
+                        interactive=False,
+                        elem_id="kept-mask",
+                        height=320,
+                    )
+                objects = gr.Gallery(
+                    label="Attention to each object word of the answer",
+                    columns=4,
+                    height=220,
+                    format="png",
+                    elem_id="objects",
+                )
+                table = gr.Dataframe(
+                    headers=["phrase", "x", "y", "w", "h", "region score"],
+                    label="Boxes (pixels) and region scores",
+                    interactive=False,
+                    elem_id="boxes",
+                )
+
+        def pick(choice: str | None):
+            return samples.get(choice) if choice else gr.skip()
+
+        def respond(image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value):
+            result = run_request(
+                model,
+                processor,
+                image_value,
+                prompt_value,
+                pruner_value,
+                keep_value,
+                layer_value,
+                mit_value,
+                max_new_tokens=max_new_tokens,
+                repeats=repeats,
+            )
+            if not result.ok:
+                gr.Warning(result.message)
+            return outputs_of(result)
+
+        sample.change(pick, inputs=[sample], outputs=[image], api_name=False)
+        run.click(
+            respond,
+            inputs=[image, prompt, pruner, keep, layer, mitigation],
+            outputs=[status, answer, unpruned, mitigated, stats, heat, kept, objects, table],
+            api_name="answer",
+        )
+    return demo
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vlm-focus demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model path or hub id (default: embedded)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="open a public gradio share link")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model repo code")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=2, help="requests served at once")
+    p.add_argument("--queue-size", type=int, default=16, help="requests allowed to wait")
+    return p
+
+
+def launch(demo: Any, args: argparse.Namespace, *, block: bool = True):
+    """Queue and launch ``demo`` with the command line's network options."""
+    import gradio as gr
+
+    theme = gr.themes.Default(font=LOCAL_FONTS, font_mono=LOCAL_MONO)
+    demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size)
+    return demo.launch(
+        server_name=args.host,
+        server_port=args.port,
+        share=args.share,
+        inbrowser=False,
+        prevent_thread_lock=not block,
+        max_file_size=MAX_FILE_SIZE,
+        ssr_mode=False,
+        footer_links=[],
+        theme=theme,
+        quiet=not block,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for name in ("concurrency", "queue_size"):
+        if getattr(args, name) < 1:
+            print(f"vlm-focus demo: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    from ..loading import load_model
+
+    try:
+        model, processor = load_model(
+            args.model,
+            device=args.device,
+            attn_implementation=args.attn,
+            trust_remote_code=args.trust_remote_code,
+        )
+    except (ValueError, OSError) as err:
+        print(f"vlm-focus demo: cannot load the model: {err}", file=sys.stderr)
+        return 2
+    demo = build_app(model, processor, max_new_tokens=args.max_new_tokens)
+    print(f"vlm-focus demo: serving on http://{args.host}:{args.port}", flush=True)
+    launch(demo, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

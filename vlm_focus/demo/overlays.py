@@ -1,0 +1,117 @@
+"""Drawing for the demo: attention heatmaps (OpenCV colormap), boxes, and the kept-token mask.
+
+Every function takes and returns ``np.uint8 [H, W, 3]`` RGB images of the input image's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cv2
+import numpy as np
+import torch
+
+from ..grounding import Box
+from ..grounding._maps import cell_rectangles
+
+#: Box colours (RGB), best box first.
+BOX_COLOURS = ((255, 255, 255), (255, 220, 0), (0, 230, 255), (255, 120, 255))
+KEPT_COLOUR = (60, 255, 60)
+
+
+def _check_image(image: np.ndarray) -> np.ndarray:
+    if not isinstance(image, np.ndarray) or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"image must be an [H, W, 3] array, got {getattr(image, 'shape', image)}")
+    return np.ascontiguousarray(image, dtype=np.uint8)
+
+
+def heat_overlay(
+    image: np.ndarray,
+    density: np.ndarray | torch.Tensor,
+    *,
+    alpha: float = 0.5,
+    colormap: int = cv2.COLORMAP_JET,
+) -> np.ndarray:
+    """Blend ``density [H, W]`` (any non-negative scale) onto ``image`` with an OpenCV colormap.
+
+    ``out = (1 - alpha) * image + alpha * colormap(round(255 * density / max(density)))``
+    """
+    image = _check_image(image)
+    if isinstance(density, torch.Tensor):
+        density = density.detach().cpu().numpy()
+    density = np.asarray(density, dtype=np.float64)
+    if density.shape != image.shape[:2]:
+        raise ValueError(f"map shape {density.shape} != image shape {image.shape[:2]}")
+    density = np.nan_to_num(density, nan=0.0, posinf=0.0, neginf=0.0).clip(min=0)
+    peak = float(density.max())
+    scaled = np.zeros(density.shape, np.uint8) if peak <= 0 else np.round(255 * density / peak)
+    coloured = cv2.applyColorMap(scaled.astype(np.uint8), colormap)  # BGR
+    coloured = cv2.cvtColor(coloured, cv2.COLOR_BGR2RGB)
+    return cv2.addWeighted(image, 1.0 - alpha, coloured, alpha, 0.0)
+
+
+def _thickness(image: np.ndarray) -> int:
+    return max(1, round(min(image.shape[:2]) / 160))
+
+
+def draw_boxes(
+    image: np.ndarray, boxes: Sequence[Box], labels: Sequence[str] | None = None
+) -> np.ndarray:
+    """Rectangles around ``boxes`` (``[x, y, w, h]`` pixels) with an optional label each."""
+    out = _check_image(image).copy()
+    thick = _thickness(out)
+    scale = max(0.35, min(out.shape[:2]) / 500)
+    for i, box in enumerate(boxes):
+        colour = BOX_COLOURS[i % len(BOX_COLOURS)]
+        x0, y0 = int(round(box.x)), int(round(box.y))
+        x1, y1 = int(round(box.x + box.w)) - 1, int(round(box.y + box.h)) - 1
+        cv2.rectangle(out, (x0, y0), (max(x0, x1), max(y0, y1)), colour, thick)
+        if labels is not None and i < len(labels) and labels[i]:
+            (tw, th), base = cv2.getTextSize(labels[i], cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
+            ty = y0 - 2 if y0 - th - base - 2 >= 0 else min(out.shape[0] - 1, y0 + th + 2)
+            cv2.rectangle(out, (x0, ty - th - 1), (x0 + tw + 1, ty + base - 1), (0, 0, 0), -1)
+            cv2.putText(
+                out, labels[i], (x0, ty - 1), cv2.FONT_HERSHEY_SIMPLEX, scale, colour, 1,
+                cv2.LINE_AA,
+            )  # fmt: skip
+    return out
+
+
+def kept_mask_overlay(
+    image: np.ndarray,
+    kept: np.ndarray | torch.Tensor,
+    frame: tuple[float, float, float, float],
+    *,
+    dim: float = 0.25,
+    outline: bool = True,
+) -> np.ndarray:
+    """Darken the pixels of pruned grid cells and outline the kept ones.
+
+    ``kept [rows, cols]`` bool is one view's grid; ``frame`` the ``(y0, x0, height, width)``
+    pixel region that grid spans (``grounding._maps.view_frame``). Pixels of a pruned cell are
+    scaled by ``dim``; pixels outside the frame stay as they are.
+    """
+    out = _check_image(image).copy()
+    kept_t = torch.as_tensor(np.asarray(kept, dtype=bool))
+    if kept_t.dim() != 2:
+        raise ValueError(f"kept must be a [rows, cols] bool grid, got {list(kept_t.shape)}")
+    height, width = out.shape[:2]
+    rects = cell_rectangles(tuple(kept_t.shape), frame).round().long()  # [rows, cols, 4]
+    pruned = np.zeros((height, width), dtype=bool)
+    boxes = []
+    for r in range(kept_t.shape[0]):
+        for c in range(kept_t.shape[1]):
+            y_lo, x_lo, y_hi, x_hi = (int(v) for v in rects[r, c])
+            y_lo, y_hi = max(0, y_lo), min(height, y_hi)
+            x_lo, x_hi = max(0, x_lo), min(width, x_hi)
+            if y_hi <= y_lo or x_hi <= x_lo:
+                continue
+            if bool(kept_t[r, c]):
+                boxes.append((x_lo, y_lo, x_hi - 1, y_hi - 1))
+            else:
+                pruned[y_lo:y_hi, x_lo:x_hi] = True
+    out[pruned] = np.round(out[pruned].astype(np.float64) * dim).astype(np.uint8)
+    if outline:
+        for x0, y0, x1, y1 in boxes:
+            cv2.rectangle(out, (x0, y0), (x1, y1), KEPT_COLOUR, 1)
+    return out

@@ -1,0 +1,527 @@
+"""The demo's request function: one image and one prompt in, everything the page shows out.
+
+No gradio here: :func:`run_request` validates its inputs, runs the model and returns a
+:class:`DemoResult`. Bad input (no image, a file that is not an image, an empty prompt, an
+unsupported model, an option outside its range) never raises: the result carries ``ok=False``
+and a message meant for the user.
+
+What one request computes, all on the model the app loaded once:
+
+1. the answer of the pruned model (``vf.wrap(model, pruner, keep, layer)``) and of the unpruned
+   one, greedy; with a mitigation, also the unpruned model's answer under it (mitigations hook
+   every decoder layer, pruning slices the layers from ``layer`` on: they are shown apart);
+2. prefill time of the same input, unpruned and pruned, measured in this request
+   (``timing.median_seconds``), and their ratio;
+3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
+   adapter's layout to grid cells, drawn over the image;
+4. attention maps from one teacher-forced pass over prompt + pruned answer on the unpruned model
+   (``grounding.heatmap``'s TAG maps): one for the prompt's content words, one per object word of
+   the answer, each with boxes (``grounding.boxes``) and their region score (the MTLA share of the
+   map's attention inside the box, ``grounding.box_share``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import nn
+
+import vlm_focus as vf
+
+from .. import hallucination as hal
+from ..grounding import GENERIC_PROMPT, Box, box_share, boxes
+from ..grounding._describe import STOP_WORDS, _mentions
+from ..grounding._maps import (
+    HeatMap,
+    _tokenizer_of,
+    _weights,
+    extend_with_answer,
+    head_weights,
+    maps_from_values,
+    probe_forward,
+    query_mask,
+    token_attention,
+    view_frame,
+)
+from ..loading import build_inputs, decode_new_tokens
+from ..model_adapters import ImageLayout, get_adapter, supported_models
+from ..timing import median_seconds, prefill_fn
+from .overlays import draw_boxes, heat_overlay, kept_mask_overlay
+
+logger = logging.getLogger(__name__)
+
+MITIGATIONS = ("none", "attention_reweight", "visual_beam", "instruction_contrast")
+#: Longest image side the demo feeds the model; larger images are downscaled (with a notice).
+MAX_SIDE = 1344
+#: Images with more pixels than this are refused before decoding (decompression bombs).
+MAX_PIXELS = 100_000_000
+MAX_PROMPT_CHARS = 1000
+MAX_BOXES = 3
+
+#: wrap() and the attention probes hook the model instance: one request uses a model at a time.
+MODEL_LOCK = threading.Lock()
+
+
+class DemoInputError(ValueError):
+    """A problem with the user's input, worded for the user."""
+
+
+@dataclass
+class GroundedMap:
+    """One attention map drawn on the image: the phrase, the overlay, its boxes and scores."""
+
+    phrase: str
+    overlay: np.ndarray  # [H, W, 3] uint8
+    boxes: list[Box]
+    scores: list[float]  # region score (MTLA share of the map inside each box)
+
+
+@dataclass
+class DemoResult:
+    """Everything the page shows for one request.
+
+    ``ok=False`` means the request was refused or failed; ``message`` then says why and the other
+    outputs are empty. With ``ok=True``, ``notices`` may still hold remarks (a downscaled image).
+    """
+
+    ok: bool
+    message: str = ""
+    notices: list[str] = field(default_factory=list)
+    image: np.ndarray | None = None  # [H, W, 3] uint8: the image the model saw
+    answer: str = ""  # answer of the pruned model
+    answer_unpruned: str = ""
+    answer_mitigated: str = ""  # unpruned model under the mitigation ("" without one)
+    mitigation: str = "none"
+    prompt_map: GroundedMap | None = None
+    object_maps: list[GroundedMap] = field(default_factory=list)
+    kept_overlay: np.ndarray | None = None  # [H, W, 3] uint8
+    n_kept: int = 0
+    n_visual: int = 0
+    prefill_ms_unpruned: float = 0.0
+    prefill_ms_pruned: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def heatmap(self) -> np.ndarray | None:
+        """The prompt phrase's map overlay with its boxes ([H, W, 3] uint8)."""
+        return None if self.prompt_map is None else self.prompt_map.overlay
+
+    @property
+    def speedup(self) -> float:
+        return self.prefill_ms_unpruned / self.prefill_ms_pruned if self.prefill_ms_pruned else 0.0
+
+    @property
+    def kept_text(self) -> str:
+        if not self.n_visual:
+            return ""
+        share = 100.0 * self.n_kept / self.n_visual
+        return f"{self.n_kept} / {self.n_visual} visual tokens kept ({share:.0f}%)"
+
+    @property
+    def timing_text(self) -> str:
+        if not self.prefill_ms_pruned:
+            return ""
+        return (
+            f"prefill {self.prefill_ms_unpruned:.1f} ms unpruned -> "
+            f"{self.prefill_ms_pruned:.1f} ms pruned ({self.speedup:.2f}x), same request"
+        )
+
+    def box_rows(self) -> list[list[Any]]:
+        """Table rows ``[phrase, x, y, w, h, region score]``: the prompt map's boxes first."""
+        rows = []
+        maps = ([self.prompt_map] if self.prompt_map else []) + self.object_maps
+        for m in maps:
+            for box, score in zip(m.boxes, m.scores, strict=True):
+                xywh = [int(round(v)) for v in box.xywh]
+                rows.append([m.phrase, *xywh, round(score, 3)])
+        return rows
+
+
+# --- input checks ---------------------------------------------------------------------------
+def prepare_image(
+    image: Any, max_side: int = MAX_SIDE, max_pixels: int = MAX_PIXELS
+) -> tuple[Image.Image, list[str]]:
+    """An RGB image no larger than ``max_side`` on its longest side, and notices for the user.
+
+    ``image`` is a file path, a PIL image or an ``[H, W, 3]``/``[H, W]`` uint8 array. Raises
+    :class:`DemoInputError` with a user-facing message for anything else.
+    """
+    notices: list[str] = []
+    if image is None or (isinstance(image, str) and not image.strip()):
+        raise DemoInputError("No image: upload an image or pick a sample scene.")
+    if isinstance(image, np.ndarray):
+        if image.ndim not in (2, 3) or image.size == 0 or (image.ndim == 3 and image.shape[2] > 4):
+            raise DemoInputError(f"The image array has an unusable shape {list(image.shape)}.")
+        image = Image.fromarray(np.asarray(image).astype(np.uint8))
+    if isinstance(image, (str, Path)):
+        image = _open(Path(image), max_side, max_pixels)
+    if not isinstance(image, Image.Image):
+        raise DemoInputError(f"Unsupported image input of type {type(image).__name__}.")
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise DemoInputError("The image is empty (0 pixels).")
+    if width * height > max_pixels:
+        raise DemoInputError(_too_large(width, height, max_pixels))
+    original = image.size
+    rgb = image.convert("RGB")
+    if max(rgb.size) > max_side:
+        rgb.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+    if rgb.size != original:
+        notices.append(
+            f"The image was {original[0]}x{original[1]} pixels; it was downscaled to "
+            f"{rgb.size[0]}x{rgb.size[1]} for this demo."
+        )
+    return rgb, notices
+
+
+def _too_large(width: int, height: int, max_pixels: int) -> str:
+    return (
+        f"The image is too large to process ({width}x{height} = {width * height / 1e6:.0f} "
+        f"megapixels; the limit is {max_pixels / 1e6:.0f})."
+    )
+
+
+def _open(path: Path, max_side: int, max_pixels: int) -> Image.Image:
+    """Open and decode a file, refusing non-images and oversized images before decoding."""
+    if not path.is_file():
+        raise DemoInputError(f"Image file not found: {path.name}")
+    try:
+        with Image.open(path) as opened:
+            width, height = opened.size
+            if width * height > max_pixels:
+                raise DemoInputError(_too_large(width, height, max_pixels))
+            opened.draft("RGB", (max_side, max_side))  # JPEG: decode at a reduced scale
+            opened.load()
+            return opened.copy()
+    except DemoInputError:
+        raise
+    except Image.DecompressionBombError as err:
+        raise DemoInputError(f"The image is too large to process: {err}") from err
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        kind = "not an image" if isinstance(err, UnidentifiedImageError) else "corrupt"
+        raise DemoInputError(
+            f"The file '{path.name}' is {kind}: it could not be read as an image."
+        ) from err
+
+
+def check_prompt(prompt: Any) -> str:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DemoInputError("The prompt is empty: type a question or a phrase.")
+    prompt = prompt.strip()
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise DemoInputError(
+            f"The prompt is {len(prompt)} characters long; the limit is {MAX_PROMPT_CHARS}."
+        )
+    return prompt
+
+
+def check_options(model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigation: Any) -> None:
+    """Model support, pruner name, keep ratio/count, layer and mitigation, as user messages."""
+    try:
+        adapter = get_adapter(model)
+    except ValueError:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise DemoInputError(
+            f"This model is not supported (model type {model_type!r}); supported types: "
+            f"{', '.join(supported_models())}."
+        ) from None
+    if pruner not in vf.pruners():
+        raise DemoInputError(f"Unknown pruner {pruner!r}; choose one of {', '.join(vf.pruners())}.")
+    if isinstance(keep, bool) or not isinstance(keep, int | float):
+        raise DemoInputError(f"keep must be a number, got {keep!r}.")
+    if not (0 < keep <= 1 or (keep > 1 and float(keep).is_integer())):
+        raise DemoInputError(f"keep={keep}: use a ratio in (0, 1] or a whole count >= 1.")
+    n_layers = len(adapter.decoder_layers(model))
+    if isinstance(layer, float) and layer.is_integer():
+        layer = int(layer)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise DemoInputError(f"layer={layer!r}: this model prunes at a layer in [0, {n_layers}).")
+    if mitigation not in MITIGATIONS:
+        raise DemoInputError(
+            f"Unknown mitigation {mitigation!r}; choose one of {', '.join(MITIGATIONS)}."
+        )
+
+
+# --- the request ----------------------------------------------------------------------------
+def run_request(
+    model: nn.Module,
+    processor: Any,
+    image: Any,
+    prompt: Any,
+    pruner: str = "fastv",
+    keep: float | int = 0.25,
+    layer: int = 2,
+    mitigation: str = "none",
+    *,
+    max_new_tokens: int = 24,
+    max_side: int = MAX_SIDE,
+    repeats: int = 3,
+) -> DemoResult:
+    """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to.
+
+    Never raises for bad input or a failing model call: see :class:`DemoResult`.
+    """
+    start = time.perf_counter()
+    try:
+        picture, notices = prepare_image(image, max_side=max_side)
+        prompt = check_prompt(prompt)
+        if isinstance(keep, float) and keep > 1 and keep.is_integer():
+            keep = int(keep)
+        layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
+        check_options(model, pruner, keep, layer, mitigation)
+        inputs = _to_model(model, build_inputs(processor, picture, prompt))
+        generic = None
+        if mitigation == "instruction_contrast":
+            generic = _to_model(model, build_inputs(processor, picture, GENERIC_PROMPT))
+        with MODEL_LOCK:
+            result = _compute(
+                model, processor, picture, prompt, inputs, generic, pruner, keep, layer, mitigation,
+                max_new_tokens, repeats,
+            )  # fmt: skip
+        result.notices = notices + result.notices
+    except DemoInputError as err:
+        return DemoResult(ok=False, message=str(err))
+    except ValueError as err:  # option checks of wrap(), the processor and grounding
+        return DemoResult(ok=False, message=f"The request could not be run: {err}")
+    except Exception as err:  # a model failure must not take the app down
+        logger.exception("demo request failed")
+        return DemoResult(ok=False, message=f"The request failed ({type(err).__name__}: {err}).")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _to_model(model: nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device)
+            if value.is_floating_point():
+                value = value.to(dtype)
+        out[key] = value
+    return out
+
+
+def _generate(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    generic: dict[str, Any] | None,
+    mitigation: str,
+    max_new_tokens: int,
+) -> torch.Tensor:
+    """Greedy ``generate()`` under the chosen mitigation; returns the full sequences."""
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    with torch.inference_mode():
+        if mitigation == "attention_reweight":
+            with hal.attention_reweight(model, strength=1.0):
+                return model.generate(**inputs, **kwargs)
+        if mitigation == "visual_beam":
+            with hal.visual_beam(model, weight=1.0) as proc:
+                return model.generate(**inputs, **kwargs, num_beams=3, logits_processor=[proc])
+        if mitigation == "instruction_contrast":
+            with hal.instruction_contrast(model, inputs, generic) as proc:
+                return model.generate(**inputs, **kwargs, logits_processor=[proc])
+        return model.generate(**inputs, **kwargs)
+
+
+def _compute(
+    model: nn.Module,
+    processor: Any,
+    picture: Image.Image,
+    prompt: str,
+    inputs: dict[str, Any],
+    generic: dict[str, Any] | None,
+    pruner: str,
+    keep: float | int,
+    layer: int,
+    mitigation: str,
+    max_new_tokens: int,
+    repeats: int,
+) -> DemoResult:
+    full_seq = _generate(model, inputs, None, "none", max_new_tokens)
+    answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
+    answer_mitigated = ""
+    if mitigation != "none":
+        mitigated = _generate(model, inputs, generic, mitigation, max_new_tokens)
+        answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
+    t_full = median_seconds(prefill_fn(model, inputs), repeats=repeats)
+    with vf.wrap(model, pruner=pruner, keep=keep, layer=layer) as handle:
+        pruned_seq = _generate(model, inputs, None, "none", max_new_tokens)
+        trace = handle.last_trace
+        t_pruned = median_seconds(prefill_fn(model, inputs), repeats=repeats)
+    answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
+
+    image = np.asarray(picture, dtype=np.uint8)
+    size = (image.shape[0], image.shape[1])
+    layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
+    geometry = _pixel_geometry(model, processor, layout)
+    kept = trace.kept[0].to(layout.positions.device)
+    grid, frame = kept_grid(layout, kept, size, geometry)
+    kept_overlay = kept_mask_overlay(image, grid, frame)
+
+    prompt_len = inputs["input_ids"].shape[1]
+    prompt_map, object_maps = _ground(
+        model, processor, inputs, prompt, pruned_seq[:1, prompt_len:], image, geometry
+    )
+    notices = []
+    if prompt_map is None:
+        notices.append("The prompt has no words to map onto the image.")
+    return DemoResult(
+        ok=True,
+        notices=notices,
+        image=image,
+        answer=answer,
+        answer_unpruned=answer_unpruned,
+        answer_mitigated=answer_mitigated,
+        mitigation=mitigation,
+        prompt_map=prompt_map,
+        object_maps=object_maps,
+        kept_overlay=kept_overlay,
+        n_kept=int(kept.numel()),
+        n_visual=int(layout.positions.numel()),
+        prefill_ms_unpruned=t_full * 1e3,
+        prefill_ms_pruned=t_pruned * 1e3,
+    )
+
+
+def _pixel_geometry(model: nn.Module, processor: Any, layout: ImageLayout) -> str:
+    """How the grid sits on the original image: the adapter's declaration, else the processor's
+    centre crop for single-view models (CLIP preprocessing), else a plain resize."""
+    declared = get_adapter(model).extra.get("pixel_geometry")
+    if declared is not None:
+        return declared
+    image_processor = getattr(processor, "image_processor", None)
+    if len(layout.grids) == 1 and getattr(image_processor, "do_center_crop", False):
+        return "crop"
+    return "resize"
+
+
+def kept_grid(
+    layout: ImageLayout, kept: torch.Tensor, image_size: tuple[int, int], geometry: str
+) -> tuple[np.ndarray, tuple[float, float, float, float]]:
+    """``[rows, cols]`` bool of the image's finest view (True = token kept) and that view's
+    pixel frame. ``kept`` are original sequence positions (``trace.kept[row]``)."""
+    view = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
+    rows, cols = layout.grids[view]
+    survived = torch.isin(layout.positions, kept.to(layout.positions.device))
+    cells = layout.cells
+    sel = (cells[:, 0] == view) & (cells[:, 1] >= 0)
+    grid = torch.zeros(rows, cols, dtype=torch.bool)
+    grid[cells[sel, 1].cpu(), cells[sel, 2].cpu()] = survived[sel].cpu()
+    return grid.numpy(), view_frame(image_size, geometry)
+
+
+def _content(tok: Any, ids: list[int]) -> list[bool]:
+    """Per token: does it decode to a word that can name something (not a stop word)?"""
+    out = []
+    for t in ids:
+        word = tok.decode([t]).strip().lower()
+        out.append(len(word) > 2 and word.replace("_", "").isalpha() and word not in STOP_WORDS)
+    return out
+
+
+def _prompt_query(
+    tok: Any, input_ids: torch.Tensor, text: torch.Tensor, prompt: str
+) -> tuple[torch.Tensor, str] | None:
+    """``[1, S]`` bool query over the prompt's content words (or all of its text) and a label.
+
+    The prompt is looked up among the text tokens after the image (chat-template words such as
+    the assistant tag are left out when it is found)."""
+    try:
+        where = query_mask(input_ids, prompt, where=text, tokenizer=tok)
+    except ValueError:
+        where = text.clone()
+    ids = input_ids[0].tolist()
+    content = torch.tensor(_content(tok, ids), device=input_ids.device)
+    query = where & content[None]
+    if not bool(query.any()):
+        query = where
+    if not bool(query.any()):
+        return None
+    label_ids = [ids[i] for i in torch.nonzero(query[0]).flatten().tolist()]
+    label = tok.decode(label_ids, skip_special_tokens=True).strip() or "prompt"
+    return query, label
+
+
+def _ground(
+    model: nn.Module,
+    processor: Any,
+    inputs: dict[str, Any],
+    prompt: str,
+    answer: torch.Tensor,
+    image: np.ndarray,
+    geometry: str,
+) -> tuple[GroundedMap | None, list[GroundedMap]]:
+    """Prompt and answer-object maps from one teacher-forced pass over prompt + answer."""
+    tok = _tokenizer_of(processor)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad is not None:
+        stop.add(pad)
+    tokens = answer[0].tolist()
+    n = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
+    answer = answer[:, :n]
+    prompt_len = inputs["input_ids"].shape[1]
+    full, is_answer = extend_with_answer(inputs, answer)
+    input_ids = full["input_ids"]
+    valid = full["attention_mask"].bool()
+    visual = get_adapter(model).visual_mask(model, input_ids)
+    index = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    last_visual = torch.where(visual, index, -1).amax(1, keepdim=True)
+    text = valid & ~visual & ~is_answer & (index > last_visual)
+    found = _prompt_query(tok, input_ids, text, prompt)
+    mentions = _mentions(answer[0].tolist(), tok, None) if n else []
+    rows = is_answer.clone()
+    if found is not None:
+        rows |= found[0]
+    if not bool(rows.any()):
+        return None, []
+    probed = probe_forward(model, full, rows, None)
+    weights = head_weights(None, probed.layers, probed.n_heads)
+    size = (image.shape[0], image.shape[1])
+
+    def grounded(query: torch.Tensor, phrase: str, max_boxes: int) -> GroundedMap:
+        per_head = token_attention(probed, _weights(probed, query), per_head=True)
+        values = [[(x * weights[..., None]).sum((0, 1)) for x in row] for row in per_head]
+        heat: HeatMap = maps_from_values(model, probed, values, size, geometry)[0][0]
+        found_boxes = boxes(heat, max_boxes=max_boxes)
+        scores = [box_share(heat, b) for b in found_boxes]
+        labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
+                  for i, s in enumerate(scores)]  # fmt: skip
+        overlay = draw_boxes(heat_overlay(image, heat.pixels), found_boxes, labels)
+        return GroundedMap(phrase, overlay, found_boxes, scores)
+
+    prompt_map = grounded(found[0], found[1], MAX_BOXES) if found is not None else None
+    object_maps = []
+    for phrase, idx in mentions:
+        query = torch.zeros_like(is_answer)
+        query[0, [prompt_len + i for i in idx]] = True
+        object_maps.append(grounded(query, phrase, 1))
+    return prompt_map, object_maps
+
+
+__all__ = [
+    "MAX_PIXELS",
+    "MAX_SIDE",
+    "MITIGATIONS",
+    "MODEL_LOCK",
+    "DemoInputError",
+    "DemoResult",
+    "GroundedMap",
+    "check_options",
+    "check_prompt",
+    "kept_grid",
+    "prepare_image",
+    "run_request",
+]
