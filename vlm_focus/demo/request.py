@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from ..grounding._maps import (
     query_mask,
     token_attention,
     view_frame,
+    view_geometries,
 )
 from ..loading import build_inputs, decode_new_tokens
 from ..model_adapters import ImageLayout, get_adapter, supported_models
@@ -83,6 +84,7 @@ class GroundedMap:
     overlay: np.ndarray  # [H, W, 3] uint8
     boxes: list[Box]
     scores: list[float]  # region score (MTLA share of the map inside each box)
+    map: HeatMap | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -364,9 +366,10 @@ def _compute(
     image = np.asarray(picture, dtype=np.uint8)
     size = (image.shape[0], image.shape[1])
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
-    geometry = _pixel_geometry(model, processor, layout)
+    geometry = _pixel_geometry(processor, layout)
     kept = trace.kept[0].to(layout.positions.device)
-    grid, frame = kept_grid(layout, kept, size, geometry)
+    geometries = view_geometries(model, len(layout.grids), geometry)
+    grid, frame = kept_grid(layout, kept, size, geometries)
     kept_overlay = kept_mask_overlay(image, grid, frame)
 
     prompt_len = inputs["input_ids"].shape[1]
@@ -394,23 +397,29 @@ def _compute(
     )
 
 
-def _pixel_geometry(model: nn.Module, processor: Any, layout: ImageLayout) -> str:
-    """How the grid sits on the original image: the adapter's declaration, else the processor's
-    centre crop for single-view models (CLIP preprocessing), else a plain resize."""
-    declared = get_adapter(model).extra.get("pixel_geometry")
-    if declared is not None:
-        return declared
+def _pixel_geometry(processor: Any, layout: ImageLayout) -> str | None:
+    """How a single-view grid sits on the original image, read from the processor that made it
+    (``do_pad``: padded to a square; ``do_center_crop``: centre crop); ``None`` leaves it to
+    the adapter's per-view default."""
     image_processor = getattr(processor, "image_processor", None)
-    if len(layout.grids) == 1 and getattr(image_processor, "do_center_crop", False):
+    if len(layout.grids) != 1 or image_processor is None:
+        return None
+    if getattr(image_processor, "do_pad", False):
+        return "pad"
+    if getattr(image_processor, "do_center_crop", False):
         return "crop"
-    return "resize"
+    return None
 
 
 def kept_grid(
-    layout: ImageLayout, kept: torch.Tensor, image_size: tuple[int, int], geometry: str
+    layout: ImageLayout,
+    kept: torch.Tensor,
+    image_size: tuple[int, int],
+    geometries: Sequence[str],
 ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
     """``[rows, cols]`` bool of the image's finest view (True = token kept) and that view's
-    pixel frame. ``kept`` are original sequence positions (``trace.kept[row]``)."""
+    pixel frame (``geometries``: one per view). ``kept`` are original sequence positions
+    (``trace.kept[row]``)."""
     view = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
     rows, cols = layout.grids[view]
     survived = torch.isin(layout.positions, kept.to(layout.positions.device))
@@ -418,7 +427,7 @@ def kept_grid(
     sel = (cells[:, 0] == view) & (cells[:, 1] >= 0)
     grid = torch.zeros(rows, cols, dtype=torch.bool)
     grid[cells[sel, 1].cpu(), cells[sel, 2].cpu()] = survived[sel].cpu()
-    return grid.numpy(), view_frame(image_size, geometry)
+    return grid.numpy(), view_frame(image_size, geometries[view])
 
 
 def _content(tok: Any, ids: list[int]) -> list[bool]:
@@ -460,7 +469,7 @@ def _ground(
     prompt: str,
     answer: torch.Tensor,
     image: np.ndarray,
-    geometry: str,
+    geometry: str | None,
 ) -> tuple[GroundedMap | None, list[GroundedMap]]:
     """Prompt and answer-object maps from one teacher-forced pass over prompt + answer."""
     tok = _tokenizer_of(processor)
@@ -500,7 +509,7 @@ def _ground(
         labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
                   for i, s in enumerate(scores)]  # fmt: skip
         overlay = draw_boxes(heat_overlay(image, heat.pixels), found_boxes, labels)
-        return GroundedMap(phrase, overlay, found_boxes, scores)
+        return GroundedMap(phrase, overlay, found_boxes, scores, heat)
 
     prompt_map = grounded(found[0], found[1], MAX_BOXES) if found is not None else None
     object_maps = []
