@@ -1,0 +1,243 @@
+"""POPE-style accuracy retention of every pruner on the embedded organism model.
+
+For each registered pruner and keep ratio, the organism answers the held-out POPE questions
+(random, popular and adversarial splits; greedy, the model's chat template, no suffix; answers
+parsed by the POPE/LLaVA rule) while pruned by ``vlm_focus.wrap``; retention = pruned accuracy /
+unpruned accuracy on the same questions, measured in the same run. ``guided`` uses the
+embedded guide organism (6 x 6 visual tokens) on the same images and prompts.
+
+    python benchmarks/pruner_quality.py                       # 200 images, keeps 0.5 0.25 0.11
+    python benchmarks/pruner_quality.py --images 500 --layer 2 --out benchmarks/results
+
+Writes ``pruner_quality.csv`` (one row per pruner, keep and split), ``pruner_quality.md`` (the
+retention table) and ``pruner_quality.png`` (retention against keep) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+import vlm_focus as vf
+from vlm_focus.organism import default_model_path, guide_model_path
+from vlm_focus.organism.pope import (
+    SPLITS,
+    parse_yes_no,
+    pope_eligible,
+    pope_metrics,
+    pope_questions,
+)
+from vlm_focus.pruners import guided_generate
+
+PROMPT = "USER: <image>\\n{question} ASSISTANT: (chat template, no suffix)"
+
+
+def load(path: Path):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), AutoProcessor.from_pretrained(path)
+
+
+def build_inputs(processor, images: list[Image.Image], questions: list[str]) -> dict:
+    prompts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+            add_generation_prompt=True,
+        )
+        for q in questions
+    ]
+    return processor(images=images, text=prompts, padding=True, return_tensors="pt")
+
+
+@torch.no_grad()
+def answer_all(model, processor, images, questions, batch, desc, guide=None, handle=None):
+    """Greedy 2-token answers; with a guide, through guided_generate (same images, prompts)."""
+    answers: list[str] = []
+    for i in tqdm(range(0, len(questions), batch), desc=desc, leave=False):
+        chunk = slice(i, i + batch)
+        inputs = build_inputs(processor, images[chunk], questions[chunk])
+        if guide is not None:
+            guide_inputs = build_inputs(guide[1], images[chunk], questions[chunk])
+            out = guided_generate(
+                handle, inputs, guide_inputs, max_new_tokens=2, do_sample=False
+            ).sequences
+        else:
+            out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        new = out[:, inputs["input_ids"].shape[1] :]
+        answers += [a.strip() for a in processor.batch_decode(new, skip_special_tokens=True)]
+    return answers
+
+
+def split_metrics(rows, answers_by_key) -> dict[str, dict]:
+    out = {}
+    for split in SPLITS:
+        parsed = [parse_yes_no(answers_by_key[(r["image_id"], r["text"])]) for r in rows[split]]
+        metrics = pope_metrics([r["label"] for r in rows[split]], [p for p, _ in parsed])
+        metrics["unparseable"] = sum(not ok for _, ok in parsed)
+        out[split] = metrics
+    return out
+
+
+def plot(results: list[dict], keeps: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = sorted({r["pruner"] for r in results if r["pruner"] != "none"})
+    for name in names:
+        ys = [
+            100 * next(r["retention"] for r in results if r["pruner"] == name and r["keep"] == k)
+            for k in keeps
+        ]
+        style = "--" if name in ("random", "pool") else "-"
+        ax.plot(keeps, ys, style, marker="o", label=name)
+    ax.axhline(100, color="grey", lw=0.8)
+    ax.axhline(99, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xticks(keeps, [f"{k:g}" for k in keeps])
+    ax.set_xlabel("keep (share of visual tokens)")
+    ax.set_ylabel("POPE accuracy retention (%)")
+    ax.set_title("Pruned / unpruned POPE accuracy (organism, mean of 3 splits)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=default_model_path())
+    parser.add_argument("--guide", type=Path, default=guide_model_path())
+    parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--keeps", type=float, nargs="+", default=[0.5, 0.25, 0.11])
+    parser.add_argument("--layer", type=int, default=2)
+    parser.add_argument("--query", default="text", choices=["last", "text"])
+    parser.add_argument("--pruners", nargs="+", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.pruners or vf.pruners()
+    if "guided" in names and not (args.guide / "config.json").exists():
+        print(f"no guide model at {args.guide}: skipping guided")
+        names = [n for n in names if n != "guided"]
+
+    model, processor = load(args.model)
+    guide = load(args.guide) if "guided" in names else None
+    scenes = pope_eligible(args.images)
+    by_id = {s.seed: s for s in scenes}
+    rows = {split: pope_questions(scenes, split) for split in SPLITS}
+    keys = sorted({(r["image_id"], r["text"]) for split in SPLITS for r in rows[split]})
+    pictures = {seed: Image.fromarray(s.image()) for seed, s in by_id.items()}
+    images = [pictures[k[0]] for k in keys]
+    questions = [k[1] for k in keys]
+    print(
+        f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; model {args.model.name}; {len(scenes)} images, "
+        f"{len(keys)} distinct questions; layer {args.layer}, query {args.query}"
+    )
+
+    results: list[dict] = []
+    start = time.perf_counter()
+    full = dict(zip(keys, answer_all(model, processor, images, questions, args.batch, "none")))
+    base = split_metrics(rows, full)
+    base_seconds = time.perf_counter() - start
+    for split in SPLITS:
+        results.append(dict(pruner="none", keep=1.0, split=split, **base[split]))
+    summary = [dict(pruner="none", keep=1.0, retention=1.0, seconds=base_seconds,
+                    accuracy=sum(base[s]["accuracy"] for s in SPLITS) / 3)]  # fmt: skip
+    for name in names:
+        for keep in args.keeps:
+            options = dict(pruner=name, keep=keep, layer=args.layer, query=args.query)
+            if name == "guided":
+                options["guide"] = guide[0]
+            t0 = time.perf_counter()
+            with vf.wrap(model, **options) as handle:
+                answers = answer_all(
+                    model,
+                    processor,
+                    images,
+                    questions,
+                    args.batch,
+                    f"{name} {keep}",
+                    guide=guide if name == "guided" else None,
+                    handle=handle,
+                )
+            seconds = time.perf_counter() - t0
+            metrics = split_metrics(rows, dict(zip(keys, answers, strict=True)))
+            for split in SPLITS:
+                retention = metrics[split]["accuracy"] / max(base[split]["accuracy"], 1e-9)
+                results.append(
+                    dict(
+                        pruner=name, keep=keep, split=split, retention=retention, **metrics[split]
+                    )  # fmt: skip
+                )
+            accuracy = sum(metrics[s]["accuracy"] for s in SPLITS) / 3
+            summary.append(
+                dict(
+                    pruner=name,
+                    keep=keep,
+                    accuracy=accuracy,
+                    seconds=seconds,
+                    retention=accuracy / max(summary[0]["accuracy"], 1e-9),
+                )  # fmt: skip
+            )
+            print(f"{name:9s} keep {keep:<5g} accuracy {accuracy:.4f} "
+                  f"retention {100 * summary[-1]['retention']:.2f}%  ({seconds:.0f}s)")  # fmt: skip
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    fields = ["pruner", "keep", "split", "accuracy", "precision", "recall", "f1", "yes_ratio",
+              "unparseable", "n", "retention"]  # fmt: skip
+    with open(args.out / "pruner_quality.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in results:
+            writer.writerow({k: row.get(k, 1.0 if k == "retention" else "") for k in fields})
+    lines = [
+        f"POPE-style accuracy retention on the organism ({args.model.name}), {len(scenes)} "
+        f"held-out images, {len(keys)} distinct questions, 3 splits; pruning at layer "
+        f"{args.layer}, query '{args.query}'. Unpruned accuracy "
+        f"{100 * summary[0]['accuracy']:.2f}% (mean of splits). Prompt: {PROMPT}.",
+        "",
+        "| pruner | " + " | ".join(f"keep {k:g}" for k in args.keeps) + " |",
+        "|---|" + "---:|" * len(args.keeps),
+    ]
+    for name in names:
+        cells = []
+        for keep in args.keeps:
+            s = next(r for r in summary if r["pruner"] == name and r["keep"] == keep)
+            cells.append(f"{100 * s['retention']:.2f}% ({100 * s['accuracy']:.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: retention (pruned accuracy, %), mean over the three splits."]
+    (args.out / "pruner_quality.md").write_text("\n".join(lines) + "\n")
+    meta = dict(
+        machine=f"{platform.machine()} {platform.processor()}".strip(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        model=str(args.model.name),
+        images=len(scenes),
+        questions=len(keys),
+        layer=args.layer,
+        query=args.query,
+        prompt=PROMPT,
+        summary=summary,
+    )
+    (args.out / "pruner_quality.json").write_text(json.dumps(meta, indent=1))
+    plot(summary, args.keeps, args.out / "pruner_quality.png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
