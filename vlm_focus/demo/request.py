@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +198,10 @@ def _open(path: Path, max_side: int, max_pixels: int) -> Image.Image:
     if not path.is_file():
         raise DemoInputError(f"Image file not found: {path.name}")
     try:
-        with Image.open(path) as opened:
+        with warnings.catch_warnings():  # the pixel limit is checked here, before decoding
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(path)
+        with opened:
             width, height = opened.size
             if width * height > max_pixels:
                 raise DemoInputError(_too_large(width, height, max_pixels))

@@ -1,0 +1,335 @@
+"""The demo's request function and overlays, without gradio or a browser.
+
+A tiny random-weight organism model (4 x 4 visual tokens, 2 decoder layers, the organism's real
+tokenizer and processor) runs every request in well under a second.
+"""
+
+from __future__ import annotations
+
+import re
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration
+
+from vlm_focus import grounding
+from vlm_focus import hallucination as hal
+from vlm_focus.demo import request as req
+from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay
+from vlm_focus.grounding import Box
+from vlm_focus.loading import build_inputs, decode_new_tokens
+from vlm_focus.organism import sample_scene_paths
+from vlm_focus.organism.scenes import IMAGE_SIZE, heldout_scenes
+from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+
+QUESTION = "Is there a red_circle in the image?"
+SPEC = SPECS["tiny"]
+N_VISUAL = SPEC.n_visual  # 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPEC)).eval()
+    return model, build_processor(SPEC)
+
+
+@pytest.fixture(scope="module")
+def scene() -> np.ndarray:
+    return heldout_scenes(1)[0].image()
+
+
+def run(tiny, image, prompt=QUESTION, **kw):
+    model, processor = tiny
+    options = dict(pruner="fastv", keep=0.25, layer=1, mitigation="none")
+    options.update(kw)
+    extra = {k: options.pop(k) for k in ("max_new_tokens", "max_side") if k in options}
+    return req.run_request(
+        model, processor, image, prompt, **options, **{"max_new_tokens": 4, "repeats": 1, **extra}
+    )
+
+
+# --- outputs --------------------------------------------------------------------------------
+def test_outputs_have_the_image_size_and_the_kept_count(tiny, scene):
+    result = run(tiny, scene)
+    assert result.ok, result.message
+    assert result.image.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+    for overlay in [result.heatmap, result.kept_overlay] + [m.overlay for m in result.object_maps]:
+        assert isinstance(overlay, np.ndarray)
+        assert overlay.dtype == np.uint8
+        assert overlay.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+    assert (result.n_kept, result.n_visual) == (4, N_VISUAL)  # ceil(0.25 * 16)
+    assert result.kept_text == f"4 / {N_VISUAL} visual tokens kept (25%)"
+    assert result.prefill_ms_unpruned > 0 and result.prefill_ms_pruned > 0
+    assert result.speedup == pytest.approx(result.prefill_ms_unpruned / result.prefill_ms_pruned)
+    assert re.fullmatch(r"prefill [\d.]+ ms unpruned -> [\d.]+ ms pruned \([\d.]+x\), same request",
+                        result.timing_text)  # fmt: skip
+    assert isinstance(result.answer, str) and isinstance(result.answer_unpruned, str)
+    assert result.answer_mitigated == "" and result.notices == []
+
+
+def test_answers_equal_plain_generate_pruned_and_unpruned(tiny, scene):
+    import vlm_focus as vf
+
+    model, processor = tiny
+    result = run(tiny, scene, max_new_tokens=6)
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    with torch.inference_mode():
+        full = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+        with vf.wrap(model, pruner="fastv", keep=0.25, layer=1) as handle:
+            pruned = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert result.answer_unpruned == decode_new_tokens(processor, inputs, full)[0]
+    assert result.answer == decode_new_tokens(processor, inputs, pruned)[0]
+    assert result.n_kept == handle.last_trace.n_kept[0]
+
+
+def test_prompt_map_is_the_heatmap_of_the_phrase_with_its_boxes_and_scores(tiny, scene):
+    model, processor = tiny
+    result = run(tiny, scene)
+    m = result.prompt_map
+    assert (
+        m.phrase == "red_circle"
+    )  # the prompt's content word; stop words and the template left out
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    ref = grounding.heatmap(model, inputs, "red_circle", tokenizer=processor, geometry="crop")[0][0]
+    torch.testing.assert_close(m.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
+    expected_boxes = grounding.boxes(ref, max_boxes=req.MAX_BOXES)
+    assert [b.xywh for b in m.boxes] == [b.xywh for b in expected_boxes]
+    assert len(m.boxes) >= 1
+    for box, score in zip(m.boxes, m.scores, strict=True):
+        direct = grounding.region_score(
+            model, inputs, box.xywh, "red_circle", tokenizer=processor, geometry="crop"
+        )
+        assert score == pytest.approx(float(direct[0]), abs=1e-5)
+        assert 0.0 <= score <= 1.0
+    rows = result.box_rows()
+    assert rows[0][0] == "red_circle"
+    assert rows[0][1:5] == [int(round(v)) for v in m.boxes[0].xywh]
+    assert rows[0][5] == round(m.scores[0], 3)
+    # the overlay is the colormap blend of this map, with the boxes drawn on top
+    labels = [f"#{i + 1} {s:.2f}" for i, s in enumerate(m.scores)]
+    expected = draw_boxes(heat_overlay(result.image, ref.pixels), m.boxes, labels)
+    assert np.abs(m.overlay.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_each_object_word_of_the_answer_gets_a_map(tiny, scene):
+    model, processor = tiny
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    tok = processor.tokenizer
+    answer = torch.tensor([tok.encode("yes , a blue_square .", add_special_tokens=False)])
+    prompt_map, object_maps = req._ground(model, processor, inputs, QUESTION, answer, scene, None)
+    assert prompt_map.phrase == "red_circle"
+    assert [m.phrase for m in object_maps] == ["blue_square"]
+    obj = object_maps[0]
+    ref = grounding.heatmap(model, inputs, "blue_square", answer=answer, tokenizer=processor)
+    torch.testing.assert_close(obj.map.pixels, ref[0][0].pixels, atol=1e-6, rtol=1e-4)
+    assert len(obj.boxes) == 1 and obj.scores[0] == pytest.approx(
+        grounding.box_share(ref[0][0], obj.boxes[0]), abs=1e-6
+    )
+
+
+def test_kept_mask_darkens_exactly_the_pruned_cells(tiny, scene):
+    result = run(tiny, scene, keep=0.5)
+    assert (result.n_kept, result.n_visual) == (8, N_VISUAL)
+    cell = IMAGE_SIZE // SPEC.grid
+    same = 0
+    for r in range(SPEC.grid):
+        for c in range(SPEC.grid):
+            inner = np.s_[r * cell + 2 : (r + 1) * cell - 2, c * cell + 2 : (c + 1) * cell - 2]
+            got, img = result.kept_overlay[inner].astype(int), result.image[inner].astype(int)
+            if np.array_equal(got, img):
+                same += 1
+            else:
+                assert np.abs(got - np.round(img * 0.25)).max() <= 1
+    assert same == result.n_kept
+
+
+def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
+    import vlm_focus as vf
+    from vlm_focus.model_adapters import get_adapter
+
+    model, processor = tiny
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    with vf.wrap(model, pruner="fastv", keep=3, layer=1) as handle:
+        model(**inputs)
+    layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
+    kept = handle.last_trace.kept[0]
+    grid, frame = req.kept_grid(layout, kept, (IMAGE_SIZE, IMAGE_SIZE), ["resize"])
+    assert grid.shape == (SPEC.grid, SPEC.grid) and grid.sum() == 3
+    first = int(layout.positions[0])
+    for pos in kept.tolist():  # LLaVA: row-major grid, one token per cell
+        r, c = divmod(pos - first, SPEC.grid)
+        assert grid[r, c]
+    assert frame == (0.0, 0.0, float(IMAGE_SIZE), float(IMAGE_SIZE))
+
+
+@pytest.mark.parametrize(
+    "mitigation", ["attention_reweight", "visual_beam", "instruction_contrast"]
+)
+def test_mitigated_answer_equals_the_mitigation_used_directly(tiny, scene, mitigation):
+    model, processor = tiny
+    result = run(tiny, scene, mitigation=mitigation, max_new_tokens=5)
+    assert result.ok, result.message
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    kw = dict(max_new_tokens=5, do_sample=False)
+    with torch.inference_mode():
+        if mitigation == "attention_reweight":
+            with hal.attention_reweight(model, strength=1.0):
+                out = model.generate(**inputs, **kw)
+        elif mitigation == "visual_beam":
+            with hal.visual_beam(model, weight=1.0) as proc:
+                out = model.generate(**inputs, **kw, num_beams=3, logits_processor=[proc])
+        else:
+            generic = build_inputs(processor, Image.fromarray(scene), grounding.GENERIC_PROMPT)
+            with hal.instruction_contrast(model, inputs, generic) as proc:
+                out = model.generate(**inputs, **kw, logits_processor=[proc])
+    assert result.mitigation == mitigation
+    assert result.answer_mitigated == decode_new_tokens(processor, inputs, out)[0]
+
+
+def test_sample_scene_path_is_accepted(tiny):
+    paths = sample_scene_paths()
+    assert len(paths) >= 1
+    result = run(tiny, str(paths[0]))
+    assert result.ok, result.message
+    assert result.image.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+
+
+# --- bad input: a message, never an exception ----------------------------------------------
+def test_no_image(tiny):
+    for image in (None, ""):
+        result = run(tiny, image)
+        assert not result.ok and result.message == (
+            "No image: upload an image or pick a sample scene."
+        )
+        assert result.heatmap is None and result.kept_overlay is None
+
+
+def test_non_image_and_corrupt_files(tiny, scene, tmp_path):
+    text = tmp_path / "notes.png"
+    text.write_text("this is not a picture")
+    result = run(tiny, str(text))
+    assert not result.ok
+    assert (
+        result.message == "The file 'notes.png' is not an image: it could not be read as an image."
+    )
+    good = tmp_path / "good.png"
+    Image.fromarray(scene).save(good)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(good.read_bytes()[:400])  # header fine, pixel data cut off
+    result = run(tiny, str(broken))
+    assert not result.ok
+    assert result.message == "The file 'broken.png' is corrupt: it could not be read as an image."
+    result = run(tiny, str(tmp_path / "missing.png"))
+    assert not result.ok and result.message == "Image file not found: missing.png"
+
+
+def test_huge_image_is_downscaled_with_a_notice(tiny, scene):
+    big = cv2.resize(scene, (3000, 2000), interpolation=cv2.INTER_NEAREST)
+    result = run(tiny, big)
+    assert result.ok, result.message
+    assert result.image.shape == (896, req.MAX_SIDE, 3)  # 3000 x 2000 -> 1344 x 896
+    assert result.notices == [
+        "The image was 3000x2000 pixels; it was downscaled to 1344x896 for this demo."
+    ]
+    assert result.heatmap.shape == result.kept_overlay.shape == (896, 1344, 3)
+
+
+def test_image_beyond_the_pixel_limit_is_refused_before_decoding(tiny, tmp_path):
+    path = tmp_path / "bomb.png"
+    Image.new("1", (12000, 9000)).save(path)  # 108 megapixels, a few kB on disk
+    result = run(tiny, str(path))
+    assert not result.ok
+    assert result.message == (
+        "The image is too large to process (12000x9000 = 108 megapixels; the limit is 100)."
+    )
+
+
+def test_empty_or_overlong_prompt(tiny, scene):
+    for prompt in ("", "   \n", None):
+        result = run(tiny, scene, prompt=prompt)
+        assert not result.ok
+        assert result.message == "The prompt is empty: type a question or a phrase."
+    result = run(tiny, scene, prompt="a" * 1001)
+    assert not result.ok and result.message == (
+        "The prompt is 1001 characters long; the limit is 1000."
+    )
+
+
+def test_unsupported_model(tiny, scene):
+    _, processor = tiny
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    result = req.run_request(LlamaForCausalLM(config), processor, scene, QUESTION)
+    assert not result.ok
+    assert result.message.startswith("This model is not supported (model type 'llama');")
+    assert "llava" in result.message and "qwen2_vl" in result.message
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(pruner="nope"), "Unknown pruner 'nope'; choose one of "),
+        (dict(keep=0.0), "keep=0.0: use a ratio in (0, 1] or a whole count >= 1."),
+        (dict(keep=1.5), "keep=1.5: use a ratio in (0, 1] or a whole count >= 1."),
+        (dict(layer=2), "layer=2: this model prunes at a layer in [0, 2)."),
+        (dict(layer=-1), "layer=-1: this model prunes at a layer in [0, 2)."),
+        (dict(mitigation="magic"), "Unknown mitigation 'magic'; choose one of none, "),
+    ],
+)
+def test_bad_options(tiny, scene, options, message):
+    result = run(tiny, scene, **options)
+    assert not result.ok
+    assert result.message.startswith(message)
+
+
+def test_model_failure_is_a_message(tiny, scene, monkeypatch):
+    model, _ = tiny
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(model, "generate", broken)
+    result = run(tiny, scene)
+    assert not result.ok
+    assert result.message == "The request failed (RuntimeError: out of memory)."
+
+
+# --- overlays -------------------------------------------------------------------------------
+def test_heat_overlay_is_the_colormap_blend():
+    image = np.full((6, 8, 3), 100, np.uint8)
+    density = np.zeros((6, 8))
+    density[2, 3] = 4.0
+    density[5, 7] = 1.0
+    out = heat_overlay(image, density)
+    assert out.shape == (6, 8, 3) and out.dtype == np.uint8
+    jet = cv2.cvtColor(
+        cv2.applyColorMap(np.array([[0, 64, 255]], np.uint8), cv2.COLORMAP_JET), cv2.COLOR_BGR2RGB
+    )[0]
+    np.testing.assert_allclose(out[0, 0], np.round(0.5 * 100 + 0.5 * jet[0]), atol=1)
+    np.testing.assert_allclose(out[5, 7], np.round(0.5 * 100 + 0.5 * jet[1]), atol=1)
+    np.testing.assert_allclose(out[2, 3], np.round(0.5 * 100 + 0.5 * jet[2]), atol=1)
+    with pytest.raises(ValueError, match="map shape"):
+        heat_overlay(image, np.zeros((5, 8)))
+
+
+def test_kept_mask_overlay_on_a_cropped_frame():
+    image = np.full((4, 8, 3), 200, np.uint8)
+    kept = np.array([[True, False], [False, True]])
+    out = kept_mask_overlay(image, kept, (0.0, 2.0, 4.0, 4.0), outline=False)  # central square
+    assert (out[:, :2] == 200).all() and (out[:, 6:] == 200).all()  # outside the frame
+    assert (out[0:2, 2:4] == 200).all() and (out[2:4, 4:6] == 200).all()  # kept cells
+    assert (out[0:2, 4:6] == 50).all() and (out[2:4, 2:4] == 50).all()  # pruned: 200 * 0.25
+
+
+def test_draw_boxes_draws_the_rectangle_edges():
+    image = np.zeros((40, 40, 3), np.uint8)
+    out = draw_boxes(image, [Box(10, 5, 20, 10, 0.5)])
+    assert (out[5, 10:30] == 255).all() and (out[14, 10:30] == 255).all()
+    assert (out[5:15, 10] == 255).all() and (out[5:15, 29] == 255).all()
+    assert (out[9, 15] == 0).all()  # inside stays untouched
