@@ -177,6 +177,15 @@ def test_query_rows_without_allowed_keys() -> None:
 
 
 @in_process
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_queries_inside_the_image(reduce: str) -> None:
+    """All query rows of a batch row sit early: key tiles and S splits after them are skipped."""
+    args = make_inputs(n_query=3, seq=160, head_dim=32, device=DEVICE, seed=12, debias=True)
+    args["query_pos"] = torch.tensor([[40, 41, 70], [100, 130, 159]], device=DEVICE)
+    _check(*_run_both(args, reduce, kt._Plan(block_n=32, n_split=5, n_hparts=2)), torch.float32)
+
+
+@in_process
 def test_public_op_dispatches_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     original = kt.score_and_select_triton

@@ -108,6 +108,8 @@ def _lse_kernel(
     l_sum = tl.zeros([BLOCK_T], tl.float32)
     start = pid_s * keys_per_split
     end = tl.minimum(seq, start + keys_per_split)
+    # Keys after the last query position of the block are masked for every row: skip them.
+    end = tl.minimum(end, tl.max(qpos, axis=0).to(tl.int32) + 1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
@@ -193,9 +195,11 @@ def _score_kernel(
 
     kv_lo = hp * kv_per_part
     kv_hi = tl.minimum(n_kv, kv_lo + kv_per_part)
-    # Tiles without a visual key score 0 by definition: skip their heads entirely.
-    has_visual = tl.max(vis.to(tl.int32), axis=0) > 0
-    kv_hi = tl.where(has_visual, kv_hi, kv_lo)
+    # Tiles without a visual key score 0 by definition, and tiles past the last query position
+    # get no attention: skip their heads entirely.
+    has_visual = tl.max((vis & valid).to(tl.int32), axis=0) > 0
+    seen = pid_n * BLOCK_N <= tl.max(qpos, axis=0)
+    kv_hi = tl.where(has_visual & seen, kv_hi, kv_lo)
 
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)  # sum or max over heads of p
     q_base = q_ptr + b.to(tl.int64) * sqb
