@@ -13,6 +13,8 @@ Three launches, none of which writes a ``[Tq, S]`` or ``[S, S]`` tensor:
    of one head in registers and streams its range of key tiles, keeping an online max and sum of
    ``exp2`` (log2 domain, fp32) per row. It writes one partial log-sum-exp per row and split,
    ``[B, H, Tq, n_split]``. Splitting S gives a batch-1 call enough programs to fill the GPU.
+   The query heads of a GQA group have adjacent program ids, so their shared key tiles are read
+   from HBM once and then from L2. Key tiles after the block's last query position are skipped.
 2. ``_score_kernel``, grid ``(S blocks, head parts x Tq blocks, B)``. Each program owns one tile of
    keys. It merges the partial log-sum-exps of its rows (a few floats per row), then for each kv
    head loads the key tile once and, for every query head of the group, forms
@@ -36,6 +38,15 @@ the score tiles of one row are produced by many programs. Fusing would need a gr
 launch of a few microseconds, while a fence bug there would corrupt selections silently. The
 separate kernel reads only ``B * n_parts * S`` floats (from L2) and replaces what would otherwise
 be five or more torch launches (sum of partials, debias, masking, ``topk``, ``sort``).
+
+Precision: ``tl.dot`` takes bf16/fp16 tiles and accumulates in fp32 (products of two halves are
+exact in fp32); fp32 inputs use IEEE fp32 dots, not TF32, so the kernel matches the twin to ~1e-7.
+Everything after the dot (log-sum-exp, probabilities, accumulators, scores) is fp32. Under the CPU
+interpreter the tiles are converted to fp32 before the dot, because triton 3.9's interpreter
+returns wrong results for bf16 dots; the values are the same.
+
+Launch shapes come from ``_plan`` (about four programs per SM for a batch-1 call; tiles of 64
+keys and up to 32 query rows). ``benchmarks/kernel.py --sweep`` times alternatives on a GPU.
 """
 
 from __future__ import annotations
