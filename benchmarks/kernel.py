@@ -11,18 +11,21 @@ query, FastV) and Tq = 32 (a text span). Methods, all producing per-key scores a
    (``softmax(Q K^T + causal)``, fp32 softmax cast back to the model dtype) is materialised, its
    last Tq rows are averaged over heads and queries, then ``topk`` and ``sort``.
 
-Reported per shape: median time per call over CUDA events; the kernel's achieved bandwidth, i.e.
-the bytes the design must move (keys read twice, once per pass, plus queries, masks and outputs)
-over its time, against the H200's ~4.8 TB/s (``--peak-tbs``); peak extra memory of each method;
-the speedups twin/triton and fastv/triton; the largest score difference triton vs twin. Goals
-(printed as met/missed): >= 5x faster than the twin at S = 2,900; >= 60% of peak bandwidth at
-S = 11,000; kernel memory O(B*H*Tq + S).
+Reported per shape: median time per call over CUDA events; GPU time per call from CUDA-graph
+replay (no Python or launch overhead); the kernel's achieved bandwidth, i.e. the bytes the design
+must move (keys read twice, once per pass, plus queries, masks and outputs) over its GPU time,
+against the H200's ~4.8 TB/s (``--peak-tbs``); peak extra memory of each method; the speedups
+twin/triton and fastv/triton; the largest score difference triton vs twin. Goals (printed as
+met/MISSED): >= 5x faster than the twin at S = 2,900; >= 60% of peak bandwidth at S = 11,000;
+kernel memory O(B*H*Tq + S).
 
-    python benchmarks/kernel.py [--dtype bf16] [--reps 50] [--out benchmarks/results] [--sweep]
+    python benchmarks/kernel.py [--dtype bf16] [--reps 50] [--out benchmarks/results]
+                                [--breakdown] [--sweep]
 
-``--sweep`` also times a few launch shapes (tile size, warps, pipeline stages, S splits) per
-shape and prints the fastest, to tune ``_plan``. Without a CUDA device the script says so and
-exits 0.
+``--breakdown`` adds the GPU time of each of the three kernels (torch profiler). ``--sweep`` also
+times a few launch shapes (tile size, warps, pipeline stages, S splits) per shape, checks each
+against the twin and prints the fastest, to tune ``_plan``. Without a CUDA device the script says
+so and exits 0.
 """
 
 from __future__ import annotations
@@ -126,6 +129,27 @@ def graph_us(fn: Callable[[], object], reps: int) -> float | None:
         return None
 
 
+def kernel_breakdown_us(fn: Callable[[], object], reps: int) -> dict[str, float]:
+    """Mean GPU time per call of each Triton kernel, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for event in prof.key_averages():
+        for name in ("_lse_kernel", "_score_kernel", "_select_kernel"):
+            if name in event.key:
+                total = getattr(event, "device_time_total", None)
+                if total is None:
+                    total = event.cuda_time_total
+                out[name] = out.get(name, 0.0) + total / reps
+    return out
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> float:
     """Peak memory allocated by one call beyond what was allocated before it."""
     torch.cuda.synchronize()
@@ -195,6 +219,9 @@ def main() -> None:
     parser.add_argument("--peak-tbs", type=float, default=4.8, help="peak HBM bandwidth, TB/s")
     parser.add_argument("--no-fastv", action="store_true", help="skip the O(S^2) eager baseline")
     parser.add_argument("--sweep", action="store_true", help="also time other launch shapes")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="GPU time of each of the three kernels"
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for JSON (and PNG) results")
     opts = parser.parse_args()
 
@@ -262,6 +289,10 @@ def main() -> None:
         row["bw_share"] = row["triton_gbs"] / (opts.peak_tbs * 1e3)
         rows.append(row)
         print(_table_row(row))
+        if opts.breakdown:
+            parts = kernel_breakdown_us(fused, opts.reps)
+            row["breakdown_us"] = parts
+            print("    kernels (us): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
         if opts.sweep:
             timed = sweep(case, max(10, opts.reps // 2))
             for ms, plan in timed[:3]:
