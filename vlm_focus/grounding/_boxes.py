@@ -34,7 +34,7 @@ def _pixels(source: MapLike) -> tuple[np.ndarray, float]:
         rows, cols = source.grid.shape
         height, width = source.image_size
         cell = min(height / rows, width / cols)
-        return source.pixels.double().numpy(), 0.5 * cell
+        return source.pixels.numpy().astype(np.float64), 0.5 * cell
     if isinstance(source, torch.Tensor):
         source = source.detach().cpu().double().numpy()
     if not isinstance(source, np.ndarray):

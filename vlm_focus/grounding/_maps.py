@@ -316,17 +316,21 @@ def upsample(
     height, width = image_size
     rows, cols = grid_map.shape
     y0, x0, fh, fw = frame
-    ys = (torch.arange(height, dtype=torch.float64) + 0.5 - y0) / fh  # frame units in [0, 1]
-    xs = (torch.arange(width, dtype=torch.float64) + 0.5 - x0) / fw
-    inside = ((ys >= 0) & (ys <= 1))[:, None] & ((xs >= 0) & (xs <= 1))[None, :]
-    gy, gx = torch.meshgrid(ys * 2 - 1, xs * 2 - 1, indexing="ij")
-    sample_at = torch.stack([gx, gy], dim=-1)[None].float()  # [1, H, W, 2] (x, y) in [-1, 1]
+    ys = (torch.arange(height, dtype=torch.float32) + 0.5 - y0) / fh  # frame units in [0, 1]
+    xs = (torch.arange(width, dtype=torch.float32) + 0.5 - x0) / fw
+    sample_at = torch.empty(1, height, width, 2)
+    sample_at[..., 0] = (xs * 2 - 1)[None, :]  # x in [-1, 1]
+    sample_at[..., 1] = (ys * 2 - 1)[:, None]  # y in [-1, 1]
     src = grid_map.float()[None, None]
     values = F.grid_sample(
         src, sample_at, mode="bilinear", padding_mode="border", align_corners=False
-    )
-    cell_area = (fh / rows) * (fw / cols)
-    return values[0, 0].double().div(cell_area).masked_fill(~inside, 0.0).float()
+    )[0, 0]
+    values = values / ((fh / rows) * (fw / cols))
+    y_in = (ys >= 0) & (ys <= 1)
+    x_in = (xs >= 0) & (xs <= 1)
+    if not (bool(y_in.all()) and bool(x_in.all())):
+        values = values * (y_in[:, None] & x_in[None, :])
+    return values
 
 
 def _geometry(model: nn.Module, geometry: str | None) -> str | None:
