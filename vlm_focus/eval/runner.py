@@ -133,10 +133,13 @@ class _SingleProcess:
 
 
 def process_state() -> Any:
-    """``accelerate.PartialState()`` (rank, world size, device, barriers)."""
+    """``accelerate.PartialState()`` (rank, world size, device, barriers). Without CUDA the
+    processes of ``accelerate launch --multi_gpu`` (or ``torchrun``) join as CPU processes over
+    gloo instead of each running alone."""
+    import torch
     from accelerate import PartialState
 
-    return PartialState()
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def run_items(
