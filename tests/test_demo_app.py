@@ -1,0 +1,150 @@
+"""The demo app without a browser: safe launch defaults, start-up errors, page outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlavaForConditionalGeneration
+
+from vlm_focus.demo import app
+from vlm_focus.demo.request import DemoResult, GroundedMap
+from vlm_focus.grounding import Box
+from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+
+
+class FakeBlocks:
+    def __init__(self):
+        self.calls = {}
+
+    def queue(self, **kwargs):
+        self.calls["queue"] = kwargs
+        return self
+
+    def launch(self, **kwargs):
+        self.calls["launch"] = kwargs
+
+
+def test_defaults_bind_localhost_without_share_and_with_a_bounded_queue():
+    assert os.environ["GRADIO_ANALYTICS_ENABLED"] == "False"
+    args = app._parser().parse_args([])
+    assert (args.host, args.port, args.share, args.trust_remote_code) == (
+        "127.0.0.1",
+        7860,
+        False,
+        False,
+    )
+    demo = FakeBlocks()
+    app.launch(demo, args)
+    assert demo.calls["queue"] == {"default_concurrency_limit": 2, "max_size": 16}
+    launch = demo.calls["launch"]
+    assert launch["server_name"] == "127.0.0.1" and launch["server_port"] == 7860
+    assert launch["share"] is False and launch["inbrowser"] is False
+    assert launch["max_file_size"] == 64 * 1024 * 1024
+    assert launch["ssr_mode"] is False
+
+
+def test_opt_ins_reach_launch():
+    args = app._parser().parse_args(
+        ["--host", "0.0.0.0", "--port", "8123", "--share", "--concurrency", "3"]
+    )
+    demo = FakeBlocks()
+    app.launch(demo, args)
+    assert demo.calls["queue"]["default_concurrency_limit"] == 3
+    launch = demo.calls["launch"]
+    assert (launch["server_name"], launch["server_port"], launch["share"]) == (
+        "0.0.0.0",
+        8123,
+        True,
+    )
+
+
+def test_theme_uses_local_fonts_only():
+    args = app._parser().parse_args([])
+    demo = FakeBlocks()
+    app.launch(demo, args)
+    theme = demo.calls["launch"]["theme"]
+    assert theme._font + theme._font_mono == app.LOCAL_FONTS + app.LOCAL_MONO  # system fonts
+    assert theme._stylesheets == []  # no web font stylesheet to fetch
+
+
+def test_unsupported_model_is_refused_before_loading_weights(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert app.main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vlm-focus demo: cannot load the model: unsupported model type 'bert'")
+    assert "Traceback" not in err
+
+
+def test_missing_model_is_a_message(tmp_path, capsys):
+    assert app.main(["--model", str(tmp_path / "nothing-here")]) == 2
+    assert capsys.readouterr().err.startswith("vlm-focus demo: cannot load the model:")
+
+
+def test_bad_queue_options(capsys):
+    assert app.main(["--concurrency", "0"]) == 2
+    assert "--concurrency must be >= 1" in capsys.readouterr().err
+
+
+def test_outputs_of_a_failure_and_a_success():
+    failed = app.outputs_of(DemoResult(ok=False, message="No image."))
+    assert failed == ("**Could not answer.** No image.", "", "", "", "", None, None, [], [])
+    image = np.zeros((8, 8, 3), np.uint8)
+    m = GroundedMap("red_circle", image + 1, [Box(1, 2, 3, 4, 0.5)], [0.75])
+    ok = DemoResult(
+        ok=True,
+        notices=["Downscaled."],
+        image=image,
+        answer="yes",
+        answer_unpruned="no",
+        prompt_map=m,
+        object_maps=[m],
+        kept_overlay=image + 2,
+        n_kept=36,
+        n_visual=144,
+        prefill_ms_unpruned=20.0,
+        prefill_ms_pruned=10.0,
+        seconds=1.25,
+    )
+    status, answer, unpruned, mitigated, stats, heat, kept, gallery, table = app.outputs_of(ok)
+    assert status == "Done in 1.2 s. Downscaled."
+    assert (answer, unpruned, mitigated) == ("yes", "no", "")
+    assert stats == (
+        "**36 / 144 visual tokens kept (25%)**  \n"
+        "prefill 20.0 ms unpruned -> 10.0 ms pruned (2.00x), same request"
+    )
+    assert (heat == 1).all() and (kept == 2).all()
+    assert [caption for _, caption in gallery] == ["red_circle: 0.75"]
+    assert table == [["red_circle", 1, 2, 3, 4, 0.75], ["red_circle", 1, 2, 3, 4, 0.75]]
+
+
+def test_build_app_serves_the_model_and_names_the_endpoint():
+    import gradio as gr
+
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    demo = app.build_app(model, build_processor(SPECS["tiny"]))
+    assert isinstance(demo, gr.Blocks)
+    config = demo.get_config_file()
+    names = [d.get("api_name") for d in config["dependencies"]]
+    assert "answer" in names
+    layer = next(c for c in config["components"] if c["props"].get("label") == "Prune at layer")
+    assert (layer["props"]["minimum"], layer["props"]["maximum"]) == (0, 1)  # 2 decoder layers
+    sample = next(c for c in config["components"] if c["props"].get("elem_id") == "sample")
+    assert len(sample["props"]["choices"]) >= 1
+
+
+@pytest.mark.parametrize("payload", [None])
+def test_unreadable_upload_reaches_the_request_function(payload, tmp_path):
+    import gradio as gr
+    from gradio.data_classes import ImageData
+
+    image = gr.Image(type="filepath", image_mode=None)
+    app._let_unreadable_files_through(image)
+    assert image.preprocess(payload) is None
+    bad = tmp_path / "bad.png"
+    bad.write_text("not a picture")
+    assert image.preprocess(ImageData(path=str(bad), orig_name="bad.png")) == str(bad)

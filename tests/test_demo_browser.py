@@ -1,0 +1,174 @@
+"""``vlm-focus demo`` end to end: a real server process, Debian's Chromium driven by Playwright,
+and five concurrent requests through gradio_client.
+
+Playwright never downloads a browser here: it launches the system ``chromium`` (``.ci/run``
+installs it with apt-get when it is missing). Without it these tests fail and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vlm_focus.organism import default_model_path, sample_scene_paths
+
+QUESTION = "Is there a red_circle in the image?"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+STARTUP_SECONDS = 180
+
+
+def chromium_path() -> str:
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(path):
+        pytest.fail(
+            "Chromium is missing: install Debian's browser with "
+            "`apt-get install -y chromium chromium-driver` (.ci/run does this); "
+            "Playwright is used with the system browser and never downloads one."
+        )
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def n_visual(model_dir: Path) -> int:
+    vision = json.loads((model_dir / "config.json").read_text())["vision_config"]
+    return (vision["image_size"] // vision["patch_size"]) ** 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The demo as a user starts it: ``python -m vlm_focus.cli demo --port N`` (embedded model)."""
+    model_dir = default_model_path()
+    assert (model_dir / "config.json").exists(), f"the embedded model is missing at {model_dir}"
+    port = free_port()
+    log = tmp_path_factory.mktemp("demo") / "server.log"
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "vlm_focus.cli", "demo", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the demo exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the demo did not start in {STARTUP_SECONDS} s:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield url, n_visual(model_dir), log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    url, total, log = server
+    sample = sample_scene_paths()[0]
+    with Image.open(sample) as im:
+        width, height = im.size
+    outside = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium_path(),
+            headless=True,
+            args=CHROMIUM_ARGS,  # launch() gives every browser a fresh temporary profile
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.on(
+                "request",
+                lambda r: (
+                    None if r.url.startswith((url, "data:", "blob:")) else outside.append(r.url)
+                ),
+            )
+            page.goto(url)
+            page.locator("#image input[type=file]").set_input_files(str(sample))
+            page.locator("#prompt textarea").fill(QUESTION)
+            page.locator("#run").click()
+            expect(page.locator("#status")).to_contain_text("Done in", timeout=60_000)
+            answer = page.locator("#answer textarea").input_value()
+            stats = page.locator("#stats").inner_text()
+            heat_size = page.eval_on_selector(
+                "#heatmap img", "e => [e.naturalWidth, e.naturalHeight]"
+            )
+            kept_size = page.eval_on_selector(
+                "#kept-mask img", "e => [e.naturalWidth, e.naturalHeight]"
+            )
+            rows = page.locator("#boxes tbody tr").count()
+            shot = tmp_path / "demo.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert answer in ("yes", "no"), answer
+    kept = re.search(r"(\d+) / (\d+) visual tokens kept", stats)
+    assert kept is not None, stats
+    assert (int(kept.group(1)), int(kept.group(2))) == (math.ceil(0.25 * total), total)
+    assert re.search(r"prefill [\d.]+ ms unpruned -> [\d.]+ ms pruned \([\d.]+x\)", stats)
+    assert heat_size == [width, height] and kept_size == [width, height]
+    assert rows >= 1
+    assert shot.stat().st_size > 20_000
+    assert outside == [], f"the page reached beyond the demo server: {outside}"
+    assert "Traceback" not in log.read_text()
+
+
+def test_five_concurrent_requests_all_succeed(server):
+    from gradio_client import Client, handle_file
+
+    url, total, _ = server
+    sample = sample_scene_paths()[0]
+    client = Client(url, verbose=False)
+    keeps = [0.25, 0.5, 0.75, 1.0, 0.5]
+
+    def ask(keep: float):
+        return client.predict(
+            handle_file(str(sample)), QUESTION, "fastv", keep, 2, "none", api_name="/answer"
+        )
+
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        results = list(pool.map(ask, keeps))
+    assert len(results) == 5
+    for keep, (status, answer, unpruned, _, stats, heat, kept, _, table) in zip(
+        keeps, results, strict=True
+    ):
+        assert status.startswith("Done in"), status
+        assert answer in ("yes", "no") and unpruned in ("yes", "no")
+        assert f"{math.ceil(keep * total)} / {total} visual tokens kept" in stats
+        with Image.open(heat) as h, Image.open(kept) as k, Image.open(sample) as s:
+            assert h.size == k.size == s.size
+        assert table["data"] and table["data"][0][0] == "red_circle"
