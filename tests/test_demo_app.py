@@ -148,3 +148,33 @@ def test_unreadable_upload_reaches_the_request_function(payload, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_text("not a picture")
     assert image.preprocess(ImageData(path=str(bad), orig_name="bad.png")) == str(bad)
+
+
+def test_model_panel_refuses_an_unsupported_model_and_keeps_serving(tmp_path):
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    processor = build_processor(SPECS["tiny"])
+    served = app.Served(model, processor)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    ok, message = served.load(str(tmp_path))
+    assert not ok
+    assert message.startswith(
+        "The model could not be loaded; still serving `LlavaForConditionalGeneration`. "
+        "unsupported model type 'bert'"
+    )
+    assert served.model is model and served.processor is processor
+    assert served.load("  ") == (False, "Type a model folder or hub id to load.")
+
+
+def test_model_panel_loads_a_supported_model(tmp_path):
+    torch.manual_seed(1)
+    spec = SPECS["guide"]
+    LlavaForConditionalGeneration(build_config(spec)).save_pretrained(tmp_path)
+    build_processor(spec).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    tiny = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    served = app.Served(tiny, build_processor(SPECS["tiny"]))
+    ok, message = served.load(str(tmp_path))
+    assert ok and message == f"Now serving `{tmp_path}` (llava)."
+    assert served.n_layers == spec.text_layers == 3
+    assert served.model.config.vision_config.patch_size == spec.patch

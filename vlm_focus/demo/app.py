@@ -17,7 +17,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import numpy as np  # noqa: E402
 
-from .request import MITIGATIONS, DemoResult, run_request  # noqa: E402
+from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
 
 DEFAULT_QUESTION = "Is there a red_circle in the image?"
 EXAMPLE_PROMPTS = (
@@ -61,6 +61,53 @@ def _n_layers(model: Any) -> int:
         return 1
 
 
+class Served:
+    """The model the page serves. :meth:`load` swaps it for another (safetensors only; repository
+    code only when the app was started with ``--trust-remote-code``)."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        *,
+        device: str = "cpu",
+        attn: str = "sdpa",
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.model, self.processor = model, processor
+        self.device, self.attn, self.trust_remote_code = device, attn, trust_remote_code
+
+    @property
+    def name(self) -> str:
+        config = getattr(self.model, "config", None)
+        return getattr(config, "_name_or_path", "") or type(self.model).__name__
+
+    @property
+    def n_layers(self) -> int:
+        return _n_layers(self.model)
+
+    def load(self, path: str) -> tuple[bool, str]:
+        """Load ``path`` (a local folder or hub id) and serve it; on failure keep the current
+        model. Returns ``(ok, message for the user)``."""
+        from ..loading import load_model
+
+        path = (path or "").strip()
+        if not path:
+            return False, "Type a model folder or hub id to load."
+        try:
+            model, processor = load_model(
+                path,
+                device=self.device,
+                attn_implementation=self.attn,
+                trust_remote_code=self.trust_remote_code,
+            )
+        except (ValueError, OSError, ImportError) as err:
+            return False, f"The model could not be loaded; still serving `{self.name}`. {err}"
+        with MODEL_LOCK:  # no request runs while the model changes
+            self.model, self.processor = model, processor
+        return True, f"Now serving `{self.name}` ({model.config.model_type})."
+
+
 def _let_unreadable_files_through(component: Any) -> None:
     """Make an image input hand files it cannot read to the request function, which answers
     them with a clear message (gradio's own check only says "Error"). Patches the instance."""
@@ -99,25 +146,40 @@ def outputs_of(result: DemoResult) -> tuple:
     )
 
 
-def build_app(model: Any, processor: Any, *, max_new_tokens: int = 24, repeats: int = 3):
-    """The demo page (``gr.Blocks``) serving ``model``; call ``.queue(...).launch(...)`` on it."""
+def _header(name: str) -> str:
+    return (
+        "## vlm_focus: where the model looks, and what pruning keeps\n"
+        f"Model: `{name}`. Ask about an image: the page shows the answer with and without "
+        "visual-token pruning, the attention map of your phrase and of each object the "
+        "answer names (with boxes and their region scores), the visual tokens the pruner "
+        "kept, and the prefill time pruned against unpruned, measured in the same request."
+    )
+
+
+def build_app(
+    model: Any,
+    processor: Any,
+    *,
+    max_new_tokens: int = 24,
+    repeats: int = 3,
+    served: Served | None = None,
+    model_panel: bool = True,
+):
+    """The demo page (``gr.Blocks``) serving ``model``; call ``.queue(...).launch(...)`` on it.
+
+    ``served`` (default: built from ``model`` and ``processor``) holds the model and its loading
+    options for the page's "Model" panel (hidden with ``model_panel=False``)."""
     import gradio as gr
 
     import vlm_focus as vf
 
+    served = served or Served(model, processor)
     samples = sample_scenes()
-    n_layers = _n_layers(model)
+    n_layers = served.n_layers
     default_layer = min(2, n_layers - 1)
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
 
     with gr.Blocks(analytics_enabled=False, title="vlm_focus demo") as demo:
-        gr.Markdown(
-            "## vlm_focus: where the model looks, and what pruning keeps\n"
-            f"Model: `{name}`. Ask about an image: the page shows the answer with and without "
-            "visual-token pruning, the attention map of your phrase and of each object the "
-            "answer names (with boxes and their region scores), the visual tokens the pruner "
-            "kept, and the prefill time pruned against unpruned, measured in the same request."
-        )
+        header = gr.Markdown(_header(served.name))
         with gr.Row():
             with gr.Column(scale=1):
                 image = gr.Image(
@@ -150,6 +212,14 @@ def build_app(model: Any, processor: Any, *, max_new_tokens: int = 24, repeats: 
                     0, max(n_layers - 1, 0), value=default_layer, step=1, label="Prune at layer"
                 )
                 run = gr.Button("Run", variant="primary", elem_id="run")
+                with gr.Accordion("Model", open=False, visible=model_panel):
+                    model_path = gr.Textbox(
+                        label="Model folder or hub id (safetensors weights)",
+                        placeholder="e.g. llava-hf/llava-1.5-7b-hf",
+                        elem_id="model-path",
+                    )
+                    load = gr.Button("Load model", elem_id="load-model")
+                    model_status = gr.Markdown(elem_id="model-status")
             with gr.Column(scale=2):
                 status = gr.Markdown(elem_id="status")
                 answer = gr.Textbox(label="Answer (pruned)", elem_id="answer")
@@ -193,8 +263,8 @@ def build_app(model: Any, processor: Any, *, max_new_tokens: int = 24, repeats: 
 
         def respond(image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value):
             result = run_request(
-                model,
-                processor,
+                served.model,
+                served.processor,
                 image_value,
                 prompt_value,
                 pruner_value,
@@ -208,6 +278,18 @@ def build_app(model: Any, processor: Any, *, max_new_tokens: int = 24, repeats: 
                 gr.Warning(result.message)
             return outputs_of(result)
 
+        def switch(path: str):
+            ok, message = served.load(path)
+            if not ok:
+                gr.Warning(message)
+                return message, gr.skip(), gr.skip()
+            n = served.n_layers
+            slider = gr.update(maximum=max(n - 1, 0), value=min(2, n - 1))
+            return message, _header(served.name), slider
+
+        load.click(
+            switch, inputs=[model_path], outputs=[model_status, header, layer], api_name=False
+        )
         sample.change(pick, inputs=[sample], outputs=[image], api_name=False)
         run.click(
             respond,
@@ -227,6 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow model repo code")
+    p.add_argument(
+        "--lock-model", action="store_true", help="hide the page's panel that loads other models"
+    )
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=2, help="requests served at once")
     p.add_argument("--queue-size", type=int, default=16, help="requests allowed to wait")
@@ -271,7 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"vlm-focus demo: cannot load the model: {err}", file=sys.stderr)
         return 2
-    demo = build_app(model, processor, max_new_tokens=args.max_new_tokens)
+    served = Served(
+        model,
+        processor,
+        device=args.device,
+        attn=args.attn,
+        trust_remote_code=args.trust_remote_code,
+    )
+    demo = build_app(
+        model,
+        processor,
+        max_new_tokens=args.max_new_tokens,
+        served=served,
+        model_panel=not args.lock_model,
+    )
     print(f"vlm-focus demo: serving on http://{args.host}:{args.port}", flush=True)
     launch(demo, args)
     return 0
