@@ -1,0 +1,168 @@
+"""End-to-end smoke runs of `vlm-focus eval pope|coco|chair` on a tiny random-weight LLaVA with
+the organism tokenizer/processor and a few generated scenes: file formats, resume, sweeps,
+and the clear errors."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from vlm_focus.eval.chair import SHIPPED_IDS, ObjectWords, extract_objects
+from vlm_focus.eval.cli import main
+from vlm_focus.eval.runner import read_jsonl, shard_paths
+from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes, write_dataset
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import LlavaForConditionalGeneration
+
+    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+
+    root = tmp_path_factory.mktemp("eval")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    model.save_pretrained(root / "model")
+    build_processor(SPECS["tiny"]).save_pretrained(root / "model")
+    write_dataset(heldout_scenes(4, min_objects=3), root / "data")
+    data = ["--images", str(root / "data"), "--instances", str(root / "data" / "instances.json")]
+    return root, ["--model", str(root / "model"), *data, "--threads", "1"]
+
+
+def test_pope_run_files_and_resume(setup, tmp_path):
+    root, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "6"]
+    args += ["--batch-size", "4", "--max-new-tokens", "3"]
+    assert main(args) == 0
+    folder = tmp_path / "pope" / "eval0--model" / "random"
+    records = read_jsonl(folder / "unpruned.jsonl")
+    assert [r["question_id"] for r in records] == list(range(1, 7))
+    fields = {"question_id", "image", "question", "label", "answer", "pred", "parseable"}
+    fields |= {"visual_kept", "visual_total", "new_tokens", "prefill_s", "generate_s"}
+    assert set(records[0]) == fields
+    assert all(r["visual_kept"] == r["visual_total"] == 16 for r in records)  # 4 x 4 grid
+    summary = json.loads((folder / "unpruned.json").read_text())
+    assert summary["n"] == 6 and summary["unparseable"] == sum(not r["parseable"] for r in records)
+    assert summary["prompt_suffix"] == "\nAnswer the question using a single word or phrase."
+    assert summary["yes_ratio"] == sum(r["pred"] == "yes" for r in records) / 6
+    assert "greedy" in summary["decoding"] and "first '.'" in summary["parse_rule"]
+    questions = read_jsonl(tmp_path / "pope" / "questions" / "instances" / "pope_random.jsonl")
+    assert len(questions) == 24
+    # a re-run with a larger limit keeps the first six answers and adds the rest
+    assert main([*args[:-4], "--limit", "12", "--max-new-tokens", "3"]) == 0
+    again = read_jsonl(folder / "unpruned.jsonl")
+    assert (
+        again[:6] == records and len(again) == 12 and shard_paths(folder / "unpruned.jsonl") == []
+    )
+    table = list(csv.DictReader(open(tmp_path / "pope" / "eval0--model" / "table.csv")))
+    assert table[0]["setting"] == "unpruned" and table[0]["n"] == "12"
+
+
+def test_pope_sweep_table_and_plot(setup, tmp_path):
+    _, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "adversarial", "--limit", "4"]
+    args += ["--sweep", "keep=1.0,0.5,0.25", "--pruners", "fastv,random", "--layer", "1"]
+    assert main([*args, "--max-new-tokens", "2"]) == 0
+    root = tmp_path / "pope" / "eval0--model"
+    rows = list(csv.DictReader(open(root / "table.csv")))
+    assert [r["setting"] for r in rows] == [
+        "unpruned", "fastv-k0.5-l1", "fastv-k0.25-l1", "random-k0.5-l1", "random-k0.25-l1"
+    ]  # fmt: skip
+    assert [float(r["visual_kept"]) for r in rows] == [16, 8, 4, 8, 4]
+    assert (root / "table.md").read_text().startswith("| split | setting |")
+    assert (root / "retention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_coco_grounding_files(setup, tmp_path):
+    _, common = setup
+    assert main(["coco", *common, "--out", str(tmp_path), "--limit", "2", "--absent", "2"]) == 0
+    root = tmp_path / "coco" / "eval0--model"
+    queries = read_jsonl(root / "queries.jsonl")
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["n_images"] == 2 and summary["n_queries"] == len(queries)
+    assert sum(not q["present"] for q in queries) == 4
+    for q in queries:
+        assert 0 <= q["point"][0] <= 192 and 0 <= q["point"][1] <= 192
+        assert (q["hit"] is None) == (not q["present"])
+        assert all(0.0 <= b["score"] <= 1.0 for b in q["boxes"])
+    dets = json.loads((root / "detections.json").read_text())
+    assert all(set(d) == {"image_id", "category_id", "bbox", "score"} for d in dets)
+    assert 0.0 <= summary["AP"] <= summary["AP50"] <= 1.0 and 0.0 <= summary["auroc"] <= 1.0
+
+
+def test_chair_files(setup, tmp_path, capsys):
+    _, common = setup
+    args = ["chair", *common, "--out", str(tmp_path), "--limit", "3", "--max-new-tokens", "5"]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([123]))
+    assert main([*args, "--image-ids", str(ids)]) == 2
+    assert "not in the set" in capsys.readouterr().err
+    assert main(args) == 0  # a seeded sample of the set's images (all 4 here), first 3
+    root = tmp_path / "chair" / "eval0--model"
+    expected = sorted(s.seed for s in heldout_scenes(4, min_objects=3))[:3]
+    records = read_jsonl(root / "unpruned.jsonl")
+    assert [r["image_id"] for r in records] == expected
+    table = ObjectWords.for_categories(CATEGORIES)
+    assert all(r["new_tokens"] <= 5 for r in records)
+    assert all(r["objects"] == extract_objects(r["caption"], table) for r in records)
+    summary = json.loads((root / "unpruned.json").read_text())
+    assert summary["n"] == 3 and summary["prompt"] == "Please describe this image in detail."
+    assert summary["decoding"].endswith("max_new_tokens=5")
+    assert json.loads((root / "image_ids.json").read_text()) == expected
+
+
+def test_clear_errors(setup, tmp_path, capsys):
+    root, common = setup
+    base = ["pope", "--model", str(root / "model"), "--out", str(tmp_path), "--limit", "2"]
+    assert main([*base, "--images", str(tmp_path / "nope"), "--instances", "x.json"]) == 2
+    assert "image directory not found" in capsys.readouterr().err
+    bad = tmp_path / "pope_random.jsonl"
+    bad.write_text('{"question_id": 1, "image": "a.png"}\n')
+    assert main([*base, "--images", str(root / "data"), "--questions", str(bad)]) == 2
+    assert "pope_random.jsonl:1" in capsys.readouterr().err
+    row = {"question_id": 1, "image": "gone.png", "text": "Is there a red_circle?", "label": "no"}
+    ok = json.loads(json.dumps(row))
+    ok.update(question_id=2, image=f"scene_{heldout_scenes(1, min_objects=3)[0].seed}.png")
+    bad.write_text(json.dumps(row) + "\n" + json.dumps(ok) + "\n")
+    args = [*base, "--images", str(root / "data"), "--questions", str(bad), "--threads", "1"]
+    assert main([*args, "--on-missing", "stop"]) == 2
+    assert "gone.png" in capsys.readouterr().err
+    assert main([*args, "--on-missing", "skip", "--max-new-tokens", "2"]) == 0
+    summary = json.loads(
+        (tmp_path / "pope" / "eval0--model" / "random" / "unpruned.json").read_text()
+    )
+    assert summary["n"] == 1 and summary["n_missing_images"] == 1
+
+
+def test_inputs_without_images_are_refused(setup):
+    from vlm_focus.eval.generation import Generator, Setting
+    from vlm_focus.loading import load_model
+
+    root, _ = setup
+    model, processor = load_model(str(root / "model"))
+    generator = Generator(model, processor, Setting())
+    inputs = dict(processor.tokenizer(["Is there a red_circle in the image?"], return_tensors="pt"))
+    with pytest.raises(ValueError, match="no image tokens"):
+        generator.visual_counts(inputs)
+
+
+def test_box_share_equals_region_score(setup):
+    from vlm_focus import grounding
+    from vlm_focus.loading import build_inputs, load_image, load_model
+
+    root, _ = setup
+    model, processor = load_model(str(root / "model"))
+    scene = heldout_scenes(1, min_objects=3)[0]
+    image = load_image(root / "data" / f"scene_{scene.seed}.png")
+    inputs = build_inputs(processor, [image], ["Is there a red_circle in the image?"])
+    heat = grounding.heatmap(model, inputs, "red_circle", tokenizer=processor)[0][0]
+    box = [20.0, 30.0, 70.0, 50.0]
+    direct = grounding.region_score(model, inputs, box, "red_circle", tokenizer=processor)
+    assert grounding.box_share(heat, box) == pytest.approx(float(direct[0]), abs=1e-6)
+
+
+def test_shipped_chair_ids_are_the_organism_heldout_set():
+    ids = json.loads(SHIPPED_IDS.read_text())
+    assert len(ids) == len(set(ids)) == 500 and ids == sorted(ids)
+    assert ids[:12] == [s.seed for s in heldout_scenes(12, min_objects=3)]
