@@ -24,12 +24,12 @@ import sys
 import torch
 
 ON_CPU = not torch.cuda.is_available()
-COMPILED_TRITON_LOADED = (
-    ON_CPU and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-)
-if ON_CPU:
+INTERPRET = os.environ.get("TRITON_INTERPRET")
+# In-process on CPU only if triton is not loaded yet (we can still switch it to the interpreter)
+# or was loaded with the interpreter on; an explicit other TRITON_INTERPRET also goes out.
+IN_PROCESS = not ON_CPU or INTERPRET == "1" or (INTERPRET is None and "triton" not in sys.modules)
+if ON_CPU and IN_PROCESS:  # else leave the environment of the other test files alone
     os.environ.setdefault("TRITON_INTERPRET", "1")
-IN_PROCESS = not COMPILED_TRITON_LOADED
 
 import itertools  # noqa: E402
 import subprocess  # noqa: E402
