@@ -89,6 +89,7 @@ def split_metrics(rows, answers_by_key) -> dict[str, dict]:
 
 def plot(results: list[dict], keeps: list[float], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -106,6 +107,7 @@ def plot(results: list[dict], keeps: list[float], path: Path) -> None:
     ax.axhline(99, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_xticks(keeps, [f"{k:g}" for k in keeps])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("keep (share of visual tokens)")
     ax.set_ylabel("POPE accuracy retention (%)")
     ax.set_title("Pruned / unpruned POPE accuracy (organism, mean of 3 splits)")
