@@ -410,3 +410,17 @@ def test_default_geometry_follows_the_adapter_and_can_be_overridden():
     next_model = make_model("qwen2_vl")
     heat = G.heatmap(next_model, make_inputs("qwen2_vl", next_model, batch=1))[0][0]
     assert heat.frames == [(0.0, 0.0, 32.0, 24.0)] and heat.image_size == (32, 24)
+
+
+def test_probing_a_pruned_layer_raises_and_earlier_layers_work():
+    import vlm_focus as vf
+
+    model = make_model("llava")
+    inputs = make_inputs("llava", model, batch=2)
+    plain = G.heatmap(model, inputs, layers=[0, 1])
+    with vf.wrap(model, pruner="fastv", keep=0.5, layer=2):
+        same = G.heatmap(model, inputs, layers=[0, 1])
+        with pytest.raises(ValueError, match="unpruned"):
+            G.heatmap(model, inputs, layers=[3])
+    for a, b in zip(plain, same, strict=True):
+        torch.testing.assert_close(a[0].grid, b[0].grid, atol=1e-6, rtol=0)

@@ -284,6 +284,7 @@ class AttentionProbe:
             if call is None:
                 return
             hidden = args[0] if args else kwargs["hidden_states"]
+            _check_unpruned(hidden, call, index)
             attn = getattr(module, self.adapter.attention)
             past = _past_keys(_cache_of(kwargs), attn.layer_idx)
             n_past = 0 if past is None else past.shape[2]
@@ -355,6 +356,15 @@ def layer_attention_rows(
     keys = torch.arange(total, device=hidden.device)
     allowed = valid[:, None, :] & (keys[None, None, :] <= rows[:, :, None])  # [B, Tq, L]
     return attention_probs(q, k, attn.scaling, allowed)
+
+
+def _check_unpruned(hidden: torch.Tensor, call: CallState, index: int) -> None:
+    if hidden.shape[1] != call.input_ids.shape[1]:
+        raise ValueError(
+            f"decoder layer {index} sees {hidden.shape[1]} tokens but the call has "
+            f"{call.input_ids.shape[1]}: attention probes and biases need the unpruned sequence "
+            "(remove the pruning handle, or probe layers before its first stage)"
+        )
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
@@ -432,6 +442,7 @@ class AttentionBias:
             if tracker is None or tracker.call is None or tracker.prefill is None:
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
+            _check_unpruned(hidden, tracker.call, index)
             with torch.no_grad():
                 bias = self.bias_fn(index, module, hidden, kwargs, tracker.prefill, tracker.call)
             if bias is None:
