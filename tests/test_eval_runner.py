@@ -174,3 +174,14 @@ def test_two_processes_through_accelerate_launch(tmp_path):
     assert [r["y"] for r in records] == [3 * i for i in range(10)]
     assert {r["rank"] for r in records} == {0, 1}  # both processes did work
     assert [r["rank"] for r in records] == [i % 2 for i in range(10)]  # strided shards
+
+
+def test_a_different_configuration_is_not_resumed(tmp_path):
+    out = tmp_path / "run.jsonl"
+    config = {"model": "m", "prompt_suffix": "\nAnswer.", "decoding": "greedy"}
+    run_items(ITEMS[:4], square, out, key="id", config=config)
+    assert run_items(ITEMS[:4], pytest.fail, out, key="id", config=dict(config)) == square(
+        ITEMS[:4]
+    )
+    with pytest.raises(ValueError, match="differs in prompt_suffix"):
+        run_items(ITEMS, square, out, key="id", config={**config, "prompt_suffix": ""})

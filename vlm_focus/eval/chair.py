@@ -221,6 +221,7 @@ def run_chair(args: argparse.Namespace) -> dict | None:
         state=state,
         desc=f"chair {setting.tag}",
         metric=metric,
+        config={"model": args.model or "embedded", **setting.describe(), "prompt": prompt},
     )
     if not state.is_main_process:
         return None

@@ -31,7 +31,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("vlm_focus_eval"), help="output folder")
     p.add_argument("--images", type=Path, default=None, help="image folder (COCO val2014)")
     p.add_argument("--instances", type=Path, default=None, help="COCO instances json")
-    p.add_argument("--limit", type=int, default=None, help="only the first N items")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="quick check: only the first N questions per split (pope) or N images (coco, chair)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--on-missing",
@@ -47,6 +52,7 @@ def _pruning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pruner", default=None, help="registered pruner (default: none)")
     p.add_argument("--keep", type=_keep, default=0.25, help="ratio in (0, 1] or a count")
     p.add_argument("--layer", type=int, default=2, help="prune after this many decoder layers")
+    p.add_argument("--query", default="last", choices=["last", "text"], help="pruner score rows")
     p.add_argument("--mitigate", default="none", choices=MITIGATIONS)
     p.add_argument("--guide", default=None, help="guide model for --pruner guided")
 

@@ -193,6 +193,14 @@ def run_coco(args: argparse.Namespace) -> dict | None:
         state=state,
         desc="coco grounding",
         metric=metric,
+        config={
+            "model": args.model or "embedded",
+            "prompt": template,
+            "absent": args.absent,
+            "max_boxes": args.max_boxes,
+            "seed": args.seed,
+            "instances": str(cocoset.instances_path),
+        },
     )
     if not state.is_main_process:
         return None

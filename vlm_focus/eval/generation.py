@@ -38,6 +38,7 @@ class Setting:
     pruner: str | None = None
     keep: float | int = 1.0
     layer: int = 0
+    query: str = "last"
     mitigate: str = "none"
     max_new_tokens: int = 16
 
@@ -55,6 +56,8 @@ class Setting:
     def tag(self) -> str:
         """File-name tag, e.g. ``unpruned`` or ``fastv-k0.25-l2-beam``."""
         tag = f"{self.pruner}-k{self.keep:g}-l{self.layer}" if self.pruned else "unpruned"
+        if self.pruned and self.query != "last":
+            tag += f"-q{self.query}"
         return tag if self.mitigate == "none" else f"{tag}-{self.mitigate}"
 
     def describe(self) -> dict[str, Any]:
@@ -63,6 +66,7 @@ class Setting:
             "pruner": self.pruner if self.pruned else None,
             "keep": self.keep if self.pruned else 1.0,
             "layer": self.layer if self.pruned else None,
+            "query": self.query if self.pruned else None,
             "mitigate": self.mitigate,
             "decoding": f"{'beam search' if beams > 1 else 'greedy'}, num_beams={beams}, "
             f"do_sample=False, max_new_tokens={self.max_new_tokens}",
@@ -134,7 +138,14 @@ class Generator:
                 import vlm_focus as vf
 
                 options = {"guide": self.guide} if s.pruner == "guided" else {}
-                handle = vf.wrap(self.model, pruner=s.pruner, keep=s.keep, layer=s.layer, **options)
+                handle = vf.wrap(
+                    self.model,
+                    pruner=s.pruner,
+                    keep=s.keep,
+                    layer=s.layer,
+                    query=s.query,
+                    **options,
+                )
             try:
                 self.sync()
                 start = time.perf_counter()

@@ -33,7 +33,12 @@ def parse_sweep(sweep: str | None, pruners: str | None, args: argparse.Namespace
     """The settings of a run: one, or unpruned + every (pruner, keep < 1) of a sweep."""
     import vlm_focus as vf
 
-    common = dict(layer=args.layer, mitigate=args.mitigate, max_new_tokens=args.max_new_tokens)
+    common = dict(
+        layer=args.layer,
+        query=args.query,
+        mitigate=args.mitigate,
+        max_new_tokens=args.max_new_tokens,
+    )
     if sweep is None:
         if pruners is not None:
             raise ValueError("--pruners needs --sweep keep=...")
@@ -95,77 +100,101 @@ def run_pope(args: argparse.Namespace) -> list[dict]:
     """Run every (setting, split); returns the summary rows (also written as json/md/csv)."""
     state = process_state()
     settings = parse_sweep(args.sweep, args.pruners, args)
-    images_dir, sets, source = question_sets(args, state)
+    images_dir, splits, source = question_sets(args, state)
     suffix = LLAVA_SUFFIX if args.suffix is None else args.suffix
+    sets = {"_images": images_dir, "_suffix": suffix, "_source": source, "splits": splits}
     model, processor = load(args, state)
     guide = (None, None)
     root = args.out / "pope" / model_tag(args.model)
     summaries: list[dict] = []
+    failed: list[str] = []
     for setting in settings:
-        if setting.pruned and setting.pruner == "guided" and guide[0] is None:
-            guide = load_guide(args, state)
-        generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
-        for split, rows in sets.items():
-            rows = rows[: args.limit] if args.limit else rows
-            for r in rows:
-                r["image_path"] = str(Path(images_dir) / r["image"])
-            present, missing = split_missing(rows, _Folder(images_dir), args.on_missing)
-
-            def process(batch: list[dict], generator=generator) -> list[dict]:
-                images = [r["image_path"] for r in batch]
-                texts, facts = generator(images, [r["text"] + suffix for r in batch])
-                out = []
-                for r, text, fact in zip(batch, texts, facts, strict=True):
-                    pred, parseable = parse_yes_no(text)
-                    out.append(
-                        {
-                            "question_id": r["question_id"],
-                            "image": r["image"],
-                            "question": r["text"],
-                            "label": r["label"],
-                            "answer": text,
-                            "pred": pred,
-                            "parseable": parseable,
-                            **fact,
-                        }
-                    )
-                return out
-
-            records = run_items(
-                present,
-                process,
-                root / split / f"{setting.tag}.jsonl",
-                key="question_id",
-                batch_size=args.batch_size,
-                state=state,
-                desc=f"pope {split} {setting.tag}",
-                metric=running_metric,
-            )
-            if not state.is_main_process:
-                continue
-            summary = {
-                "split": split,
-                "setting": setting.tag,
-                **setting.describe(),
-                **summarise(records),
-                "n_missing_images": len(missing),
-                "model": args.model or "embedded",
-                "prompt_suffix": suffix,
-                "parse_rule": PARSE_RULE,
-                "questions": source,
-                "yes_ratio_of": "predictions",
-                "processes": state.num_processes,
-            }
-            write_json(root / split / f"{setting.tag}.json", summary)
-            summaries.append(summary)
-            _print(summary)
+        try:
+            if setting.pruned and setting.pruner == "guided" and guide[0] is None:
+                guide = load_guide(args, state)
+            summaries += _run_setting(args, state, model, processor, guide, setting, sets, root)
+        except (ValueError, FileNotFoundError, RuntimeError) as err:
+            if not args.sweep:
+                raise
+            failed.append(setting.tag)  # one pruner's failure does not stop a sweep
+            print(f"pope {setting.tag}: skipped: {err}", file=sys.stderr)
     if state.is_main_process and summaries:
         write_table(summaries, TABLE_COLUMNS, root / "table")
         if args.sweep:
             from .plots import retention_plot
 
             retention_plot(summaries, root / "retention.png", metric="f1")
+        if failed:
+            write_json(root / "failed.json", failed)
         print(f"results in {root}", file=sys.stderr)
+    return summaries
+
+
+def _run_setting(args, state, model, processor, guide, setting, sets, root) -> list[dict]:
+    """Every split of one setting; the main process returns their summaries."""
+    images_dir, suffix, source = sets["_images"], sets["_suffix"], sets["_source"]
+    generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
+    summaries = []
+    for split, rows in sets["splits"].items():
+        rows = rows[: args.limit] if args.limit else rows
+        for r in rows:
+            r["image_path"] = str(Path(images_dir) / r["image"])
+        present, missing = split_missing(rows, _Folder(images_dir), args.on_missing)
+
+        def process(batch: list[dict], generator=generator) -> list[dict]:
+            images = [r["image_path"] for r in batch]
+            texts, facts = generator(images, [r["text"] + suffix for r in batch])
+            out = []
+            for r, text, fact in zip(batch, texts, facts, strict=True):
+                pred, parseable = parse_yes_no(text)
+                out.append(
+                    {
+                        "question_id": r["question_id"],
+                        "image": r["image"],
+                        "question": r["text"],
+                        "label": r["label"],
+                        "answer": text,
+                        "pred": pred,
+                        "parseable": parseable,
+                        **fact,
+                    }
+                )
+            return out
+
+        records = run_items(
+            present,
+            process,
+            root / split / f"{setting.tag}.jsonl",
+            key="question_id",
+            batch_size=args.batch_size,
+            state=state,
+            desc=f"pope {split} {setting.tag}",
+            metric=running_metric,
+            config={
+                "model": args.model or "embedded",
+                **setting.describe(),
+                "prompt_suffix": suffix,
+                "questions": source,
+            },
+        )
+        if not state.is_main_process:
+            continue
+        summary = {
+            "split": split,
+            "setting": setting.tag,
+            **setting.describe(),
+            **summarise(records),
+            "n_missing_images": len(missing),
+            "model": args.model or "embedded",
+            "prompt_suffix": suffix,
+            "parse_rule": PARSE_RULE,
+            "questions": source,
+            "yes_ratio_of": "predictions",
+            "processes": state.num_processes,
+        }
+        write_json(root / split / f"{setting.tag}.json", summary)
+        summaries.append(summary)
+        _print(summary)
     return summaries
 
 

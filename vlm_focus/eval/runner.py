@@ -121,6 +121,24 @@ def merge(out: str | Path, order: Sequence[Any], key: str) -> list[Record]:
     return wanted
 
 
+def check_config(out: str | Path, config: dict, *, write: bool = True) -> None:
+    """Store ``config`` beside the log ``out``, or check it against the stored one."""
+    path = Path(out).with_suffix(".config.json")
+    config = json.loads(json.dumps(config, default=str))
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored != config:
+            diff = sorted(k for k in set(stored) | set(config) if stored.get(k) != config.get(k))
+            raise ValueError(
+                f"{out} holds results of another configuration (differs in {', '.join(diff)}); "
+                "use another --out or delete these files to start again"
+            )
+    elif write:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(config, indent=1))
+        os.replace(tmp, path)
+
+
 class _SingleProcess:
     """The subset of ``accelerate.PartialState`` used here, for plain single-process runs."""
 
@@ -152,6 +170,7 @@ def run_items(
     state: Any = None,
     desc: str = "eval",
     metric: Callable[[list[Record]], str] | None = None,
+    config: dict | None = None,
 ) -> list[Record]:
     """Run ``process`` over ``items`` in batches, resumably, on this process's shard.
 
@@ -159,6 +178,10 @@ def run_items(
     appended to this process's shard log as they come. When every process is done, the main
     process merges the logs into ``out`` in item order; all processes return the merged records
     of ``items`` (in order). ``metric(records)`` is shown next to the progress bar.
+
+    ``config`` (JSON-serialisable: model, prompt, decoding, question source...) is stored in
+    ``<name>.config.json`` by the first run; a later run with a different one raises
+    ``ValueError`` instead of resuming from answers to something else.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -168,6 +191,8 @@ def run_items(
     state = state or _SingleProcess()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        check_config(out, config, write=state.is_main_process)
     done = finished(out, key)
     mine = shard(list(items), state.process_index, state.num_processes)
     todo = [it for it in mine if it[key] not in done]
