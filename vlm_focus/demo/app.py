@@ -29,6 +29,12 @@ DEFAULT_PRUNER = "fastv"
 DEFAULT_KEEP = 0.25
 N_SAMPLES = 6
 MAX_FILE_SIZE = 64 * 1024 * 1024  # bytes per upload
+#: Small images (the organism's scenes are 192 px) are drawn at the panel size, cells kept sharp.
+CSS = """
+#image img, #heatmap img, #kept-mask img, #objects img {
+  width: 100%; height: 100%; object-fit: contain; image-rendering: pixelated;
+}
+"""
 LOCAL_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]
 LOCAL_MONO = ["ui-monospace", "Consolas", "monospace"]
 
@@ -334,6 +340,7 @@ def launch(demo: Any, args: argparse.Namespace, *, block: bool = True):
         ssr_mode=False,
         footer_links=[],
         theme=theme,
+        css=CSS,
         quiet=not block,
     )
 

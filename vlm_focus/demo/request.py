@@ -457,13 +457,12 @@ def _prompt_query(
     ids = input_ids[0].tolist()
     content = torch.tensor(_content(tok, ids), device=input_ids.device)
     query = where & content[None]
-    if not bool(query.any()):
-        query = where
-    if not bool(query.any()):
-        return None
-    label_ids = [ids[i] for i in torch.nonzero(query[0]).flatten().tolist()]
-    label = tok.decode(label_ids, skip_special_tokens=True).strip() or "prompt"
-    return query, label
+    if bool(query.any()):
+        label_ids = [ids[i] for i in torch.nonzero(query[0]).flatten().tolist()]
+        return query, tok.decode(label_ids, skip_special_tokens=True).strip()
+    if bool(where.any()):
+        return where, prompt  # no content word: the whole prompt is the query
+    return None
 
 
 def _ground(
