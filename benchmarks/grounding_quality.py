@@ -286,6 +286,41 @@ def run_grounding(model, processor, scenes, heads, batch: int) -> dict:
     }
 
 
+# --- captions: describe_and_ground ---------------------------------------------------------
+def run_captions(model, processor, scenes, batch: int, layers: list[int] | None) -> dict:
+    """Caption each scene, ground every category the caption names (describe_and_ground) and
+    score it (MTLA share inside its own box); compare with the scene's true objects."""
+    present_scores, absent_scores, hits, iou50, n_mentions = [], [], [], [], 0
+    for sl in _progress(list(batches(len(scenes), batch)), "captions"):
+        chunk = scenes[sl]
+        inputs = make_inputs(processor, chunk, [CAPTION_PROMPT] * len(chunk))
+        described = G.describe_and_ground(
+            model, inputs, tokenizer=processor, objects=CATEGORIES, max_new_tokens=40,
+            layers=layers,
+        )  # fmt: skip
+        for scene, d in zip(chunk, described, strict=True):
+            for phrase in d.phrases:
+                n_mentions += 1
+                obj = scene.find(CATEGORIES.index(phrase.text))
+                if obj is None:
+                    absent_scores.append(phrase.score)
+                    continue
+                present_scores.append(phrase.score)
+                target = obj.box(scene.size)
+                hits.append(inside(G.point(phrase.map), target))
+                iou50.append(phrase.box is not None and G.iou(phrase.box, target) >= 0.5)
+    return {
+        "n_scenes": len(scenes),
+        "mentions": n_mentions,
+        "hallucinated_mentions": len(absent_scores),
+        "chair_i": len(absent_scores) / max(n_mentions, 1),
+        "pointing_present_mentions": float(np.mean(hits)) if hits else float("nan"),
+        "acc_iou50_present_mentions": float(np.mean(iou50)) if iou50 else float("nan"),
+        "auroc_mtla_present_vs_hallucinated": auroc(present_scores, absent_scores),
+        "layers": "all" if layers is None else layers,
+    }
+
+
 # --- POPE with mitigations ------------------------------------------------------------------
 def run_pope(model, processor, n_images: int, batch: int, methods: list[str]) -> dict:
     scenes = {s.seed: s for s in pope_eligible(n_images)}
@@ -431,6 +466,20 @@ def write_report(report: dict, out: Path) -> None:
     ]
     for name, value in g["auroc"].items():
         lines.append(f"| {name} | {value:.3f} |")
+    c = report.get("captions")
+    if c:
+        lines += [
+            "",
+            f"## Captions grounded with describe_and_ground ({c['n_scenes']} scenes, prompt "
+            f"`{CAPTION_PROMPT}`, maps at layers {c['layers']})",
+            "",
+            "| mentions | hallucinated (CHAIR_i) | pointing (present) | Acc@0.5 (present) | "
+            "AUROC of MTLA score, present vs hallucinated |",
+            "|---|---|---|---|---|",
+            f"| {c['mentions']} | {c['hallucinated_mentions']} ({c['chair_i']:.3f}) | "
+            f"{c['pointing_present_mentions']:.3f} | {c['acc_iou50_present_mentions']:.3f} | "
+            f"{c['auroc_mtla_present_vs_hallucinated']:.3f} |",
+        ]
     lines += [
         "",
         f"## POPE ({report['pope_images']} images x 6 questions per split; suffix "
@@ -467,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=200, help="held-out grounding scenes")
     parser.add_argument("--pope-images", type=int, default=100, help="POPE images per split")
     parser.add_argument("--calibration", type=int, default=32, help="head-selection scenes")
+    parser.add_argument("--caption-images", type=int, default=100, help="captioned scenes")
+    parser.add_argument("--caption-layers", default="0", help="a layer index or 'all'")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1 is fastest on a busy CPU)"
@@ -488,13 +539,17 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         out = Path(tempfile.mkdtemp(prefix="grounding_smoke_"))
-        args.images, args.pope_images, args.calibration = 6, 3, 4
+        args.images, args.pope_images, args.calibration, args.caption_images = 6, 3, 4, 4
     out.mkdir(parents=True, exist_ok=True)
     heads = G.select_localization_heads(
         model, calibration_set(processor, args.calibration), top_k=3, tokenizer=processor
     )
     G.save_heads(heads, out / "grounding_heads_organism.json")
     grounding = run_grounding(model, processor, heldout_scenes(args.images), heads, args.batch)
+    caption_layers = None if args.caption_layers == "all" else [int(args.caption_layers)]
+    captions = run_captions(
+        model, processor, heldout_scenes(args.caption_images), args.batch, caption_layers
+    )
     pope = run_pope(model, processor, args.pope_images, args.batch, args.methods.split(","))
     import transformers
 
@@ -513,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         "image_size": IMAGE_SIZE,
         "grounding": grounding,
         "pope": pope,
+        "captions": captions,
     }
     plot(grounding, pope, out)
     write_report(report, out)
