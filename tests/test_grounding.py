@@ -424,3 +424,20 @@ def test_probing_a_pruned_layer_raises_and_earlier_layers_work():
             G.heatmap(model, inputs, layers=[3])
     for a, b in zip(plain, same, strict=True):
         torch.testing.assert_close(a[0].grid, b[0].grid, atol=1e-6, rtol=0)
+
+
+def test_describe_and_ground_without_a_vocabulary_grounds_each_content_word():
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model, batch=2)
+    results = G.describe_and_ground(
+        model, inputs, tokenizer=WordTokenizer(), max_new_tokens=3,
+        generate_kwargs={"min_new_tokens": 3},
+    )  # fmt: skip
+    seq = inputs["input_ids"].shape[1]
+    for b, described in enumerate(results):
+        assert len(described.answer_ids) == 3 and len(described.answer.split()) == 3
+        assert [p.positions for p in described.phrases] == [[seq], [seq + 1], [seq + 2]]
+        for phrase in described.phrases:
+            assert phrase.map.row == b and phrase.map.grid.shape == ((4, 3) if b == 0 else (2, 4))
+            assert phrase.box is not None
+            assert phrase.score == pytest.approx(G.box_share(phrase.map, phrase.box))
