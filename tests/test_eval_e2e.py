@@ -166,3 +166,15 @@ def test_shipped_chair_ids_are_the_organism_heldout_set():
     ids = json.loads(SHIPPED_IDS.read_text())
     assert len(ids) == len(set(ids)) == 500 and ids == sorted(ids)
     assert ids[:12] == [s.seed for s in heldout_scenes(12, min_objects=3)]
+
+
+def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
+    _, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "2"]
+    assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 0
+    summary = json.loads(
+        (tmp_path / "pope" / "eval0--model" / "random" / "unpruned-reweight.json").read_text()
+    )
+    assert summary["mitigate"] == "reweight" and summary["n"] == 2
+    assert main([*args, "--mitigate", "beam", "--pruner", "fastv"]) == 2
+    assert "run them without pruning" in capsys.readouterr().err

@@ -45,6 +45,11 @@ class Setting:
     def __post_init__(self) -> None:
         if self.mitigate not in MITIGATIONS:
             raise ValueError(f"mitigate={self.mitigate!r}; allowed: {', '.join(MITIGATIONS)}")
+        if self.pruned and self.mitigate != "none":
+            raise ValueError(
+                f"--mitigate {self.mitigate} with --pruner {self.pruner}: the mitigations read "
+                "attention over the full sequence at every layer; run them without pruning"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
