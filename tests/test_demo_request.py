@@ -236,6 +236,11 @@ def test_huge_image_is_downscaled_with_a_notice(tiny, scene):
         "The image was 3000x2000 pixels; it was downscaled to 1344x896 for this demo."
     ]
     assert result.heatmap.shape == result.kept_overlay.shape == (896, 1344, 3)
+    m = result.prompt_map
+    assert len(m.boxes) >= 1
+    for box, score in zip(m.boxes, m.scores, strict=True):  # found on a 384 px copy, scaled back
+        assert 0 <= box.x and box.x + box.w <= 1344 and 0 <= box.y and box.y + box.h <= 896
+        assert score == pytest.approx(grounding.box_share(m.map, box)) and 0 <= score <= 1
 
 
 def test_image_beyond_the_pixel_limit_is_refused_before_decoding(tiny, tmp_path):
@@ -333,3 +338,15 @@ def test_draw_boxes_draws_the_rectangle_edges():
     assert (out[5, 10:30] == 255).all() and (out[14, 10:30] == 255).all()
     assert (out[5:15, 10] == 255).all() and (out[5:15, 29] == 255).all()
     assert (out[9, 15] == 0).all()  # inside stays untouched
+
+
+def test_a_prompt_without_content_words_is_mapped_as_a_whole(tiny, scene):
+    result = run(tiny, scene, prompt="Describe the image.")
+    assert result.ok, result.message
+    assert result.prompt_map.phrase == "Describe the image."
+    model, processor = tiny
+    inputs = build_inputs(processor, Image.fromarray(scene), "Describe the image.")
+    ref = grounding.heatmap(
+        model, inputs, "Describe the image.", tokenizer=processor, geometry="crop"
+    )[0][0]
+    torch.testing.assert_close(result.prompt_map.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -68,6 +69,8 @@ MAX_SIDE = 1344
 MAX_PIXELS = 100_000_000
 MAX_PROMPT_CHARS = 1000
 MAX_BOXES = 3
+#: Boxes of larger maps are found on the map resized to this many pixels (longest side).
+BOX_SIDE = 384
 
 #: wrap() and the attention probes hook the model instance: one request uses a model at a time.
 MODEL_LOCK = threading.Lock()
@@ -465,6 +468,27 @@ def _prompt_query(
     return None
 
 
+def _boxes(heat: HeatMap, max_boxes: int) -> list[Box]:
+    """``grounding.boxes`` of the map; above ``BOX_SIDE`` pixels it runs on the map resized to
+    ``BOX_SIDE`` (area interpolation) and the boxes are scaled back, since its smoothing kernel
+    grows with the image's pixels per grid cell."""
+    height, width = heat.image_size
+    scale = BOX_SIDE / max(height, width)
+    if scale >= 1:
+        return boxes(heat, max_boxes=max_boxes)
+    small = (max(1, round(width * scale)), max(1, round(height * scale)))
+    pixels = cv2.resize(heat.pixels.double().numpy(), small, interpolation=cv2.INTER_AREA)
+    rows, cols = heat.grid.shape
+    sigma = 0.5 * min(small[1] / rows, small[0] / cols)  # half a cell, as for a HeatMap
+    sx, sy = width / small[0], height / small[1]
+    out = []
+    for b in boxes(pixels, max_boxes=max_boxes, sigma=sigma):
+        x0, y0 = min(b.x * sx, width - 1.0), min(b.y * sy, height - 1.0)
+        w, h = min(b.w * sx, width - x0), min(b.h * sy, height - y0)
+        out.append(Box(x0, y0, w, h, b.score))
+    return out
+
+
 def _ground(
     model: nn.Module,
     processor: Any,
@@ -507,7 +531,7 @@ def _ground(
         per_head = token_attention(probed, _weights(probed, query), per_head=True)
         values = [[(x * weights[..., None]).sum((0, 1)) for x in row] for row in per_head]
         heat: HeatMap = maps_from_values(model, probed, values, size, geometry)[0][0]
-        found_boxes = boxes(heat, max_boxes=max_boxes)
+        found_boxes = _boxes(heat, max_boxes)
         scores = [box_share(heat, b) for b in found_boxes]
         labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
                   for i, s in enumerate(scores)]  # fmt: skip
