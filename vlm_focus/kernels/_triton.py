@@ -15,16 +15,18 @@ Three launches, none of which writes a ``[Tq, S]`` or ``[S, S]`` tensor:
    ``[B, H, Tq, n_split]``. Splitting S gives a batch-1 call enough programs to fill the GPU.
    The query heads of a GQA group have adjacent program ids, so their shared key tiles are read
    from HBM once and then from L2. Key tiles after the block's last query position are skipped.
-2. ``_score_kernel``, grid ``(S blocks, head parts x Tq blocks, B)``. Each program owns one tile of
-   keys. It merges the partial log-sum-exps of its rows (a few floats per row), then for each kv
-   head loads the key tile once and, for every query head of the group, forms
-   ``p = exp2(s - lse)`` in registers and folds it into a ``[Tq block, keys]`` accumulator: a sum
-   for ``mean``, an elementwise max for ``max``. The query weights and the ``1 / H`` are applied
-   at the end. Because a program holds every head of its keys, ``max`` needs no atomics. For
-   ``mean``, which is linear, the heads may be split over programs to add parallelism when S is
+2. ``_score_kernel``, grid ``(S blocks, head parts x query parts, B)``. Each program owns one tile
+   of keys and loops over its blocks of query rows. Per block it merges the partial
+   log-sum-exps of its rows (a few floats per row), then for each kv head loads the key tile once
+   and, for every query head of the group, forms ``p = exp2(s - lse)`` in registers and folds it
+   into a ``[Tq block, keys]`` accumulator: a sum for ``mean``, an elementwise max for ``max``;
+   the query weights reduce it to ``[keys]`` and ``1 / H`` is applied at the end. Because a
+   program holds every head of its keys, ``max`` needs no atomics. Query blocks (any reduce) and,
+   for the linear ``mean``, kv heads may be split over programs to add parallelism when S is
    short. Each program writes one partial score row ``[keys]``, so the buffer is
-   ``[B, n_parts, S]`` with ``n_parts`` sized to the GPU, not to S. Key tiles that hold no visual
-   key skip the head loop. Keys are read twice (pass 1 and 2); queries are tiny and come from L2.
+   ``[B, n_parts, S]`` with ``n_parts`` sized to the GPU (at most 4 query parts), not to S or Tq.
+   Key tiles that hold no visual key, or lie after every query row, skip the head loop. Keys are
+   read twice (pass 1 and 2); queries are tiny and come from L2.
 3. ``_select_kernel``, grid ``(B,)``. It sums the partial scores, applies ``debias`` and the visual
    mask, writes ``scores``, then finds the ``n_keep``-th largest score by a 32-step bitwise
    bisection on order-preserving integer keys (a radix select with 1-bit digits: every step is one
@@ -61,6 +63,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 _SELECT_MAX_SINGLE = 16384  # row length up to which the selection keeps the whole row in registers
+_MAX_TPARTS = 4  # query-block ranges of pass 2: bounds the partial scores at [B, 4 * heads, S]
 
 
 @triton.jit
@@ -164,6 +167,8 @@ def _score_kernel(
     n_split,
     kv_per_part,
     n_hparts,
+    n_tblocks,
+    tblocks_per_part,
     n_parts,
     qk_scale,
     head_scale,
@@ -189,75 +194,81 @@ def _score_kernel(
     pid_p = tl.program_id(1)
     b = tl.program_id(2)
     hp = pid_p % n_hparts
-    tb = pid_p // n_hparts
+    tp = pid_p // n_hparts
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     offs_sp = tl.arange(0, SPLIT_PAD)
     n_ok = offs_n < seq
-    t_ok = offs_t < n_query
     d_ok = offs_d < head_dim
     vis = tl.load(vis_ptr + b * seq + offs_n, mask=n_ok, other=0) != 0  # [BLOCK_N]
     valid = tl.load(kmask_ptr + b * seq + offs_n, mask=n_ok, other=0) != 0
-    qpos = tl.load(qpos_ptr + b * n_query + offs_t, mask=t_ok, other=-1)  # [BLOCK_T]
-    w = tl.load(w_ptr + b * n_query + offs_t, mask=t_ok, other=0.0).to(tl.float32)
-    allowed = valid[None, :] & (offs_n[None, :] <= qpos[:, None])  # [BLOCK_T, BLOCK_N]
-
-    kv_lo = hp * kv_per_part
-    kv_hi = tl.minimum(n_kv, kv_lo + kv_per_part)
-    # Tiles without a visual key score 0 by definition, and tiles past the last query position
-    # get no attention: skip their heads entirely.
+    # Tiles without a visual key score 0 by definition: skip all their work.
     has_visual = tl.max((vis & valid).to(tl.int32), axis=0) > 0
-    seen = pid_n * BLOCK_N <= tl.max(qpos, axis=0)
-    kv_hi = tl.where(has_visual & seen, kv_hi, kv_lo)
-
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)  # sum or max over heads of p
+    kv_lo = hp * kv_per_part
+    kv_end = tl.minimum(n_kv, kv_lo + kv_per_part)
     q_base = q_ptr + b.to(tl.int64) * sqb
-    q_rows = offs_t[:, None] * sqt + offs_d[None, :] * sqd
     k_base = k_ptr + b.to(tl.int64) * skb
     k_rows = offs_n[:, None] * sks + offs_d[None, :] * skd
-    for kv in range(kv_lo, kv_hi):
-        # keys of this tile and kv head, loaded once for every query head of the group
-        k = tl.load(
-            k_base + kv * skh + k_rows,
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        # GROUPS is a constant, so for MHA (GROUPS = 1) this loop folds away and the kv loop,
-        # now innermost, gets software-pipelined key loads.
-        for g in range(GROUPS):
-            h = kv * GROUPS + g
-            q = tl.load(
-                q_base + h * sqh + q_rows,
-                mask=t_ok[:, None] & d_ok[None, :],
+
+    score = tl.zeros([BLOCK_N], tl.float32)
+    # This part's query blocks, one after another: the partial row stays [BLOCK_N] whatever Tq.
+    tb_lo = tp * tblocks_per_part
+    tb_hi = tl.minimum(n_tblocks, tb_lo + tblocks_per_part)
+    for tb in range(tb_lo, tb_hi):
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < n_query
+        qpos = tl.load(qpos_ptr + b * n_query + offs_t, mask=t_ok, other=-1)  # [BLOCK_T]
+        w = tl.load(w_ptr + b * n_query + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+        allowed = valid[None, :] & (offs_n[None, :] <= qpos[:, None])  # [BLOCK_T, BLOCK_N]
+        q_rows = offs_t[:, None] * sqt + offs_d[None, :] * sqd
+        # Tiles past the last query position of the block get no attention from it.
+        seen = pid_n * BLOCK_N <= tl.max(qpos, axis=0)
+        kv_hi = tl.where(has_visual & seen, kv_end, kv_lo)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)  # sum or max over heads of p
+        for kv in range(kv_lo, kv_hi):
+            # keys of this tile and kv head, loaded once for every query head of the group
+            k = tl.load(
+                k_base + kv * skh + k_rows,
+                mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
-            )  # [BLOCK_T, BLOCK_D]
+            )  # [BLOCK_N, BLOCK_D]
             if DOT_FP32:
-                q = q.to(tl.float32)
-            # Merge the pass-1 partial log-sum-exps of these rows.
-            row = (b * n_heads + h) * n_query + offs_t
-            parts = tl.load(
-                lse_ptr + row[:, None] * n_split + offs_sp[None, :],
-                mask=t_ok[:, None] & (offs_sp[None, :] < n_split),
-                other=float("-inf"),
-            )  # [BLOCK_T, SPLIT_PAD]
-            top = tl.max(parts, axis=1)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            total = tl.sum(tl.exp2(parts - top[:, None]), axis=1)
-            # A row whose splits are all -inf has no allowed key at all: its lse is a placeholder
-            # (0) and every p of the row is masked to 0 below.
-            lse = tl.where(total > 0.0, top + tl.log2(tl.where(total > 0.0, total, 1.0)), top)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_T, BLOCK_N]
-            p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
-            if REDUCE_MAX:
-                acc = tl.maximum(acc, p)
-            else:
-                acc += p
-    score = tl.sum(acc * w[:, None], axis=0) * head_scale  # [BLOCK_N]
-    score = tl.where(vis, score, 0.0)
+                k = k.to(tl.float32)
+            # GROUPS is a constant, so for MHA (GROUPS = 1) this loop folds away and the kv loop,
+            # now innermost, gets software-pipelined key loads.
+            for g in range(GROUPS):
+                h = kv * GROUPS + g
+                q = tl.load(
+                    q_base + h * sqh + q_rows,
+                    mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )  # [BLOCK_T, BLOCK_D]
+                if DOT_FP32:
+                    q = q.to(tl.float32)
+                # Merge the pass-1 partial log-sum-exps of these rows.
+                row = (b * n_heads + h) * n_query + offs_t
+                parts = tl.load(
+                    lse_ptr + row[:, None] * n_split + offs_sp[None, :],
+                    mask=t_ok[:, None] & (offs_sp[None, :] < n_split),
+                    other=float("-inf"),
+                )  # [BLOCK_T, SPLIT_PAD]
+                top = tl.max(parts, axis=1)
+                top = tl.where(top == float("-inf"), 0.0, top)
+                total = tl.sum(tl.exp2(parts - top[:, None]), axis=1)
+                # A row whose splits are all -inf has no allowed key at all: its lse is a
+                # placeholder (0) and every p of the row is masked to 0 below.
+                lse = tl.where(total > 0.0, top + tl.log2(tl.where(total > 0.0, total, 1.0)), top)
+                s = (
+                    tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                )  # [BLOCK_T, BLOCK_N]
+                p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
+                if REDUCE_MAX:
+                    acc = tl.maximum(acc, p)
+                else:
+                    acc += p
+        score += tl.sum(acc * w[:, None], axis=0)
+    score = tl.where(vis, score * head_scale, 0.0)
     tl.store(part_ptr + (b * n_parts + pid_p).to(tl.int64) * seq + offs_n, score, mask=n_ok)
 
 
@@ -378,6 +389,7 @@ class _Plan:
     block_t: int = 16  # query rows per tile: a power of two >= 16 (tl.dot minimum)
     n_split: int = 1  # key ranges in pass 1
     n_hparts: int = 1  # kv-head ranges in pass 2 (mean only)
+    n_tparts: int = 1  # query-block ranges in pass 2 (at most _MAX_TPARTS)
     select_block: int = 0  # selection tile; 0 = whole row in one tile
     num_warps: int = 4
     num_stages: int = 2
@@ -404,10 +416,14 @@ def _plan(q: torch.Tensor, k: torch.Tensor, reduce: str) -> _Plan:
     n_sm = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else 1
     target = 4 * n_sm
     n_split = max(1, min(n_blocks, triton.cdiv(target, batch * n_heads * n_tblocks)))
+    # Pass 2: split query blocks first (any reduce), then kv heads (mean only).
+    n_tparts = max(1, min(n_tblocks, _MAX_TPARTS, triton.cdiv(target, batch * n_blocks)))
     n_hparts = 1
     if reduce == "mean":
-        n_hparts = max(1, min(n_kv, triton.cdiv(target, batch * n_blocks * n_tblocks)))
-    return _Plan(block_n=block_n, block_t=block_t, n_split=n_split, n_hparts=n_hparts)
+        n_hparts = max(1, min(n_kv, triton.cdiv(target, batch * n_blocks * n_tparts)))
+    return _Plan(
+        block_n=block_n, block_t=block_t, n_split=n_split, n_hparts=n_hparts, n_tparts=n_tparts
+    )
 
 
 def _launch(
@@ -444,7 +460,9 @@ def _launch(
     n_split = triton.cdiv(seq, keys_per_split)
     kv_per_part = triton.cdiv(n_kv, max(1, plan.n_hparts)) if reduce == "mean" else n_kv
     n_hparts = triton.cdiv(n_kv, kv_per_part)
-    n_parts = n_hparts * n_tblocks
+    tblocks_per_part = triton.cdiv(n_tblocks, max(1, min(plan.n_tparts, _MAX_TPARTS)))
+    n_tparts = triton.cdiv(n_tblocks, tblocks_per_part)
+    n_parts = n_hparts * n_tparts
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 inputs only
     # The CPU interpreter (triton 3.9) returns garbage from tl.dot on bf16 tiles, so there the tiles
     # go to fp32 first. Exact: a product of two bf16/fp16 numbers fits in an fp32 mantissa.
@@ -469,7 +487,8 @@ def _launch(
     )  # fmt: skip
     _score_kernel[(n_blocks, n_parts, batch)](
         q, k, kmask, vis, qpos, weights, lse, parts,
-        n_heads, n_kv, n_query, seq, head_dim, n_split, kv_per_part, n_hparts, n_parts,
+        n_heads, n_kv, n_query, seq, head_dim, n_split, kv_per_part, n_hparts,
+        n_tblocks, tblocks_per_part, n_parts,
         qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
         *q.stride(), *k.stride(),
         GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
