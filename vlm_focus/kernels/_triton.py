@@ -4,8 +4,9 @@ Formula (the contract of :func:`vlm_focus.kernels.naive.score_and_select_naive`)
 
     scores[b, s] = debias[b, s] * sum_t w[b, t] * R_h(softmax_s'(q[b,h,t] . k[b,h,s'] * c))[s]
 
-with ``allowed`` = valid key and ``s' <= query_pos[b, t]``, ``R_h`` the mean or max over query heads
-(GQA heads read their shared kv head), 0 for non-visual keys, then the top ``n_keep`` visual keys.
+where the softmax runs over the allowed keys ``s'`` (valid and ``s' <= query_pos[b, t]``), ``R_h``
+is the mean or max over query heads (GQA heads read their shared kv head) and scores are 0 on
+non-visual keys; then the top ``n_keep`` visual keys are kept.
 
 Three launches, none of which writes a ``[Tq, S]`` or ``[S, S]`` tensor:
 
@@ -13,8 +14,8 @@ Three launches, none of which writes a ``[Tq, S]`` or ``[S, S]`` tensor:
    of one head in registers and streams its range of key tiles, keeping an online max and sum of
    ``exp2`` (log2 domain, fp32) per row. It writes one partial log-sum-exp per row and split,
    ``[B, H, Tq, n_split]``. Splitting S gives a batch-1 call enough programs to fill the GPU.
-   The query heads of a GQA group have adjacent program ids, so their shared key tiles are read
-   from HBM once and then from L2. Key tiles after the block's last query position are skipped.
+   The query heads of a GQA group have adjacent program ids, so their shared key tiles are mostly
+   re-read from L2 rather than HBM. Key tiles after the block's last query position are skipped.
 2. ``_score_kernel``, grid ``(S blocks, head parts x query parts, B)``. Each program owns one tile
    of keys and loops over its blocks of query rows. Per block it merges the partial
    log-sum-exps of its rows (a few floats per row), then for each kv head loads the key tile once
