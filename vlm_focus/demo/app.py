@@ -80,8 +80,16 @@ class Served:
         attn: str = "sdpa",
         trust_remote_code: bool = False,
     ) -> None:
-        self.model, self.processor = model, processor
+        self.pair = (model, processor)  # replaced as one, read as one
         self.device, self.attn, self.trust_remote_code = device, attn, trust_remote_code
+
+    @property
+    def model(self) -> Any:
+        return self.pair[0]
+
+    @property
+    def processor(self) -> Any:
+        return self.pair[1]
 
     @property
     def name(self) -> str:
@@ -107,10 +115,10 @@ class Served:
                 attn_implementation=self.attn,
                 trust_remote_code=self.trust_remote_code,
             )
-        except (ValueError, OSError, ImportError) as err:
+        except Exception as err:  # a bad folder must not take the page down
             return False, f"The model could not be loaded; still serving `{self.name}`. {err}"
         with MODEL_LOCK:  # no request runs while the model changes
-            self.model, self.processor = model, processor
+            self.pair = (model, processor)
         return True, f"Now serving `{self.name}` ({model.config.model_type})."
 
 
@@ -268,9 +276,10 @@ def build_app(
             return samples.get(choice) if choice else gr.skip()
 
         def respond(image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value):
+            model_now, processor_now = served.pair
             result = run_request(
-                served.model,
-                served.processor,
+                model_now,
+                processor_now,
                 image_value,
                 prompt_value,
                 pruner_value,
