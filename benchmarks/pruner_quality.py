@@ -6,7 +6,7 @@ parsed by the POPE/LLaVA rule) while pruned by ``vlm_focus.wrap``; retention = p
 unpruned accuracy on the same questions, measured in the same run. ``guided`` uses the
 embedded guide organism (6 x 6 visual tokens) on the same images and prompts.
 
-    python benchmarks/pruner_quality.py                       # 200 images, keeps 0.5 0.25 0.11
+    python benchmarks/pruner_quality.py                       # 60 images, keeps 0.5 0.25 0.11
     python benchmarks/pruner_quality.py --images 500 --layer 2 --out benchmarks/results
 
 Writes ``pruner_quality.csv`` (one row per pruner, keep and split), ``pruner_quality.md`` (the
@@ -37,7 +37,8 @@ from vlm_focus.organism.pope import (
 )
 from vlm_focus.pruners import guided_generate
 
-PROMPT = "USER: <image>\\n{question} ASSISTANT: (chat template, no suffix)"
+PROMPT = "USER: <image>\\n{question} ASSISTANT: (chat template, no suffix; greedy, 1 new token)"
+NEW_TOKENS = 1
 
 
 def load(path: Path):
@@ -58,20 +59,31 @@ def build_inputs(processor, images: list[Image.Image], questions: list[str]) -> 
     return processor(images=images, text=prompts, padding=True, return_tensors="pt")
 
 
-@torch.no_grad()
-def answer_all(model, processor, images, questions, batch, desc, guide=None, handle=None):
-    """Greedy 2-token answers; with a guide, through guided_generate (same images, prompts)."""
-    answers: list[str] = []
-    for i in tqdm(range(0, len(questions), batch), desc=desc, leave=False):
+def make_batches(processor, images, questions, batch: int, guide_processor=None) -> list:
+    """Processor outputs per batch, built once and reused by every configuration."""
+    out = []
+    for i in range(0, len(questions), batch):
         chunk = slice(i, i + batch)
         inputs = build_inputs(processor, images[chunk], questions[chunk])
-        if guide is not None:
-            guide_inputs = build_inputs(guide[1], images[chunk], questions[chunk])
+        guide_inputs = None
+        if guide_processor is not None:
+            guide_inputs = build_inputs(guide_processor, images[chunk], questions[chunk])
+        out.append((inputs, guide_inputs))
+    return out
+
+
+@torch.no_grad()
+def answer_all(model, processor, batches, desc, handle=None, guided=False) -> list[str]:
+    """Greedy one-token answers (the POPE rule reads the first word); with ``guided``, through
+    guided_generate on the same images and prompts."""
+    answers: list[str] = []
+    for inputs, guide_inputs in tqdm(batches, desc=desc, leave=False):
+        if guided:
             out = guided_generate(
-                handle, inputs, guide_inputs, max_new_tokens=2, do_sample=False
+                handle, inputs, guide_inputs, max_new_tokens=NEW_TOKENS, do_sample=False
             ).sequences
         else:
-            out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         new = out[:, inputs["input_ids"].shape[1] :]
         answers += [a.strip() for a in processor.batch_decode(new, skip_special_tokens=True)]
     return answers
@@ -120,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--guide", type=Path, default=guide_model_path())
-    parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--images", type=int, default=60)
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.5, 0.25, 0.11])
     parser.add_argument("--layer", type=int, default=2)
     parser.add_argument("--query", default="text", choices=["last", "text"])
@@ -153,7 +165,10 @@ def main() -> None:
 
     results: list[dict] = []
     start = time.perf_counter()
-    full = dict(zip(keys, answer_all(model, processor, images, questions, args.batch, "none")))
+    batches = make_batches(
+        processor, images, questions, args.batch, guide[1] if guide is not None else None
+    )
+    full = dict(zip(keys, answer_all(model, processor, batches, "none"), strict=True))
     base = split_metrics(rows, full)
     base_seconds = time.perf_counter() - start
     for split in SPLITS:
@@ -168,14 +183,7 @@ def main() -> None:
             t0 = time.perf_counter()
             with vf.wrap(model, **options) as handle:
                 answers = answer_all(
-                    model,
-                    processor,
-                    images,
-                    questions,
-                    args.batch,
-                    f"{name} {keep}",
-                    guide=guide if name == "guided" else None,
-                    handle=handle,
+                    model, processor, batches, f"{name} {keep}", handle, name == "guided"
                 )
             seconds = time.perf_counter() - t0
             metrics = split_metrics(rows, dict(zip(keys, answers, strict=True)))
