@@ -19,6 +19,10 @@ import numpy as np  # noqa: E402
 
 from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
 
+DESCRIPTION = (
+    "Gradio page: ask about an image, see the answer pruned and unpruned, attention maps with "
+    "boxes and region scores, the visual tokens kept and the prefill speed-up."
+)
 DEFAULT_QUESTION = "Is there a red_circle in the image?"
 EXAMPLE_PROMPTS = (
     "Is there a red_circle in the image?",
@@ -316,7 +320,7 @@ def build_app(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vlm-focus demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vlm-focus demo", description=DESCRIPTION)
     p.add_argument("--model", default=None, help="model path or hub id (default: embedded)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost)")
     p.add_argument("--port", type=int, default=7860)
