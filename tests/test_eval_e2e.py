@@ -47,7 +47,9 @@ def test_pope_run_files_and_resume(setup, tmp_path):
     assert summary["prompt_suffix"] == "\nAnswer the question using a single word or phrase."
     assert summary["yes_ratio"] == sum(r["pred"] == "yes" for r in records) / 6
     assert "greedy" in summary["decoding"] and "first '.'" in summary["parse_rule"]
-    questions = read_jsonl(tmp_path / "pope" / "questions" / "instances" / "pope_random.jsonl")
+    questions = read_jsonl(
+        tmp_path / "pope" / "questions" / "instances-n500-seed0" / "pope_random.jsonl"
+    )
     assert len(questions) == 24
     # a re-run with a larger limit keeps the first six answers and adds the rest
     assert main([*args[:-4], "--limit", "12", "--max-new-tokens", "3"]) == 0

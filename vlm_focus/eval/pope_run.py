@@ -83,7 +83,7 @@ def question_sets(args: argparse.Namespace, state: Any) -> tuple[Path, dict[str,
     cocoset = resolve_set(args, state)
     splits = SPLITS if args.split == "all" else (args.split,)
     sets = {}
-    folder = args.out / "pope" / "questions" / cocoset.name
+    folder = args.out / "pope" / "questions" / f"{cocoset.name}-n{args.n_images}-seed{args.seed}"
     for split in splits:
         rows = build_questions(cocoset.instances, split, n_images=args.n_images, seed=args.seed)
         if state.is_main_process:
