@@ -133,6 +133,13 @@ def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path)
             rows = page.locator("#boxes tbody tr").count()
             shot = tmp_path / "demo.png"
             page.screenshot(path=str(shot), full_page=True)
+            # a bad request answers in the page, and the page keeps working
+            page.locator("#prompt textarea").fill("   ")
+            page.locator("#run").click()
+            expect(page.locator("#status")).to_contain_text(
+                "Could not answer. The prompt is empty: type a question or a phrase.",
+                timeout=30_000,
+            )
         finally:
             browser.close()
     assert answer in ("yes", "no"), answer
