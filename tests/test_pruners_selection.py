@@ -15,7 +15,7 @@ import vlm_focus as vf
 from vlm_focus.config import FocusConfig
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import _image_cells
+from vlm_focus.model_adapters.llava_next import _image_cells, _image_patches
 from vlm_focus.pruners import get_pruner
 from vlm_focus.pruners._common import ImageTokens
 from vlm_focus.pruners._math import (
@@ -206,6 +206,37 @@ def test_pyramid_region_budgets_and_token_ranks():
     ):
         expected |= set(sorted(block.flatten().tolist())[:n])  # lowest index = most attention
     assert kept == expected
+
+
+def test_pyramid_splits_anyres_budget_by_base_image_saliency():
+    """LLaVA-NeXT layout: base 4x4 + 2x2 crops (8x8 hi-res grid + newlines). The base image's
+    [CLS] map puts 0.4/0.3/0.2/0.1 on its quadrants, so with 44 tokens and a minimum of 2 the
+    base (mass 1, share 17 > its 16 tokens) is kept whole and the other 20 go to the crops
+    (masses 0.4..0.1) as 8, 6, 4, 2 on top of their minimum."""
+    model = SimpleNamespace(
+        config=SimpleNamespace(
+            vision_config=SimpleNamespace(image_size=16, patch_size=4),
+            image_grid_pinpoints=[[32, 32]],
+        )
+    )
+    cells, grids = _image_cells(model, [32, 32], anyres=True)
+    patches, n_crops = _image_patches(model, [32, 32], anyres=True)
+    assert n_crops == 5 and grids == [(4, 4), (8, 8)]
+    layout = ImageLayout(torch.arange(2, 2 + cells.shape[0]), cells, grids, patches=patches,
+                         n_crops=n_crops)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, cells.shape[0] + 6, 10, generator=gen)
+    ctx = make_ctx(hidden, [[layout]])
+    pruner = _pruner("pyramid", min_per_region=2)
+    quadrant = torch.tensor([[0.4, 0.3], [0.2, 0.1]]) / 4
+    maps = torch.rand(5, 16, generator=gen)
+    maps[0] = quadrant.repeat_interleave(2, 0).repeat_interleave(2, 1).flatten()
+    pruner._capture.maps = maps
+    scores = pruner.select(ctx, 44).scores[0, 2 : 2 + cells.shape[0]]
+    crop = patches[:, 0].clone()
+    for i in torch.nonzero(crop < 0).flatten().tolist():
+        crop[i] = crop[i - 1]  # a newline belongs to the crop of the token before it
+    assert torch.bincount(crop[scores >= 2], minlength=5).tolist() == [16, 10, 8, 6, 4]
 
 
 def test_encoder_cls_attention_matches_eager_attention():

@@ -161,11 +161,12 @@ def global_saliency(
 ) -> torch.Tensor:
     """Saliency comparable across an image's regions. Crops of the hi-res view read the base
     image's map at their location, scaled by the cell-area ratio (each crop's own CLS map sums
-    to ~1 and says nothing about the crop's share of the picture)."""
-    if base is None:
-        return values
-    out = values.clone()
+    to ~1 and says nothing about the crop's share of the picture). Tokens without a cell
+    (newlines, CLS) add nothing to a region's mass."""
     cells = tokens.cells
+    if base is None:
+        return values.masked_fill(cells[:, 1] < 0, 0.0)
+    out = values.clone()
     grids = tokens.layout.grids
     for view in range(1, len(grids)):
         here = (cells[:, 0] == view) & (cells[:, 1] >= 0)
@@ -175,7 +176,7 @@ def global_saliency(
         y = torch.div(cells[here, 1] * base.shape[0], rows, rounding_mode="floor")
         x = torch.div(cells[here, 2] * base.shape[1], cols, rounding_mode="floor")
         out[here] = base[y, x] * (base.numel() / (rows * cols))
-    return fill_cellless(out, torch.where((cells[:, 0] == 0)[:, None], 0, cells))
+    return out.masked_fill(cells[:, 1] < 0, 0.0)
 
 
 def fuse(bottom: torch.Tensor, top: torch.Tensor, alpha: float) -> torch.Tensor:
