@@ -54,6 +54,7 @@ keys and up to 32 query rows). ``benchmarks/kernel.py --sweep`` times alternativ
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -479,32 +480,34 @@ def _launch(
     scores = torch.empty(batch, seq, device=device, dtype=torch.float32)
     kept = torch.empty(batch, n_keep, device=device, dtype=torch.int64)
 
-    _lse_kernel[(batch * n_heads, n_tblocks, n_split)](
-        q, k, kmask, qpos, lse,
-        n_heads, n_query, seq, head_dim, n_split, keys_per_split, qk_scale,
-        *q.stride(), *k.stride(),
-        GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-        DOT_FP32=dot_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )  # fmt: skip
-    _score_kernel[(n_blocks, n_parts, batch)](
-        q, k, kmask, vis, qpos, weights, lse, parts,
-        n_heads, n_kv, n_query, seq, head_dim, n_split, kv_per_part, n_hparts,
-        n_tblocks, tblocks_per_part, n_parts,
-        qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
-        *q.stride(), *k.stride(),
-        GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT_PAD=max(2, _next_pow2(n_split)),
-        REDUCE_MAX=reduce == "max", PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )  # fmt: skip
-    sel_block = plan.select_block or min(_SELECT_MAX_SINGLE, max(16, _next_pow2(seq)))
-    has_debias = debias is not None
-    debias_arg = debias.to(device=device).contiguous() if has_debias else scores
-    _select_kernel[(batch,)](
-        parts, vis, debias_arg, scores, kept, seq, n_parts, n_keep,
-        HAS_DEBIAS=has_debias, BLOCK=sel_block, N_TILES=triton.cdiv(seq, sel_block),
-        num_warps=4 if sel_block <= 2048 else (8 if sel_block <= 8192 else 16),
-    )  # fmt: skip
+    # Launch on the tensors' GPU, which need not be the current one (models split over GPUs).
+    with torch.cuda.device(device) if q.is_cuda else contextlib.nullcontext():
+        _lse_kernel[(batch * n_heads, n_tblocks, n_split)](
+            q, k, kmask, qpos, lse,
+            n_heads, n_query, seq, head_dim, n_split, keys_per_split, qk_scale,
+            *q.stride(), *k.stride(),
+            GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
+            DOT_FP32=dot_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
+        _score_kernel[(n_blocks, n_parts, batch)](
+            q, k, kmask, vis, qpos, weights, lse, parts,
+            n_heads, n_kv, n_query, seq, head_dim, n_split, kv_per_part, n_hparts,
+            n_tblocks, tblocks_per_part, n_parts,
+            qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
+            *q.stride(), *k.stride(),
+            GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
+            SPLIT_PAD=max(2, _next_pow2(n_split)),
+            REDUCE_MAX=reduce == "max", PRECISION=precision, DOT_FP32=dot_fp32,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
+        sel_block = plan.select_block or min(_SELECT_MAX_SINGLE, max(16, _next_pow2(seq)))
+        has_debias = debias is not None
+        debias_arg = debias.to(device=device).contiguous() if has_debias else scores
+        _select_kernel[(batch,)](
+            parts, vis, debias_arg, scores, kept, seq, n_parts, n_keep,
+            HAS_DEBIAS=has_debias, BLOCK=sel_block, N_TILES=triton.cdiv(seq, sel_block),
+            num_warps=4 if sel_block <= 2048 else (8 if sel_block <= 8192 else 16),
+        )  # fmt: skip
     return scores, kept
 
 
