@@ -91,6 +91,8 @@ def test_coco_grounding_files(setup, tmp_path):
     dets = json.loads((root / "detections.json").read_text())
     assert all(set(d) == {"image_id", "category_id", "bbox", "score"} for d in dets)
     assert 0.0 <= summary["AP"] <= summary["AP50"] <= 1.0 and 0.0 <= summary["auroc"] <= 1.0
+    assert (root / "examples.png").read_bytes()[:4] == b"\x89PNG"
+    assert (root / "table.md").read_text().startswith("| model | n_images |")
 
 
 def test_chair_files(setup, tmp_path, capsys):

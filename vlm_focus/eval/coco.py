@@ -223,6 +223,9 @@ def run_coco(args: argparse.Namespace) -> dict | None:
     write_json(root / "summary.json", summary)
     write_json(root / "detections.json", detections(records))
     write_table([summary], COCO_COLUMNS, root / "table")
+    from .plots import grounding_examples
+
+    grounding_examples(records, truth, cocoset.image_path, root / "examples.png")
     print(
         f"coco: AP {summary['AP']:.4f} AP50 {summary['AP50']:.4f} pointing "
         f"{summary['pointing']:.4f} AUROC {summary['auroc']:.4f} "

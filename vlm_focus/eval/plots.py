@@ -44,3 +44,47 @@ def retention_plot(summaries: Sequence[dict], path: str | Path, metric: str = "f
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def grounding_examples(
+    records: Sequence[dict],
+    truth: dict,
+    image_path,
+    path: str | Path,
+    n: int = 8,
+) -> Path:
+    """A grid of the first ``n`` present queries: ground-truth boxes (green), the predicted
+    top box (red, with its region score) and the attention peak (yellow cross).
+
+    ``truth`` maps ``(image_id, category_id)`` to boxes; ``image_path(image_id)`` to a file.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    from PIL import Image
+
+    chosen = [r for r in records if r["present"]][:n]
+    cols = min(4, max(len(chosen), 1))
+    rows = max(1, -(-len(chosen) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.8 * rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, r in zip(axes.ravel(), chosen, strict=False):
+        with Image.open(image_path(r["image_id"])) as im:
+            ax.imshow(im.convert("RGB"))
+        for x, y, w, h in truth.get((r["image_id"], r["category_id"]), []):
+            ax.add_patch(Rectangle((x, y), w, h, fill=False, color="lime", lw=1.5))
+        if r["boxes"]:
+            b = r["boxes"][0]
+            x, y, w, h = b["bbox"]
+            ax.add_patch(Rectangle((x, y), w, h, fill=False, color="red", lw=1.5))
+        ax.plot(*r["point"], marker="x", color="yellow", ms=8, mew=2)
+        ax.set_title(f"{r['category']}  score {r['score']:.2f}", fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
