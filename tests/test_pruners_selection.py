@@ -357,3 +357,30 @@ def test_every_pruner_is_documented_and_registered():
 
 def test_grid_cells_used_by_fake_layouts():
     assert grid_cells(2, 3)[4].tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize("answer_tokens", [0, 3])
+def test_guide_map_is_all_layer_instruction_attention(answer_tokens):
+    """The guide map equals eager attention from the instruction rows (and the guide's own
+    greedy answer), head mean, averaged over rows, summed over every layer."""
+    from vlm_focus.pruners.guided import guide_attention
+
+    guide = make_model("llava", attn="eager", seed=3)
+    inputs = make_inputs("llava", guide, batch=2, seed=5)
+    result = guide_attention(guide, inputs, answer_tokens=answer_tokens)
+    full = dict(inputs)
+    if answer_tokens:
+        assert result.sequences.shape[1] == inputs["input_ids"].shape[1] + answer_tokens
+        full["input_ids"] = result.sequences
+        full["attention_mask"] = torch.cat(
+            [inputs["attention_mask"], torch.ones(2, answer_tokens, dtype=torch.long)], 1
+        )  # random weights: no EOS in three tokens
+    with torch.no_grad():
+        attentions = guide(**full, output_attentions=True).attentions  # [B, H, S, S] per layer
+    ids, mask = full["input_ids"], full["attention_mask"].bool()
+    for b in range(2):
+        image = torch.nonzero(ids[b] == 120).flatten()
+        rows = torch.arange(int(image[-1]) + 1, ids.shape[1])
+        rows = rows[mask[b, rows]]
+        expected = sum(a[b, :, rows][:, :, image].mean(0).mean(0) for a in attentions)
+        torch.testing.assert_close(result.maps[b][0][0].flatten(), expected, atol=1e-5, rtol=0)
