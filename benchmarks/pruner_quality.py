@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -73,9 +74,12 @@ def make_batches(processor, images, questions, batch: int, guide_processor=None)
 
 
 @torch.no_grad()
-def answer_all(model, processor, batches, desc, handle=None, guided=False) -> list[str]:
+def answer_all(
+    model, processor, batches, desc, handle=None, guided=False, profile=None
+) -> list[str]:
     """Greedy one-token answers (the POPE rule reads the first word); with ``guided``, through
-    guided_generate on the same images and prompts."""
+    guided_generate on the same images and prompts. ``profile`` (a list) collects the first
+    stage's scores per image row, each image normalised to mean 1 (a recency diagnostic)."""
     answers: list[str] = []
     for inputs, guide_inputs in tqdm(batches, desc=desc, leave=False):
         if guided:
@@ -84,6 +88,12 @@ def answer_all(model, processor, batches, desc, handle=None, guided=False) -> li
             ).sequences
         else:
             out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        if profile is not None and handle.last_trace is not None:
+            for scores in handle.last_trace.scores:
+                side = math.isqrt(scores.numel())
+                if side * side == scores.numel():
+                    rows = scores.view(side, side).mean(1)
+                    profile.append(rows / rows.mean().clamp(min=1e-12))
         new = out[:, inputs["input_ids"].shape[1] :]
         answers += [a.strip() for a in processor.batch_decode(new, skip_special_tokens=True)]
     return answers
@@ -164,6 +174,7 @@ def main() -> None:
     )
 
     results: list[dict] = []
+    row_profile: list[float] = []
     start = time.perf_counter()
     batches = make_batches(
         processor, images, questions, args.batch, guide[1] if guide is not None else None
@@ -181,10 +192,13 @@ def main() -> None:
             if name == "guided":
                 options["guide"] = guide[0]
             t0 = time.perf_counter()
+            profile = [] if name == "fastv" and keep == args.keeps[0] else None
             with vf.wrap(model, **options) as handle:
                 answers = answer_all(
-                    model, processor, batches, f"{name} {keep}", handle, name == "guided"
+                    model, processor, batches, f"{name} {keep}", handle, name == "guided", profile
                 )
+            if profile:
+                row_profile = torch.stack(profile).mean(0).tolist()
             seconds = time.perf_counter() - t0
             metrics = split_metrics(rows, dict(zip(keys, answers, strict=True)))
             for split in SPLITS:
@@ -231,6 +245,12 @@ def main() -> None:
             cells.append(f"{100 * s['retention']:.2f}% ({100 * s['accuracy']:.2f})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: retention (pruned accuracy, %), mean over the three splits."]
+    if row_profile:
+        lines += [
+            "",
+            f"fastv score per image row at layer {args.layer}, top to bottom (each image's "
+            "row means normalised to mean 1): " + ", ".join(f"{v:.2f}" for v in row_profile),
+        ]
     (args.out / "pruner_quality.md").write_text("\n".join(lines) + "\n")
     meta = dict(
         machine=f"{platform.machine()} {platform.processor()}".strip(),
@@ -243,6 +263,7 @@ def main() -> None:
         query=args.query,
         prompt=PROMPT,
         summary=summary,
+        fastv_row_profile=row_profile,
     )
     (args.out / "pruner_quality.json").write_text(json.dumps(meta, indent=1))
     plot(summary, args.keeps, args.out / "pruner_quality.png")
