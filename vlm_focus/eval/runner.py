@@ -95,11 +95,14 @@ def shard_path(out: str | Path, index: int) -> Path:
     return out.with_name(f"{out.stem}.shard{index}.jsonl")
 
 
-def finished(out: str | Path, key: str) -> dict[Any, Record]:
-    """Every finished record of ``out`` and its shards, first occurrence of each id kept."""
+def finished(out: str | Path, key: str, own: Path | None = None) -> dict[Any, Record]:
+    """Every finished record of ``out`` and its shards, first occurrence of each id kept.
+
+    Only the ``own`` shard is repaired (truncated); other processes may be writing theirs.
+    """
     done: dict[Any, Record] = {}
     for path in [Path(out), *shard_paths(out)]:
-        for record in read_jsonl(path):
+        for record in read_jsonl(path, repair=own is not None and path == own):
             if key not in record:
                 raise ValueError(f"{path}: a record has no {key!r} field")
             done.setdefault(record[key], record)
@@ -193,10 +196,10 @@ def run_items(
     out.parent.mkdir(parents=True, exist_ok=True)
     if config is not None:
         check_config(out, config, write=state.is_main_process)
-    done = finished(out, key)
+    log = shard_path(out, state.process_index)
+    done = finished(out, key, own=log)
     mine = shard(list(items), state.process_index, state.num_processes)
     todo = [it for it in mine if it[key] not in done]
-    log = shard_path(out, state.process_index)
     seen = [done[it[key]] for it in mine if it[key] in done]
     bar = tqdm(
         total=len(mine),
