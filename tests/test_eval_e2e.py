@@ -182,3 +182,36 @@ def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
     assert summary["mitigate"] == "reweight" and summary["n"] == 2
     assert main([*args, "--mitigate", "beam", "--pruner", "fastv"]) == 2
     assert "run them without pruning" in capsys.readouterr().err
+
+
+def test_killed_pope_run_resumes_to_the_uninterrupted_result(setup, tmp_path, monkeypatch):
+    from vlm_focus.eval import generation
+
+    _, common = setup
+    args = ["pope", *common, "--split", "popular", "--limit", "10", "--batch-size", "3"]
+    args += ["--max-new-tokens", "2"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    original = generation.Generator.__call__
+    calls = []
+
+    def dying(self, images, prompts):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # killed while answering the third batch
+        calls.append(len(prompts))
+        return original(self, images, prompts)
+
+    monkeypatch.setattr(generation.Generator, "__call__", dying)
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(tmp_path / "killed")])
+    monkeypatch.setattr(generation.Generator, "__call__", original)
+    log = tmp_path / "killed" / "pope" / "eval0--model" / "popular" / "unpruned.shard0.jsonl"
+    assert len(read_jsonl(log)) == 6
+    assert main([*args, "--out", str(tmp_path / "killed")]) == 0
+
+    def answers(root):
+        path = root / "pope" / "eval0--model" / "popular" / "unpruned.jsonl"
+        timing = {"prefill_s", "generate_s"}
+        return [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]
+
+    whole, resumed = answers(tmp_path / "whole"), answers(tmp_path / "killed")
+    assert len(whole) == 10 and resumed == whole
