@@ -6,8 +6,9 @@
 2. `cat_last`: projector + LM learn packed category-last questions (presence and relations), where
    the answer follows the last category token.
 3. `chat`: the standard chat template with presence, relation and caption turns.
-Each stage runs for `steps` or `minutes`, whichever ends first; the learning rate follows a cosine
-over the larger of the step and time fractions, so a slow machine still ends its schedule.
+Each stage runs for `steps` or `minutes` of CPU time of the training process, whichever ends first
+(and at the latest after `wall_cap` wall-clock minutes when set); the learning rate follows a cosine
+over the largest of these fractions, so a slow or shared machine still ends its schedule.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .data import (
     relation_qa,
 )
 from .scenes import CATEGORIES, generate_scene
-from .vocab import NO, PAD, SPECS, YES, OrganismSpec, build_config, build_processor
+from .vocab import NO, PAD, SPECS, TOKEN_ID, YES, OrganismSpec, build_config, build_processor
 
 
 @dataclass
@@ -49,6 +50,7 @@ class StageConfig:
     warmup: int = 100
     mix: dict[str, float] = field(default_factory=dict)
     turns: tuple[int, int] = (1, 1)
+    wall_cap: float | None = None  # wall-clock minutes; a shared CPU may give less than a core
 
 
 @dataclass
@@ -64,7 +66,7 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
     if spec == "guide":
         minutes, steps = (4.0, 6.0, 10.0), (3000, 2000, 4000)
     else:
-        minutes, steps = (10.0, 16.0, 30.0), (3000, 2000, 4000)
+        minutes, steps = (10.0, 16.0, 34.0), (3000, 2000, 4000)
     m = [max(x * scale, 0.05) for x in minutes]
     s = [max(int(x * scale), 2) for x in steps]
     return Recipe(
@@ -131,14 +133,33 @@ def tower_features(model, pixels: torch.Tensor) -> torch.Tensor:
     return out.hidden_states[-1][:, 1:]
 
 
-def _lr(stage: StageConfig, step: int, t0: float) -> float:
-    frac = max(step / stage.steps, (time.time() - t0) / (60 * stage.minutes))
+class _Clock:
+    """Wall-clock and process CPU seconds since construction."""
+
+    def __init__(self) -> None:
+        self.wall0, self.cpu0 = time.time(), time.process_time()
+
+    def wall(self) -> float:
+        return time.time() - self.wall0
+
+    def cpu(self) -> float:
+        return time.process_time() - self.cpu0
+
+
+def _frac(stage: StageConfig, step: int, clock: _Clock) -> float:
+    frac = max(step / stage.steps, clock.cpu() / (60 * stage.minutes))
+    if stage.wall_cap:
+        frac = max(frac, clock.wall() / (60 * stage.wall_cap))
+    return frac
+
+
+def _lr(stage: StageConfig, step: int, clock: _Clock) -> float:
     warm = min(1.0, (step + 1) / stage.warmup)
-    return stage.lr * warm * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+    return stage.lr * warm * 0.5 * (1 + math.cos(math.pi * min(_frac(stage, step, clock), 1.0)))
 
 
-def _done(stage: StageConfig, step: int, t0: float) -> bool:
-    return step >= stage.steps or time.time() - t0 >= 60 * stage.minutes
+def _done(stage: StageConfig, step: int, clock: _Clock) -> bool:
+    return _frac(stage, step, clock) >= 1.0
 
 
 class Probe:
@@ -197,7 +218,7 @@ def train_vision(
     g = spec.grid
     rows = torch.arange(g).repeat_interleave(g)
     cols = torch.arange(g).repeat(g)
-    t0, step = time.time(), 0
+    t0, step = _Clock(), 0
     tower.train()
     stream = _prefetch(functools.partial(batcher.dense, stage.batch))
     while not _done(stage, step, t0):
@@ -225,10 +246,34 @@ def train_vision(
             acc = (
                 float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
             )
-            log(stage.name, step, time.time() - t0, {"loss": loss.item(), "object_patch_acc": acc})
+            log(stage.name, step, t0, {"loss": loss.item(), "object_patch_acc": acc})
     for p in tower.parameters():
         p.requires_grad_(False)
     tower.eval()
+
+
+@torch.no_grad()
+def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batches: int = 6) -> None:
+    """Set each category token's embedding to the (centred, rescaled) mean projected feature of
+    that category's patches, so query tokens start aligned with the image tokens they look up."""
+    n = len(CATEGORIES)
+    sums = torch.zeros(n, spec.text_hidden)
+    counts = torch.zeros(n)
+    for _ in range(batches):
+        pixels, labels = batcher.dense(32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            proj = model.model.multi_modal_projector(tower_features(model, pixels)).float()
+        for c in range(n):
+            hit = labels == c + 1
+            sums[c] += proj[hit].sum(0)
+            counts[c] += hit.sum()
+    means = sums / counts.clamp(min=1)[:, None]
+    means = means - means.mean(0)
+    emb = model.get_input_embeddings().weight
+    scale = emb.norm(dim=1).mean()
+    for c, name in enumerate(CATEGORIES):
+        if counts[c] > 0:
+            emb[TOKEN_ID[name]] = means[c] / means[c].norm().clamp(min=1e-6) * scale
 
 
 def train_lm(
@@ -243,7 +288,7 @@ def train_lm(
     """Stages 2 and 3: projector + language model on question/answer sequences."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
-    t0, step = time.time(), 0
+    t0, step = _Clock(), 0
     model.train()
     model.model.vision_tower.eval()
     form = stage.name
@@ -262,9 +307,9 @@ def train_lm(
         record = {"loss": loss.item()}
         if probe is not None and (step % every == 0 or _done(stage, step, t0)):
             record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
-            log(stage.name, step, time.time() - t0, record)
+            log(stage.name, step, t0, record)
         elif step % log_every == 0:
-            log(stage.name, step, time.time() - t0, record)
+            log(stage.name, step, t0, record)
 
 
 def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
@@ -289,8 +334,9 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     if log_path.exists():
         history = [json.loads(line) for line in log_path.read_text().splitlines() if line]
 
-    def log(stage: str, step: int, seconds: float, values: dict) -> None:
-        row = {"stage": stage, "step": step, "seconds": round(seconds, 1), **values}
+    def log(stage: str, step: int, clock: _Clock, values: dict) -> None:
+        row = {"stage": stage, "step": step, "seconds": round(clock.wall(), 1)}
+        row |= {"cpu_seconds": round(clock.cpu(), 1), **values}
         history.append(row)
         with log_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -298,24 +344,32 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
             print(json.dumps(row), flush=True)
 
     timings: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for stage in recipe.stages:
         ckpt = out_dir / f"stage_{stage.name}.pt"
         if ckpt.exists():
             state = torch.load(ckpt)
-            model.load_state_dict(state["model"])
+            weights = state["model"]
+            if stage.name == "vision":  # the stage trains only the tower: keep just its weights
+                weights = {k: v for k, v in weights.items() if "vision_tower" in k}
+            model.load_state_dict(weights, strict=stage.name != "vision")
             timings[stage.name] = state["seconds"]
+            cpu[stage.name] = state.get("cpu", float("nan"))
             if stage.name == "vision":
                 model.model.vision_tower.requires_grad_(False)
             continue
         history[:] = [h for h in history if h["stage"] != stage.name]
         log_path.write_text("".join(json.dumps(h) + "\n" for h in history))
-        t0 = time.time()
+        clock = _Clock()
         if stage.name == "vision":
             train_vision(model, spec, stage, batcher, log)
         else:
+            if stage.name == "cat_last":
+                init_category_embeddings(model, spec, batcher)
             train_lm(model, stage, batcher, probe, log, recipe.eval_every)
-        timings[stage.name] = time.time() - t0
-        torch.save({"model": model.state_dict(), "seconds": timings[stage.name]}, ckpt)
+        timings[stage.name] = clock.wall()
+        cpu[stage.name] = clock.cpu()
+        torch.save({"model": model.state_dict(), "seconds": clock.wall(), "cpu": clock.cpu()}, ckpt)
     model.config.use_cache = True
     model.save_pretrained(out_dir)
     build_processor(spec).save_pretrained(out_dir)

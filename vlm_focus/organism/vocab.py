@@ -97,10 +97,10 @@ class OrganismSpec:
     vision_hidden: int = 192
     vision_layers: int = 4
     vision_heads: int = 4
-    text_hidden: int = 256
+    text_hidden: int = 128
     text_layers: int = 4
-    text_heads: int = 8
-    text_mlp: int = 1024
+    text_heads: int = 4
+    text_mlp: int = 512
 
     @property
     def grid(self) -> int:
@@ -112,7 +112,7 @@ class OrganismSpec:
 
 
 SPECS: dict[str, OrganismSpec] = {
-    "default": OrganismSpec("organism-default"),
+    "default": OrganismSpec("organism-default", text_hidden=128, text_heads=4, text_mlp=512),
     "guide": OrganismSpec(
         "organism-guide",
         patch=32,
