@@ -33,7 +33,9 @@ Three launches, none of which writes a ``[Tq, S]`` or ``[S, S]`` tensor:
    bisection on order-preserving integer keys (a radix select with 1-bit digits: every step is one
    compare-and-count over the row, held in registers for S <= 16384) and writes the kept positions
    in ascending order with a prefix sum. Ties at the threshold go to the lowest positions, as in
-   the twin.
+   the twin. Wider digits (``tl.histogram``, 8 rounds of 16 bins) compile to shared-memory atomics
+   per key; attention scores share their top digits, so those atomics would hit one address and
+   serialise. The 1-bit counts are plain warp reductions and cost the same for any score values.
 
 Why selection is a second kernel and not fused into pass 2: top-k needs every score of a row, and
 the score tiles of one row are produced by many programs. Fusing would need a grid-wide barrier
