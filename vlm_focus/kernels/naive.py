@@ -26,8 +26,8 @@ def score_and_select_naive(
     """Score visual keys by the attention the query rows pay them, then keep the top ``n_keep``.
 
     ``scores[b, s] = debias[b, s] * sum_t w[b, t] * R_h(softmax_s'(q[b,h,t].k[b,h,s'] * c))[s]``
-    (``c`` = ``scaling``)
-    with the softmax over keys that are valid and at or before ``query_pos[b, t]``, ``R_h`` the
+    with ``c = scaling``, the softmax over keys that are valid and at or before ``query_pos[b, t]``,
+    ``R_h`` the
     mean or max over heads (GQA heads share their kv head) and 0 for non-visual keys.
     Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`.
     """
@@ -37,9 +37,8 @@ def score_and_select_naive(
     keys = k.repeat_interleave(groups, dim=1) if groups > 1 else k  # [B, H, S, D]
     logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scaling  # [B, H, Tq, S]
     positions = torch.arange(seq, device=q.device)
-    allowed = key_mask[:, None, :] & (
-        positions[None, None, :] <= query_pos[:, :, None]
-    )  # [B, Tq, S]
+    causal = positions[None, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
+    allowed = key_mask[:, None, :] & causal  # [B, Tq, S]
     logits = logits.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no allowed key gives 0
     per_query = probs.mean(dim=1) if reduce == "mean" else probs.amax(dim=1)  # [B, Tq, S]
