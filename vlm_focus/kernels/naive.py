@@ -27,8 +27,8 @@ def score_and_select_naive(
 
     ``scores[b, s] = debias[b, s] * sum_t w[b, t] * R_h(softmax_s'(q[b,h,t].k[b,h,s'] * c))[s]``
     with ``c = scaling``, the softmax over keys that are valid and at or before ``query_pos[b, t]``,
-    ``R_h`` the
-    mean or max over heads (GQA heads share their kv head) and 0 for non-visual keys.
+    ``R_h`` the mean or max over heads (GQA heads share their kv head) and 0 for non-visual keys.
+    Ties at the cut are kept from the lowest positions.
     Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`.
     """
     n_heads = q.shape[1]
