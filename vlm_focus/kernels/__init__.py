@@ -81,7 +81,8 @@ def score_and_select(
 
     Returns:
         ``scores [B, S]`` float32 (0 where a key is not visual) and ``kept [B, n_keep]`` int64,
-        the selected visual positions in ascending order.
+        the selected visual positions in ascending order (equal scores at the cut: the lower
+        positions are kept, on both backends).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a [B, H, Tq, D] tensor, got {getattr(q, 'shape', type(q))}")
