@@ -3,6 +3,7 @@ repaired, shards cover the items and merge in order (simulated and real 2-proces
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -146,6 +147,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_two_processes_through_accelerate_launch(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
@@ -160,6 +167,7 @@ def test_two_processes_through_accelerate_launch(tmp_path):
         "2",
     ]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--main_process_port", str(_free_port())]  # not the shared default 29500
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
         [*cmd, str(script), str(out)], capture_output=True, text=True, timeout=120, env=env
