@@ -138,8 +138,8 @@ def test_kernel_matches_twin(
         # several key ranges in pass 1, one kv head per pass-2 program, each program loops over
         # both query blocks, tiled selection
         kt._Plan(n_split=3, n_hparts=2, select_block=64),
-        # more splits than tiles, the two query blocks in two programs, tiny selection tiles
-        kt._Plan(block_n=32, block_t=16, n_split=9, n_hparts=8, n_tparts=2, select_block=16),
+        # more splits than tiles, the two query blocks in two programs, one selection tile
+        kt._Plan(block_n=32, block_t=16, n_split=9, n_hparts=8, n_tparts=2),
     ],
     ids=["split", "many-parts"],
 )
