@@ -187,6 +187,45 @@ def test_queries_inside_the_image(reduce: str) -> None:
 
 
 @in_process
+@pytest.mark.parametrize("kind,pruner", [("llava", "fastv"), ("qwen2_vl", "text")])
+def test_pruning_in_a_model_is_the_same_on_both_backends(
+    kind: str, pruner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wrap() on a tiny model (batch 2, left padding; Qwen2-VL has GQA): the pruners' calls of
+    ``score_and_select`` keep the same tokens with the kernel as with the twin."""
+    from tiny_models import make_inputs as model_inputs
+    from tiny_models import make_model
+
+    import vlm_focus as vf
+
+    calls = []
+    original = kt.score_and_select_triton
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(kt, "score_and_select_triton", spy)
+    model = make_model(kind).to(DEVICE)
+    inputs = {k: v.to(DEVICE) for k, v in model_inputs(kind, model.cpu(), batch=2).items()}
+    model.to(DEVICE)
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("VLM_FOCUS_BACKEND", backend)
+        with torch.no_grad(), vf.wrap(model, pruner=pruner, keep=0.5, layer=1) as handle:
+            logits = model(**inputs).logits[:, -1]
+            results[backend] = (logits, handle.last_trace)
+    (logits, trace), (ref_logits, ref_trace) = results["triton"], results["torch"]
+    assert calls, "the pruner never reached the Triton kernel"
+    assert len(trace.kept) == 2
+    for kept, ref_kept in zip(trace.kept, ref_trace.kept, strict=True):
+        assert torch.equal(kept.cpu(), ref_kept.cpu())
+    for scores, ref_scores in zip(trace.scores, ref_trace.scores, strict=True):
+        torch.testing.assert_close(scores, ref_scores, atol=2e-6, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+
+
+@in_process
 def test_public_op_dispatches_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     original = kt.score_and_select_triton
