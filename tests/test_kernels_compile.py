@@ -19,34 +19,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (kernel, constexprs, num_warps): the variants the dispatch launches for LLaVA and Qwen shapes.
+# The variants the dispatch launches for LLaVA (MHA) and Qwen (GQA 7) shapes:
+# (kernel, constexprs, num_warps, dtype of q and k).
 HEADS, TQ, SEQ, DIM = 32, 32, 11000, 128
 
 
-def _variants() -> list[tuple[str, dict, int]]:
-    pass_consts = dict(BLOCK_N=64, BLOCK_D=128, PRECISION="tf32", DOT_FP32=False)
+def _variants() -> list[tuple[str, dict, int, str]]:
+    half = dict(BLOCK_N=64, BLOCK_D=128, PRECISION="tf32", DOT_FP32=False)
+    fp32 = dict(half, PRECISION="ieee")
+    score = dict(SPLIT_PAD=16)
     return [
-        ("_lse_kernel", dict(GROUPS=1, BLOCK_T=32, **pass_consts), 4),
-        ("_lse_kernel", dict(GROUPS=7, BLOCK_T=16, **pass_consts), 4),
-        (
-            "_score_kernel",
-            dict(GROUPS=1, BLOCK_T=32, SPLIT_PAD=16, REDUCE_MAX=False, **pass_consts),
-            4,
-        ),  # fmt: skip
-        (
-            "_score_kernel",
-            dict(GROUPS=7, BLOCK_T=16, SPLIT_PAD=16, REDUCE_MAX=True, **pass_consts),
-            4,
-        ),  # fmt: skip
-        ("_select_kernel", dict(HAS_DEBIAS=True, BLOCK=2048, N_TILES=1), 4),
-        ("_select_kernel", dict(HAS_DEBIAS=False, BLOCK=2048, N_TILES=3), 4),
+        ("_lse_kernel", dict(GROUPS=1, BLOCK_T=32, **half), 4, "bf16"),
+        ("_lse_kernel", dict(GROUPS=7, BLOCK_T=16, **fp32), 4, "fp32"),
+        ("_score_kernel", dict(GROUPS=1, BLOCK_T=32, REDUCE_MAX=False, **score, **half), 4, "fp16"),
+        ("_score_kernel", dict(GROUPS=7, BLOCK_T=16, REDUCE_MAX=True, **score, **half), 4, "bf16"),
+        ("_score_kernel", dict(GROUPS=1, BLOCK_T=16, REDUCE_MAX=False, **score, **fp32), 4, "fp32"),
+        ("_select_kernel", dict(HAS_DEBIAS=True, BLOCK=2048, N_TILES=1), 4, "bf16"),
+        ("_select_kernel", dict(HAS_DEBIAS=False, BLOCK=2048, N_TILES=3), 4, "bf16"),
     ]
 
 
 def _example_args() -> dict:
     """Argument values of a LLaVA-7B call (pointer entries are triton type strings)."""
     return dict(
-        q_ptr="*bf16", k_ptr="*bf16", kmask_ptr="*u8", vis_ptr="*u8", qpos_ptr="*i64",
+        q_ptr="*{dtype}", k_ptr="*{dtype}", kmask_ptr="*u8", vis_ptr="*u8", qpos_ptr="*i64",
         w_ptr="*fp32", lse_ptr="*fp32", part_ptr="*fp32", debias_ptr="*fp32",
         scores_ptr="*fp32", kept_ptr="*i64",
         n_heads=HEADS, n_kv=HEADS, n_query=TQ, seq=SEQ, head_dim=DIM, n_split=16,
@@ -66,8 +62,11 @@ def _compile_all(arch: int) -> None:
 
     from vlm_focus.kernels import _triton as kt
 
-    values = _example_args()
-    for name, consts, num_warps in _variants():
+    for name, consts, num_warps, dtype in _variants():
+        values = {
+            k: v.format(dtype=dtype) if isinstance(v, str) else v
+            for k, v in _example_args().items()
+        }
         fn = getattr(kt, name)
         signature, constexprs, attrs = {}, dict(consts), {}
         for i, arg in enumerate(fn.arg_names):
@@ -92,7 +91,7 @@ def _compile_all(arch: int) -> None:
             source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps)
         )
         assert len(compiled.asm["cubin"]) > 0
-        print(f"compiled {name} {consts} for sm_{arch}")
+        print(f"compiled {name} {dtype} {consts} for sm_{arch}")
 
 
 def test_kernels_compile_for_sm90() -> None:
