@@ -12,8 +12,9 @@ happens early and indirectly: ``import vlm_focus`` pulls in transformers, which 
   ``vlm_focus`` first), the in-process cases are not collected and one test runs this file in a
   fresh Python process with ``TRITON_INTERPRET=1`` and asserts that all its cases pass.
 
-The interpreter is ~2000x slower than torch, so the shape axes of the issue (S, D, GQA groups,
-Tq, dtype, reduce) are covered pairwise by nine cases rather than by their full product.
+The interpreter is ~2000x slower than torch, so the shape axes (S in {63, 200, 577}, D in
+{64, 80, 128}, GQA groups 1/4/7, Tq in {1, 5}, fp32/bf16, mean/max) are covered pairwise by nine
+cases rather than by their full product.
 """
 
 from __future__ import annotations
