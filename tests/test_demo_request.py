@@ -350,3 +350,35 @@ def test_a_prompt_without_content_words_is_mapped_as_a_whole(tiny, scene):
         model, inputs, "Describe the image.", tokenizer=processor, geometry="crop"
     )[0][0]
     torch.testing.assert_close(result.prompt_map.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "qwen2_vl", "qwen2_5_vl"])
+def test_kept_grid_on_multi_view_and_merged_grids(kind):
+    from tiny_models import make_inputs, make_model
+
+    import vlm_focus as vf
+    from vlm_focus.grounding._maps import view_geometries
+    from vlm_focus.model_adapters import get_adapter
+
+    model = make_model(kind).eval()
+    inputs = make_inputs(kind, model)
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=1) as handle:
+        model(**inputs)
+    layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
+    kept = handle.last_trace.kept[0]
+    size = (120, 90)
+    geometries = view_geometries(model, len(layout.grids), None)
+    grid, frame = req.kept_grid(layout, kept, size, geometries)
+    finest = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
+    assert grid.shape == layout.grids[finest]
+    in_view = (layout.cells[:, 0] == finest) & (layout.cells[:, 1] >= 0)
+    survived = torch.isin(layout.positions, kept)
+    assert grid.sum() == int((survived & in_view).sum()) > 0
+    for i in torch.nonzero(survived & in_view).flatten().tolist():
+        _, r, c = layout.cells[i].tolist()
+        assert grid[r, c]
+    assert frame == (0.0, 0.0, 120.0, 90.0)  # these views are resized to the grid
+    overlay = kept_mask_overlay(np.full((120, 90, 3), 200, np.uint8), grid, frame)
+    assert overlay.shape == (120, 90, 3)
+    if kind != "llava_next":  # one merged grid holds every visual token
+        assert grid.sum() == handle.last_trace.n_kept[0]
