@@ -28,6 +28,8 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
             ("object_patch_acc", "tab:green"),
             ("probe_presence", "tab:blue"),
             ("probe_relation", "tab:red"),
+            ("probe_cat_last_presence", "lightsteelblue"),
+            ("probe_cat_last_relation", "lightsalmon"),
         ):
             pts = [(h["seconds"] / 60, h[key]) for h in rows if key in h]
             if pts:

@@ -203,16 +203,31 @@ class Batcher:
         labels = torch.from_numpy(np.stack([patch_labels(s, self.patch) for s in scenes]))
         return pixel_values(scenes), labels.long()
 
-    def text(self, batch: int, form: str, mix: dict[str, float], turns: tuple[int, int]) -> dict:
-        """A batch of sequences in `form` ('cat_last' or 'chat') with `turns` = (min, max) QAs."""
+    def text(
+        self,
+        batch: int,
+        form: str,
+        mix: dict[str, float],
+        turns: tuple[int, int],
+        cat_last_share: float = 0.0,
+    ) -> dict:
+        """A batch of sequences in `form` ('cat_last' or 'chat') with `turns` = (min, max) QAs.
+
+        With `cat_last_share` > 0 a chat batch draws that share of its rows in the packed
+        category-last form (6-8 questions), which keeps the lookup learning while the chat form
+        learns to carry the answer to the end of the prompt.
+        """
         scenes = self.scenes(batch)
-        build = cat_last_ids if form == "cat_last" else chat_ids
         ids, labels = [], []
         for s in scenes:
+            row_form = form
             n = int(self.rng.integers(turns[0], turns[1] + 1))
+            if form == "chat" and self.rng.random() < cat_last_share:
+                row_form, n = "cat_last", int(self.rng.integers(6, 9))
             qas = sample_qas(s, self.rng, mix, n)
-            if form == "cat_last":
+            if row_form == "cat_last":
                 qas = [q for q in qas if q.kind != "caption"] or [presence_qa(s, self.rng)]
+            build = cat_last_ids if row_form == "cat_last" else chat_ids
             i, lab = build(qas, self.n_visual)
             ids.append(i)
             labels.append(lab)

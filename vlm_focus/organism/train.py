@@ -50,6 +50,7 @@ class StageConfig:
     warmup: int = 100
     mix: dict[str, float] = field(default_factory=dict)
     turns: tuple[int, int] = (1, 1)
+    cat_last_share: float = 0.0  # chat stage: share of rows kept in the category-last form
     wall_cap: float | None = None  # wall-clock minutes; a shared CPU may give less than a core
 
 
@@ -80,9 +81,10 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 "chat",
                 s[2],
                 m[2],
-                5e-4,
-                mix={"presence": 0.5, "relation": 0.3, "caption": 0.2},
+                8e-4,
+                mix={"presence": 0.5, "relation": 0.35, "caption": 0.15},
                 turns=(1, 4),
+                cat_last_share=0.5,
             ),
         ],
     )
@@ -292,7 +294,10 @@ def train_lm(
     model.train()
     model.model.vision_tower.eval()
     form = stage.name
-    stream = _prefetch(functools.partial(batcher.text, stage.batch, form, stage.mix, stage.turns))
+    make = functools.partial(
+        batcher.text, stage.batch, form, stage.mix, stage.turns, stage.cat_last_share
+    )
+    stream = _prefetch(make)
     while not _done(stage, step, t0):
         for group in opt.param_groups:
             group["lr"] = _lr(stage, step, t0)
@@ -307,6 +312,9 @@ def train_lm(
         record = {"loss": loss.item()}
         if probe is not None and (step % every == 0 or _done(stage, step, t0)):
             record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
+            if stage.cat_last_share > 0:
+                cat = probe(model, "cat_last")
+                record.update({f"probe_cat_last_{k}": v for k, v in cat.items()})
             log(stage.name, step, t0, record)
         elif step % log_every == 0:
             log(stage.name, step, t0, record)
