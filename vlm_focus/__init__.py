@@ -8,6 +8,7 @@ for Hugging Face vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL
     handle.remove()
 """
 
+from . import grounding, hallucination
 from .api import FocusHandle, wrap
 from .config import FocusConfig
 from .model_adapters import ModelAdapter, register_adapter, supported_models
@@ -24,6 +25,8 @@ __all__ = [
     "Pruner",
     "StageTrace",
     "__version__",
+    "grounding",
+    "hallucination",
     "pruners",
     "register_adapter",
     "register_pruner",
