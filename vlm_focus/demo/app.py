@@ -268,6 +268,7 @@ def build_app(
                     height=220,
                     format="png",
                     elem_id="objects",
+                    visible=False,
                 )
                 table = gr.Dataframe(
                     headers=["phrase", "x", "y", "w", "h", "region score"],
@@ -295,7 +296,9 @@ def build_app(
             )
             if not result.ok:
                 gr.Warning(result.message)
-            return outputs_of(result)
+            values = list(outputs_of(result))
+            values[7] = gr.update(value=values[7], visible=bool(values[7]))  # object maps
+            return tuple(values)
 
         def switch(path: str):
             ok, message = served.load(path)
