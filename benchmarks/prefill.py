@@ -184,9 +184,12 @@ def main() -> None:
             f"{(base / t) / bound:.0%} | {share:.2%} |"
         )
     memory = {m: peak_memory(m, 2880) for m in ("ours", "eager")}
+    slab_kib = HEADS * 2880 * 4 / 1024  # our [B, H, Tq=1, S] fp32 probabilities
+    full_mib = HEADS * 2880 * 2880 * 4 / 2**20  # eager [B, H, S, S] fp32 attention
     print(
         f"scoring-step peak memory at S=2880 (RSS growth): q/k scoring {memory['ours']:.0f} MiB"
-        f" vs eager output_attentions {memory['eager']:.0f} MiB"
+        f" vs eager output_attentions {memory['eager']:.0f} MiB; largest intermediate "
+        f"{slab_kib:.0f} KiB [B,H,Tq,S] vs {full_mib:.0f} MiB [B,H,S,S]"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
