@@ -178,3 +178,14 @@ def test_model_panel_loads_a_supported_model(tmp_path):
     assert ok and message == f"Now serving `{tmp_path}` (llava)."
     assert served.n_layers == spec.text_layers == 3
     assert served.model.config.vision_config.patch_size == spec.patch
+
+
+def test_embedded_models_are_named_as_such():
+    from types import SimpleNamespace
+
+    from vlm_focus.organism import guide_model_path
+
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(guide_model_path())))
+    assert app.Served(model, None).name == "organism-guide (embedded)"
+    model.config._name_or_path = "llava-hf/llava-1.5-7b-hf"
+    assert app.Served(model, None).name == "llava-hf/llava-1.5-7b-hf"

@@ -97,8 +97,17 @@ class Served:
 
     @property
     def name(self) -> str:
+        """The model's hub id or folder; the embedded models by their own name."""
+        from pathlib import Path
+
+        from ..organism import default_model_path, guide_model_path
+
         config = getattr(self.model, "config", None)
-        return getattr(config, "_name_or_path", "") or type(self.model).__name__
+        name = getattr(config, "_name_or_path", "") or type(self.model).__name__
+        for embedded in (default_model_path(), guide_model_path()):
+            if Path(name).resolve() == embedded.resolve():
+                return f"{embedded.name} (embedded)"
+        return name
 
     @property
     def n_layers(self) -> int:
