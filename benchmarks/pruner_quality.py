@@ -9,8 +9,9 @@ embedded guide organism (6 x 6 visual tokens) on the same images and prompts.
     python benchmarks/pruner_quality.py                       # 60 images, keeps 0.5 0.25 0.11
     python benchmarks/pruner_quality.py --images 500 --layer 2 --out benchmarks/results
 
-Writes ``pruner_quality.csv`` (one row per pruner, keep and split), ``pruner_quality.md`` (the
-retention table) and ``pruner_quality.png`` (retention against keep) under ``--out``.
+Writes ``<name>.csv`` (one row per pruner, keep and split), ``<name>.md`` (the retention table),
+``<name>.json`` (settings and summary) and ``<name>.png`` (retention against keep) under
+``--out``; ``--name`` defaults to ``pruner_quality``.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--name", default="pruner_quality", help="stem of the output files")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -224,7 +226,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fields = ["pruner", "keep", "split", "accuracy", "precision", "recall", "f1", "yes_ratio",
               "unparseable", "n", "retention"]  # fmt: skip
-    with open(args.out / "pruner_quality.csv", "w", newline="") as f:
+    with open(args.out / f"{args.name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in results:
@@ -251,7 +253,7 @@ def main() -> None:
             f"fastv score per image row at layer {args.layer}, top to bottom (each image's "
             "row means normalised to mean 1): " + ", ".join(f"{v:.2f}" for v in row_profile),
         ]
-    (args.out / "pruner_quality.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     meta = dict(
         machine=f"{platform.machine()} {platform.processor()}".strip(),
         torch=torch.__version__,
@@ -265,8 +267,8 @@ def main() -> None:
         summary=summary,
         fastv_row_profile=row_profile,
     )
-    (args.out / "pruner_quality.json").write_text(json.dumps(meta, indent=1))
-    plot(summary, args.keeps, args.out / "pruner_quality.png")
+    (args.out / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
+    plot(summary, args.keeps, args.out / f"{args.name}.png")
     print("\n".join(lines))
 
 
