@@ -132,11 +132,13 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         "2. Category-last curriculum: 6-8 packed questions per image, the answer right after the last "
         "category token (presence 70%, relations 30%); hard, co-occurring and random negatives.",
         "3. Standard chat template: 1-4 turns per image (presence 50%, relations 30%, captions 20%).",
-        "- AdamW, cosine with warm-up, bf16 autocast, one CPU thread. Each stage stops at its step or "
-        "minute budget, whichever comes first.",
+        "- AdamW, cosine with warm-up, bf16 autocast, one CPU thread. Each stage stops at its step budget, "
+        "its CPU-minute budget or its wall-clock cap, whichever comes first.",
         "- Training time (minutes): "
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items())
-        + f"; total {summary['minutes_total']:.1f}.",
+        + f"; total {summary['minutes_total']:.1f} wall-clock"
+        + (f", {summary['cpu_minutes_total']:.1f} CPU" if "cpu_minutes_total" in summary else "")
+        + " (the machine was shared with other jobs; curves are plotted against wall-clock minutes).",
         "",
         "![learning curves](learning_curves.png)",
         "",
@@ -232,6 +234,8 @@ def model_card(name: str, m: dict, folder: Path) -> str:
     if m.get("latency"):
         lat = m["latency"]
         lines += ["", f"Load + one answer: {lat['total_s']:.2f} s (load {lat['load_s']:.2f} s)."]
+    if m.get("notes"):
+        lines += ["", "## Notes and shortfalls", ""] + [f"- {n}" for n in m["notes"]]
     lines += [
         "",
         "## Intended use",

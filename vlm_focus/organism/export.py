@@ -45,6 +45,9 @@ def ship(train_dir: Path, name: str, metrics: dict, dest: Path | None = None) ->
     (dest / "metrics.json").write_text(json.dumps(metrics, indent=1))
     fixed = metrics.get("fixed_questions")
     if fixed is not None:
+        if "accuracy_here" in fixed:  # older metrics files: reported = POPE random accuracy
+            fixed = dict(fixed, pope_random_accuracy=fixed["reported_accuracy"])
+            fixed["reported_accuracy"] = fixed.pop("accuracy_here")
         (dest / "fixed_questions.json").write_text(json.dumps(fixed, indent=1))
     (dest / "README.md").write_text(model_card(name, metrics, dest))
     return dest

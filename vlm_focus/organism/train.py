@@ -352,7 +352,7 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
             print(json.dumps(row), flush=True)
 
     timings: dict[str, float] = {}
-    cpu: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # stages checkpointed without CPU accounting are left out
     for stage in recipe.stages:
         ckpt = out_dir / f"stage_{stage.name}.pt"
         if ckpt.exists():
@@ -362,7 +362,8 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
                 weights = {k: v for k, v in weights.items() if "vision_tower" in k}
             model.load_state_dict(weights, strict=stage.name != "vision")
             timings[stage.name] = state["seconds"]
-            cpu[stage.name] = state.get("cpu", float("nan"))
+            if "cpu" in state:
+                cpu[stage.name] = state["cpu"]
             if stage.name == "vision":
                 model.model.vision_tower.requires_grad_(False)
             continue
@@ -384,7 +385,9 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     summary = {
         "recipe": asdict(recipe),
         "seconds": timings,
+        "cpu_seconds": cpu,
         "minutes_total": sum(timings.values()) / 60,
+        "cpu_minutes_total": sum(cpu.values()) / 60,
     }
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
     plot_curves(history, out_dir / "learning_curves.png", title=spec.name)

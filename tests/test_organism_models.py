@@ -1,0 +1,141 @@
+"""Organism models: processor/tokenizer consistency, a training smoke run, the shipped models."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vlm_focus.organism import build_prompt, default_model_path, guide_model_path  # noqa: E402
+from vlm_focus.organism.data import (  # noqa: E402
+    IGNORE,
+    QA,
+    Batcher,
+    chat_ids,
+    patch_labels,
+    pixel_values,
+)
+from vlm_focus.organism.scenes import generate_scene  # noqa: E402
+from vlm_focus.organism.vocab import (  # noqa: E402
+    EOS,
+    NO,
+    SPECS,
+    UNK,
+    YES,
+    build_config,
+    build_processor,
+    encode,
+)
+
+
+def _messages(question: str, answer: str | None = None) -> list[dict]:
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    if answer is not None:
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    return msgs
+
+
+def test_training_ids_equal_processor_ids():
+    from PIL import Image
+
+    spec = SPECS["default"]
+    processor = build_processor(spec)
+    scene = generate_scene(11, n_objects=3)
+    question = (
+        "Is there an orange_cross in the image?\nAnswer the question using a single word or phrase."
+    )
+    text = processor.apply_chat_template(_messages(question, "no"))
+    inputs = processor(images=Image.fromarray(scene.image()), text=text, return_tensors="pt")
+    ids, labels = chat_ids([QA("presence", question, "no", [])], spec.n_visual)
+    assert inputs["input_ids"][0].tolist() == ids
+    assert labels[-2:] == encode("no") + [EOS] and set(labels[:-2]) == {IGNORE}
+    assert UNK not in ids
+    assert torch.equal(inputs["pixel_values"], pixel_values([scene]))
+    prompt = processor.apply_chat_template(
+        _messages("Is there a red_circle in the image?"), add_generation_prompt=True
+    )
+    assert prompt == build_prompt("Is there a red_circle in the image?")
+
+
+def test_patch_labels_follow_masks():
+    scene = generate_scene(4, n_objects=2)
+    labels = patch_labels(scene, 16).reshape(12, 12)
+    for o in scene.objects:
+        cover = o.mask().reshape(12, 16, 12, 16).mean(axis=(1, 3))
+        assert np.all(labels[cover >= 0.5] == o.category + 1)
+    assert (labels == 0).mean() > 0.5
+
+
+def test_training_smoke_reduces_loss():
+    from transformers import LlavaForConditionalGeneration
+
+    from vlm_focus.organism.train import StageConfig, train_lm, train_vision
+
+    torch.manual_seed(0)
+    spec = SPECS["tiny"]
+    model = LlavaForConditionalGeneration(build_config(spec))
+    batcher = Batcher(spec.n_visual, spec.patch, seed=0)
+    losses: dict[str, list[float]] = {"vision": [], "chat": []}
+
+    def log(stage, step, seconds, values):
+        losses[stage].append(values["loss"])
+
+    train_vision(
+        model, spec, StageConfig("vision", 12, 2.0, 5e-3, batch=8, warmup=1), batcher, log, 1
+    )
+    assert not any(p.requires_grad for p in model.model.vision_tower.parameters())
+    stage = StageConfig(
+        "chat", 25, 2.0, 5e-3, batch=8, warmup=1, mix={"presence": 1.0}, turns=(1, 2)
+    )
+    train_lm(model, stage, batcher, None, log, every=1000, log_every=1)
+    v, c = losses["vision"], losses["chat"]
+    assert len(v) == 12 and len(c) == 25
+    assert np.mean(v[-3:]) < 0.8 * np.mean(v[:3])
+    assert np.mean(c[-5:]) < 0.5 * np.mean(c[:3])
+
+
+def _fixed(path):
+    return json.loads((path / "fixed_questions.json").read_text())
+
+
+@pytest.mark.parametrize("which", ["default", "guide"])
+def test_shipped_model_answers_fixed_questions(which):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from vlm_focus.organism.evaluate import answer
+    from vlm_focus.organism.pope import parse_yes_no
+
+    path = default_model_path() if which == "default" else guide_model_path()
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    assert model.config.image_seq_length == SPECS[which].n_visual
+    fixed = _fixed(path)
+    rows = fixed["questions"]
+    assert len(rows) == 20
+    scenes = [generate_scene(r["image_id"]) for r in rows]
+    answers = answer(model, processor, scenes, [r["text"] for r in rows])
+    parsed = [parse_yes_no(a) for a in answers]
+    assert all(ok for _, ok in parsed)
+    accuracy = np.mean([p == r["label"] for (p, _), r in zip(parsed, rows, strict=True)])
+    assert abs(accuracy - fixed["reported_accuracy"]) <= 0.05 + 1e-9
+
+
+def test_default_model_answers_with_yes_or_no_and_grid_matches():
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    path = default_model_path()
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    scene = generate_scene(_fixed(path)["questions"][0]["image_id"])
+    prompt = build_prompt(f"Is there a {scene.objects[0].name} in the image?")
+    inputs = processor(images=Image.fromarray(scene.image()), text=prompt, return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_index).sum()) == 144
+    with torch.no_grad():
+        probs = model(**inputs).logits[0, -1].softmax(-1)
+    assert float(probs[YES] + probs[NO]) > 0.9
