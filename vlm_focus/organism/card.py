@@ -19,6 +19,10 @@ def _ok(flag: bool | None) -> str:
     return "pending" if flag is None else ("met" if flag else "**not met**")
 
 
+def _mix(stage: dict) -> str:
+    return ", ".join(f"{k} {100 * v:.0f}%" for k, v in stage.get("mix", {}).items())
+
+
 def bars(m: dict) -> list[tuple[str, str, str, str]]:
     """(bar, target, measured, verdict) rows of the issue's quality bars."""
     rows = []
@@ -96,6 +100,7 @@ def model_card(name: str, m: dict, folder: Path) -> str:
     vc, tc = cfg["vision_config"], cfg["text_config"]
     grid = vc["image_size"] // vc["patch_size"]
     summary = json.loads((folder / "train_summary.json").read_text())
+    stages = {st["name"]: st for st in summary["recipe"]["stages"]}
     lines = [
         f"# organism-{name}",
         "",
@@ -129,15 +134,25 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         "1. Dense vision pretraining: tower + per-patch head on `hidden_states[-1][:, 1:]`, targets from the "
         "exact masks (category or background, weight 0.3 on background) plus each patch's row and column. "
         "The tower is then frozen.",
-        "2. Category-last curriculum: 6-8 packed questions per image, the answer right after the last "
-        "category token (presence 70%, relations 30%); hard, co-occurring and random negatives.",
-        "3. Standard chat template: 1-4 turns per image (presence 50%, relations 30%, captions 20%).",
+        "2. Category-last curriculum: each category token's embedding starts at the mean projected feature of "
+        "its patches; 6-8 packed questions per image, the answer right after the last category token "
+        f"({_mix(stages['cat_last'])}); hard, co-occurring and random negatives.",
+        f"3. Standard chat template: 1-4 turns per image ({_mix(stages['chat'])}); "
+        f"{100 * stages['chat'].get('cat_last_share', 0):.0f}% of the rows stay in the packed category-last form.",
+        "- Budgets per stage (CPU minutes, learning rate): "
+        + ", ".join(f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items())
+        + ".",
         "- AdamW, cosine with warm-up, bf16 autocast, one CPU thread. Each stage stops at its step budget, "
         "its CPU-minute budget or its wall-clock cap, whichever comes first.",
         "- Training time (minutes): "
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items())
         + f"; total {summary['minutes_total']:.1f} wall-clock"
-        + (f", {summary['cpu_minutes_total']:.1f} CPU" if "cpu_minutes_total" in summary else "")
+        + (
+            "; CPU minutes where recorded: "
+            + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items())
+            if summary.get("cpu_seconds")
+            else ""
+        )
         + " (the machine was shared with other jobs; curves are plotted against wall-clock minutes).",
         "",
         "![learning curves](learning_curves.png)",
