@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 TRENDS = ("exp", "monotone")
@@ -231,15 +232,18 @@ def maxmin_order(features: torch.Tensor, count: int) -> torch.Tensor:
     n = features.shape[0]
     if not 1 <= count <= n:
         raise ValueError(f"count={count} must lie in [1, {n}]")
-    unit = torch.nn.functional.normalize(features.float(), dim=-1)
+    unit = torch.nn.functional.normalize(features.detach().float(), dim=-1)
     centre = torch.nn.functional.normalize(unit.mean(0), dim=0)
     first = int((1.0 - unit @ centre).argmax())
+    # One [n, n] distance matrix, then a plain numpy loop: many tiny torch ops per pick are
+    # slow on a busy multi-threaded CPU.
+    distance = (1.0 - unit @ unit.T).cpu().numpy()  # [n, n] cosine distance
     order = [first]
-    nearest = 1.0 - unit @ unit[first]  # [n] distance to the chosen set
+    nearest = distance[first].copy()  # [n] distance to the chosen set
     nearest[first] = -1.0
     for _ in range(count - 1):
         pick = int(nearest.argmax())
         order.append(pick)
-        nearest = torch.minimum(nearest, 1.0 - unit @ unit[pick])
+        np.minimum(nearest, distance[pick], out=nearest)
         nearest[order] = -1.0
     return torch.tensor(order, dtype=torch.long)
