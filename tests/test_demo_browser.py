@@ -174,7 +174,7 @@ def test_five_concurrent_requests_all_succeed(server):
         keeps, results, strict=True
     ):
         assert status.startswith("Done in"), status
-        assert answer in ("yes", "no") and unpruned in ("yes", "no")
+        assert answer in ("yes", "no") and unpruned in ("yes", "no"), (status, answer, unpruned)
         assert f"{math.ceil(keep * total)} / {total} visual tokens kept" in stats
         with Image.open(heat) as h, Image.open(kept) as k, Image.open(sample) as s:
             assert h.size == k.size == s.size

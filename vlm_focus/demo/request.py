@@ -72,7 +72,8 @@ MAX_BOXES = 3
 #: Boxes of larger maps are found on the map resized to this many pixels (longest side).
 BOX_SIDE = 384
 
-#: wrap() and the attention probes hook the model instance: one request uses a model at a time.
+#: wrap() and the attention probes hook the model instance, and a fast tokenizer refuses
+#: concurrent calls: one request uses the model and its processor at a time.
 MODEL_LOCK = threading.Lock()
 
 
@@ -287,11 +288,11 @@ def run_request(
             keep = int(keep)
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         check_options(model, pruner, keep, layer, mitigation)
-        inputs = _to_model(model, build_inputs(processor, picture, prompt))
-        generic = None
-        if mitigation == "instruction_contrast":
-            generic = _to_model(model, build_inputs(processor, picture, GENERIC_PROMPT))
-        with MODEL_LOCK:
+        with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
+            inputs = _to_model(model, build_inputs(processor, picture, prompt))
+            generic = None
+            if mitigation == "instruction_contrast":
+                generic = _to_model(model, build_inputs(processor, picture, GENERIC_PROMPT))
             result = _compute(
                 model, processor, picture, prompt, inputs, generic, pruner, keep, layer, mitigation,
                 max_new_tokens, repeats,
