@@ -67,7 +67,7 @@ def append_jsonl(path: str | Path, record: Record) -> None:
 def write_jsonl_atomic(path: str | Path, records: Iterable[Record]) -> None:
     """Write a whole JSONL file through a temporary file and ``os.replace``."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
