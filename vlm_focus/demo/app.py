@@ -188,7 +188,7 @@ def build_app(
     processor: Any,
     *,
     max_new_tokens: int = 24,
-    repeats: int = 3,
+    repeats: int = 5,
     served: Served | None = None,
     model_panel: bool = True,
 ):

@@ -10,8 +10,8 @@ What one request computes, all on the model the app loaded once:
 1. the answer of the pruned model (``vf.wrap(model, pruner, keep, layer)``) and of the unpruned
    one, greedy; with a mitigation, also the unpruned model's answer under it (mitigations hook
    every decoder layer, pruning slices the layers from ``layer`` on: they are shown apart);
-2. prefill time of the same input, unpruned and pruned, measured in this request
-   (``timing.median_seconds``), and their ratio;
+2. prefill time of the same input, unpruned and pruned, measured in this request, alternately
+   (medians of ``repeats`` each, :func:`prefill_seconds`), and their ratio;
 3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
    adapter's layout to grid cells, drawn over the image;
 4. attention maps from one teacher-forced pass over prompt + pruned answer on the unpruned model
@@ -23,6 +23,7 @@ What one request computes, all on the model the app loaded once:
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 import warnings
@@ -274,7 +275,7 @@ def run_request(
     *,
     max_new_tokens: int = 24,
     max_side: int = MAX_SIDE,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> DemoResult:
     """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to.
 
@@ -364,11 +365,11 @@ def _compute(
     if mitigation != "none":
         mitigated = _generate(model, inputs, generic, mitigation, max_new_tokens)
         answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
-    t_full = median_seconds(prefill_fn(model, inputs), repeats=repeats)
-    with vf.wrap(model, pruner=pruner, keep=keep, layer=layer) as handle:
+    options = dict(pruner=pruner, keep=keep, layer=layer)
+    with vf.wrap(model, **options) as handle:
         pruned_seq = _generate(model, inputs, None, "none", max_new_tokens)
         trace = handle.last_trace
-        t_pruned = median_seconds(prefill_fn(model, inputs), repeats=repeats)
+    t_full, t_pruned = prefill_seconds(model, inputs, options, repeats)
     answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
 
     image = np.asarray(picture, dtype=np.uint8)
@@ -403,6 +404,20 @@ def _compute(
         prefill_ms_unpruned=t_full * 1e3,
         prefill_ms_pruned=t_pruned * 1e3,
     )
+
+
+def prefill_seconds(
+    model: nn.Module, inputs: dict[str, Any], options: dict[str, Any], repeats: int
+) -> tuple[float, float]:
+    """Median prefill seconds unpruned and pruned (``vf.wrap(model, **options)``), measured
+    alternately in one loop so that load on the machine weighs on both alike."""
+    prefill = prefill_fn(model, inputs)
+    unpruned, pruned = [], []
+    for i in range(max(1, repeats)):
+        unpruned.append(median_seconds(prefill, repeats=1, warmup=int(i == 0)))
+        with vf.wrap(model, **options):
+            pruned.append(median_seconds(prefill, repeats=1, warmup=int(i == 0)))
+    return statistics.median(unpruned), statistics.median(pruned)
 
 
 def _pixel_geometry(processor: Any, layout: ImageLayout) -> str | None:
