@@ -79,7 +79,17 @@ def bars(m: dict) -> list[tuple[str, str, str, str]]:
         rows.append(
             ("pre-LLM random keep 0.11 retention (yes/no)", "<= 80%", _f(ra), _ok(ra <= 0.8))
         )
-    elif "pruning_pending" in m:
+    q = m.get("pruning_category_query")
+    if q:
+        rows.append(
+            (
+                "pre-LLM keep 0.11, scored at the category token (attention / random retention)",
+                ">= 95% / <= 80%",
+                f"{_f(q['attention_retention'])} / {_f(q['random_retention'])} (n={q['n']})",
+                _ok(q["attention_retention"] >= 0.95 and q["random_retention"] <= 0.8),
+            )
+        )
+    if "pruning_pending" in m:
         rows.append(("pruning retention", "fastv >= 95%, random <= 80%", "pending", "pending"))
     lat = m.get("latency")
     if lat:

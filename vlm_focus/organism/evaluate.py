@@ -363,3 +363,57 @@ def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> 
         reported = results.get("pope", {}).get("random", {}).get("accuracy")
         results["fixed_questions"] = fixed_eval(model, processor, reported)
     return results
+
+
+@torch.no_grad()
+def category_query_pruning(path: Path, n: int = 300, keep: float = 0.11) -> dict:
+    """Pre-LLM pruning scored by layer-0 attention at the query's category token (head mean),
+    against random selection, on presence questions.
+
+    Dropped visual tokens are removed from attention through the attention mask while every token
+    keeps its original position, which is what pruning before the first layer computes. The
+    answer is the greedy first token ('no' only when it is the `no` token, as POPE parses it).
+    """
+    from .data import presence_qa
+
+    model, processor = load(path, attn="eager")
+    rng = np.random.default_rng(QUESTION_SEED + 4)
+    pick = np.random.default_rng(QUESTION_SEED + 5)
+    scenes = heldout_scenes(n)
+    qas = [presence_qa(s, rng, positive=i % 2 == 0) for i, s in enumerate(scenes)]
+    correct = {"full": 0, "attention": 0, "random": 0}
+    for s, qa in zip(scenes, qas, strict=True):
+        inputs = _inputs(processor, [s], [qa.question])
+        ids = inputs["input_ids"][0]
+        positions = torch.arange(len(ids))[None]
+        out = model(**inputs, position_ids=positions, output_attentions=True)
+        cat = int((ids == TOKEN_ID[_category_word(qa.question)]).nonzero()[-1])
+        img = (ids == IMAGE).nonzero().squeeze(1)
+        k = max(1, round(keep * len(img)))
+        scores = out.attentions[0][0, :, cat, img].mean(0)  # [N]
+        chosen = {
+            "attention": img[scores.topk(k).indices],
+            "random": img[torch.from_numpy(pick.choice(len(img), k, replace=False))],
+        }
+        gold = YES if qa.answer == "yes" else NO
+        pred = {"full": int(out.logits[0, -1].argmax())}
+        for name, kept in chosen.items():
+            mask = inputs["attention_mask"].clone()
+            mask[0, img] = 0
+            mask[0, kept] = 1
+            logits = model(**{**inputs, "attention_mask": mask}, position_ids=positions).logits
+            pred[name] = int(logits[0, -1].argmax())
+        for name, p in pred.items():
+            correct[name] += (p == NO) == (gold == NO)
+    acc = {k: v / n for k, v in correct.items()}
+    return {
+        "keep": keep,
+        "n": n,
+        "accuracy": acc,
+        "attention_retention": acc["attention"] / acc["full"],
+        "random_retention": acc["random"] / acc["full"],
+    }
+
+
+def _category_word(question: str) -> str:
+    return next(w for w in question.lower().split() if w in TOKEN_ID and w.count("_") == 1)
