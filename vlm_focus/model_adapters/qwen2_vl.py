@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,14 +76,5 @@ QWEN2_VL = ModelAdapter(
     layout_inputs=("image_grid_thw", "video_grid_thw"),
     encoders=("get_image_features", "get_video_features"),
 )
-QWEN2_5_VL = ModelAdapter(
-    model_type="qwen2_5_vl",
-    layout=qwen_layout,
-    rope="mrope",
-    decode_positions=mrope_decode_positions,
-    video_token_attrs=("video_token_id",),
-    pixel_inputs=("pixel_values", "pixel_values_videos"),
-    required_with_images=("mm_token_type_ids",),
-    layout_inputs=("image_grid_thw", "video_grid_thw"),
-    encoders=("get_image_features", "get_video_features"),
-)
+# Qwen2.5-VL lays out and positions visual tokens exactly as Qwen2-VL does.
+QWEN2_5_VL = dataclasses.replace(QWEN2_VL, model_type="qwen2_5_vl")
