@@ -72,3 +72,16 @@ def masked_reference(model, layers, trace):
     finally:
         for h in handles:
             h.remove()
+
+
+def greedy_generate(model, inputs, steps):
+    """Greedy ``generate()`` returning the sequences and each step's logits ``[B, steps, V]``."""
+    out = model.generate(
+        **inputs,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    return out.sequences, torch.stack(out.logits, 1)

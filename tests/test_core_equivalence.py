@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import masked_reference
+from reference import greedy_generate, masked_reference
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
@@ -15,15 +15,7 @@ ATOL = 2e-5  # fp32: only summation order differs between the two runs
 
 
 def _generate(model, inputs, steps=8):
-    out = model.generate(
-        **inputs,
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    return out.sequences, torch.stack(out.logits, 1)  # [B, steps, V]
+    return greedy_generate(model, inputs, steps)
 
 
 def _check(kind, attn, batch, layer, pruner="fastv", keep=0.5, prompt_len=6, **options):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import masked_reference
+from reference import greedy_generate, masked_reference
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
@@ -17,15 +17,7 @@ STEPS = 4
 
 
 def _generate(model, inputs, steps=STEPS):
-    out = model.generate(
-        **inputs,
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    return out.sequences, torch.stack(out.logits, 1)
+    return greedy_generate(model, inputs, steps)
 
 
 def _guide_options(seed=3):
