@@ -16,7 +16,8 @@ WORDS = (
     "user", ":", "assistant", "is", "there", "a", "an", "in", "the", "image", "?", ".", ",", "yes",
     "no", "of", "describe", "answer", "question", "using", "single", "word", "or", "phrase",
 )  # fmt: skip
-VOCAB: tuple[str, ...] = SPECIAL + WORDS + RELATIONS + CATEGORIES + POSITIONS
+LATER_WORDS = ("where",)  # appended last, so the ids of every earlier word stay stable
+VOCAB: tuple[str, ...] = SPECIAL + WORDS + RELATIONS + CATEGORIES + POSITIONS + LATER_WORDS
 TOKEN_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
 PAD, BOS, EOS, UNK, IMAGE = (TOKEN_ID[t] for t in SPECIAL)
 YES, NO = TOKEN_ID["yes"], TOKEN_ID["no"]
@@ -39,13 +40,15 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def article(category: str) -> str:
-    """'an' before a vowel, else 'a' (the POPE question rule)."""
-    return "an" if category[0] in "aeiou" else "a"
-
-
 def presence_question(category: str) -> str:
-    return f"Is there {article(category)} {category} in the image?"
+    """The POPE question for `category` (`vlm_focus.eval.pope.question_text`)."""
+    from ..eval.pope import question_text
+
+    return question_text(category)
+
+
+def where_question(category: str) -> str:
+    return f"Where is the {category}?"
 
 
 def relation_question(a: str, relation: str, b: str) -> str:
@@ -112,7 +115,7 @@ class OrganismSpec:
 
 
 SPECS: dict[str, OrganismSpec] = {
-    "default": OrganismSpec("organism-default", text_hidden=128, text_heads=4, text_mlp=512),
+    "default": OrganismSpec("organism-default", text_hidden=256, text_heads=8, text_mlp=1024),
     "guide": OrganismSpec(
         "organism-guide",
         patch=32,
