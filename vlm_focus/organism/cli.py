@@ -16,9 +16,6 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=2)
-    t.add_argument(
-        "--wall-cap", type=float, default=None, help="wall-clock minutes per stage at most"
-    )
     e = sub.add_parser("eval", help="measure a model on the held-out set")
     e.add_argument(
         "--path", type=Path, default=None, help="model folder (default: shipped default)"
@@ -50,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         recipe = default_recipe(args.model, scale=args.scale)
         recipe.seed = args.seed
-        for stage in recipe.stages:
-            stage.wall_cap = args.wall_cap
         summary = train(recipe, args.out)
         print(json.dumps({"minutes_total": summary["minutes_total"]}))
         return 0

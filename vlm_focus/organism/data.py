@@ -38,6 +38,7 @@ from .vocab import (
     encode,
     presence_question,
     relation_question,
+    where_question,
 )
 
 IGNORE = -100
@@ -93,7 +94,7 @@ def negative_category(scene: Scene, rng: np.random.Generator) -> int:
 
 @dataclass
 class QA:
-    """One question with its answer text and a kind tag (presence, relation, caption)."""
+    """One question with its answer text and a kind tag (presence, relation, where, caption)."""
 
     kind: str
     question: str
@@ -128,6 +129,15 @@ def relation_qa(scene: Scene, rng: np.random.Generator) -> QA | None:
     return None
 
 
+def where_qa(scene: Scene, rng: np.random.Generator) -> QA:
+    """'Where is the X?' about a present object; the answer is its 3 x 3 position token.
+
+    It teaches the category token to fetch its object's position, the first step of relations."""
+    obj = scene.objects[int(rng.integers(len(scene.objects)))]
+    short = encode(f"where is the {obj.name}")
+    return QA("where", where_question(obj.name), obj.position(scene.size), short)
+
+
 def caption_qa(scene: Scene) -> QA:
     return QA("caption", CAPTION_PROMPT, caption(scene), [])
 
@@ -142,6 +152,8 @@ def sample_qas(scene: Scene, rng: np.random.Generator, mix: dict[str, float], n:
         qa = None
         if kind == "relation":
             qa = relation_qa(scene, rng)
+        elif kind == "where":
+            qa = where_qa(scene, rng)
         elif kind == "caption" and not any(q.kind == "caption" for q in out):
             qa = caption_qa(scene)
         if qa is None:
