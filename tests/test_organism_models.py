@@ -139,3 +139,28 @@ def test_default_model_answers_with_yes_or_no_and_grid_matches():
     with torch.no_grad():
         probs = model(**inputs).logits[0, -1].softmax(-1)
     assert float(probs[YES] + probs[NO]) > 0.9
+
+
+def test_hidden_patches_spare_every_object_an_answer_needs():
+    from vlm_focus.organism.data import hidden_patches, relation_qa, where_qa
+
+    rng = np.random.default_rng(0)
+    for seed in range(30):
+        scene = generate_scene(seed, n_objects=4)
+        qas = [q for q in (relation_qa(scene, rng), where_qa(scene, rng)) if q is not None]
+        needed = {i for q in qas for i in q.objects}
+        hide = hidden_patches(scene, qas, 16, rng).reshape(12, 12)
+        for i, o in enumerate(scene.objects):
+            touched = o.mask().reshape(12, 16, 12, 16).any(axis=(1, 3))
+            if i in needed:
+                assert not hide[touched].any()
+        assert hide.any()
+
+
+def test_rows_with_hidden_patches_mask_only_image_tokens():
+    from vlm_focus.organism.vocab import IMAGE, PAD
+
+    batch = Batcher(144, 16, seed=1).text(8, "chat", {"presence": 1.0}, (1, 2), hide_share=1.0)
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    assert torch.equal(mask | (ids == IMAGE), ids != PAD)
+    assert (~mask & (ids == IMAGE)).any()

@@ -100,6 +100,7 @@ class QA:
     question: str
     answer: str
     short: list[int]  # cat_last form of the question (ids), for the packed curriculum
+    objects: tuple[int, ...] = ()  # indices of the scene objects the answer rests on
 
 
 def presence_qa(scene: Scene, rng: np.random.Generator, positive: bool | None = None) -> QA:
@@ -110,7 +111,9 @@ def presence_qa(scene: Scene, rng: np.random.Generator, positive: bool | None = 
     question = presence_question(name)
     if rng.random() < 0.5:
         question += POPE_SUFFIX
-    return QA("presence", question, "yes" if positive else "no", encode(f"is there a {name}"))
+    refs = (scene.categories.index(cat),) if positive else ()
+    short = encode(f"is there a {name}")
+    return QA("presence", question, "yes" if positive else "no", short, refs)
 
 
 def relation_qa(scene: Scene, rng: np.random.Generator) -> QA | None:
@@ -125,7 +128,7 @@ def relation_qa(scene: Scene, rng: np.random.Generator) -> QA | None:
         if truth is not None:
             q = relation_question(a.name, rel, b.name)
             short = encode(q.rstrip("?"))
-            return QA("relation", q, "yes" if truth else "no", short)
+            return QA("relation", q, "yes" if truth else "no", short, (int(i), int(j)))
     return None
 
 
@@ -133,13 +136,14 @@ def where_qa(scene: Scene, rng: np.random.Generator) -> QA:
     """'Where is the X?' about a present object; the answer is its 3 x 3 position token.
 
     It teaches the category token to fetch its object's position, the first step of relations."""
-    obj = scene.objects[int(rng.integers(len(scene.objects)))]
+    i = int(rng.integers(len(scene.objects)))
+    obj = scene.objects[i]
     short = encode(f"where is the {obj.name}")
-    return QA("where", where_question(obj.name), obj.position(scene.size), short)
+    return QA("where", where_question(obj.name), obj.position(scene.size), short, (i,))
 
 
 def caption_qa(scene: Scene) -> QA:
-    return QA("caption", CAPTION_PROMPT, caption(scene), [])
+    return QA("caption", CAPTION_PROMPT, caption(scene), [], tuple(range(len(scene.objects))))
 
 
 def sample_qas(scene: Scene, rng: np.random.Generator, mix: dict[str, float], n: int) -> list[QA]:
@@ -188,6 +192,20 @@ def chat_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+def hidden_patches(scene: Scene, qas: list[QA], patch: int, rng: np.random.Generator) -> np.ndarray:
+    """Visual tokens to hide from a training row `[g*g]` (True = hidden): a random share (50-100%)
+    of the patches that no object of the row's answers touches, so every answer stays true.
+
+    Training on such rows makes answers rest on the evidence they need rather than on the whole
+    visual context, which is what pruning leaves a model with."""
+    g = scene.size // patch
+    needed = np.zeros((g, g), dtype=bool)
+    for i in {i for qa in qas for i in qa.objects}:
+        needed |= scene.objects[i].mask(scene.size).reshape(g, patch, g, patch).any(axis=(1, 3))
+    share = rng.uniform(0.5, 1.0)
+    return (~needed.reshape(-1)) & (rng.random(g * g) < share)
+
+
 def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
     width = max(len(s) for s in seqs)
     return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
@@ -222,15 +240,17 @@ class Batcher:
         mix: dict[str, float],
         turns: tuple[int, int],
         cat_last_share: float = 0.0,
+        hide_share: float = 0.0,
     ) -> dict:
         """A batch of sequences in `form` ('cat_last' or 'chat') with `turns` = (min, max) QAs.
 
         With `cat_last_share` > 0 a chat batch draws that share of its rows in the packed
         category-last form (6-8 questions), which keeps the lookup learning while the chat form
-        learns to carry the answer to the end of the prompt.
+        learns to carry the answer to the end of the prompt. A `hide_share` of the rows hide
+        visual tokens no answer needs (`hidden_patches`) through the attention mask.
         """
         scenes = self.scenes(batch)
-        ids, labels = [], []
+        ids, labels, hidden = [], [], []
         for s in scenes:
             row_form = form
             n = int(self.rng.integers(turns[0], turns[1] + 1))
@@ -243,10 +263,17 @@ class Batcher:
             i, lab = build(qas, self.n_visual)
             ids.append(i)
             labels.append(lab)
+            hide = self.rng.random() < hide_share
+            hidden.append(hidden_patches(s, qas, self.patch, self.rng) if hide else None)
         input_ids = pad(ids, PAD)
+        attention_mask = (input_ids != PAD).long()
+        for row, hide in enumerate(hidden):
+            if hide is not None:
+                image_pos = (input_ids[row] == IMAGE).nonzero().squeeze(1)
+                attention_mask[row, image_pos[torch.from_numpy(hide)]] = 0
         return {
             "input_ids": input_ids,
-            "attention_mask": (input_ids != PAD).long(),
+            "attention_mask": attention_mask,
             "labels": pad(labels, IGNORE),
             "pixel_values": pixel_values(scenes),
         }

@@ -52,6 +52,7 @@ class StageConfig:
     mix: dict[str, float] = field(default_factory=dict)
     turns: tuple[int, int] = (1, 1)
     cat_last_share: float = 0.0  # chat stage: share of rows kept in the category-last form
+    hide_share: float = 0.0  # share of rows that hide visual tokens no answer needs
 
 
 @dataclass
@@ -81,6 +82,7 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 1e-3,
                 mix={"presence": 0.5, "where": 0.2, "relation": 0.3},
                 turns=(6, 8),
+                hide_share=0.3,
             ),
             StageConfig(
                 "chat",
@@ -90,6 +92,7 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 mix={"presence": 0.45, "relation": 0.3, "where": 0.1, "caption": 0.15},
                 turns=(1, 4),
                 cat_last_share=0.5,
+                hide_share=0.3,
             ),
         ],
     )
@@ -297,7 +300,13 @@ def train_lm(
     model.model.vision_tower.eval()
     form = stage.name
     make = functools.partial(
-        batcher.text, stage.batch, form, stage.mix, stage.turns, stage.cat_last_share
+        batcher.text,
+        stage.batch,
+        form,
+        stage.mix,
+        stage.turns,
+        stage.cat_last_share,
+        stage.hide_share,
     )
     stream = _prefetch(make)
     while not _done(stage, step, t0):
