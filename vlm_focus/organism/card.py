@@ -89,8 +89,6 @@ def bars(m: dict) -> list[tuple[str, str, str, str]]:
                 _ok(q["attention_retention"] >= 0.95 and q["random_retention"] <= 0.8),
             )
         )
-    if "pruning_pending" in m:
-        rows.append(("pruning retention", "fastv >= 95%, random <= 80%", "pending", "pending"))
     lat = m.get("latency")
     if lat:
         rows.append(
@@ -138,7 +136,8 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         "POPE `pope_{random,popular,adversarial}.jsonl`; images regenerate from their seeds).",
         "- Tasks: presence (`Is there a red_circle in the image?`, half with LLaVA's POPE suffix), "
         "relations (`Is the red_circle left of the blue_square?`, left/right/above/below, centres at least "
-        "16 px apart), captions (`Describe the image.` -> `blue_circle top_left , red_square center`).",
+        "16 px apart), where (`Where is the red_circle?` -> `top_left`, on a 3 x 3 grid), captions "
+        "(`Describe the image.` -> `blue_circle top_left , red_square center`).",
         "",
         "## Recipe (`vlm-focus organism train --model " + name + "`)",
         "1. Dense vision pretraining: tower + per-patch head on `hidden_states[-1][:, 1:]`, targets from the "
@@ -149,21 +148,25 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         f"({_mix(stages['cat_last'])}); hard, co-occurring and random negatives.",
         f"3. Standard chat template: 1-4 turns per image ({_mix(stages['chat'])}); "
         f"{100 * stages['chat'].get('cat_last_share', 0):.0f}% of the rows stay in the packed category-last form.",
-        "- Budgets per stage (CPU minutes, learning rate): "
+        "- In both language stages "
+        f"{100 * stages['chat'].get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual "
+        "tokens that no answer of the row needs (through the attention mask), so answers rest on their "
+        "evidence rather than on the whole visual context.",
+        "- Budgets per stage (wall-clock minutes, learning rate): "
         + ", ".join(f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items())
         + ".",
-        "- AdamW, cosine with warm-up, bf16 autocast, one CPU thread. Each stage stops at its step budget, "
-        "its CPU-minute budget or its wall-clock cap, whichever comes first.",
+        "- AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process. Each stage "
+        "stops at its step budget or its wall-clock budget, whichever comes first.",
         "- Training time (minutes): "
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items())
         + f"; total {summary['minutes_total']:.1f} wall-clock"
         + (
-            "; CPU minutes where recorded: "
+            "; CPU minutes of the training process: "
             + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items())
             if summary.get("cpu_seconds")
             else ""
         )
-        + " (the machine was shared with other jobs; curves are plotted against wall-clock minutes).",
+        + ". Curves are plotted against wall-clock minutes.",
         "",
         "![learning curves](learning_curves.png)",
         "",
@@ -273,6 +276,6 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         f"vlm-focus organism train --model {name} --out runs/{name}",
         f"vlm-focus organism eval --path runs/{name} --out runs/{name}/metrics.json",
         "```",
-        "Measured on a shared 2-core CPU; the numbers above come from `metrics.json` in this folder.",
+        "Measured on a 2-core CPU; the numbers above come from `metrics.json` in this folder.",
     ]
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ from .vocab import (
     IMAGE,
     PAD,
     POPE_SUFFIX,
+    TOKEN_ID,
     encode,
     presence_question,
     relation_question,
@@ -42,6 +43,7 @@ from .vocab import (
 )
 
 IGNORE = -100
+CATEGORY_IDS = frozenset(TOKEN_ID[c] for c in CATEGORIES)
 TRAIN_SEED_BASE = 10_000_000  # training scenes; held-out and probe scenes use seeds below
 _MEAN = np.asarray(CLIP_MEAN, dtype=np.float32)
 _STD = np.asarray(CLIP_STD, dtype=np.float32)
@@ -179,16 +181,29 @@ def cat_last_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def chat_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
-    """Chat-template sequence and labels (loss on answer tokens and their <eos>)."""
+def chat_ids(
+    qas: list[QA], n_visual: int, query_labels: bool = False
+) -> tuple[list[int], list[int]]:
+    """Chat-template sequence and labels (loss on answer tokens and their <eos>).
+
+    With `query_labels`, the answer's first token is also the target at the question's last
+    category token (where the category-last form answers), which keeps the lookup there while
+    the last prompt token learns to copy it. Prompt tokens are never generated, so this label
+    changes no generated text."""
     ids = [BOS]
     labels = [IGNORE]
     for t, qa in enumerate(qas):
         prompt = encode("USER:") + ([IMAGE] * n_visual if t == 0 else [])
-        prompt += encode(qa.question) + encode("ASSISTANT:")
+        question = encode(qa.question)
+        start = len(ids) + len(prompt)
+        prompt += question + encode("ASSISTANT:")
         ans = encode(qa.answer) + [EOS]
+        row = [IGNORE] * len(prompt)
+        cats = [i for i, tok in enumerate(question) if tok in CATEGORY_IDS]
+        if query_labels and cats and qa.kind != "caption":
+            row[start - len(ids) + cats[-1] + 1] = ans[0]
         ids += prompt + ans
-        labels += [IGNORE] * len(prompt) + ans
+        labels += row + ans
     return ids, labels
 
 
@@ -241,6 +256,7 @@ class Batcher:
         turns: tuple[int, int],
         cat_last_share: float = 0.0,
         hide_share: float = 0.0,
+        query_labels: bool = False,
     ) -> dict:
         """A batch of sequences in `form` ('cat_last' or 'chat') with `turns` = (min, max) QAs.
 
@@ -259,8 +275,10 @@ class Batcher:
             qas = sample_qas(s, self.rng, mix, n)
             if row_form == "cat_last":
                 qas = [q for q in qas if q.kind != "caption"] or [presence_qa(s, self.rng)]
-            build = cat_last_ids if row_form == "cat_last" else chat_ids
-            i, lab = build(qas, self.n_visual)
+            if row_form == "cat_last":
+                i, lab = cat_last_ids(qas, self.n_visual)
+            else:
+                i, lab = chat_ids(qas, self.n_visual, query_labels)
             ids.append(i)
             labels.append(lab)
             hide = self.rng.random() < hide_share

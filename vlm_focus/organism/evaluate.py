@@ -6,7 +6,8 @@
 - grounding: pointing game of attention at the query's category token, per layer (head mean and
   the best head chosen on the other half of the images), against the other objects and chance;
 - logit lens: per layer, the yes/no answer read from the last prompt position (where it forms);
-- pruning through `vlm_focus.wrap`: attention-scored (fastv) against random at keep 0.11;
+- pruning through `vlm_focus.wrap`: attention-scored (fastv) against random at keep 0.11, and
+  pre-LLM pruning scored at the query's category token;
 - latency of loading the model and answering one question.
 """
 
@@ -326,7 +327,17 @@ def _scene(seed: int) -> Scene:
     return generate_scene(seed)
 
 
-ALL = ("latency", "pope", "relation", "caption", "grounding", "logit_lens", "pruning", "fixed")
+ALL = (
+    "latency",
+    "pope",
+    "relation",
+    "caption",
+    "grounding",
+    "logit_lens",
+    "pruning",
+    "pruning_category_query",
+    "fixed",
+)
 
 
 def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> dict:
@@ -348,16 +359,12 @@ def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> 
             k: logit_lens(model, processor, k) for k in ("presence", "relation")
         },
         "pruning": lambda: pruning_eval(model, processor),
+        "pruning_category_query": lambda: category_query_pruning(path),
     }
     for name, run in steps.items():
         if name in todo:
             t = time.perf_counter()
-            try:
-                results[name] = run()
-            except (ImportError, AttributeError, ValueError) as err:
-                if name != "pruning":
-                    raise
-                results["pruning_pending"] = f"vlm_focus.wrap unavailable or failed: {err!r}"
+            results[name] = run()
             results.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 1)
     if "fixed" in todo:
         reported = results.get("pope", {}).get("random", {}).get("accuracy")

@@ -53,6 +53,7 @@ class StageConfig:
     turns: tuple[int, int] = (1, 1)
     cat_last_share: float = 0.0  # chat stage: share of rows kept in the category-last form
     hide_share: float = 0.0  # share of rows that hide visual tokens no answer needs
+    query_labels: bool = False  # chat rows also answer at the question's last category token
 
 
 @dataclass
@@ -93,6 +94,7 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 turns=(1, 4),
                 cat_last_share=0.5,
                 hide_share=0.3,
+                query_labels=True,
             ),
         ],
     )
@@ -307,6 +309,7 @@ def train_lm(
         stage.turns,
         stage.cat_last_share,
         stage.hide_share,
+        stage.query_labels,
     )
     stream = _prefetch(make)
     while not _done(stage, step, t0):
