@@ -23,6 +23,11 @@ def _mix(stage: dict) -> str:
     return ", ".join(f"{k} {100 * v:.0f}%" for k, v in stage.get("mix", {}).items())
 
 
+def _turns(stage: dict) -> str:
+    lo, hi = stage.get("turns", (1, 1))
+    return "one turn" if lo == hi == 1 else f"{lo}-{hi} turns"
+
+
 def bars(m: dict) -> list[tuple[str, str, str, str]]:
     """(bar, target, measured, verdict) rows of the issue's quality bars."""
     rows = []
@@ -146,7 +151,8 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         "2. Category-last curriculum: each category token's embedding starts at the mean projected feature of "
         "its patches; 6-8 packed questions per image, the answer right after the last category token "
         f"({_mix(stages['cat_last'])}); hard, co-occurring and random negatives.",
-        f"3. Standard chat template: 1-4 turns per image ({_mix(stages['chat'])}); "
+        f"3. Standard chat template: {_turns(stages['chat'])} per image ({_mix(stages['chat'])}); "
+        "the answer's first token is also the target at the question's last category token; "
         f"{100 * stages['chat'].get('cat_last_share', 0):.0f}% of the rows stay in the packed category-last form.",
         "- In both language stages "
         f"{100 * stages['chat'].get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual "

@@ -90,8 +90,8 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 s[2],
                 m[2],
                 8e-4,
-                mix={"presence": 0.45, "relation": 0.3, "where": 0.1, "caption": 0.15},
-                turns=(1, 4),
+                mix={"presence": 0.4, "relation": 0.25, "where": 0.1, "caption": 0.25},
+                turns=(1, 1),  # one turn: the last token copies from the only question
                 cat_last_share=0.5,
                 hide_share=0.3,
                 query_labels=True,
