@@ -221,6 +221,17 @@ def hidden_patches(scene: Scene, qas: list[QA], patch: int, rng: np.random.Gener
     return (~needed.reshape(-1)) & (rng.random(g * g) < share)
 
 
+def copy_target(ids: list[int]) -> tuple[int, int] | None:
+    """(last prompt position, the question's last category token) of a one-turn chat row, or None
+    when the question names no category (captions): where the answer is read and where the
+    category-last form computes it."""
+    for q in range(1, len(ids)):
+        if ids[q - 1] == TOKEN_ID["assistant"] and ids[q] == TOKEN_ID[":"]:
+            cats = [k for k in range(q) if ids[k] in CATEGORY_IDS]
+            return (q, cats[-1]) if cats else None
+    return None
+
+
 def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
     width = max(len(s) for s in seqs)
     return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
@@ -266,7 +277,7 @@ class Batcher:
         visual tokens no answer needs (`hidden_patches`) through the attention mask.
         """
         scenes = self.scenes(batch)
-        ids, labels, hidden = [], [], []
+        ids, labels, hidden, copies = [], [], [], []
         for s in scenes:
             row_form = form
             n = int(self.rng.integers(turns[0], turns[1] + 1))
@@ -279,6 +290,9 @@ class Batcher:
                 i, lab = cat_last_ids(qas, self.n_visual)
             else:
                 i, lab = chat_ids(qas, self.n_visual, query_labels)
+                target = copy_target(i) if len(qas) == 1 else None
+                if target is not None:
+                    copies.append((len(ids), *target))
             ids.append(i)
             labels.append(lab)
             hide = self.rng.random() < hide_share
@@ -290,6 +304,7 @@ class Batcher:
                 image_pos = (input_ids[row] == IMAGE).nonzero().squeeze(1)
                 attention_mask[row, image_pos[torch.from_numpy(hide)]] = 0
         return {
+            "copy_targets": torch.tensor(copies, dtype=torch.long).reshape(-1, 3),
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": pad(labels, IGNORE),

@@ -54,6 +54,7 @@ class StageConfig:
     cat_last_share: float = 0.0  # chat stage: share of rows kept in the category-last form
     hide_share: float = 0.0  # share of rows that hide visual tokens no answer needs
     query_labels: bool = False  # chat rows also answer at the question's last category token
+    copy_weight: float = 0.0  # weight of the copy-head attention loss (see `copy_loss`)
 
 
 @dataclass
@@ -95,6 +96,7 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 cat_last_share=0.5,
                 hide_share=0.3,
                 query_labels=True,
+                copy_weight=0.2,
             ),
         ],
     )
@@ -285,6 +287,18 @@ def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batche
             emb[TOKEN_ID[name]] = means[c] / means[c].norm().clamp(min=1e-6) * scale
 
 
+def copy_loss(attentions: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+    """Mean -log attention of head 0 in the later half of the layers, from each one-turn chat
+    row's last prompt position to its question's last category token (`targets`: row, q, k).
+
+    The category token computes the answer (category-last form); this teaches one head to carry
+    it to the position that answers, the step a from-scratch LM otherwise finds late."""
+    rows, q, k = targets.unbind(1)
+    later = attentions[max(1, len(attentions) // 2) :]
+    terms = [att[rows, 0, q, k].float().clamp(min=1e-12).log() for att in later]
+    return -torch.stack(terms).mean()
+
+
 def train_lm(
     model,
     stage: StageConfig,
@@ -312,18 +326,27 @@ def train_lm(
         stage.query_labels,
     )
     stream = _prefetch(make)
+    if stage.copy_weight:
+        model.set_attn_implementation("eager")  # the copy loss reads attention probabilities
     while not _done(stage, step, t0):
         for group in opt.param_groups:
             group["lr"] = _lr(stage, step, t0)
         batch = next(stream)
+        targets = batch.pop("copy_targets")
+        copy = stage.copy_weight and len(targets) > 0
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(**batch).loss
+            out = model(**batch, output_attentions=bool(copy))
+        loss = out.loss
+        record = {"loss": out.loss.item()}
+        if copy:
+            attn_loss = copy_loss(out.attentions, targets)
+            loss = loss + stage.copy_weight * attn_loss
+            record["copy_loss"] = attn_loss.item()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        record = {"loss": loss.item()}
         if probe is not None and (step % every == 0 or _done(stage, step, t0)):
             record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
             if stage.cat_last_share > 0:
@@ -332,6 +355,7 @@ def train_lm(
             log(stage.name, step, t0, record)
         elif step % log_every == 0:
             log(stage.name, step, t0, record)
+    model.set_attn_implementation("sdpa")
 
 
 def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
