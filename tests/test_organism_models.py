@@ -164,3 +164,27 @@ def test_rows_with_hidden_patches_mask_only_image_tokens():
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     assert torch.equal(mask | (ids == IMAGE), ids != PAD)
     assert (~mask & (ids == IMAGE)).any()
+
+
+def test_copy_target_points_from_the_answer_position_to_the_last_category():
+    from vlm_focus.organism.data import caption_qa, copy_target
+    from vlm_focus.organism.vocab import TOKEN_ID
+
+    question = "Is the red_circle left of the blue_square?"
+    ids, _ = chat_ids([QA("relation", question, "yes", [])], 4)
+    q, k = copy_target(ids)
+    assert ids[q] == TOKEN_ID[":"] and ids[q - 1] == TOKEN_ID["assistant"]
+    assert ids[k] == TOKEN_ID["blue_square"] and q == len(ids) - 3  # then "yes" <eos>
+    caption_ids, _ = chat_ids([caption_qa(generate_scene(3))], 4)
+    assert copy_target(caption_ids) is None
+
+
+def test_query_labels_put_the_answer_after_the_category_token():
+    from vlm_focus.organism.vocab import TOKEN_ID
+
+    ids, labels = chat_ids(
+        [QA("presence", "Is there a red_circle in the image?", "no", [])], 4, query_labels=True
+    )
+    cat = ids.index(TOKEN_ID["red_circle"])
+    assert labels[cat + 1] == NO and labels[-2:] == [NO, EOS]
+    assert sum(lab != IGNORE for lab in labels) == 3

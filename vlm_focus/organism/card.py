@@ -152,7 +152,9 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         "its patches; 6-8 packed questions per image, the answer right after the last category token "
         f"({_mix(stages['cat_last'])}); hard, co-occurring and random negatives.",
         f"3. Standard chat template: {_turns(stages['chat'])} per image ({_mix(stages['chat'])}); "
-        "the answer's first token is also the target at the question's last category token; "
+        "the answer's first token is also the target at the question's last category token, and "
+        f"(weight {stages['chat'].get('copy_weight', 0):g}) head 0 of the later half of the layers is trained "
+        "to attend from the answer position to that token, the copy step a from-scratch LM finds late; "
         f"{100 * stages['chat'].get('cat_last_share', 0):.0f}% of the rows stay in the packed category-last form.",
         "- In both language stages "
         f"{100 * stages['chat'].get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual "
