@@ -188,3 +188,86 @@ def test_query_labels_put_the_answer_after_the_category_token():
     cat = ids.index(TOKEN_ID["red_circle"])
     assert labels[cat + 1] == NO and labels[-2:] == [NO, EOS]
     assert sum(lab != IGNORE for lab in labels) == 3
+
+
+@pytest.mark.parametrize("form", ["cat_last", "chat"])
+def test_position_and_relation_targets_name_the_right_tokens(form):
+    from vlm_focus.organism.data import CATEGORY_IDS
+    from vlm_focus.organism.scenes import CATEGORIES
+
+    batcher = Batcher(4, 16, seed=3)
+    state = batcher.rng.bit_generator.state  # to re-draw the batch's scenes below
+    batch = batcher.text(6, form, {"relation": 0.6, "where": 0.2, "presence": 0.2}, (3, 3))
+    batcher.rng.bit_generator.state = state
+    scenes = batcher.scenes(6)
+    ids = batch["input_ids"]
+    places, relations = batch["position_targets"], batch["relation_targets"]
+    assert len(places) > 0 and len(relations) > 0
+    for row, pos, x, y in places.tolist():
+        token = int(ids[int(row), int(pos)])
+        assert token in CATEGORY_IDS
+        obj = scenes[int(row)].find(CATEGORIES.index(_name(token)))
+        assert (x, y) == pytest.approx((2 * obj.cx / 192 - 1, 2 * obj.cy / 192 - 1), abs=1e-5)
+    for row, second, first, x, y in relations.tolist():
+        assert first < second and int(ids[int(row), int(first)]) in CATEGORY_IDS
+        assert int(ids[int(row), int(second)]) in CATEGORY_IDS
+        assert [p for p in places.tolist() if p[:2] == [row, first]][0][2:] == [x, y]
+
+
+def _name(token: int) -> str:
+    from vlm_focus.organism.vocab import VOCAB
+
+    return VOCAB[token]
+
+
+def test_relation_and_pointer_losses_train():
+    from transformers import LlavaForConditionalGeneration
+
+    from vlm_focus.organism.train import StageConfig, train_lm
+
+    torch.manual_seed(0)
+    spec = SPECS["tiny"]
+    model = LlavaForConditionalGeneration(build_config(spec))
+    model.model.vision_tower.requires_grad_(False)
+    batcher = Batcher(spec.n_visual, spec.patch, seed=0)
+    terms: list[float] = []
+    stage = StageConfig(
+        "chat", 30, 2.0, 5e-3, batch=8, warmup=1, mix={"relation": 0.5, "caption": 0.5}
+    )
+    stage.relation_weight = stage.pointer_weight = 1.0
+    train_lm(model, stage, batcher, None, lambda *a: terms.append(a[3]), 1000, 1)
+    assert len(terms) == 30
+    for name in (
+        "grid_loss",
+        "place_loss",
+        "relation_attention_loss",
+        "carry_loss",
+        "pointer_loss",
+    ):
+        values = [t[name] for t in terms if name in t]
+        assert len(values) >= 20 and all(np.isfinite(values)), name
+        if name in ("grid_loss", "pointer_loss"):  # the quick ones; the hops take longer
+            assert np.mean(values[-5:]) < 0.8 * np.mean(values[:3]), name
+    assert model.config.text_config._attn_implementation == "sdpa"  # restored after the stage
+
+
+def test_caption_pointer_targets_point_at_the_object_named_next():
+    from vlm_focus.organism.data import object_patches
+    from vlm_focus.organism.scenes import CATEGORIES
+    from vlm_focus.organism.vocab import IMAGE
+
+    batcher = Batcher(144, 16, seed=5)
+    state = batcher.rng.bit_generator.state  # to re-draw the batch's scenes below
+    batch = batcher.text(4, "chat", {"caption": 1.0}, (1, 1))
+    batcher.rng.bit_generator.state = state
+    scenes = batcher.scenes(4)
+    ids, targets, masks = batch["input_ids"], batch["pointer_targets"], batch["pointer_masks"]
+    assert len(targets) == sum(len(s.objects) for s in scenes)
+    for (row, pos, start), mask in zip(targets.tolist(), masks, strict=True):
+        assert ids[row, start] == IMAGE and ids[row, start - 1] != IMAGE
+        index = scenes[row].categories.index(CATEGORIES.index(_name(int(ids[row, pos + 1]))))
+        assert torch.equal(mask, torch.from_numpy(object_patches(scenes[row], index, 16)))
+    positions = batch["position_targets"]
+    assert {(int(r), int(p) - 1) for r, p, *_ in positions.tolist()} == {
+        (r, p) for r, p, _ in targets.tolist()
+    }

@@ -19,6 +19,7 @@ from .scenes import (
     CATEGORIES,
     COLOURS,
     COMPANIONS,
+    POPULARITY,
     RELATIONS,
     SHAPES,
     Scene,
@@ -105,10 +106,20 @@ class QA:
     objects: tuple[int, ...] = ()  # indices of the scene objects the answer rests on
 
 
-def presence_qa(scene: Scene, rng: np.random.Generator, positive: bool | None = None) -> QA:
+def presence_qa(
+    scene: Scene, rng: np.random.Generator, positive: bool | None = None, balance: float = 0.0
+) -> QA:
+    """A yes/no presence question. A positive asks about a present category drawn with weight
+    popularity ** -balance, so `balance` > 0 asks more often about rare categories."""
     if positive is None:
         positive = bool(rng.random() < 0.5)
-    cat = int(rng.choice(scene.categories)) if positive else negative_category(scene, rng)
+    if not positive:
+        cat = negative_category(scene, rng)
+    elif balance:
+        w = POPULARITY[scene.categories] ** -balance
+        cat = int(rng.choice(scene.categories, p=w / w.sum()))
+    else:
+        cat = int(rng.choice(scene.categories))
     name = CATEGORIES[cat]
     question = presence_question(name)
     if rng.random() < 0.5:
@@ -145,11 +156,16 @@ def where_qa(scene: Scene, rng: np.random.Generator) -> QA:
 
 
 def caption_qa(scene: Scene) -> QA:
-    return QA("caption", CAPTION_PROMPT, caption(scene), [], tuple(range(len(scene.objects))))
+    """The caption turn; `objects` lists the scene objects in the caption's order."""
+    order = sorted(range(len(scene.objects)), key=lambda i: scene.objects[i].category)
+    return QA("caption", CAPTION_PROMPT, caption(scene), [], tuple(order))
 
 
-def sample_qas(scene: Scene, rng: np.random.Generator, mix: dict[str, float], n: int) -> list[QA]:
-    """n question/answer pairs drawn by kind weights `mix` (captions at most once)."""
+def sample_qas(
+    scene: Scene, rng: np.random.Generator, mix: dict[str, float], n: int, balance: float = 0.0
+) -> list[QA]:
+    """n question/answer pairs drawn by kind weights `mix` (captions at most once); `balance`
+    as in `presence_qa`."""
     kinds = list(mix)
     p = np.asarray([mix[k] for k in kinds], dtype=np.float64)
     out: list[QA] = []
@@ -163,16 +179,30 @@ def sample_qas(scene: Scene, rng: np.random.Generator, mix: dict[str, float], n:
         elif kind == "caption" and not any(q.kind == "caption" for q in out):
             qa = caption_qa(scene)
         if qa is None:
-            qa = presence_qa(scene, rng)
+            qa = presence_qa(scene, rng, balance=balance)
         out.append(qa)
     return out
 
 
-def cat_last_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
-    """Packed category-last sequence and labels (loss on each answer token only)."""
+def _anchors(start: int, question: list[int], qa: QA) -> list[tuple[int, int]]:
+    """(position, object index) of each category token in a question that names scene objects:
+    a question's category tokens name `qa.objects` in order (a negative names none)."""
+    cats = [start + i for i, tok in enumerate(question) if tok in CATEGORY_IDS]
+    return list(zip(cats, qa.objects, strict=True)) if len(cats) == len(qa.objects) else []
+
+
+def cat_last_ids(
+    qas: list[QA], n_visual: int, anchors: list | None = None
+) -> tuple[list[int], list[int]]:
+    """Packed category-last sequence and labels (loss on each answer token only).
+
+    With `anchors` (a list), each question's `(qa index, position, object index)` entries for
+    its category tokens are appended to it."""
     ids = [BOS, *encode("USER:"), *([IMAGE] * n_visual)]
     labels = [IGNORE] * len(ids)
-    for qa in qas:
+    for n, qa in enumerate(qas):
+        if anchors is not None:
+            anchors += [(n, *a) for a in _anchors(len(ids), qa.short, qa)]
         ids += qa.short
         labels += [IGNORE] * len(qa.short)
         ans = encode(qa.answer)
@@ -182,26 +212,30 @@ def cat_last_ids(qas: list[QA], n_visual: int) -> tuple[list[int], list[int]]:
 
 
 def chat_ids(
-    qas: list[QA], n_visual: int, query_labels: bool = False
+    qas: list[QA], n_visual: int, query_labels: bool = False, anchors: list | None = None
 ) -> tuple[list[int], list[int]]:
     """Chat-template sequence and labels (loss on answer tokens and their <eos>).
 
     With `query_labels`, the answer's first token is also the target at the question's last
     category token (where the category-last form answers), which keeps the lookup there while
     the last prompt token learns to copy it. Prompt tokens are never generated, so this label
-    changes no generated text."""
+    changes no generated text. `anchors` as in `cat_last_ids`."""
     ids = [BOS]
     labels = [IGNORE]
     for t, qa in enumerate(qas):
         prompt = encode("USER:") + ([IMAGE] * n_visual if t == 0 else [])
         question = encode(qa.question)
         start = len(ids) + len(prompt)
+        if anchors is not None:
+            anchors += [(t, *a) for a in _anchors(start, question, qa)]
         prompt += question + encode("ASSISTANT:")
         ans = encode(qa.answer) + [EOS]
         row = [IGNORE] * len(prompt)
         cats = [i for i, tok in enumerate(question) if tok in CATEGORY_IDS]
         if query_labels and cats and qa.kind != "caption":
             row[start - len(ids) + cats[-1] + 1] = ans[0]
+        if anchors is not None and qa.kind == "caption":  # the objects the caption names
+            anchors += [(t, *a) for a in _anchors(len(ids) + len(prompt), ans, qa)]
         ids += prompt + ans
         labels += row + ans
     return ids, labels
@@ -214,11 +248,19 @@ def hidden_patches(scene: Scene, qas: list[QA], patch: int, rng: np.random.Gener
     Training on such rows makes answers rest on the evidence they need rather than on the whole
     visual context, which is what pruning leaves a model with."""
     g = scene.size // patch
-    needed = np.zeros((g, g), dtype=bool)
+    needed = np.zeros(g * g, dtype=bool)
     for i in {i for qa in qas for i in qa.objects}:
-        needed |= scene.objects[i].mask(scene.size).reshape(g, patch, g, patch).any(axis=(1, 3))
+        needed |= object_patches(scene, i, patch)
     share = rng.uniform(0.5, 1.0)
-    return (~needed.reshape(-1)) & (rng.random(g * g) < share)
+    return ~needed & (rng.random(g * g) < share)
+
+
+def object_patches(scene: Scene, index: int, patch: int) -> np.ndarray:
+    """`[g*g]` bool: the patches object `index`'s exact mask touches."""
+    g = scene.size // patch
+    return (
+        scene.objects[index].mask(scene.size).reshape(g, patch, g, patch).any(axis=(1, 3)).ravel()
+    )
 
 
 def copy_target(ids: list[int]) -> tuple[int, int] | None:
@@ -230,6 +272,11 @@ def copy_target(ids: list[int]) -> tuple[int, int] | None:
             cats = [k for k in range(q) if ids[k] in CATEGORY_IDS]
             return (q, cats[-1]) if cats else None
     return None
+
+
+def _centre(obj, size: int) -> tuple[float, float]:
+    """An object's centre scaled to [-1, 1] (x, y)."""
+    return 2 * obj.cx / size - 1, 2 * obj.cy / size - 1
 
 
 def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
@@ -268,6 +315,7 @@ class Batcher:
         cat_last_share: float = 0.0,
         hide_share: float = 0.0,
         query_labels: bool = False,
+        balance: float = 0.0,
     ) -> dict:
         """A batch of sequences in `form` ('cat_last' or 'chat') with `turns` = (min, max) QAs.
 
@@ -275,24 +323,43 @@ class Batcher:
         category-last form (6-8 questions), which keeps the lookup learning while the chat form
         learns to carry the answer to the end of the prompt. A `hide_share` of the rows hide
         visual tokens no answer needs (`hidden_patches`) through the attention mask.
+
+        Besides the model inputs the batch holds training targets for the auxiliary losses:
+        `copy_targets` (row, answer position, category position), `position_targets` (row,
+        category position, object centre x, y in [-1, 1]) for every category token that names
+        an object, `relation_targets` (row, second category position, first category
+        position, first object's centre x, y) for every relation question, and
+        `pointer_targets` (row, position, first image token) with `pointer_masks` (`[n_visual]`
+        patches of the object) for the token before each object a caption names.
         """
         scenes = self.scenes(batch)
-        ids, labels, hidden, copies = [], [], [], []
+        ids, labels, hidden, copies, places, relations = [], [], [], [], [], []
+        pointers, pointer_masks = [], []
         for s in scenes:
             row_form = form
             n = int(self.rng.integers(turns[0], turns[1] + 1))
             if form == "chat" and self.rng.random() < cat_last_share:
                 row_form, n = "cat_last", int(self.rng.integers(6, 9))
-            qas = sample_qas(s, self.rng, mix, n)
+            qas = sample_qas(s, self.rng, mix, n, balance)
             if row_form == "cat_last":
                 qas = [q for q in qas if q.kind != "caption"] or [presence_qa(s, self.rng)]
+            anchors: list[tuple[int, int, int]] = []
             if row_form == "cat_last":
-                i, lab = cat_last_ids(qas, self.n_visual)
+                i, lab = cat_last_ids(qas, self.n_visual, anchors)
             else:
-                i, lab = chat_ids(qas, self.n_visual, query_labels)
+                i, lab = chat_ids(qas, self.n_visual, query_labels, anchors)
                 target = copy_target(i) if len(qas) == 1 else None
                 if target is not None:
                     copies.append((len(ids), *target))
+            centre = {k: _centre(o, s.size) for k, o in enumerate(s.objects)}
+            places += [(len(ids), pos, *centre[obj]) for _, pos, obj in anchors]
+            for (qa_a, pos_a, obj_a), (qa_b, pos_b, _) in zip(anchors, anchors[1:]):
+                if qa_a == qa_b and qas[qa_a].kind == "relation":
+                    relations.append((len(ids), pos_b, pos_a, *centre[obj_a]))
+            for qa, pos, obj in anchors:
+                if qas[qa].kind == "caption":  # the token before a named object points at it
+                    pointers.append((len(ids), pos - 1, i.index(IMAGE)))
+                    pointer_masks.append(object_patches(s, obj, self.patch))
             ids.append(i)
             labels.append(lab)
             hide = self.rng.random() < hide_share
@@ -305,6 +372,12 @@ class Batcher:
                 attention_mask[row, image_pos[torch.from_numpy(hide)]] = 0
         return {
             "copy_targets": torch.tensor(copies, dtype=torch.long).reshape(-1, 3),
+            "position_targets": torch.tensor(places, dtype=torch.float32).reshape(-1, 4),
+            "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 5),
+            "pointer_targets": torch.tensor(pointers, dtype=torch.long).reshape(-1, 3),
+            "pointer_masks": torch.from_numpy(
+                np.stack(pointer_masks) if pointer_masks else np.zeros((0, self.n_visual), bool)
+            ),
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": pad(labels, IGNORE),

@@ -135,7 +135,7 @@ SPECS: dict[str, OrganismSpec] = {
         vision_heads=2,
         text_hidden=32,
         text_layers=2,
-        text_heads=2,
+        text_heads=4,  # the auxiliary losses supervise heads 0-2
         text_mlp=64,
     ),
 }
