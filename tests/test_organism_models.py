@@ -193,7 +193,7 @@ def test_query_labels_put_the_answer_after_the_category_token():
 @pytest.mark.parametrize("form", ["cat_last", "chat"])
 def test_position_and_relation_targets_name_the_right_tokens(form):
     from vlm_focus.organism.data import CATEGORY_IDS
-    from vlm_focus.organism.scenes import CATEGORIES
+    from vlm_focus.organism.scenes import CATEGORIES, RELATIONS
 
     batcher = Batcher(4, 16, seed=3)
     state = batcher.rng.bit_generator.state  # to re-draw the batch's scenes below
@@ -208,9 +208,11 @@ def test_position_and_relation_targets_name_the_right_tokens(form):
         assert token in CATEGORY_IDS
         obj = scenes[int(row)].find(CATEGORIES.index(_name(token)))
         assert (x, y) == pytest.approx((2 * obj.cx / 192 - 1, 2 * obj.cy / 192 - 1), abs=1e-5)
-    for row, second, first, x, y in relations.tolist():
+    for row, second, first, x, y, word in relations.tolist():
         assert first < second and int(ids[int(row), int(first)]) in CATEGORY_IDS
         assert int(ids[int(row), int(second)]) in CATEGORY_IDS
+        between = [_name(int(t)) for t in ids[int(row), int(first) + 1 : int(second)]]
+        assert RELATIONS[int(word)] in between
         assert [p for p in places.tolist() if p[:2] == [row, first]][0][2:] == [x, y]
 
 
@@ -243,6 +245,7 @@ def test_relation_and_pointer_losses_train():
         "place_loss",
         "relation_attention_loss",
         "carry_loss",
+        "word_loss",
         "pointer_loss",
     ):
         values = [t[name] for t in terms if name in t]
@@ -283,6 +286,7 @@ def test_relation_terms_reach_the_parts_they_train():
         "place": layers[0].self_attn.v_proj.weight,
         "relation_attention": layers[1].self_attn.k_proj.weight,
         "carry": layers[1].self_attn.v_proj.weight,
+        "word": layers[1].self_attn.q_proj.weight,
     }
     for name, weight in reaches.items():
         (grad,) = torch.autograd.grad(terms[name], weight, retain_graph=True)

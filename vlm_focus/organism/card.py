@@ -23,6 +23,30 @@ def _mix(stage: dict) -> str:
     return ", ".join(f"{k} {100 * v:.0f}%" for k, v in stage.get("mix", {}).items())
 
 
+def _aux_lines(stages: dict) -> list[str]:
+    """Recipe lines for the training-only terms a model was trained with (none for the guide)."""
+    chat, lines = stages["chat"], []
+    if chat.get("relation_weight"):
+        lines.append(
+            f"- Relation hops (weight {chat['relation_weight']:g}, both language stages): the "
+            "projected image tokens keep their patch's position; each category token that names an "
+            "object holds that object's centre after layer 0; head 1 of layer 1 attends from a "
+            "relation's second category token to its first, which then holds the first object's "
+            "centre. Centres are read by linear heads used only in training."
+        )
+    if chat.get("pointer_weight"):
+        lines.append(
+            f"- Caption pointer (weight {chat['pointer_weight']:g}): head 2 of layer 1 attends, from "
+            "the token before each object a caption names, to that object's patches."
+        )
+    if chat.get("balance"):
+        lines.append(
+            "- Rare categories weigh more: the patch loss and the choice of a positive presence "
+            f"question weight each category by popularity ^ -{chat['balance']:g}."
+        )
+    return lines
+
+
 def _turns(stage: dict) -> str:
     lo, hi = stage.get("turns", (1, 1))
     return "one turn" if lo == hi == 1 else f"{lo}-{hi} turns"
@@ -160,6 +184,7 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         f"{100 * stages['chat'].get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual "
         "tokens that no answer of the row needs (through the attention mask), so answers rest on their "
         "evidence rather than on the whole visual context.",
+        *_aux_lines(stages),
         "- Budgets per stage (wall-clock minutes, learning rate): "
         + ", ".join(f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items())
         + ".",
@@ -207,6 +232,13 @@ def model_card(name: str, m: dict, folder: Path) -> str:
             "",
             f"Relations ({r['n']} questions): accuracy {_f(r['accuracy'])}, F1 {_f(r['f1'])}, "
             f"yes-ratio {_f(r['yes_ratio'])}.",
+        ]
+    if m.get("where"):
+        w = m["where"]
+        lines += [
+            "",
+            f"Where ({w['n']} questions, 3 x 3 position token): accuracy {_f(w['accuracy'])} "
+            f"(always answering the most common position: {_f(w['majority_baseline'])}).",
         ]
     if m.get("caption"):
         c = m["caption"]

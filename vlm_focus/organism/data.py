@@ -104,6 +104,7 @@ class QA:
     answer: str
     short: list[int]  # cat_last form of the question (ids), for the packed curriculum
     objects: tuple[int, ...] = ()  # indices of the scene objects the answer rests on
+    relation: str = ""  # a relation question's relation (left, right, above, below)
 
 
 def presence_qa(
@@ -141,7 +142,8 @@ def relation_qa(scene: Scene, rng: np.random.Generator) -> QA | None:
         if truth is not None:
             q = relation_question(a.name, rel, b.name)
             short = encode(q.rstrip("?"))
-            return QA("relation", q, "yes" if truth else "no", short, (int(i), int(j)))
+            answer = "yes" if truth else "no"
+            return QA("relation", q, answer, short, (int(i), int(j)), relation=rel)
     return None
 
 
@@ -328,7 +330,8 @@ class Batcher:
         `copy_targets` (row, answer position, category position), `position_targets` (row,
         category position, object centre x, y in [-1, 1]) for every category token that names
         an object, `relation_targets` (row, second category position, first category
-        position, first object's centre x, y) for every relation question, and
+        position, first object's centre x, y, index of the relation in RELATIONS) for every
+        relation question, and
         `pointer_targets` (row, position, first image token) with `pointer_masks` (`[n_visual]`
         patches of the object) for the token before each object a caption names.
         """
@@ -355,7 +358,8 @@ class Batcher:
             places += [(len(ids), pos, *centre[obj]) for _, pos, obj in anchors]
             for (qa_a, pos_a, obj_a), (qa_b, pos_b, _) in zip(anchors, anchors[1:]):
                 if qa_a == qa_b and qas[qa_a].kind == "relation":
-                    relations.append((len(ids), pos_b, pos_a, *centre[obj_a]))
+                    word = RELATIONS.index(qas[qa_a].relation)
+                    relations.append((len(ids), pos_b, pos_a, *centre[obj_a], word))
             for qa, pos, obj in anchors:
                 if qas[qa].kind == "caption":  # the token before a named object points at it
                     pointers.append((len(ids), pos - 1, i.index(IMAGE)))
@@ -373,7 +377,7 @@ class Batcher:
         return {
             "copy_targets": torch.tensor(copies, dtype=torch.long).reshape(-1, 3),
             "position_targets": torch.tensor(places, dtype=torch.float32).reshape(-1, 4),
-            "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 5),
+            "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 6),
             "pointer_targets": torch.tensor(pointers, dtype=torch.long).reshape(-1, 3),
             "pointer_masks": torch.from_numpy(
                 np.stack(pointer_masks) if pointer_masks else np.zeros((0, self.n_visual), bool)

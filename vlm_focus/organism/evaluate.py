@@ -327,10 +327,26 @@ def _scene(seed: int) -> Scene:
     return generate_scene(seed)
 
 
+def where_eval(model, processor, n: int = 400) -> dict:
+    """`Where is the X?` on held-out scenes: the answer must be the object's 3 x 3 position
+    token. The majority baseline always answers the most common position."""
+    from .data import where_qa
+
+    rng = np.random.default_rng(QUESTION_SEED)
+    scenes = heldout_scenes(n)
+    qas = [where_qa(s, rng) for s in scenes]
+    answers = answer(model, processor, scenes, [q.question for q in qas])
+    hits = [a.split()[:1] == [q.answer] for a, q in zip(answers, qas, strict=True)]
+    truth = [q.answer for q in qas]
+    majority = max(truth.count(t) for t in set(truth)) / n
+    return {"accuracy": float(np.mean(hits)), "majority_baseline": majority, "n": n}
+
+
 ALL = (
     "latency",
     "pope",
     "relation",
+    "where",
     "caption",
     "grounding",
     "logit_lens",
@@ -353,6 +369,7 @@ def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> 
     steps = {
         "pope": lambda: pope_eval(model, processor, n_images),
         "relation": lambda: relation_eval(model, processor),
+        "where": lambda: where_eval(model, processor),
         "caption": lambda: caption_eval(model, processor),
         "grounding": lambda: grounding_eval(model, processor),
         "logit_lens": lambda: {

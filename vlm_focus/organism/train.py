@@ -38,7 +38,7 @@ from .data import (
     presence_qa,
     relation_qa,
 )
-from .scenes import CATEGORIES, POPULARITY, generate_scene
+from .scenes import CATEGORIES, POPULARITY, RELATIONS, generate_scene
 from .vocab import IMAGE, NO, PAD, SPECS, TOKEN_ID, YES, OrganismSpec, build_config, build_processor
 
 
@@ -312,6 +312,7 @@ class RelationProbe(nn.Module):
         self.grid = nn.Linear(hidden, 2)  # an image token's own patch, at the LM's input
         self.place = nn.Linear(hidden, 2)  # a category token's own object, after layer 0
         self.carry = nn.Linear(hidden, 2)  # the first object's, at the second token, after layer 1
+        self.word = nn.Linear(hidden, len(RELATIONS))  # the relation asked, there too
 
 
 def relation_loss(
@@ -329,10 +330,12 @@ def relation_loss(
       (`places`: row, position, x, y), as the `where` task needs;
     - in layer 1, head 1 attends from a relation's second category token to its first
       (`relations`: row, second, first, first object's x, y), and
-    - after layer 1 the second token holds the first object's centre, so the later layers only
-      compare two centres. Without this the relation answer stayed at chance in every run.
+    - after layer 1 the second token holds the first object's centre and the relation asked,
+      so the later layers only compare two centres. Without these hops the relation answer
+      stayed at chance in every run; with the centres alone the second token did not know
+      which relation was asked, and the answer stayed at chance too.
 
-    Returns the terms by name (`grid`, `place`, `relation_attention`, `carry`); the loss is
+    Returns the terms by name (`grid`, `place`, `relation_attention`, `carry`, `word`); the loss is
     their sum."""
     terms = {}
     n_visual = int(image[0].sum())
@@ -350,7 +353,8 @@ def relation_loss(
         att = attentions[1][rows, 1, second, first].float().clamp(min=1e-12)
         h = hidden_states[2][rows, second].float()
         terms["relation_attention"] = -att.log().mean()
-        terms["carry"] = nn.functional.mse_loss(probe.carry(h), relations[:, 3:])
+        terms["carry"] = nn.functional.mse_loss(probe.carry(h), relations[:, 3:5])
+        terms["word"] = nn.functional.cross_entropy(probe.word(h), relations[:, 5].long())
     return terms
 
 
