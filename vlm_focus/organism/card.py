@@ -24,7 +24,7 @@ def _mix(stage: dict) -> str:
 
 
 def _aux_lines(stages: dict) -> list[str]:
-    """Recipe lines for the training-only terms a model was trained with (none for the guide)."""
+    """Recipe lines for the training-only terms a model was trained with."""
     chat, lines = stages["chat"], []
     if chat.get("relation_weight"):
         lines.append(
@@ -32,7 +32,8 @@ def _aux_lines(stages: dict) -> list[str]:
             "projected image tokens keep their patch's position; each category token that names an "
             "object holds that object's centre after layer 0; head 1 of layer 1 attends from a "
             "relation's second category token to its first, which then holds the first object's "
-            "centre. Centres are read by linear heads used only in training."
+            "centre and the relation asked. Centres and relations are read by linear heads used "
+            "only in training."
         )
     if chat.get("pointer_weight"):
         lines.append(
