@@ -300,6 +300,15 @@ def model_card(name: str, m: dict, folder: Path) -> str:
                 ).replace(") | ", ") | ")
                 + " |"
             )
+        late_random = min(p[t]["random_layer2_retention"] for t in ("presence", "relation"))
+        if late_random >= 0.98:
+            lines += [
+                "",
+                f"At layer 2 random selection keeps {_f(late_random)} or more on both tasks: the "
+                "model reads the image in layer 0 (relations fetch both centres there too), so on "
+                "this organism pruning inside the LLM (K >= 1) does not separate pruners; pre-LLM "
+                "pruning (K = 0) does.",
+            ]
     if m.get("latency"):
         lat = m["latency"]
         lines += ["", f"Load + one answer: {lat['total_s']:.2f} s (load {lat['load_s']:.2f} s)."]
