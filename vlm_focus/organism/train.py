@@ -301,8 +301,14 @@ def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batche
             emb[TOKEN_ID[name]] = means[c] / means[c].norm().clamp(min=1e-6) * scale
 
 
+# the heads the auxiliary losses supervise (copy: in the later half of the layers; the others in
+# layer 1), distinct so that the circuits do not share a head
+COPY_HEAD, RELATION_HEAD, POINTER_HEAD = 0, 1, 2
+
+
 class RelationProbe(nn.Module):
-    """Training-only linear read-outs of object centres from the LM's residual stream."""
+    """Training-only linear read-outs of positions and of the relation asked from the LM's
+    residual stream."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
@@ -326,7 +332,7 @@ def relation_loss(
     - after layer 0, each category token that names an object holds that object's centre
       (`places`: row, position, x, y), as the `where` task needs;
     - in layer 1, head 1 attends from a relation's second category token to its first
-      (`relations`: row, second, first, first object's x, y), and
+      (`relations`: row, second, first, first object's x, y, relation index), and
     - after layer 1 the second token holds the first object's centre and the relation asked,
       so the later layers only compare two centres. Without these hops the relation answer
       stayed at chance in every run; with the centres alone the second token did not know
@@ -347,7 +353,7 @@ def relation_loss(
         terms["place"] = nn.functional.mse_loss(probe.place(h), places[:, 2:])
     if len(relations):
         rows, second, first = (relations[:, i].long() for i in range(3))
-        att = attentions[1][rows, 1, second, first].float().clamp(min=1e-12)
+        att = attentions[1][rows, RELATION_HEAD, second, first].float().clamp(min=1e-12)
         h = hidden_states[2][rows, second].float()
         terms["relation_attention"] = -att.log().mean()
         terms["carry"] = nn.functional.mse_loss(probe.carry(h), relations[:, 3:5])
@@ -364,7 +370,7 @@ def pointer_loss(
     image rather than to guess it from the words so far."""
     rows, q, start = targets.unbind(1)
     cols = start[:, None] + torch.arange(masks.shape[1])
-    att = attentions[1][rows, 2, q][torch.arange(len(rows))[:, None], cols].float()
+    att = attentions[1][rows, POINTER_HEAD, q].gather(1, cols).float()
     return -(att * masks).sum(1).clamp(min=1e-12).log().mean()
 
 
@@ -376,7 +382,7 @@ def copy_loss(attentions: tuple[torch.Tensor, ...], targets: torch.Tensor) -> to
     it to the position that answers, the step a from-scratch LM otherwise finds late."""
     rows, q, k = targets.unbind(1)
     later = attentions[max(1, len(attentions) // 2) :]
-    terms = [att[rows, 0, q, k].float().clamp(min=1e-12).log() for att in later]
+    terms = [att[rows, COPY_HEAD, q, k].float().clamp(min=1e-12).log() for att in later]
     return -torch.stack(terms).mean()
 
 
