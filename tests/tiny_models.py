@@ -14,10 +14,14 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 from vlm_focus.model_adapters.llava_next import _image_cells
@@ -26,6 +30,7 @@ VOCAB = 128
 PAD, BOS = 0, 1
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 KINDS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+NEW_KINDS = ("llava_onevision", "qwen3_vl")
 
 _TEXT = dict(
     vocab_size=VOCAB,
@@ -62,6 +67,34 @@ _QWEN_VISION = dict(
     fullatt_block_indexes=[1],
     window_size=16,
 )
+# Qwen3-VL: per-head q/k norms, interleaved M-RoPE, DeepStack after decoder layers 0, 1, 2.
+_QWEN3_TEXT = dict(
+    _TEXT,
+    hidden_size=96,
+    head_dim=16,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+)
+_QWEN3_VISION = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    in_channels=3,
+    out_hidden_size=96,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 1, 2],
+)
+QWEN3_PATCH_DIM = 3 * 2 * 14 * 14
+# OneVision: 1x2 / 2x1 / 2x2 crops, and 4x4 crops whose grid is downscaled (anyres_max_9).
+ONEVISION_PINPOINTS = [[32, 64], [64, 32], [64, 64], [128, 128]]
 _QWEN_TEXT = dict(
     _TEXT,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
@@ -87,6 +120,27 @@ def make_model(kind: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
             image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],
         )
         model = LlavaNextForConditionalGeneration(config)
+    elif kind == "llava_onevision":
+        config = LlavaOnevisionConfig(
+            vision_config=CLIPVisionConfig(**_CLIP),
+            text_config=LlamaConfig(**_TEXT),
+            image_token_id=IMAGE,
+            video_token_id=VIDEO,
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+            image_grid_pinpoints=ONEVISION_PINPOINTS,
+        )
+        model = LlavaOnevisionForConditionalGeneration(config)
+    elif kind == "qwen3_vl":
+        config = Qwen3VLConfig(
+            vision_config=dict(_QWEN3_VISION),
+            text_config=dict(_QWEN3_TEXT),
+            image_token_id=IMAGE,
+            video_token_id=VIDEO,
+            vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END,
+        )
+        model = Qwen3VLForConditionalGeneration(config)
     elif kind in ("qwen2_vl", "qwen2_5_vl"):
         cls_config, cls_model = (
             (Qwen2VLConfig, Qwen2VLForConditionalGeneration)
@@ -179,3 +233,103 @@ def make_inputs(
         extra.pop("_types")
         extra["mm_token_type_ids"] = types
     return dict(input_ids=input_ids, attention_mask=attention_mask, **extra)
+
+
+# --- the newer layouts: OneVision anyres, videos, several images in one prompt -------------
+CASES = (
+    ("qwen3_vl", "image"),
+    ("qwen3_vl", "video"),
+    ("llava_onevision", "image"),
+    ("llava_onevision", "video"),
+    ("qwen2_5_vl", "video"),
+    ("llava", "two_images"),
+)
+
+
+def _left_pad(rows: list[list[int]], types: list[list[int]] | None = None) -> dict:
+    width = max(len(r) for r in rows)
+    batch = len(rows)
+    out = dict(
+        input_ids=torch.full((batch, width), PAD),
+        attention_mask=torch.zeros(batch, width, dtype=torch.long),
+    )
+    if types is not None:
+        out["mm_token_type_ids"] = torch.zeros(batch, width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        out["input_ids"][b, width - len(row) :] = torch.tensor(row)
+        out["attention_mask"][b, width - len(row) :] = 1
+        if types is not None:
+            out["mm_token_type_ids"][b, width - len(row) :] = torch.tensor(types[b])
+    return out
+
+
+def _qwen_types(row: list[int]) -> list[int]:
+    return [1 if t == IMAGE else 2 if t == VIDEO else 0 for t in row]
+
+
+def make_case(kind: str, case: str, model, batch: int = 1, seed: int = 0, prompt_len: int = 6):
+    """Left-padded inputs for one (kind, case) of :data:`CASES` (or ``"image"`` on a new kind);
+    rows differ in their visual-token counts where the model allows it."""
+    gen = torch.Generator().manual_seed(seed)
+    if case == "image" and kind in KINDS:
+        return make_inputs(kind, model, batch=batch, seed=seed, prompt_len=prompt_len)
+    rows: list[list[int]] = []
+    extra: dict = {}
+    if kind in ("qwen3_vl", "qwen2_5_vl"):
+        patch_dim = QWEN3_PATCH_DIM if kind == "qwen3_vl" else 3 * 2 * 4 * 4
+        grids = [[1, 8, 6], [1, 4, 8]] if case == "image" else [[3, 4, 4], [2, 4, 6]]
+        grids = grids[:batch]
+        token = IMAGE if case == "image" else VIDEO
+        for b, (t, h, w) in enumerate(grids):
+            per_frame = h * w // 4
+            row = [BOS] + _text(2, gen)
+            if case == "video" and kind == "qwen3_vl":  # one block per temporal group
+                for _ in range(t):
+                    row += _text(2, gen) + [VISION_START] + [token] * per_frame + [VISION_END]
+            else:
+                row += [VISION_START] + [token] * (t * per_frame) + [VISION_END]
+            rows.append(row + _text(prompt_len + b, gen))
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=gen)
+        key = "image" if case == "image" else "video"
+        extra[f"pixel_values{'' if case == 'image' else '_videos'}"] = pixels
+        extra[f"{key}_grid_thw"] = torch.tensor(grids)
+        out = _left_pad(rows, [_qwen_types(r) for r in rows])
+        return {**out, **extra}
+    if kind == "llava_onevision":
+        from vlm_focus.model_adapters.llava_onevision import _anyres_tokens, _video_tokens
+
+        if case == "image":
+            sizes = [[40, 70], [128, 120]][:batch]  # 1x2 crops; 4x4 crops, downscaled
+            n_crops = []
+            for b, size in enumerate(sizes):
+                cells, _, _, crops = _anyres_tokens(model, size)
+                n_crops.append(crops)
+                rows.append(
+                    [BOS] + _text(2, gen) + [IMAGE] * cells.shape[0] + _text(prompt_len + b, gen)
+                )
+            extra["pixel_values"] = torch.randn(batch, max(n_crops), 3, 32, 32, generator=gen)
+            extra["image_sizes"] = torch.tensor(sizes)
+            extra["batch_num_images"] = torch.ones(batch, dtype=torch.long)
+        elif case == "video":
+            frames = 3
+            cells, _ = _video_tokens(model, frames)
+            for b in range(batch):
+                rows.append(
+                    [BOS] + _text(2 + b, gen) + [VIDEO] * cells.shape[0] + _text(prompt_len, gen)
+                )
+            extra["pixel_values_videos"] = torch.randn(batch, frames, 3, 32, 32, generator=gen)
+        return {**_left_pad(rows), **extra}
+    if kind == "llava" and case == "two_images":
+        n = (_CLIP["image_size"] // _CLIP["patch_size"]) ** 2
+        for b in range(batch):
+            rows.append(
+                [BOS]
+                + _text(2, gen)
+                + [IMAGE] * n
+                + _text(2 + b, gen)
+                + [IMAGE] * n
+                + _text(prompt_len, gen)
+            )
+        extra["pixel_values"] = torch.randn(2 * batch, 3, 32, 32, generator=gen)
+        return {**_left_pad(rows), **extra}
+    raise ValueError(f"no case {case!r} for {kind!r}")

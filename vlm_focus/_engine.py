@@ -142,6 +142,8 @@ class FocusEngine:
                     self._layer_hook(index), with_kwargs=True
                 )
             )
+        if self.adapter.sequence_hooks is not None:  # e.g. Qwen3-VL's DeepStack
+            self._hooks.extend(self.adapter.sequence_hooks(self.model, self._tokens_after))
         self._hooks.extend(self.pruner.attach(self.model, self.adapter))  # e.g. vision tower
         self._encoder_inputs = EncoderInputs(self.model, self.adapter)
 
@@ -154,6 +156,14 @@ class FocusEngine:
             self._encoder_inputs = None
         self.state = None
 
+    def _tokens_after(self, index: int) -> torch.Tensor | None:
+        """``[B, S']`` original positions of the tokens decoder layer ``index`` outputs in the
+        current prefill; ``None`` while the full sequence is present."""
+        state = self.state
+        if state is None or index < self.first_layer:
+            return None
+        return state.per_layer.get(index)
+
     # --- top-level hook: one layout per prefill -----------------------------------------------
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -164,14 +174,18 @@ class FocusEngine:
                 "(compileable) cache cannot hold; use the default DynamicCache "
                 "(do not set cache_implementation='static')"
             )
-        has_pixels = any(kwargs.get(k) is not None for k in self.adapter.pixel_inputs)
+        # A call brings images when it carries pixels or (inside generate()) encoder outputs;
+        # an image-token id that decoding emits is only text, so ids alone never decide.
+        has_images = bool(kwargs.get("mm_encoder_outputs")) or any(
+            kwargs.get(k) is not None for k in self.adapter.pixel_inputs
+        )
         if input_ids is None:
-            if has_pixels:
+            if has_images:
                 raise ValueError("vlm_focus needs input_ids (not inputs_embeds) to find images")
             self.state = None
             return args, kwargs
-        visual = self.adapter.visual_mask(self.model, input_ids)
-        if bool(visual.any()):
+        if has_images:
+            visual = self.adapter.visual_mask(self.model, input_ids)
             self._start_prefill(input_ids, visual, cache, kwargs)
             return args, kwargs
         state = self.state
@@ -188,8 +202,11 @@ class FocusEngine:
     ) -> None:
         if _cache_length(cache) > 0:
             raise ValueError(
-                "vlm_focus prunes a prompt's images in its prefill; a prompt with images "
-                "appended to a non-empty cache is not supported"
+                "vlm_focus prunes images in a prefill with an empty cache; this call brings "
+                f"images onto a cache that already holds {_cache_length(cache)} tokens (a later "
+                "chat turn). Run the whole conversation as one prompt on a fresh cache (pass "
+                "every turn and image to the processor, no past_key_values), or call "
+                "handle.remove() for calls that extend a cache"
             )
         if kwargs.get("labels") is not None:
             raise ValueError(

@@ -337,16 +337,14 @@ def layer_attention_rows(
     attn = getattr(layer, adapter.attention)
     norm = getattr(layer, adapter.input_norm)
     cos, sin = kwargs["position_embeddings"]
-    batch, new, width = hidden.shape
-    head_dim = attn.head_dim
+    batch, _, width = hidden.shape
     cos = cos.expand(batch, -1, -1)
     sin = sin.expand(batch, -1, -1)
     normed = norm(hidden)  # [B, T, D]
     q_in = normed.gather(1, local[..., None].expand(-1, -1, width))  # [B, Tq, D]
-    q = attn.q_proj(q_in).view(batch, local.shape[1], -1, head_dim).transpose(1, 2)
+    q, k = adapter.project_qk(attn, q_in, normed)
     index = local[..., None].expand(-1, -1, cos.shape[-1])
     q = apply_rope(q, cos.gather(1, index), sin.gather(1, index))  # [B, H, Tq, D]
-    k = attn.k_proj(normed).view(batch, new, -1, head_dim).transpose(1, 2)
     k = apply_rope(k, cos, sin)  # [B, Hkv, T, D]
     if past is not None:
         k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]

@@ -10,7 +10,9 @@ from torch import nn
 from .base import ImageLayout, ModelAdapter
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
+from .llava_onevision import LLAVA_ONEVISION
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL
+from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
 __all__ = ["ImageLayout", "ModelAdapter", "get_adapter", "register_adapter", "supported_models"]
 
@@ -46,5 +48,5 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
     return _ADAPTERS[model_type]
 
 
-for _adapter in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL):
+for _adapter in (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):
     register_adapter(_adapter)

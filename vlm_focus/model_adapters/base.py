@@ -72,6 +72,12 @@ class ModelAdapter:
         feature_layer_attr: config attribute naming the hidden-state index the LLM reads.
         square_padded_views: views whose image the reference processor pads to a square
             (LLaVA-1.5's ``expand2square``) before resizing.
+        qk_norms: attribute names of the per-head RMSNorms the attention applies to q and k
+            before RoPE (Qwen3), or ``None``.
+        sequence_hooks: ``(model, tokens_after) -> hook handles`` for decoder inputs laid out on
+            the full sequence that must follow the pruned tokens (Qwen3-VL's DeepStack).
+            ``tokens_after(i)`` is ``[B, S']``: the original positions of the tokens decoder
+            layer ``i`` outputs in the current prefill, or ``None`` when nothing was pruned.
     """
 
     model_type: str
@@ -97,6 +103,8 @@ class ModelAdapter:
     #: ``(model, text_positions [B, T]) -> position_ids`` for decode steps the engine must
     #: position itself (pruning before layer 0 leaves every cache short).
     decode_positions: Callable[[nn.Module, torch.Tensor], torch.Tensor] = text_positions
+    qk_norms: tuple[str, str] | None = None
+    sequence_hooks: Callable[[nn.Module, Callable[[int], torch.Tensor | None]], list] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     # --- resolution helpers -------------------------------------------------------------------
@@ -125,6 +133,19 @@ class ModelAdapter:
             if module is None:
                 return None
         return module
+
+    def project_qk(
+        self, attention: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[B, H, Tq, Dh]`` and k ``[B, Hkv, S, Dh]`` before RoPE from the normed hidden
+        states ``q_in [B, Tq, D]`` and ``k_in [B, S, D]``, as the attention module projects them."""
+        head_dim = attention.head_dim
+        q = attention.q_proj(q_in).view(*q_in.shape[:2], -1, head_dim)  # [B, Tq, H, Dh]
+        k = attention.k_proj(k_in).view(*k_in.shape[:2], -1, head_dim)  # [B, S, Hkv, Dh]
+        if self.qk_norms is not None:
+            q_norm, k_norm = (getattr(attention, name) for name in self.qk_norms)
+            q, k = q_norm(q), k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2)
 
     def token_ids(self, model: nn.Module) -> tuple[int | None, int | None]:
         """(image token id, video token id or None)."""

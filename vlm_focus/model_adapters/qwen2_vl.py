@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, runs
+from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
 
 
 def _grid_layouts(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, list, torch.Tensor]]:
@@ -26,33 +27,33 @@ def _grid_layouts(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, list, t
 def qwen_layout(
     model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any]
 ) -> list[list[ImageLayout]]:
-    adapter = QWEN2_VL
-    image_id, video_id = adapter.token_ids(model)
+    """Each row's image (video) tokens are consumed in order, grid by grid, from
+    ``image_grid_thw`` (``video_grid_thw``) across the batch. A video's tokens need not be
+    contiguous: Qwen3-VL puts a timestamp and ``<vision_start>``/``<vision_end>`` around each
+    temporal group, so one video layout spans several runs, one view per frame."""
+    image_id, video_id = QWEN2_VL.token_ids(model)
     merge = model.config.vision_config.spatial_merge_size
-    items = {
-        "image": iter(_grid_layouts(inputs.get("image_grid_thw", torch.zeros(0, 3)), merge)),
-        "video": iter(_grid_layouts(inputs.get("video_grid_thw", torch.zeros(0, 3)), merge)),
+    grids = {
+        "image": deque(_grid_layouts(inputs.get("image_grid_thw", torch.zeros(0, 3)), merge)),
+        "video": deque(_grid_layouts(inputs.get("video_grid_thw", torch.zeros(0, 3)), merge)),
     }
+    ids = input_ids.cpu()
     layouts: list[list[ImageLayout]] = []
-    for b in range(input_ids.shape[0]):
-        row = input_ids[b].cpu()
-        visual = torch.nonzero((row == image_id) | (row == video_id)).flatten()
+    for b in range(ids.shape[0]):
         row_layouts = []
-        for span in runs(visual):
-            kind = "image" if row[span[0]] == image_id else "video"
-            remaining = span
-            while remaining.numel():  # adjacent images form one run: consume grid by grid
-                grid = next(items[kind], None)
-                if grid is None:
+        for kind, token in (("image", image_id), ("video", video_id)):
+            positions = torch.nonzero(ids[b] == token).flatten()
+            while positions.numel():
+                if not grids[kind]:
                     raise ValueError(
                         f"row {b}: more {kind} tokens than {kind}_grid_thw describes; "
-                        "pass the processor's image_grid_thw / video_grid_thw"
+                        f"pass the processor's {kind}_grid_thw"
                     )
-                n, grids, cells = grid
-                chunk, *_ = chunk_positions(remaining[:n], [n], f"row {b} {kind}")
-                row_layouts.append(ImageLayout(chunk, cells, grids, kind=kind))
-                remaining = remaining[n:]
-        layouts.append(row_layouts)
+                n, view_grids, cells = grids[kind].popleft()
+                chunk, *_ = chunk_positions(positions[:n], [n], f"row {b} {kind}")
+                row_layouts.append(ImageLayout(chunk, cells, view_grids, kind=kind))
+                positions = positions[n:]
+        layouts.append(sorted(row_layouts, key=lambda layout: int(layout.positions[0])))
     return layouts
 
 

@@ -105,14 +105,11 @@ class StageContext:
     def query_key(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, H, Tq, D]`` for the given rows and k ``[B, Hkv, S, D]``, after RoPE, computed
         with this layer's own norm and projections (never the full ``S x S`` attention)."""
-        attn = self.attention
         norm = getattr(self.decoder_layer, self.adapter.input_norm)
-        head_dim = attn.head_dim
-        batch, seq, width = self.hidden.shape
+        width = self.hidden.shape[-1]
         normed = norm(self.hidden)  # [B, S, D]
         q_in = normed.gather(1, rows[..., None].expand(-1, -1, width))  # [B, Tq, D]
-        q = attn.q_proj(q_in).view(batch, rows.shape[1], -1, head_dim).transpose(1, 2)
-        k = attn.k_proj(normed).view(batch, seq, -1, head_dim).transpose(1, 2)
+        q, k = self.adapter.project_qk(self.attention, q_in, normed)
         index = rows[..., None].expand(-1, -1, self.cos.shape[-1])
         q = apply_rope(q, self.cos.gather(1, index), self.sin.gather(1, index))
         k = apply_rope(k, self.cos, self.sin)
