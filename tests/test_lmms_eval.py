@@ -1,0 +1,203 @@
+"""lmms-eval plugin: ``python -m lmms_eval --model vlm_focus`` on the embedded organism against
+``vlm-focus eval pope`` on the same questions, argument checks before weights load, and the
+yes-ratio of the shipped POPE variant."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from vlm_focus.integrations import lmms_eval_tasks_path, split_model_args
+from vlm_focus.integrations.lmms_eval_tasks import organism_yes_ratio, predicted_yes_ratio
+from vlm_focus.organism import default_model_path
+
+QUESTIONS = Path(default_model_path()).parent / "heldout" / "pope_adversarial.jsonl"
+TASK = "vf_pope_organism_adversarial"
+LIMIT = 60
+PRUNED = "pruner=fastv,keep=0.25,layer=0"
+METRICS = ("accuracy", "precision", "recall", "f1", "yes_ratio", "unparseable")
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HOME=str(home / "hf"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> None:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def _lmms_eval(out: Path, env: dict[str, str], extra: str) -> tuple[dict, list[dict]]:
+    args = "pretrained=embedded" + (f",{extra}" if extra else "")
+    cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
+    cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", str(LIMIT)]
+    cmd += ["--batch_size", "1", "--output_path", str(out), "--log_samples"]
+    _run(cmd, env)
+    (results,) = out.rglob("*_results.json")
+    (samples,) = out.rglob(f"*_samples_{TASK}.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    return json.loads(results.read_text()), rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both paths, unpruned and pruned: lmms-eval through the plugin and ``vlm-focus eval``."""
+    root = tmp_path_factory.mktemp("lmms_eval")
+    env = _env(root)
+    out = {}
+    for name, extra in (("unpruned", ""), ("pruned", PRUNED)):
+        out[name] = _lmms_eval(root / f"lmms-{name}", env, extra)
+    cmd = [sys.executable, "-m", "vlm_focus.cli", "eval", "pope", "--questions", str(QUESTIONS)]
+    cmd += ["--limit", str(LIMIT), "--sweep", "keep=0.25", "--pruners", "fastv", "--layer", "0"]
+    cmd += ["--batch-size", "1", "--threads", "1", "--out", str(root / "vf")]
+    _run(cmd, env)
+    folder = root / "vf" / "pope" / "embedded" / "adversarial"
+    for name, tag in (("unpruned", "unpruned"), ("pruned", "fastv-k0.25-l0")):
+        records = [json.loads(x) for x in (folder / f"{tag}.jsonl").read_text().splitlines()]
+        summary = json.loads((folder / f"{tag}.json").read_text())
+        out[f"vf-{name}"] = (summary, records)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["unpruned", "pruned"])
+def test_lmms_eval_answers_and_metrics_equal_vlm_focus_eval(runs, setting):
+    results, samples = runs[setting]
+    summary, records = runs[f"vf-{setting}"]
+    assert len(samples) == len(records) == LIMIT
+    ours = {s["accuracy"]["question_id"]: s for s in samples}
+    theirs = {r["question_id"]: r for r in records}
+    assert sorted(ours) == sorted(theirs) == list(range(1, LIMIT + 1))
+    for qid, record in theirs.items():
+        logged = ours[qid]["accuracy"]
+        assert (logged["answer"], logged["pred"], logged["parseable"]) == (
+            record["answer"],
+            record["pred"],
+            record["parseable"],
+        ), f"question {qid}"
+        assert logged["label"] == record["label"]
+    metrics = results["results"][TASK]
+    for name in METRICS:
+        assert metrics[f"{name},none"] == pytest.approx(summary[name], abs=1e-12), name
+    if setting == "pruned":  # the pruned setting must actually change some answers
+        unpruned = {r["question_id"]: r["answer"] for r in runs["vf-unpruned"][1]}
+        assert any(unpruned[q] != theirs[q]["answer"] for q in theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["unpruned", "pruned"])
+def test_logged_kept_counts_equal_the_wrap_trace(runs, setting):
+    results, samples = runs[setting]
+    _, records = runs[f"vf-{setting}"]
+    trace = {r["question_id"]: (r["visual_kept"], r["visual_total"]) for r in records}
+    for s in samples:
+        (counts,) = s["token_counts"]
+        qid = s["accuracy"]["question_id"]
+        assert (counts["visual_kept"], counts["visual_total"]) == trace[qid], f"question {qid}"
+        assert counts["prefill_s"] > 0
+        assert counts["vlm_focus"] == ("fastv-k0.25-l0" if setting == "pruned" else "unpruned")
+    total = 144  # the embedded model's 12 x 12 grid
+    kept = round(0.25 * total) if setting == "pruned" else total
+    assert {trace[q] for q in trace} == {(kept, total)}
+    throughput = results["throughput"]
+    assert throughput["avg_vlm_focus_kept_ratio"] == pytest.approx(kept / total)
+    assert throughput["avg_vlm_focus_visual_kept"] == pytest.approx(kept)
+    assert throughput["avg_vlm_focus_prefill_s"] > 0
+    assert results["config"]["model"] == "vlm_focus"
+
+
+def test_entry_point_registers_the_model():
+    (ep,) = [e for e in entry_points(group="lmms_eval.models") if e.name == "vlm_focus"]
+    from lmms_eval.models import get_model
+
+    from vlm_focus.integrations.lmms_eval import VlmFocus
+
+    assert ep.load()().chat_class_path == "vlm_focus.integrations.lmms_eval.VlmFocus"
+    assert get_model("vlm_focus") is VlmFocus
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"kep": 0.25}, "'kep' (did you mean 'keep'?)"),
+        ({"pruner": "fastv", "keep": 0}, "keep=0"),
+        ({"pruner": "nope"}, "unknown pruner 'nope'"),
+        ({"pruner": "fastv", "alpha": 0.5}, "option 'alpha' is not an option of pruner 'fastv'"),
+        ({"pruner": "debiased", "trend": "cubic"}, "trend"),
+        ({"layer": "2:x"}, "layer='2:x'"),
+        ({"layer": "8:2", "keep": "0.5:0.25"}, "strictly increasing"),
+        ({"mitigate": "visual_beam"}, "mitigate='visual_beam'"),
+        ({"mitigate": "nothing"}, "mitigate='nothing'"),
+        ({"strength": 2.0}, "strength set without mitigate="),
+        ({"pruner": "guided"}, "guide=PATH"),
+        ({"guide": "/no/such/model"}, "guide='/no/such/model'"),
+        ({"pruner": "fastv", "batch_size": 4}, "batch_size=4"),
+    ],
+)
+def test_bad_model_args_fail_before_weights_load(monkeypatch, bad, needle):
+    from transformers import PreTrainedModel
+
+    from vlm_focus.integrations.lmms_eval import VlmFocus
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("model weights were loaded before the arguments were checked")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    with pytest.raises(ValueError) as err:
+        VlmFocus(pretrained="embedded", **bad)
+    assert needle in str(err.value)
+
+
+def test_model_args_split_and_schedules():
+    focus, rest = split_model_args(
+        {"pretrained": "x", "batch_size": 2, "pruner": "debiased", "base": "text", "keep": 0.5}
+    )
+    assert rest == {"pretrained": "x", "batch_size": 2}
+    assert focus.wrap == {"pruner": "debiased", "base": "text", "keep": 0.5}
+    assert focus.tag() == "debiased-k0.5-l2"  # FocusConfig's default layer
+    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64"})
+    assert focus.config().stages == [(2, 0.5), (8, 0.25), (16, 64)]
+    focus, _ = split_model_args(
+        {"mitigate": "attention_reweight", "strength": 2, "mitigate_layers": "0:1"}
+    )
+    assert not focus.pruned and focus.mitigate == "attention_reweight"
+    assert focus.mitigate_options == {"strength": 2.0, "layers": [0, 1]}
+    assert focus.tag() == "unpruned+attention_reweight"
+    focus, _ = split_model_args({"guide": "embedded", "keep": 0.5, "layer": 0})
+    assert focus.wrap["pruner"] == "guided" and Path(focus.guide, "config.json").is_file()
+
+
+def test_yes_ratio_is_the_share_of_predicted_yes():
+    """A hand-made balanced split where the model says yes 3 times out of 4."""
+    from lmms_eval.tasks.pope.utils import pope_aggregate_yes_ratio, pope_process_results
+
+    docs = [
+        {"question_id": i, "answer": label}
+        for i, label in enumerate(["yes", "yes", "no", "no"], start=1)
+    ]
+    answers = ["Yes", "yes", " yes ", "no"]
+    records = [pope_process_results(d, [a])["pope_yes_ratio"] for d, a in zip(docs, answers)]
+    assert predicted_yes_ratio(records) == 0.75
+    assert pope_aggregate_yes_ratio(records) == 0.5  # lmms-eval 0.7.3 averages the labels
+    assert predicted_yes_ratio([]) == 0.0
+    ours = [
+        {"label": d["answer"], "pred": p, "parseable": True}
+        for d, p in zip(docs, ["yes", "yes", "yes", "no"])
+    ]
+    assert organism_yes_ratio(ours) == 0.75

@@ -1,0 +1,22 @@
+"""vlm_focus inside evaluation harnesses.
+
+- :mod:`vlm_focus.integrations.lmms_eval`: ``lmms-eval --model vlm_focus`` (registered through
+  the ``lmms_eval.models`` entry point; needs ``pip install "vlm-focus[lmms-eval]"``);
+- :mod:`vlm_focus.integrations.lmms_eval_tasks`: lmms-eval tasks shipped with vlm_focus (the
+  organism's held-out POPE splits, offline; POPE with the yes-ratio of the predictions), for
+  ``--include_path $(python -m vlm_focus.integrations.lmms_eval_tasks)``;
+- :mod:`vlm_focus.integrations.model_args`: vlm_focus's options inside a harness's flat
+  ``key=value`` model arguments, checked before any weights load.
+"""
+
+from .model_args import FocusArgs, focus_option_names, split_model_args
+
+
+def lmms_eval_tasks_path() -> str:
+    """Folder of the lmms-eval task YAMLs shipped with vlm_focus (for ``--include_path``)."""
+    from .lmms_eval_tasks import tasks_path
+
+    return tasks_path()
+
+
+__all__ = ["FocusArgs", "focus_option_names", "lmms_eval_tasks_path", "split_model_args"]

@@ -1,0 +1,255 @@
+"""vlm_focus's own options inside an evaluation harness's flat ``key=value`` model arguments.
+
+Harnesses such as lmms-eval hand a model every ``--model_args`` item as one keyword. This module
+takes out the ones that belong to vlm_focus and checks them, before any weights load:
+
+- :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query``, ``reduce``;
+  ``layer`` and ``keep`` take multi-stage schedules as colon lists (``layer=2:8:16,
+  keep=0.5:0.25:0.125``), since the harness splits its arguments on commas;
+- the chosen pruner's own options (``base``, ``alpha``, ``seed``, ...), checked by that pruner's
+  options dataclass; ``guide=PATH`` (or ``guide=embedded``) names the small model of the
+  ``guided`` pruner;
+- a mitigation from :mod:`vlm_focus.hallucination`: ``mitigate=attention_reweight`` with
+  ``strength``, ``mitigate_layers`` (a colon list) and ``mitigate_ratio``.
+
+Any of the pruning options turns pruning on (with :class:`~vlm_focus.FocusConfig`'s defaults
+for the rest); without them the model runs unpruned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import FocusConfig
+from ..pruners import get_pruner, pruners
+
+FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
+MITIGATIONS = ("attention_reweight",)
+MITIGATION_ALIASES = {"reweight": "attention_reweight", "none": None}
+MITIGATION_OPTIONS = ("strength", "mitigate_layers", "mitigate_ratio")
+# Mitigations that need their own generate() arguments (a logits processor, a second prompt):
+# a harness's model class calls generate() itself, so they cannot run through it.
+UNSUPPORTED_MITIGATIONS = {
+    "visual_beam": "it needs num_beams and its logits processor in generate()",
+    "beam": "it needs num_beams and its logits processor in generate()",
+    "instruction_contrast": "it needs a second, generic prompt per request",
+    "contrast": "it needs a second, generic prompt per request",
+}
+
+
+def pruner_option_names() -> dict[str, list[str]]:
+    """Each registered pruner's own option names."""
+    return {name: get_pruner(name).option_names() for name in pruners()}
+
+
+def focus_option_names() -> list[str]:
+    """Every model argument vlm_focus takes (config fields, all pruners' options, mitigation)."""
+    names = set(FOCUS_FIELDS) | {"mitigate", *MITIGATION_OPTIONS}
+    for options in pruner_option_names().values():
+        names.update(options)
+    return sorted(names)
+
+
+@dataclass
+class FocusArgs:
+    """vlm_focus's part of a harness's model arguments, checked.
+
+    ``wrap`` holds the keywords for :func:`vlm_focus.wrap` (empty: unpruned) without ``guide``;
+    ``guide`` is the guide model's path for the ``guided`` pruner; ``mitigate`` and
+    ``mitigate_options`` name a :mod:`vlm_focus.hallucination` context manager and its keywords.
+    """
+
+    wrap: dict[str, Any] = field(default_factory=dict)
+    guide: str | None = None
+    mitigate: str | None = None
+    mitigate_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pruned(self) -> bool:
+        return bool(self.wrap)
+
+    def config(self) -> FocusConfig | None:
+        """The :class:`~vlm_focus.FocusConfig` that ``wrap`` builds (``None`` when unpruned)."""
+        if not self.wrap:
+            return None
+        return _focus_config(self.wrap)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready record of what the model does: pruning config and mitigation."""
+        config = self.config()
+        out: dict[str, Any] = {"pruned": self.pruned}
+        if config is not None:
+            out.update(config.to_dict())
+        if self.guide is not None:
+            out["guide"] = self.guide
+        out["mitigate"] = self.mitigate
+        if self.mitigate_options:
+            out["mitigate_options"] = dict(self.mitigate_options)
+        return out
+
+    def tag(self) -> str:
+        """Short label, e.g. ``unpruned`` or ``fastv-k0.25-l0`` (``+attention_reweight``)."""
+        config = self.config()
+        if config is None:
+            tag = "unpruned"
+        else:
+            keep = ":".join(f"{k:g}" for _, k in config.stages)
+            layer = ":".join(str(layer) for layer, _ in config.stages)
+            tag = f"{config.pruner}-k{keep}-l{layer}"
+        return tag if self.mitigate is None else f"{tag}+{self.mitigate}"
+
+
+def split_model_args(
+    kwargs: dict[str, Any], *, other: list[str] | tuple[str, ...] | None = None
+) -> tuple[FocusArgs, dict[str, Any]]:
+    """``(vlm_focus's checked options, the remaining arguments)``.
+
+    ``other`` lists the argument names the harness's own model class accepts; when given, any
+    argument that is neither vlm_focus's nor in ``other`` raises ``ValueError`` naming it. Bad
+    values (``keep=0``, an unknown pruner, an option the chosen pruner does not have, an
+    unknown mitigation) raise ``ValueError`` naming the option and what is allowed.
+    """
+    ours = set(focus_option_names())
+    mine = {k: v for k, v in kwargs.items() if k in ours}
+    rest = {k: v for k, v in kwargs.items() if k not in ours}
+    if other is not None:
+        unknown = sorted(k for k in rest if k not in other)
+        if unknown:
+            raise ValueError(_unknown_message(unknown, sorted(ours), sorted(other)))
+    return parse_focus_args(mine), rest
+
+
+def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
+    """Check vlm_focus's options (see the module docstring) and build :class:`FocusArgs`."""
+    options = dict(options)
+    mitigate = _mitigation(options.pop("mitigate", None))
+    mitigate_options = _mitigation_options(mitigate, options)
+    guide = options.pop("guide", None)
+    wrap: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in ("layer", "keep"):
+            value = _stages(key, value)
+        wrap[key] = value
+    if guide is not None:
+        wrap.setdefault("pruner", "guided")
+    if wrap:
+        config = _focus_config(wrap)
+        pruner_cls = get_pruner(config.pruner)
+        allowed = pruner_cls.option_names()
+        extra = dict(config.options)
+        if guide is not None:
+            if config.pruner != "guided":
+                raise ValueError(
+                    f"guide={guide!r} is an option of pruner 'guided', not {config.pruner!r}"
+                )
+            guide = _guide_path(guide)
+        for key in extra:
+            if key not in allowed:
+                owners = [n for n, opts in pruner_option_names().items() if key in opts]
+                raise ValueError(
+                    f"option {key!r} is not an option of pruner {config.pruner!r} (it belongs "
+                    f"to {', '.join(owners)}); {config.pruner!r} takes: "
+                    f"{', '.join(list(FOCUS_FIELDS) + allowed)}"
+                )
+        if config.pruner == "guided":
+            if guide is None:
+                raise ValueError("pruner 'guided' needs guide=PATH (a small VLM) or guide=embedded")
+        else:
+            try:
+                pruner_cls.Options(**extra)  # the pruner's own value checks
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"pruner {config.pruner!r}: {err}") from err
+    return FocusArgs(wrap=wrap, guide=guide, mitigate=mitigate, mitigate_options=mitigate_options)
+
+
+def _focus_config(wrap: dict[str, Any]) -> FocusConfig:
+    fields = {k: v for k, v in wrap.items() if k in FOCUS_FIELDS}
+    extra = {k: v for k, v in wrap.items() if k not in FOCUS_FIELDS}
+    if "pruner" in fields:
+        get_pruner(fields["pruner"])  # ValueError listing the registered pruners
+    return FocusConfig(**fields, options=extra)
+
+
+def _stages(key: str, value: Any) -> Any:
+    """``"2:8:16"`` -> ``(2, 8, 16)``; counts stay ints, ratios floats; scalars unchanged."""
+    if not isinstance(value, str):
+        return value
+    parts = [p.strip() for p in value.split(":")]
+    try:
+        numbers = tuple(int(p) if p.isdigit() else float(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"{key}={value!r}: expected a number or a colon list of numbers (e.g. 2:8:16)"
+        ) from None
+    return numbers if len(numbers) > 1 else numbers[0]
+
+
+def _mitigation(value: Any) -> str | None:
+    if value is None:
+        return None
+    name = MITIGATION_ALIASES.get(value, value) if isinstance(value, str) else value
+    if name is None or name in MITIGATIONS:
+        return name
+    if name in UNSUPPORTED_MITIGATIONS:
+        raise ValueError(
+            f"mitigate={value!r} cannot run inside a harness's model class: "
+            f"{UNSUPPORTED_MITIGATIONS[name]}; allowed here: {', '.join(MITIGATIONS)}"
+        )
+    raise ValueError(f"mitigate={value!r} is unknown; allowed: {', '.join(MITIGATIONS)}")
+
+
+def _mitigation_options(mitigate: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    given = {k: options.pop(k) for k in MITIGATION_OPTIONS if k in options}
+    if given and mitigate is None:
+        raise ValueError(
+            f"{', '.join(sorted(given))} set without mitigate=; pass mitigate=attention_reweight"
+        )
+    out: dict[str, Any] = {}
+    if "strength" in given:
+        s = given["strength"]
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise ValueError(f"strength={s!r} must be a number")
+        out["strength"] = float(s)
+    if "mitigate_layers" in given:
+        layers = _stages("mitigate_layers", given["mitigate_layers"])
+        layers = layers if isinstance(layers, tuple) else (layers,)
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+            raise ValueError(
+                f"mitigate_layers={given['mitigate_layers']!r} must be layer indices >= 0 "
+                "(a colon list, e.g. 0:1)"
+            )
+        out["layers"] = list(layers)
+    if "mitigate_ratio" in given:
+        r = given["mitigate_ratio"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"mitigate_ratio={r!r} must be a ratio in (0, 1]")
+        out["ratio"] = float(r)
+    return out
+
+
+def _guide_path(guide: Any) -> str:
+    if not isinstance(guide, str) or not guide:
+        raise ValueError(f"guide={guide!r} must be a model path, a hub id or 'embedded'")
+    if guide == "embedded":
+        from ..organism import guide_model_path
+
+        return str(guide_model_path())
+    looks_local = guide.startswith((".", "/", "~")) or guide.count("/") != 1
+    if looks_local and not (Path(guide).expanduser() / "config.json").is_file():
+        raise ValueError(f"guide={guide!r}: no model folder (config.json) there")
+    return guide
+
+
+def _unknown_message(unknown: list[str], ours: list[str], other: list[str]) -> str:
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, ours + other, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"unknown model argument {', '.join(hints)}; vlm_focus takes: {', '.join(ours)}; "
+        f"the model class takes: {', '.join(other)}"
+    )
