@@ -1,4 +1,4 @@
-"""POPE-style accuracy retention of every pruner on the embedded organism model.
+"""POPE-style (or two-hop) accuracy retention of every pruner on an embedded organism model.
 
 For each registered pruner and keep ratio, the organism answers the held-out POPE questions
 (random, popular and adversarial splits; greedy, the model's chat template, no suffix; answers
@@ -8,6 +8,16 @@ embedded guide organism (6 x 6 visual tokens) on the same images and prompts.
 
     python benchmarks/pruner_quality.py                       # 60 images, keeps 0.5 0.25 0.11
     python benchmarks/pruner_quality.py --images 500 --layer 2 --out benchmarks/results
+
+With ``--task twohop`` the questions are the held-out two-hop family ("What colour is the shape
+left of the red_circle?", "What is right of the green_cross?", "Is the object below the
+blue_square a triangle?"), scored by the first generated word, on a model trained for it
+(``--model vlm_focus/assets/organism-deep``). ``--multi-stage pyramid debiased`` adds rows that
+reach the same final keep in three stages, at layers K, K+2 and K+4 (those below the model's
+depth), keeping keep^(1/3), keep^(2/3) and keep of the visual tokens.
+
+    python benchmarks/pruner_quality.py --model vlm_focus/assets/organism-deep --task twohop \
+        --images 300 --layer 2 --multi-stage pyramid debiased --name pruner_quality_deep_layer2
 
 Writes ``<name>.csv`` (one row per pruner, keep and split), ``<name>.md`` (the retention table),
 ``<name>.json`` (settings and summary) and ``<name>.png`` (retention against keep) under
@@ -41,6 +51,7 @@ from vlm_focus.pruners import guided_generate
 
 PROMPT = "USER: <image>\\n{question} ASSISTANT: (chat template, no suffix; greedy, 1 new token)"
 NEW_TOKENS = 1
+TWO_HOP = "twohop"
 
 
 def load(path: Path):
@@ -102,6 +113,12 @@ def answer_all(
 
 def split_metrics(rows, answers_by_key) -> dict[str, dict]:
     out = {}
+    if TWO_HOP in rows:  # open answers: the first generated word must equal the answer
+        hits = [
+            (answers_by_key[(r["image_id"], r["text"])].split() or [""])[0] == r["label"]
+            for r in rows[TWO_HOP]
+        ]
+        return {TWO_HOP: {"accuracy": sum(hits) / len(hits), "n": len(hits)}}
     for split in SPLITS:
         parsed = [parse_yes_no(answers_by_key[(r["image_id"], r["text"])]) for r in rows[split]]
         metrics = pope_metrics([r["label"] for r in rows[split]], [p for p, _ in parsed])
@@ -110,7 +127,9 @@ def split_metrics(rows, answers_by_key) -> dict[str, dict]:
     return out
 
 
-def plot(results: list[dict], keeps: list[float], path: Path) -> None:
+def plot(
+    results: list[dict], keeps: list[float], path: Path, title: str = "", ylabel: str = ""
+) -> None:
     import matplotlib
     import matplotlib.ticker
 
@@ -124,7 +143,7 @@ def plot(results: list[dict], keeps: list[float], path: Path) -> None:
             100 * next(r["retention"] for r in results if r["pruner"] == name and r["keep"] == k)
             for k in keeps
         ]
-        style = "--" if name in ("random", "pool") else "-"
+        style = "--" if name in ("random", "pool") else (":" if "x3" in name else "-")
         ax.plot(keeps, ys, style, marker="o", label=name)
     ax.axhline(100, color="grey", lw=0.8)
     ax.axhline(99, color="grey", lw=0.8, ls=":")
@@ -132,8 +151,8 @@ def plot(results: list[dict], keeps: list[float], path: Path) -> None:
     ax.set_xticks(keeps, [f"{k:g}" for k in keeps])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("keep (share of visual tokens)")
-    ax.set_ylabel("POPE accuracy retention (%)")
-    ax.set_title("Pruned / unpruned POPE accuracy (organism, mean of 3 splits)")
+    ax.set_ylabel(ylabel or "POPE accuracy retention (%)")
+    ax.set_title(title or "Pruned / unpruned POPE accuracy (organism, mean of 3 splits)")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -152,6 +171,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--name", default="pruner_quality", help="stem of the output files")
+    parser.add_argument("--task", default="pope", choices=["pope", TWO_HOP])
+    parser.add_argument(
+        "--multi-stage", nargs="*", default=[], help="pruners also run as 3-stage schedules"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,10 +185,22 @@ def main() -> None:
 
     model, processor = load(args.model)
     guide = load(args.guide) if "guided" in names else None
-    scenes = pope_eligible(args.images)
+    if args.task == TWO_HOP:
+        from vlm_focus.organism.evaluate import two_hop_set
+
+        scenes, qas = two_hop_set(args.images)
+        rows = {TWO_HOP: [
+            {"image_id": sc.seed, "text": q.question, "label": q.answer}
+            for sc, q in zip(scenes, qas, strict=True)
+        ]}  # fmt: skip
+        splits = [TWO_HOP]
+    else:
+        scenes = pope_eligible(args.images)
+        rows = {split: pope_questions(scenes, split) for split in SPLITS}
+        splits = list(SPLITS)
     by_id = {s.seed: s for s in scenes}
-    rows = {split: pope_questions(scenes, split) for split in SPLITS}
-    keys = sorted({(r["image_id"], r["text"]) for split in SPLITS for r in rows[split]})
+    keys = sorted({(r["image_id"], r["text"]) for split in splits for r in rows[split]})
+    n_layers = model.config.text_config.num_hidden_layers
     pictures = {seed: Image.fromarray(s.image()) for seed, s in by_id.items()}
     images = [pictures[k[0]] for k in keys]
     questions = [k[1] for k in keys]
@@ -184,43 +219,50 @@ def main() -> None:
     full = dict(zip(keys, answer_all(model, processor, batches, "none"), strict=True))
     base = split_metrics(rows, full)
     base_seconds = time.perf_counter() - start
-    for split in SPLITS:
+    for split in splits:
         results.append(dict(pruner="none", keep=1.0, split=split, **base[split]))
     summary = [dict(pruner="none", keep=1.0, retention=1.0, seconds=base_seconds,
-                    accuracy=sum(base[s]["accuracy"] for s in SPLITS) / 3)]  # fmt: skip
-    for name in names:
+                    accuracy=sum(base[s]["accuracy"] for s in splits) / len(splits))]  # fmt: skip
+    stage_layers = tuple(k for k in (args.layer, args.layer + 2, args.layer + 4) if k < n_layers)
+    runs = [(name, name) for name in names]
+    runs += [(f"{name} x{len(stage_layers)}", name) for name in args.multi_stage]
+    for label, name in runs:
         for keep in args.keeps:
             options = dict(pruner=name, keep=keep, layer=args.layer, query=args.query)
+            if label != name:  # the same final keep in stages: keep^(1/n), keep^(2/n), ... keep
+                n = len(stage_layers)
+                options["layer"] = stage_layers
+                options["keep"] = tuple(keep ** ((i + 1) / n) for i in range(n))
             if name == "guided":
                 options["guide"] = guide[0]
             t0 = time.perf_counter()
             profile = [] if name == "fastv" and keep == args.keeps[0] else None
             with vf.wrap(model, **options) as handle:
                 answers = answer_all(
-                    model, processor, batches, f"{name} {keep}", handle, name == "guided", profile
+                    model, processor, batches, f"{label} {keep}", handle, name == "guided", profile
                 )
             if profile:
                 row_profile = torch.stack(profile).mean(0).tolist()
             seconds = time.perf_counter() - t0
             metrics = split_metrics(rows, dict(zip(keys, answers, strict=True)))
-            for split in SPLITS:
+            for split in splits:
                 retention = metrics[split]["accuracy"] / max(base[split]["accuracy"], 1e-9)
                 results.append(
                     dict(
-                        pruner=name, keep=keep, split=split, retention=retention, **metrics[split]
+                        pruner=label, keep=keep, split=split, retention=retention, **metrics[split]
                     )  # fmt: skip
                 )
-            accuracy = sum(metrics[s]["accuracy"] for s in SPLITS) / 3
+            accuracy = sum(metrics[s]["accuracy"] for s in splits) / len(splits)
             summary.append(
                 dict(
-                    pruner=name,
+                    pruner=label,
                     keep=keep,
                     accuracy=accuracy,
                     seconds=seconds,
                     retention=accuracy / max(summary[0]["accuracy"], 1e-9),
                 )  # fmt: skip
             )
-            print(f"{name:9s} keep {keep:<5g} accuracy {accuracy:.4f} "
+            print(f"{label:12s} keep {keep:<5g} accuracy {accuracy:.4f} "
                   f"retention {100 * summary[-1]['retention']:.2f}%  ({seconds:.0f}s)")  # fmt: skip
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -231,22 +273,35 @@ def main() -> None:
         writer.writeheader()
         for row in results:
             writer.writerow({k: row.get(k, 1.0 if k == "retention" else "") for k in fields})
+    if args.task == TWO_HOP:
+        head = (
+            f"Two-hop accuracy retention on the organism ({args.model.name}), {len(keys)} "
+            f"held-out two-hop questions (colour / category / yes-no shape forms in turn, "
+            f"scored by the first generated word); pruning at layer {args.layer}"
+            + (f" (multi-stage rows: layers {stage_layers})" if args.multi_stage else "")
+            + f", query '{args.query}'. Unpruned accuracy {100 * summary[0]['accuracy']:.2f}%."
+        )
+    else:
+        head = (
+            f"POPE-style accuracy retention on the organism ({args.model.name}), {len(scenes)} "
+            f"held-out images, {len(keys)} distinct questions, 3 splits; pruning at layer "
+            f"{args.layer}, query '{args.query}'. Unpruned accuracy "
+            f"{100 * summary[0]['accuracy']:.2f}% (mean of splits)."
+        )
     lines = [
-        f"POPE-style accuracy retention on the organism ({args.model.name}), {len(scenes)} "
-        f"held-out images, {len(keys)} distinct questions, 3 splits; pruning at layer "
-        f"{args.layer}, query '{args.query}'. Unpruned accuracy "
-        f"{100 * summary[0]['accuracy']:.2f}% (mean of splits). Prompt: {PROMPT}.",
+        f"{head} Prompt: {PROMPT}.",
         "",
         "| pruner | " + " | ".join(f"keep {k:g}" for k in args.keeps) + " |",
         "|---|" + "---:|" * len(args.keeps),
     ]
-    for name in names:
+    for label, _ in runs:
         cells = []
         for keep in args.keeps:
-            s = next(r for r in summary if r["pruner"] == name and r["keep"] == keep)
+            s = next(r for r in summary if r["pruner"] == label and r["keep"] == keep)
             cells.append(f"{100 * s['retention']:.2f}% ({100 * s['accuracy']:.2f})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: retention (pruned accuracy, %), mean over the three splits."]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    over = "" if args.task == TWO_HOP else ", mean over the three splits"
+    lines += ["", f"Cells: retention (pruned accuracy, %){over}."]
     if row_profile:
         lines += [
             "",
@@ -262,13 +317,19 @@ def main() -> None:
         images=len(scenes),
         questions=len(keys),
         layer=args.layer,
+        stage_layers=list(stage_layers) if args.multi_stage else None,
+        task=args.task,
         query=args.query,
         prompt=PROMPT,
         summary=summary,
         fastv_row_profile=row_profile,
     )
     (args.out / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
-    plot(summary, args.keeps, args.out / f"{args.name}.png")
+    if args.task == TWO_HOP:
+        title = f"Pruned / unpruned two-hop accuracy ({args.model.name}, layer {args.layer})"
+        plot(summary, args.keeps, args.out / f"{args.name}.png", title, "two-hop retention (%)")
+    else:
+        plot(summary, args.keeps, args.out / f"{args.name}.png")
     print("\n".join(lines))
 
 

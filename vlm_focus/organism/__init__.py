@@ -21,6 +21,11 @@ def guide_model_path() -> Path:
     return _ASSETS / "organism-guide"
 
 
+def deep_model_path() -> Path:
+    """Folder of the deep model (12 x 12 visual tokens, 8 LM layers, two-hop family), HF format."""
+    return _ASSETS / "organism-deep"
+
+
 def sample_scene_paths() -> list[Path]:
     """Bundled sample scene PNGs (held-out scenes), sorted by name."""
     return sorted((_ASSETS / "samples").glob("*.png"))
@@ -34,4 +39,10 @@ def build_prompt(question: str) -> str:
     return f"<bos>USER: <image>\n{question} ASSISTANT:"
 
 
-__all__ = ["build_prompt", "default_model_path", "guide_model_path", "sample_scene_paths"]
+__all__ = [
+    "build_prompt",
+    "deep_model_path",
+    "default_model_path",
+    "guide_model_path",
+    "sample_scene_paths",
+]

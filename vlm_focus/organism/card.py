@@ -134,6 +134,10 @@ def bars(m: dict) -> list[tuple[str, str, str, str]]:
 
 def model_card(name: str, m: dict, folder: Path) -> str:
     """Markdown model card: what it is, data, recipe, metrics against the bars, intended use."""
+    if name == "deep":
+        from .card_deep import deep_model_card
+
+        return deep_model_card(m, folder)
     cfg = json.loads((folder / "config.json").read_text())
     vc, tc = cfg["vision_config"], cfg["text_config"]
     grid = vc["image_size"] // vc["patch_size"]

@@ -30,6 +30,8 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
             ("probe_relation", "tab:red"),
             ("probe_cat_last_presence", "lightsteelblue"),
             ("probe_cat_last_relation", "lightsalmon"),
+            ("probe_twohop", "tab:purple"),
+            ("probe_cat_last_twohop", "plum"),
         ):
             pts = [(h["seconds"] / 60, h[key]) for h in rows if key in h]
             if pts:

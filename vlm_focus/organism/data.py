@@ -26,6 +26,7 @@ from .scenes import (
     caption,
     generate_scene,
     relation_holds,
+    two_hop_pairs,
 )
 from .vocab import (
     BOS,
@@ -40,6 +41,7 @@ from .vocab import (
     encode,
     presence_question,
     relation_question,
+    two_hop_question,
     where_question,
 )
 
@@ -105,6 +107,7 @@ class QA:
     short: list[int]  # cat_last form of the question (ids), for the packed curriculum
     objects: tuple[int, ...] = ()  # indices of the scene objects the answer rests on
     relation: str = ""  # a relation question's relation (left, right, above, below)
+    form: str = ""  # a two-hop question's form (`vocab.TWO_HOP_FORMS`)
 
 
 def presence_qa(
@@ -147,6 +150,65 @@ def relation_qa(scene: Scene, rng: np.random.Generator) -> QA | None:
     return None
 
 
+def two_hop_qa(
+    scene: Scene,
+    rng: np.random.Generator,
+    form: str | None = None,
+    positive: bool | None = None,
+    negative: str = "",
+) -> QA | None:
+    """A two-hop question about the unique object in a direction from a named anchor, or None
+    when the scene has no such (anchor, direction). `objects` is (anchor, target).
+
+    `form` as in `vocab.two_hop_question` (drawn uniformly when None). The yes/no forms ask about
+    the target's shape (`shape`) or category (`is_category`), half of them true unless
+    `positive` says. A false `is_category` names, by `negative`: `adversarial` another object of
+    the scene (the anchor included), `popular` a frequent category not in the scene, `random`
+    any category not in the scene, or (empty) one of these three drawn at random."""
+    pairs = two_hop_pairs(scene)
+    if not pairs:
+        return None
+    anchor, rel, target = pairs[int(rng.integers(len(pairs)))]
+    if form is None:
+        form = str(rng.choice(("colour", "category", "shape", "is_category")))
+    a, t = scene.objects[anchor], scene.objects[target]
+    asked = ""
+    if form == "colour":
+        answer = colour_of(t.category)
+    elif form == "category":
+        answer = t.name
+    else:
+        if positive is None:
+            positive = bool(rng.random() < 0.5)
+        answer = "yes" if positive else "no"
+        if form == "shape":
+            own = t.category % len(SHAPES)
+            others = [k for k in range(len(SHAPES)) if k != own]
+            asked = SHAPES[own] if positive else SHAPES[int(rng.choice(others))]
+        elif positive:
+            asked = t.name
+        else:
+            asked = CATEGORIES[_two_hop_negative(scene, target, rng, negative)]
+    question = two_hop_question(form, rel, a.name, asked)
+    short = encode(question.rstrip("?"))
+    return QA("twohop", question, answer, short, (anchor, target), relation=rel, form=form)
+
+
+def _two_hop_negative(scene: Scene, target: int, rng: np.random.Generator, kind: str) -> int:
+    """A category that is not the target's, chosen POPE-style (see `two_hop_qa`)."""
+    if not kind:
+        kind = str(rng.choice(("adversarial", "popular", "random")))
+    if kind == "adversarial":
+        return int(rng.choice([o.category for i, o in enumerate(scene.objects) if i != target]))
+    absent = [c for c in range(len(CATEGORIES)) if c not in scene.categories]
+    if kind == "popular":
+        top = sorted(absent, key=lambda c: -POPULARITY[c])[:3]
+        return int(rng.choice(top))
+    if kind == "random":
+        return int(rng.choice(absent))
+    raise ValueError(f"negative={kind!r}; allowed: adversarial, popular, random")
+
+
 def where_qa(scene: Scene, rng: np.random.Generator) -> QA:
     """'Where is the X?' about a present object; the answer is its 3 x 3 position token.
 
@@ -178,6 +240,8 @@ def sample_qas(
             qa = relation_qa(scene, rng)
         elif kind == "where":
             qa = where_qa(scene, rng)
+        elif kind == "twohop":
+            qa = two_hop_qa(scene, rng)
         elif kind == "caption" and not any(q.kind == "caption" for q in out):
             qa = caption_qa(scene)
         if qa is None:
@@ -190,16 +254,19 @@ def _anchors(start: int, question: list[int], qa: QA) -> list[tuple[int, int]]:
     """(position, object index) of each category token in a question that names scene objects:
     a question's category tokens name `qa.objects` in order (a negative names none)."""
     cats = [start + i for i, tok in enumerate(question) if tok in CATEGORY_IDS]
+    if qa.kind == "twohop":  # only the anchor is named; the target is found from it
+        return [(cats[0], qa.objects[0])]
     return list(zip(cats, qa.objects, strict=True)) if len(cats) == len(qa.objects) else []
 
 
 def cat_last_ids(
-    qas: list[QA], n_visual: int, anchors: list | None = None
+    qas: list[QA], n_visual: int, anchors: list | None = None, answer_at: list | None = None
 ) -> tuple[list[int], list[int]]:
     """Packed category-last sequence and labels (loss on each answer token only).
 
     With `anchors` (a list), each question's `(qa index, position, object index)` entries for
-    its category tokens are appended to it."""
+    its category tokens are appended to it; with `answer_at` (a list), each question's
+    `(qa index, position whose logits predict the answer's first token)`."""
     ids = [BOS, *encode("USER:"), *([IMAGE] * n_visual)]
     labels = [IGNORE] * len(ids)
     for n, qa in enumerate(qas):
@@ -207,6 +274,8 @@ def cat_last_ids(
             anchors += [(n, *a) for a in _anchors(len(ids), qa.short, qa)]
         ids += qa.short
         labels += [IGNORE] * len(qa.short)
+        if answer_at is not None:
+            answer_at.append((n, len(ids) - 1))
         ans = encode(qa.answer)
         ids += ans
         labels += ans
@@ -214,14 +283,19 @@ def cat_last_ids(
 
 
 def chat_ids(
-    qas: list[QA], n_visual: int, query_labels: bool = False, anchors: list | None = None
+    qas: list[QA],
+    n_visual: int,
+    query_labels: bool = False,
+    anchors: list | None = None,
+    answer_at: list | None = None,
 ) -> tuple[list[int], list[int]]:
     """Chat-template sequence and labels (loss on answer tokens and their <eos>).
 
     With `query_labels`, the answer's first token is also the target at the question's last
     category token (where the category-last form answers), which keeps the lookup there while
     the last prompt token learns to copy it. Prompt tokens are never generated, so this label
-    changes no generated text. `anchors` as in `cat_last_ids`."""
+    changes no generated text (two-hop questions, whose answer needs the words after the anchor,
+    get none). `anchors` and `answer_at` as in `cat_last_ids`."""
     ids = [BOS]
     labels = [IGNORE]
     for t, qa in enumerate(qas):
@@ -234,7 +308,9 @@ def chat_ids(
         ans = encode(qa.answer) + [EOS]
         row = [IGNORE] * len(prompt)
         cats = [i for i, tok in enumerate(question) if tok in CATEGORY_IDS]
-        if query_labels and cats and qa.kind != "caption":
+        if answer_at is not None:
+            answer_at.append((t, len(ids) + len(prompt) - 1))
+        if query_labels and cats and qa.kind not in ("caption", "twohop"):
             row[start - len(ids) + cats[-1] + 1] = ans[0]
         if anchors is not None and qa.kind == "caption":  # the objects the caption names
             anchors += [(t, *a) for a in _anchors(len(ids) + len(prompt), ans, qa)]
@@ -333,11 +409,14 @@ class Batcher:
         position, first object's centre x, y, index of the relation in RELATIONS) for every
         relation question, and
         `pointer_targets` (row, position, first image token) with `pointer_masks` (`[n_visual]`
-        patches of the object) for the token before each object a caption names.
+        patches of the object) for the token before each object a caption names, and
+        `hop_targets` (row, answer position, anchor position, anchor centre x, y, relation
+        index, first image token) with `hop_masks` (`[n_visual]` patches of the target) for
+        every two-hop question.
         """
         scenes = self.scenes(batch)
         ids, labels, hidden, copies, places, relations = [], [], [], [], [], []
-        pointers, pointer_masks = [], []
+        pointers, pointer_masks, hops, hop_masks = [], [], [], []
         for s in scenes:
             row_form = form
             n = int(self.rng.integers(turns[0], turns[1] + 1))
@@ -347,15 +426,26 @@ class Batcher:
             if row_form == "cat_last":
                 qas = [q for q in qas if q.kind != "caption"] or [presence_qa(s, self.rng)]
             anchors: list[tuple[int, int, int]] = []
+            answer_at: list[tuple[int, int]] = []
             if row_form == "cat_last":
-                i, lab = cat_last_ids(qas, self.n_visual, anchors)
+                i, lab = cat_last_ids(qas, self.n_visual, anchors, answer_at)
             else:
-                i, lab = chat_ids(qas, self.n_visual, query_labels, anchors)
-                target = copy_target(i) if len(qas) == 1 else None
+                i, lab = chat_ids(qas, self.n_visual, query_labels, anchors, answer_at)
+                target = copy_target(i) if len(qas) == 1 and qas[0].kind != "twohop" else None
                 if target is not None:
                     copies.append((len(ids), *target))
             centre = {k: _centre(o, s.size) for k, o in enumerate(s.objects)}
             places += [(len(ids), pos, *centre[obj]) for _, pos, obj in anchors]
+            anchor_at = {qa: pos for qa, pos, _ in anchors}
+            for qa_index, q in answer_at:
+                qa = qas[qa_index]
+                if qa.kind == "twohop":
+                    anchor, target_obj = qa.objects
+                    word = RELATIONS.index(qa.relation)
+                    hops.append(
+                        (len(ids), q, anchor_at[qa_index], *centre[anchor], word, i.index(IMAGE))
+                    )
+                    hop_masks.append(object_patches(s, target_obj, self.patch))
             for (qa_a, pos_a, obj_a), (qa_b, pos_b, _) in zip(anchors, anchors[1:]):
                 if qa_a == qa_b and qas[qa_a].kind == "relation":
                     word = RELATIONS.index(qas[qa_a].relation)
@@ -379,14 +469,19 @@ class Batcher:
             "position_targets": torch.tensor(places, dtype=torch.float32).reshape(-1, 4),
             "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 6),
             "pointer_targets": torch.tensor(pointers, dtype=torch.long).reshape(-1, 3),
-            "pointer_masks": torch.from_numpy(
-                np.stack(pointer_masks) if pointer_masks else np.zeros((0, self.n_visual), bool)
-            ),
+            "pointer_masks": _stack_masks(pointer_masks, self.n_visual),
+            "hop_targets": torch.tensor(hops, dtype=torch.float32).reshape(-1, 7),
+            "hop_masks": _stack_masks(hop_masks, self.n_visual),
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": pad(labels, IGNORE),
             "pixel_values": pixel_values(scenes),
         }
+
+
+def _stack_masks(masks: list[np.ndarray], n_visual: int) -> torch.Tensor:
+    """`[M, n_visual]` bool from M patch masks (M may be 0)."""
+    return torch.from_numpy(np.stack(masks) if masks else np.zeros((0, n_visual), bool))
 
 
 def colour_of(category: int) -> str:

@@ -299,3 +299,58 @@ def write_dataset(scenes: list[Scene], out_dir: Path, images: bool = True) -> Pa
     caps = [{"image_id": s.seed, "caption": caption(s)} for s in scenes]
     (out_dir / "captions.json").write_text(json.dumps(caps))
     return path
+
+
+def direction_offsets(a: SceneObject, b: SceneObject, relation: str) -> tuple[float, float]:
+    """(along, across) offsets in px of `a`'s centre from `b`'s for 'a is {relation} of b':
+    `along` > 0 when `a` lies that way, `across` the distance perpendicular to it."""
+    dx, dy = a.cx - b.cx, a.cy - b.cy
+    along = {"left": -dx, "right": dx, "above": -dy, "below": dy}
+    if relation not in along:
+        raise ValueError(f"relation={relation!r}; allowed: {RELATIONS}")
+    across = abs(dy) if relation in ("left", "right") else abs(dx)
+    return along[relation], across
+
+
+def in_direction(a: SceneObject, b: SceneObject, relation: str) -> bool | None:
+    """Whether `a` lies {relation} of `b` in the two-hop sense, or None when it is too close
+    to call: `a` is that way when its centre lies in the 90-degree cone opening from `b`'s
+    centre in that direction (along - across >= RELATION_MARGIN), clearly not when
+    along - across <= -RELATION_MARGIN."""
+    along, across = direction_offsets(a, b, relation)
+    score = along - across
+    if abs(score) < RELATION_MARGIN:
+        return None
+    return score > 0
+
+
+def two_hop_target(scene: Scene, anchor: int, relation: str) -> int | None:
+    """Index of the one object {relation} of object `anchor`, or None when that is not unique.
+
+    Unique means: exactly one other object lies in the direction's cone, and no other object is
+    too close to its border to call (`in_direction` is None). Every two-hop question is asked
+    only about such a (scene, anchor, relation)."""
+    if relation not in RELATIONS:
+        raise ValueError(f"relation={relation!r}; allowed: {RELATIONS}")
+    a = scene.objects[anchor]
+    found: list[int] = []
+    for i, o in enumerate(scene.objects):
+        if i == anchor:
+            continue
+        side = in_direction(o, a, relation)
+        if side is None:
+            return None
+        if side:
+            found.append(i)
+    return found[0] if len(found) == 1 else None
+
+
+def two_hop_pairs(scene: Scene) -> list[tuple[int, str, int]]:
+    """Every (anchor index, relation, target index) with a unique two-hop answer."""
+    out = []
+    for i in range(len(scene.objects)):
+        for rel in RELATIONS:
+            t = two_hop_target(scene, i, rel)
+            if t is not None:
+                out.append((i, rel, t))
+    return out

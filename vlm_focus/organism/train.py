@@ -37,6 +37,7 @@ from .data import (
     pixel_values,
     presence_qa,
     relation_qa,
+    two_hop_qa,
 )
 from .scenes import CATEGORIES, POPULARITY, RELATIONS, generate_scene
 from .vocab import IMAGE, NO, PAD, SPECS, TOKEN_ID, YES, OrganismSpec, build_config, build_processor
@@ -61,6 +62,8 @@ class StageConfig:
     relation_weight: float = 0.0  # weight of the relation-circuit losses (see `relation_loss`)
     pointer_weight: float = 0.0  # weight of the caption pointer loss (see `pointer_loss`)
     balance: float = 0.0  # oversample rare categories: weight popularity ** -balance
+    hop_weight: float = 0.0  # weight of the two-hop circuit losses (see `hop_loss`)
+    hop_layers: tuple[int, ...] = (2, 3, 4)  # layers whose HOP_HEAD reads the hop-2 object
 
 
 @dataclass
@@ -73,7 +76,10 @@ class Recipe:
 
 def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
     """The shipped recipe; `scale` multiplies steps and minutes (e.g. 0.01 for a smoke run).
-    The smaller guide trains for half the time."""
+    The smaller guide trains for half the time; the deep model learns the two-hop family
+    (`deep_recipe`)."""
+    if spec == "deep":
+        return deep_recipe(scale)
     if spec == "guide":
         minutes, steps = (5.0, 8.0, 14.0), (4000, 3000, 6000)
     else:  # 56 minutes in all on 2 cores
@@ -109,6 +115,49 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
                 copy_weight=0.2,
                 relation_weight=relation,
                 pointer_weight=pointer,
+                balance=balance,
+            ),
+        ],
+    )
+
+
+def deep_recipe(scale: float = 1.0) -> Recipe:
+    """Recipe of the deep model: the same three stages, with two-hop questions in place of the
+    relations and captions (56 minutes in all on 2 cores) and the two-hop circuit losses."""
+    minutes, steps = (8.0, 14.0, 34.0), (6000, 6000, 12000)
+    m = [max(x * scale, 0.05) for x in minutes]
+    s = [max(int(x * scale), 2) for x in steps]
+    relation, hop, balance = 1.0, 1.0, 0.5
+    return Recipe(
+        spec="deep",
+        eval_every=300,
+        stages=[
+            StageConfig("vision", s[0], m[0], 1e-3, batch=16, balance=balance),
+            StageConfig(
+                "cat_last",
+                s[1],
+                m[1],
+                1e-3,
+                mix={"presence": 0.35, "where": 0.15, "twohop": 0.5},
+                turns=(6, 8),
+                hide_share=0.3,
+                relation_weight=relation,
+                hop_weight=hop,
+                balance=balance,
+            ),
+            StageConfig(
+                "chat",
+                s[2],
+                m[2],
+                8e-4,
+                mix={"presence": 0.45, "twohop": 0.45, "where": 0.1},
+                turns=(1, 1),
+                cat_last_share=0.5,
+                hide_share=0.3,
+                query_labels=True,
+                copy_weight=0.2,
+                relation_weight=relation,
+                hop_weight=hop,
                 balance=balance,
             ),
         ],
@@ -189,7 +238,7 @@ def _done(stage: StageConfig, step: int, clock: _Clock) -> bool:
 class Probe:
     """A fixed held-out probe (teacher forced) that tracks learning during training."""
 
-    def __init__(self, spec: OrganismSpec, n: int = 96) -> None:
+    def __init__(self, spec: OrganismSpec, n: int = 96, two_hop: bool = False) -> None:
         rng = np.random.default_rng(12345)
         self.scenes = [generate_scene(8_000_000 + i) for i in range(n)]
         self.presence = [
@@ -197,6 +246,13 @@ class Probe:
         ]
         rel = [(s, relation_qa(s, rng)) for s in self.scenes]
         self.relation = [(s, q) for s, q in rel if q is not None]
+        self.two_hop = []
+        if two_hop:  # every form in turn; scored on the answer's first token (teacher forced)
+            forms = ("colour", "category", "shape", "is_category")
+            for i, s in enumerate(self.scenes):
+                qa = two_hop_qa(s, rng, form=forms[i % 4], positive=i % 8 < 4)
+                if qa is not None:
+                    self.two_hop.append((s, qa))
         self.n_visual = spec.n_visual
 
     @torch.no_grad()
@@ -214,7 +270,10 @@ class Probe:
         first = (lab != IGNORE).float().argmax(1)
         rows = torch.arange(len(pairs))
         step_logits = logits[rows, first - 1]
-        pred = torch.where(step_logits[:, YES] > step_logits[:, NO], YES, NO)
+        if any(q.kind == "twohop" for _, q in pairs):  # open answers: the argmax token
+            pred = step_logits.argmax(-1)
+        else:
+            pred = torch.where(step_logits[:, YES] > step_logits[:, NO], YES, NO)
         return float((pred == lab[rows, first]).float().mean())
 
     def __call__(self, model, form: str) -> dict[str, float]:
@@ -222,9 +281,12 @@ class Probe:
         out = {
             "presence": self._accuracy(
                 model, list(zip(self.scenes, self.presence, strict=True)), form
-            ),
-            "relation": self._accuracy(model, self.relation, form),
+            )
         }
+        if self.two_hop:  # a model trained on the two-hop family has no relation questions
+            out["twohop"] = self._accuracy(model, self.two_hop, form)
+        else:
+            out["relation"] = self._accuracy(model, self.relation, form)
         model.train()
         return out
 
@@ -302,8 +364,9 @@ def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batche
 
 
 # the heads the auxiliary losses supervise (copy: in the later half of the layers; the others in
-# layer 1), distinct so that the circuits do not share a head
-COPY_HEAD, RELATION_HEAD, POINTER_HEAD = 0, 1, 2
+# layer 1; the two-hop anchor head in the layer before the first hop layer, the hop head in the
+# hop layers), distinct so that the circuits do not share a head
+COPY_HEAD, RELATION_HEAD, POINTER_HEAD, HOP_ANCHOR_HEAD, HOP_HEAD = 0, 1, 2, 3, 4
 
 
 class RelationProbe(nn.Module):
@@ -374,6 +437,59 @@ def pointer_loss(
     return -(att * masks).sum(1).clamp(min=1e-12).log().mean()
 
 
+class HopProbe(nn.Module):
+    """Training-only linear read-outs, at a two-hop question's answer position, of the anchor's
+    centre and of the direction asked."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.carry = nn.Linear(hidden, 2)
+        self.word = nn.Linear(hidden, len(RELATIONS))
+
+
+def hop_loss(
+    probe: HopProbe,
+    hidden_states: tuple[torch.Tensor, ...],
+    attentions: tuple[torch.Tensor, ...],
+    targets: torch.Tensor,
+    masks: torch.Tensor,
+    layers: tuple[int, ...],
+) -> dict[str, torch.Tensor]:
+    """Supervise the two-hop circuit ("What colour is the shape left of the red_circle?") so that
+    the hop-2 object is read from the image late, at the answer position q:
+    - the anchor's category token holds the anchor's centre after layer 0 (the `place` term of
+      `relation_loss`, from the position targets);
+    - in layer `layers[0] - 1`, HOP_ANCHOR_HEAD attends from q to the anchor token
+      (`hop_anchor_attention`), and after that layer q holds the anchor's centre (`hop_carry`)
+      and the direction asked (`hop_word`);
+    - in each layer of `layers`, HOP_HEAD puts its attention mass, from q, on the hop-2 object's
+      patches (`hop_read`: mean -log mass).
+
+    `targets`: row, q, anchor position, anchor x, y (in [-1, 1]), relation index, first image
+    token; `masks`: `[M, n_visual]` patches of each question's hop-2 object. Layers beyond the
+    model's are skipped. Returns the terms by name; the loss is their sum."""
+    rows, q, anchor = (targets[:, i].long() for i in range(3))
+    start = targets[:, 6].long()
+    n_layers = len(attentions)
+    reads = [layer for layer in layers if 0 < layer < n_layers]
+    if not reads:
+        raise ValueError(f"hop layers={layers}; the model has {n_layers} layers (use 1..L-1)")
+    carry_layer = reads[0] - 1
+    att = attentions[carry_layer][rows, HOP_ANCHOR_HEAD, q, anchor].float().clamp(min=1e-12)
+    h = hidden_states[carry_layer + 1][rows, q].float()
+    cols = start[:, None] + torch.arange(masks.shape[1])
+    mass = [
+        (attentions[layer][rows, HOP_HEAD, q].gather(1, cols).float() * masks).sum(1)
+        for layer in reads
+    ]
+    return {
+        "hop_anchor_attention": -att.log().mean(),
+        "hop_carry": nn.functional.mse_loss(probe.carry(h), targets[:, 3:5]),
+        "hop_word": nn.functional.cross_entropy(probe.word(h), targets[:, 5].long()),
+        "hop_read": -torch.stack(mass).clamp(min=1e-12).log().mean(),
+    }
+
+
 def copy_loss(attentions: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
     """Mean -log attention of head 0 in the later half of the layers, from each one-turn chat
     row's last prompt position to its question's last category token (`targets`: row, q, k).
@@ -401,6 +517,10 @@ def train_lm(
     if stage.relation_weight:
         relation_probe = RelationProbe(model.config.text_config.hidden_size)
         params += list(relation_probe.parameters())
+    hop_probe = None
+    if stage.hop_weight:
+        hop_probe = HopProbe(model.config.text_config.hidden_size)
+        params += list(hop_probe.parameters())
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
     t0, step = _Clock(), 0
     model.train()
@@ -418,7 +538,7 @@ def train_lm(
         stage.balance,
     )
     stream = _prefetch(make)
-    if stage.copy_weight or stage.relation_weight or stage.pointer_weight:
+    if stage.copy_weight or stage.relation_weight or stage.pointer_weight or stage.hop_weight:
         model.set_attn_implementation("eager")  # the auxiliary losses read attention probabilities
     while not _done(stage, step, t0):
         for group in opt.param_groups:
@@ -427,12 +547,14 @@ def train_lm(
         targets = batch.pop("copy_targets")
         places, relations = batch.pop("position_targets"), batch.pop("relation_targets")
         pointers, pointer_masks = batch.pop("pointer_targets"), batch.pop("pointer_masks")
+        hops, hop_masks = batch.pop("hop_targets"), batch.pop("hop_masks")
         copy = stage.copy_weight and len(targets) > 0
         relate = relation_probe is not None and len(places) + len(relations) > 0
         point = stage.pointer_weight and len(pointers) > 0
+        hop = hop_probe is not None and len(hops) > 0
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            attend = bool(copy or relate or point)
-            out = model(**batch, output_attentions=attend, output_hidden_states=relate)
+            attend = bool(copy or relate or point or hop)
+            out = model(**batch, output_attentions=attend, output_hidden_states=relate or hop)
         loss = out.loss
         record = {"loss": out.loss.item()}
         if copy:
@@ -445,6 +567,12 @@ def train_lm(
                 relation_probe, out.hidden_states, out.attentions, places, relations, image
             )
             loss = loss + stage.relation_weight * sum(terms.values())
+            record |= {f"{name}_loss": value.item() for name, value in terms.items()}
+        if hop:
+            terms = hop_loss(
+                hop_probe, out.hidden_states, out.attentions, hops, hop_masks, stage.hop_layers
+            )
+            loss = loss + stage.hop_weight * sum(terms.values())
             record |= {f"{name}_loss": value.item() for name, value in terms.items()}
         if point:
             point_loss = pointer_loss(out.attentions, pointers, pointer_masks)
@@ -482,7 +610,8 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     model = LlavaForConditionalGeneration(build_config(spec))
     model.config.use_cache = False
     batcher = Batcher(spec.n_visual, spec.patch, seed=recipe.seed)
-    probe = Probe(spec)
+    two_hop = any("twohop" in st.mix for st in recipe.stages)
+    probe = Probe(spec, two_hop=two_hop)
     log_path = out_dir / "train_log.jsonl"
     history: list[dict] = []
     if log_path.exists():

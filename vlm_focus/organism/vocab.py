@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scenes import CATEGORIES, IMAGE_SIZE, POSITIONS, RELATIONS
+from .scenes import CATEGORIES, COLOURS, IMAGE_SIZE, POSITIONS, RELATIONS, SHAPES
 
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>", "<image>")
 WORDS = (
     "user", ":", "assistant", "is", "there", "a", "an", "in", "the", "image", "?", ".", ",", "yes",
     "no", "of", "describe", "answer", "question", "using", "single", "word", "or", "phrase",
 )  # fmt: skip
-LATER_WORDS = ("where",)  # appended last, so the ids of every earlier word stay stable
+# appended last, so the ids of every earlier word stay stable (the two-hop family's words
+# come after `where`; models trained before them never see these ids)
+LATER_WORDS = ("where", "what", "colour", "shape", "object", *COLOURS, *SHAPES)
 VOCAB: tuple[str, ...] = SPECIAL + WORDS + RELATIONS + CATEGORIES + POSITIONS + LATER_WORDS
 TOKEN_ID: dict[str, int] = {w: i for i, w in enumerate(VOCAB)}
 PAD, BOS, EOS, UNK, IMAGE = (TOKEN_ID[t] for t in SPECIAL)
@@ -54,6 +56,32 @@ def where_question(category: str) -> str:
 def relation_question(a: str, relation: str, b: str) -> str:
     rel = f"{relation} of" if relation in ("left", "right") else relation
     return f"Is the {a} {rel} the {b}?"
+
+
+def _relation_phrase(relation: str) -> str:
+    return f"{relation} of" if relation in ("left", "right") else relation
+
+
+def two_hop_question(form: str, relation: str, anchor: str, asked: str = "") -> str:
+    """A two-hop question about the object {relation} the `anchor` (never named itself):
+
+    - `colour`: "What colour is the shape left of the red_circle?" (answer: a colour word);
+    - `category`: "What is right of the green_cross?" (answer: a category token);
+    - `shape`: "Is the object below the blue_square a triangle?" (yes/no about `asked`);
+    - `is_category`: "Is the object above the red_circle a blue_square?" (yes/no, POPE-style).
+    """
+    rel = _relation_phrase(relation)
+    if form == "colour":
+        return f"What colour is the shape {rel} the {anchor}?"
+    if form == "category":
+        return f"What is {rel} the {anchor}?"
+    if form in ("shape", "is_category"):
+        article = "an" if asked[:1] in "aeiou" else "a"
+        return f"Is the object {rel} the {anchor} {article} {asked}?"
+    raise ValueError(f"form={form!r}; allowed: {TWO_HOP_FORMS}")
+
+
+TWO_HOP_FORMS = ("colour", "category", "shape", "is_category")
 
 
 def words(text: str) -> list[str]:
@@ -126,6 +154,10 @@ SPECS: dict[str, OrganismSpec] = {
         text_layers=3,
         text_heads=5,
         text_mlp=640,
+    ),
+    # a deeper, narrower LM: eight layers, so that the two-hop read can sit after layer 2
+    "deep": OrganismSpec(
+        "organism-deep", text_hidden=160, text_layers=8, text_heads=5, text_mlp=576
     ),
     "tiny": OrganismSpec(
         "organism-tiny",
