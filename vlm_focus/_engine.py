@@ -66,6 +66,7 @@ class _Prefill:
     # full prompt, or layer 0's kept prompt when K = 0 (the decoder hook sliced it already).
     decode_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     cache: Any = None  # weakref to the cache this prefill filled
+    frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
 
 
 def _gather_seq(
@@ -251,6 +252,11 @@ class FocusEngine:
             inputs={k: v for k, v in kwargs.items() if not isinstance(v, Cache)},
             trace=trace,
             current=torch.arange(seq, device=input_ids.device).expand(batch, seq),
+            frames=(
+                _frame_ids(layout, (batch, seq), input_ids.device)
+                if self.config.budget == "frame"
+                else None
+            ),
         )
         self.last_trace = trace
 
@@ -400,7 +406,10 @@ class FocusEngine:
         with torch.no_grad():
             selection = self.pruner.select(ctx, n_keep)
         kept_visual = selection.kept
-        if kept_visual is None or bool((counts != n_keep).any()):
+        if self.config.budget == "frame":
+            scores = _frame_shares(selection.scores, visual, state.frames.gather(1, current))
+            kept_visual = _top_visual(scores, visual, counts)
+        elif kept_visual is None or bool((counts != n_keep).any()):
             kept_visual = _top_visual(selection.scores, visual, counts)
         if sync:
             torch.cuda.synchronize(hidden.device)
@@ -422,6 +431,42 @@ class FocusEngine:
 
 
 def _top_visual(scores: torch.Tensor, visual: torch.Tensor, counts: torch.Tensor) -> list:
-    """Per row, the ``counts[b]`` highest-scoring visual indices (ragged rows)."""
+    """Per row, the ``counts[b]`` highest-scoring visual indices (ragged rows); ties go to the
+    lower position, as in the kernel."""
     ranked = scores.float().masked_fill(~visual, float("-inf"))
-    return [ranked[b].topk(int(counts[b])).indices.sort().values for b in range(scores.shape[0])]
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
+    return [order[b, : int(counts[b])].sort().values for b in range(scores.shape[0])]
+
+
+def _frame_ids(layout: list[list[ImageLayout]], shape: tuple[int, int], device) -> torch.Tensor:
+    """``[B, S]`` id of the image, or of the video frame, each original position belongs to
+    (-1 off the visual span): the units of ``budget="frame"``."""
+    frames = torch.full(shape, -1, dtype=torch.long)
+    for b, images in enumerate(layout):
+        next_id = 0
+        for image in images:
+            if image.kind == "video":
+                frames[b, image.positions] = next_id + image.cells[:, 0].clamp(min=0)
+                next_id += len(image.grids)
+            else:
+                frames[b, image.positions] = next_id
+                next_id += 1
+    return frames.to(device)
+
+
+def _frame_shares(scores: torch.Tensor, visual: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+    """Scores whose top ``n`` over a row take the same share of every frame: each visual token
+    scores ``-(rank in its frame + 0.5) / frame size`` (rank 0 = its frame's best)."""
+    out = torch.full(scores.shape, float("-inf"), device=scores.device)
+    for b in range(scores.shape[0]):
+        idx = torch.nonzero(visual[b]).flatten()
+        s, f = scores[b, idx].float(), frames[b, idx]
+        by_score = torch.sort(s, descending=True, stable=True).indices
+        order = by_score[torch.sort(f[by_score], stable=True).indices]  # frame, then score
+        sizes = torch.bincount(f.clamp(min=0))
+        starts = sizes.cumsum(0) - sizes
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        rank = rank - starts[f.clamp(min=0)]
+        out[b, idx] = -(rank.float() + 0.5) / sizes[f.clamp(min=0)].float()
+    return out

@@ -7,6 +7,7 @@ from typing import Any
 
 QUERIES = ("last", "text")
 REDUCTIONS = ("mean", "max")
+BUDGETS = ("span", "frame")
 
 
 @dataclass
@@ -31,6 +32,14 @@ class FocusConfig:
         metadata={"help": "scoring rows: 'last' prompt token or all 'text' after the image"},
     )
     reduce: str = field(default="mean", metadata={"help": "head aggregation: 'mean' or 'max'"})
+    budget: str = field(
+        default="span",
+        metadata={
+            "help": "what keep divides: 'span' = a row's whole visual span (all images and "
+            "frames together, the pruner decides where), 'frame' = every image and every video "
+            "frame keeps the same share of its own tokens"
+        },
+    )
     options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "pruner-specific options (see vf.pruners())"}
     )
@@ -55,6 +64,8 @@ class FocusConfig:
             raise ValueError(f"query={self.query!r} is not one of {QUERIES}")
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce={self.reduce!r} is not one of {REDUCTIONS}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
         if not isinstance(self.pruner, str):
             raise TypeError(f"pruner must be a name (str), got {type(self.pruner).__name__}")
         if not isinstance(self.options, dict):

@@ -57,7 +57,8 @@ class HeatMap:
     Attributes:
         grid: ``[rows, cols]`` mass per cell of the finest view (LLaVA-NeXT: the unpadded
             anyres composite; Qwen: the merged grid, summed over frames of a video).
-        views: every view's ``[rows, cols]`` map (LLaVA-NeXT: base grid, then anyres grid).
+        views: every view's ``[rows, cols]`` map (LLaVA-NeXT: base grid, then anyres grid; a
+            video: one per frame, see :attr:`frame_maps`).
         pixels: ``[H, W]`` attention density in original image pixels.
         image_size: ``(H, W)`` of ``pixels``.
         frames: per view, the ``(y0, x0, height, width)`` pixel frame its grid spans.
@@ -79,6 +80,27 @@ class HeatMap:
     def mass(self) -> float:
         """Total attention mass on the image's grid cells."""
         return float(sum(v.sum() for v in self.views))
+
+    @property
+    def frame_maps(self) -> list[HeatMap]:
+        """A video's map as one :class:`HeatMap` per frame, in frame order (each frame's view,
+        upsampled on its own); an image gives ``[self]``."""
+        if self.layout is None or self.layout.kind != "video":
+            return [self]
+        return [
+            HeatMap(
+                view,
+                [view],
+                upsample(view, self.image_size, frame),
+                self.image_size,
+                [frame],
+                0.0,
+                self.row,
+                self.image,
+                self.layout,
+            )
+            for view, frame in zip(self.views, self.frames, strict=True)
+        ]
 
 
 # --- inputs and query rows ------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 from .base import NoOptions, Pruner, Selection, StageContext, apply_rope
-from .baselines import PoolPruner, RandomPruner
+from .baselines import PoolPruner, RandomPruner, TemporalPruner
 from .debiased import DebiasedPruner
 from .diverse import DiversePruner
 from .fastv import FastVPruner
@@ -75,5 +75,6 @@ for _cls in (
     DiversePruner,
     RandomPruner,
     PoolPruner,
+    TemporalPruner,
 ):
     register_pruner(_cls)

@@ -1,12 +1,14 @@
-"""Honest baselines: a seeded random keep and a spatially uniform keep on the 2-D grid."""
+"""Honest baselines: a seeded random keep, a spatially uniform keep on the 2-D grid, and a
+temporal keep of whole video frames."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
+from ._common import image_tokens
 from .base import Pruner, Selection, StageContext
 
 
@@ -73,3 +75,71 @@ class PoolPruner(Pruner):
                 present = positions[b][where.clamp(max=positions.shape[1] - 1)] == image.positions
                 scores[b, where[present]] = rank[present]
         return Selection(scores=scores.to(ctx.hidden.device))
+
+
+@dataclass
+class TemporalOptions:
+    mode: str = field(
+        default="uniform",
+        metadata={
+            "help": "'uniform': whole frames evenly spaced in time; 'dedup': frames least "
+            "like the frame before them (cosine of mean hidden states) first"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("uniform", "dedup"):
+            raise ValueError(f"mode={self.mode!r} must be 'uniform' or 'dedup'")
+
+
+class TemporalPruner(Pruner):
+    """Temporal baseline for videos: keeps whole frames, chosen evenly over time (``uniform``) or
+    by novelty against the previous frame (``dedup``, cosine of the frames' mean hidden states,
+    as near-duplicate frame dropping does). The last frame kept only in part keeps spatially
+    uniform cells. An image counts as one frame, so on images this is ``pool``."""
+
+    name = "temporal"
+    Options = TemporalOptions
+    summary = "whole video frames: evenly spaced in time, or near-duplicates dropped (cosine)"
+
+    def select(self, ctx: StageContext, n_keep: int) -> Selection:
+        scores = torch.full(ctx.visual.shape, -1.0)
+        hidden = ctx.hidden.float()
+        for row in image_tokens(ctx):
+            for tokens in row:
+                views = tokens.cells[:, 0].clamp(min=0)
+                n_views = len(tokens.layout.grids) if tokens.layout.kind == "video" else 1
+                frame = views if n_views > 1 else torch.zeros_like(views)
+                frame_rank = self._frame_ranks(hidden[tokens.row], tokens.local, frame, n_views)
+                spatial = torch.zeros(tokens.cells.shape[0])
+                for view, (rows, cols) in enumerate(tokens.layout.grids):
+                    here = (views == view) & (tokens.cells[:, 1] >= 0)
+                    cells = tokens.cells[here]
+                    order = _spread_order(rows, cols)[cells[:, 1] * cols + cells[:, 2]]
+                    spatial[here] = 1.0 - (order.float() + 0.5) / max(1, rows * cols)
+                # Frame rank dominates; inside a frame, spatially uniform cells first.
+                value = (n_views - frame_rank[frame]).float() + spatial
+                scores[tokens.row, tokens.local] = value
+        return Selection(scores=scores.to(ctx.hidden.device))
+
+    def _frame_ranks(
+        self, hidden: torch.Tensor, local: torch.Tensor, frame: torch.Tensor, n_frames: int
+    ) -> torch.Tensor:
+        """``[n_frames]`` rank of each frame, 0 = kept first (ties go to the earlier frame)."""
+        if self.options.mode == "uniform":
+            return _spread_order(1, n_frames)
+        feats = torch.stack(
+            [
+                hidden[local[frame == f].to(hidden.device)].mean(0)
+                if bool((frame == f).any())
+                else torch.zeros(hidden.shape[-1], device=hidden.device)
+                for f in range(n_frames)
+            ]
+        ).cpu()  # [T, D] mean hidden state per frame
+        novelty = torch.ones(n_frames) * 2.0  # the first frame has no predecessor
+        if n_frames > 1:
+            novelty[1:] = 1.0 - torch.nn.functional.cosine_similarity(feats[1:], feats[:-1], -1)
+        order = torch.sort(novelty, descending=True, stable=True).indices
+        ranks = torch.empty(n_frames, dtype=torch.long)
+        ranks[order] = torch.arange(n_frames)
+        return ranks
