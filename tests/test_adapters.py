@@ -77,7 +77,10 @@ def test_qwen_two_images_in_one_row_are_split_by_grid():
 def test_unknown_model_type_lists_supported_and_registration_works():
     model = make_model("llava")
     model.config.model_type = "my_vlm"
-    with pytest.raises(ValueError, match="supported: llava, llava_next, qwen2_5_vl, qwen2_vl"):
+    with pytest.raises(
+        ValueError,
+        match="supported: llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl",
+    ):
         vf.wrap(model)
     llava = get_adapter(make_model("llava"))
     vf.register_adapter(dataclasses.replace(llava, model_type="my_vlm"))

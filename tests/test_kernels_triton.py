@@ -188,14 +188,16 @@ def test_queries_inside_the_image(reduce: str) -> None:
 
 
 @in_process
-@pytest.mark.parametrize("kind,pruner", [("llava", "fastv"), ("qwen2_vl", "text")])
+@pytest.mark.parametrize(
+    "kind,pruner", [("llava", "fastv"), ("qwen2_vl", "text"), ("qwen3_vl", "fastv")]
+)
 def test_pruning_in_a_model_is_the_same_on_both_backends(
     kind: str, pruner: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """wrap() on a tiny model (batch 2, left padding; Qwen2-VL has GQA): the pruners' calls of
-    ``score_and_select`` keep the same tokens with the kernel as with the twin."""
-    from tiny_models import make_inputs as model_inputs
-    from tiny_models import make_model
+    """wrap() on a tiny model (batch 2, left padding; Qwen2-VL has GQA, Qwen3-VL q/k norms
+    and DeepStack): the pruners' calls of ``score_and_select`` keep the same tokens with the
+    kernel as with the twin."""
+    from tiny_models import make_case, make_model
 
     import vlm_focus as vf
 
@@ -208,7 +210,7 @@ def test_pruning_in_a_model_is_the_same_on_both_backends(
 
     monkeypatch.setattr(kt, "score_and_select_triton", spy)
     model = make_model(kind).to(DEVICE)
-    inputs = {k: v.to(DEVICE) for k, v in model_inputs(kind, model.cpu(), batch=2).items()}
+    inputs = {k: v.to(DEVICE) for k, v in make_case(kind, "image", model.cpu(), 2).items()}
     model.to(DEVICE)
     results = {}
     for backend in ("torch", "triton"):
