@@ -270,3 +270,30 @@ def test_a_later_turn_with_a_new_image_names_the_workaround():
             cache = model(**first, use_cache=True).past_key_values
             with pytest.raises(ValueError, match="Run the whole conversation as one prompt"):
                 model(**second, cache=cache)
+
+
+@pytest.mark.parametrize("kind,case", [("llava", "two_images"), ("qwen3_vl", "image")])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_text_turn_on_the_pruned_cache_equals_the_reference(kind, case, layer):
+    model = make_model(kind)
+    inputs = make_case(kind, case, model, batch=2)
+    follow = torch.tensor([[9, 10, 11, 12]] * 2)
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(follow)], 1)
+    # Qwen3-VL itself positions a masked multi-token chunk on a cache over the whole mask width
+    # (and fails), so that turn goes without a mask, positioned from the cache length.
+    turn = (
+        dict(input_ids=follow)
+        if kind.startswith("qwen")
+        else dict(input_ids=follow, attention_mask=mask)
+    )
+
+    def two_turns():
+        cache = model(**inputs, use_cache=True).past_key_values
+        return model(**turn, cache=cache).logits
+
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=layer) as handle:
+        logits = two_turns()
+        trace = handle.last_trace
+    with torch.no_grad(), masked_reference(model, model.model.language_model.layers, trace):
+        ref = two_turns()
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)

@@ -268,13 +268,11 @@ class FocusEngine:
         state = self.state
         batch, n_new = input_ids.shape
         width = state.full_len + _cache_length(cache) - state.per_layer[0].shape[1] + n_new
-        mask = kwargs.get("attention_mask")
-        if mask is None:
-            text = torch.arange(width - n_new, width, device=input_ids.device).expand(batch, -1)
-        else:
-            text = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n_new:]
+        text = torch.arange(width - n_new, width, device=input_ids.device).expand(batch, -1)
         kwargs = dict(kwargs)
-        kwargs["position_ids"] = self.adapter.decode_positions(self.model, text)
+        kwargs["position_ids"] = self.adapter.decode_positions(
+            self.model, text, kwargs.get("attention_mask")
+        )
         return kwargs
 
     # --- decoder hook (K = 0 decode): slice the 2-D mask before masks are built -----------------

@@ -40,8 +40,11 @@ class ImageLayout:
             raise ValueError("positions and cells must describe the same number of tokens")
 
 
-def text_positions(model: nn.Module, positions: torch.Tensor) -> torch.Tensor:
-    """1-D RoPE: decode position ids are the text positions themselves, ``[B, T]``."""
+def text_positions(
+    model: nn.Module, positions: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """1-D RoPE: a decoder called without ``position_ids`` counts on from its cache length
+    (padding included), so the ids are ``positions`` themselves, ``[B, T]``."""
     return positions
 
 
@@ -100,9 +103,10 @@ class ModelAdapter:
     vision_norm: str = "layer_norm1"
     feature_layer_attr: str = "vision_feature_layer"
     square_padded_views: tuple[int, ...] = ()
-    #: ``(model, text_positions [B, T]) -> position_ids`` for decode steps the engine must
-    #: position itself (pruning before layer 0 leaves every cache short).
-    decode_positions: Callable[[nn.Module, torch.Tensor], torch.Tensor] = text_positions
+    #: ``(model, positions [B, T], attention_mask [B, L] | None) -> position_ids`` for decode
+    #: calls the engine must position itself (pruning before layer 0 leaves every cache short):
+    #: the ids the model would give with its unpruned cache, whose length ``positions`` counts on.
+    decode_positions: Callable[..., torch.Tensor] = text_positions
     qk_norms: tuple[str, str] | None = None
     sequence_hooks: Callable[[nn.Module, Callable[[int], torch.Tensor | None]], list] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -57,8 +57,14 @@ def qwen_layout(
     return layouts
 
 
-def mrope_decode_positions(model: nn.Module, positions: torch.Tensor) -> torch.Tensor:
-    """Text positions shifted by the ``rope_deltas`` the model stored at prefill: ``[3, B, T]``."""
+def mrope_decode_positions(
+    model: nn.Module, positions: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """As Qwen positions a decode call itself: text positions (counted over the attention mask
+    when there is one) shifted by the ``rope_deltas`` stored at prefill, ``[3, B, T]``."""
+    if attention_mask is not None:
+        counted = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = counted[:, -positions.shape[1] :]
     deltas = getattr(model.model, "rope_deltas", None)
     if deltas is not None:
         positions = positions + deltas.to(positions.device)
