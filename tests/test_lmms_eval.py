@@ -43,10 +43,12 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
-def _lmms_eval(out: Path, env: dict[str, str], extra: str) -> tuple[dict, list[dict]]:
+def _lmms_eval(
+    out: Path, env: dict[str, str], extra: str, limit: int = LIMIT
+) -> tuple[dict, list[dict]]:
     args = "pretrained=embedded" + (f",{extra}" if extra else "")
     cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
-    cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", str(LIMIT)]
+    cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", str(limit)]
     cmd += ["--batch_size", "1", "--output_path", str(out), "--log_samples"]
     _run(cmd, env)
     (results,) = out.rglob("*_results.json")
@@ -63,16 +65,23 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     for name, extra in (("unpruned", ""), ("pruned", PRUNED)):
         out[name] = _lmms_eval(root / f"lmms-{name}", env, extra)
-    cmd = [sys.executable, "-m", "vlm_focus.cli", "eval", "pope", "--questions", str(QUESTIONS)]
-    cmd += ["--limit", str(LIMIT), "--sweep", "keep=0.25", "--pruners", "fastv", "--layer", "0"]
-    cmd += ["--batch-size", "1", "--threads", "1", "--out", str(root / "vf")]
-    _run(cmd, env)
-    folder = root / "vf" / "pope" / "embedded" / "adversarial"
+    sweep = ["--sweep", "keep=0.25", "--pruners", "fastv", "--layer", "0"]
     for name, tag in (("unpruned", "unpruned"), ("pruned", "fastv-k0.25-l0")):
-        records = [json.loads(x) for x in (folder / f"{tag}.jsonl").read_text().splitlines()]
-        summary = json.loads((folder / f"{tag}.json").read_text())
-        out[f"vf-{name}"] = (summary, records)
+        out[f"vf-{name}"] = _vlm_focus_eval(root / "vf", env, sweep, tag)
     return out
+
+
+def _vlm_focus_eval(
+    out: Path, env: dict[str, str], args: list[str], tag: str, limit: int = LIMIT
+) -> tuple[dict, list[dict]]:
+    """``vlm-focus eval pope`` on the same question file (resumable: a second call for another
+    setting of the same run only reads its results)."""
+    cmd = [sys.executable, "-m", "vlm_focus.cli", "eval", "pope", "--questions", str(QUESTIONS)]
+    cmd += ["--limit", str(limit), "--batch-size", "1", "--threads", "1", "--out", str(out)]
+    _run(cmd + args, env)
+    folder = out / "pope" / "embedded" / "adversarial"
+    records = [json.loads(x) for x in (folder / f"{tag}.jsonl").read_text().splitlines()]
+    return json.loads((folder / f"{tag}.json").read_text()), records
 
 
 @pytest.mark.slow
@@ -120,6 +129,36 @@ def test_logged_kept_counts_equal_the_wrap_trace(runs, setting):
     assert throughput["avg_vlm_focus_visual_kept"] == pytest.approx(kept)
     assert throughput["avg_vlm_focus_prefill_s"] > 0
     assert results["config"]["model"] == "vlm_focus"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, args, tag",
+    [
+        (
+            "pruner=guided,guide=embedded,keep=0.25,layer=0",
+            ["--pruner", "guided", "--keep", "0.25", "--layer", "0"],
+            "guided-k0.25-l0",
+        ),
+        (
+            "mitigate=attention_reweight,strength=1.0",
+            ["--mitigate", "reweight"],
+            "unpruned-reweight",
+        ),
+    ],
+)
+def test_guided_pruning_and_mitigation_equal_vlm_focus_eval(tmp_path, extra, args, tag):
+    """The guide model's inputs are built from lmms-eval's messages; the mitigation runs around
+    lmms-eval's generate(); both give ``vlm-focus eval pope``'s answers and kept counts."""
+    env = _env(tmp_path)
+    results, samples = _lmms_eval(tmp_path / "lmms", env, extra, limit=12)
+    summary, records = _vlm_focus_eval(tmp_path / "vf", env, args, tag, limit=12)
+    logged = {
+        s["accuracy"]["question_id"]: (s["accuracy"]["answer"], s["token_counts"][0]["visual_kept"])
+        for s in samples
+    }
+    assert logged == {r["question_id"]: (r["answer"], r["visual_kept"]) for r in records}
+    assert results["results"][TASK]["f1,none"] == pytest.approx(summary["f1"], abs=1e-12)
 
 
 def test_entry_point_registers_the_model():
