@@ -134,6 +134,18 @@ def test_remove_restores_logits_exactly_and_keep_all_changes_nothing(kind, case)
     assert pruned.shape[1] < before.shape[1]
 
 
+@pytest.mark.parametrize("case", ["image", "video"])
+def test_qwen3_moe_shares_the_qwen3_layout(case):
+    _check("qwen3_vl_moe", case, "sdpa", 2, 0, "fastv", steps=4)
+    model = make_model("qwen3_vl_moe")
+    inputs = make_case("qwen3_vl_moe", case, model, batch=2)
+    with torch.no_grad():
+        before = model(**inputs).logits
+        with vf.wrap(model, pruner="random", keep=0.5, layer=2):
+            model(**inputs)
+        assert torch.equal(model(**inputs).logits, before)
+
+
 def test_qwen3_deepstack_reaches_the_kept_tokens():
     """DeepStack matters in this model (zeroing its features changes the logits), and pruning
     at K = 0 still adds each kept token's own features: equal to the masked reference."""

@@ -22,6 +22,8 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from vlm_focus.model_adapters.llava_next import _image_cells
@@ -131,16 +133,21 @@ def make_model(kind: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
             image_grid_pinpoints=ONEVISION_PINPOINTS,
         )
         model = LlavaOnevisionForConditionalGeneration(config)
-    elif kind == "qwen3_vl":
-        config = Qwen3VLConfig(
+    elif kind in ("qwen3_vl", "qwen3_vl_moe"):
+        moe = kind == "qwen3_vl_moe"
+        text = dict(_QWEN3_TEXT)
+        if moe:  # every layer sparse: 4 experts, 2 per token
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
             vision_config=dict(_QWEN3_VISION),
-            text_config=dict(_QWEN3_TEXT),
+            text_config=text,
             image_token_id=IMAGE,
             video_token_id=VIDEO,
             vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END,
         )
-        model = Qwen3VLForConditionalGeneration(config)
+        cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+        model = cls(config)
     elif kind in ("qwen2_vl", "qwen2_5_vl"):
         cls_config, cls_model = (
             (Qwen2VLConfig, Qwen2VLForConditionalGeneration)
@@ -275,15 +282,15 @@ def make_case(kind: str, case: str, model, batch: int = 1, seed: int = 0, prompt
         return make_inputs(kind, model, batch=batch, seed=seed, prompt_len=prompt_len)
     rows: list[list[int]] = []
     extra: dict = {}
-    if kind in ("qwen3_vl", "qwen2_5_vl"):
-        patch_dim = QWEN3_PATCH_DIM if kind == "qwen3_vl" else 3 * 2 * 4 * 4
+    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"):
+        patch_dim = 3 * 2 * 4 * 4 if kind == "qwen2_5_vl" else QWEN3_PATCH_DIM
         grids = [[1, 8, 6], [1, 4, 8]] if case == "image" else [[3, 4, 4], [2, 4, 6]]
         grids = grids[:batch]
         token = IMAGE if case == "image" else VIDEO
         for b, (t, h, w) in enumerate(grids):
             per_frame = h * w // 4
             row = [BOS] + _text(2, gen)
-            if case == "video" and kind == "qwen3_vl":  # one block per temporal group
+            if case == "video" and kind != "qwen2_5_vl":  # Qwen3: a block per temporal group
                 for _ in range(t):
                     row += _text(2, gen) + [VISION_START] + [token] * per_frame + [VISION_END]
             else:
