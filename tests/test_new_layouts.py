@@ -309,3 +309,10 @@ def test_a_text_turn_on_the_pruned_cache_equals_the_reference(kind, case, layer)
     with torch.no_grad(), masked_reference(model, model.model.language_model.layers, trace):
         ref = two_turns()
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen2_5_vl"])
+def test_guided_pruning_of_a_video_matches_the_reference(kind):
+    guide = make_model("qwen2_5_vl", seed=3)
+    options = dict(guide=guide, guide_inputs=make_case("qwen2_5_vl", "video", guide, batch=2))
+    _check(kind, "video", "sdpa", 2, 0, "guided", steps=4, **options)
