@@ -8,12 +8,28 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.models.llava_next.modeling_llava_next import (
-    get_anyres_image_grid_shape,
-    unpad_image,
-)
 
 from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
+
+
+def anyres_canvas(model: nn.Module, image_size: list[int]) -> tuple[torch.Tensor, int, int]:
+    """``(canvas, crops_h, crops_w)``: the anyres crops' stitched grid unpadded to the image's
+    aspect ratio, as ``[2, h, w]`` (row, col) coordinates on the padded grid. The coordinates
+    go through the model's own ``unpad_image``, so cells match its features exactly."""
+    from transformers.models.llava_next.modeling_llava_next import (  # heavy: import on use
+        get_anyres_image_grid_shape,
+        unpad_image,
+    )
+
+    config = model.config
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    crops_h, crops_w = get_anyres_image_grid_shape(
+        image_size, config.image_grid_pinpoints, config.vision_config.image_size
+    )
+    rows, cols = torch.meshgrid(
+        torch.arange(crops_h * side), torch.arange(crops_w * side), indexing="ij"
+    )
+    return unpad_image(torch.stack([rows, cols]), image_size), crops_h, crops_w
 
 
 def _image_cells(model: nn.Module, image_size: list[int], anyres: bool):
@@ -23,14 +39,7 @@ def _image_cells(model: nn.Module, image_size: list[int], anyres: bool):
     base = grid_cells(side, side, view=0)
     if not anyres:  # a single crop: the base grid and one trailing newline
         return torch.cat([base, torch.tensor([[0, -1, -1]])]), [(side, side)]
-    crops_h, crops_w = get_anyres_image_grid_shape(
-        image_size, config.image_grid_pinpoints, config.vision_config.image_size
-    )
-    rows, cols = torch.meshgrid(
-        torch.arange(crops_h * side), torch.arange(crops_w * side), indexing="ij"
-    )
-    # Unpad a grid of coordinates exactly as the model unpads features, so cells match tokens.
-    kept = unpad_image(torch.stack([rows, cols]), image_size)  # [2, h, w]
+    kept, _, _ = anyres_canvas(model, image_size)  # [2, h, w]
     h, w = kept.shape[1:]
     kept = kept - kept.amin(dim=(1, 2), keepdim=True)  # address the [h, w] unpadded grid from 0
     hires = torch.stack([torch.ones_like(kept[0]), kept[0], kept[1]], dim=-1)  # [h, w, 3]
@@ -48,13 +57,7 @@ def _image_patches(model: nn.Module, image_size: list[int], anyres: bool):
     newline = torch.tensor([[-1, -1]])
     if not anyres:
         return torch.cat([base, newline]), 1
-    crops_h, crops_w = get_anyres_image_grid_shape(
-        image_size, config.image_grid_pinpoints, config.vision_config.image_size
-    )
-    rows, cols = torch.meshgrid(
-        torch.arange(crops_h * side), torch.arange(crops_w * side), indexing="ij"
-    )
-    kept = unpad_image(torch.stack([rows, cols]), image_size)  # [2, h, w] canvas coordinates
+    kept, crops_h, crops_w = anyres_canvas(model, image_size)  # [2, h, w] canvas coordinates
     crop = 1 + (kept[0] // side) * crops_w + kept[1] // side
     patch = (kept[0] % side) * side + kept[1] % side
     hires = torch.stack([crop, patch], dim=-1)  # [h, w, 2]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
+from .llava_next import anyres_canvas
 
 _NEWLINE_CELL = torch.tensor([[0, -1, -1]])
 _NO_PATCH = torch.tensor([[-1, -1]])
@@ -38,21 +39,9 @@ def _base(side: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _anyres_tokens(model: nn.Module, image_size: list[int]):
     """(cells, patches, grids, crops) of one anyres image, in the model's token order."""
-    from transformers.models.llava_onevision.modeling_llava_onevision import (
-        get_anyres_image_grid_shape,
-        unpad_image,
-    )
-
     config = model.config
     side = _side(model)
-    crops_h, crops_w = get_anyres_image_grid_shape(
-        image_size, config.image_grid_pinpoints, config.vision_config.image_size
-    )
-    rows, cols = torch.meshgrid(
-        torch.arange(crops_h * side), torch.arange(crops_w * side), indexing="ij"
-    )
-    # Unpad a grid of canvas coordinates exactly as the model unpads its features.
-    canvas = unpad_image(torch.stack([rows, cols]), image_size)  # [2, h, w]
+    canvas, crops_h, crops_w = anyres_canvas(model, image_size)  # [2, h, w]
     h, w = canvas.shape[1:]
     aspect = getattr(config, "vision_aspect_ratio", "anyres_max_9")
     max_crops = int(aspect.removeprefix("anyres_max_"))
