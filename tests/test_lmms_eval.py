@@ -12,9 +12,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
+from lmms_eval.api.model import lmms
 
 from vlm_focus.integrations import lmms_eval_tasks_path, split_model_args
 from vlm_focus.integrations.lmms_eval_tasks import organism_yes_ratio, predicted_yes_ratio
+from vlm_focus.loading import build_inputs, decode_new_tokens, load_model
 from vlm_focus.organism import default_model_path
 
 QUESTIONS = Path(default_model_path()).parent / "heldout" / "pope_adversarial.jsonl"
@@ -168,6 +171,7 @@ def test_entry_point_registers_the_model():
     from vlm_focus.integrations.lmms_eval import VlmFocus
 
     assert ep.load()().chat_class_path == "vlm_focus.integrations.lmms_eval.VlmFocus"
+    assert ep.value == "vlm_focus.integrations:lmms_eval_manifest"
     assert get_model("vlm_focus") is VlmFocus
 
 
@@ -209,15 +213,16 @@ def test_model_args_split_and_schedules():
     )
     assert rest == {"pretrained": "x", "batch_size": 2}
     assert focus.wrap == {"pruner": "debiased", "base": "text", "keep": 0.5}
-    assert focus.tag() == "debiased-k0.5-l2"  # FocusConfig's default layer
-    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64"})
+    assert focus.tag() == "debiased-k0.5-l2,base=text"  # FocusConfig's default layer
+    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64", "query": "text"})
     assert focus.config().stages == [(2, 0.5), (8, 0.25), (16, 64)]
+    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16,query=text"
     focus, _ = split_model_args(
         {"mitigate": "attention_reweight", "strength": 2, "mitigate_layers": "0:1"}
     )
     assert not focus.pruned and focus.mitigate == "attention_reweight"
     assert focus.mitigate_options == {"strength": 2.0, "layers": [0, 1]}
-    assert focus.tag() == "unpruned+attention_reweight"
+    assert focus.tag() == "unpruned+attention_reweight(layers=[0, 1],strength=2.0)"
     focus, _ = split_model_args({"guide": "embedded", "keep": 0.5, "layer": 0})
     assert focus.wrap["pruner"] == "guided" and Path(focus.guide, "config.json").is_file()
 
@@ -240,3 +245,110 @@ def test_yes_ratio_is_the_share_of_predicted_yes():
         for d, p in zip(docs, ["yes", "yes", "yes", "no"])
     ]
     assert organism_yes_ratio(ours) == 0.75
+
+
+def test_shipped_task_yamls_load_in_lmms_eval():
+    """lmms-eval indexes the shipped tasks; ``vf_pope`` is lmms-eval's POPE but for yes_ratio."""
+    from lmms_eval import utils
+    from lmms_eval.tasks import TaskManager
+    from lmms_eval.tasks.pope import utils as pope
+
+    names = TaskManager(include_path=lmms_eval_tasks_path()).all_tasks
+    splits = [f"vf_pope_organism_{s}" for s in ("random", "popular", "adversarial")]
+    assert {"vf_pope", "vf_pope_organism", *splits} <= set(names)
+    config = utils.load_yaml_config(str(Path(lmms_eval_tasks_path()) / "vf_pope.yaml"))
+    aggregations = {m["metric"]: m["aggregation"] for m in config["metric_list"]}
+    assert aggregations.pop("pope_yes_ratio") is predicted_yes_ratio
+    assert aggregations["pope_f1_score"] is pope.pope_aggregate_f1_score
+    assert config["process_results"] is pope.pope_process_results
+    organism = utils.load_yaml_config(str(Path(lmms_eval_tasks_path()) / f"{splits[0]}.yaml"))
+    (data,) = organism["dataset_kwargs"]["data_files"].values()
+    assert Path(data).resolve() == QUESTIONS.with_name("pope_random.jsonl").resolve()
+
+
+class BatchedChat(lmms):
+    """Stands in for lmms-eval's batched chat classes (``chat/qwen2_5_vl.py``): it reorders the
+    requests, calls each request's ``doc_to_messages`` in batch-row order, left-pads a batch and
+    generates it in one call, and returns the answers in the requests' order."""
+
+    is_simple = False
+
+    def __init__(self, pretrained, batch_size=1, device="cpu", device_map="cpu"):
+        super().__init__()
+        self.model, self.processor = load_model(pretrained, device=device)
+        self.batch_size = int(batch_size)
+
+    def generate_until(self, requests):
+        order = sorted(range(len(requests)), key=lambda i: -requests[i].args[3])
+        out = [None] * len(requests)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            images, prompts = [], []
+            for i in chunk:
+                _, to_messages, _, doc_id, task, split = requests[i].args
+                (message,) = to_messages(self.task_dict[task][split][doc_id])
+                images.append(message["content"][0]["url"])
+                prompts.append(message["content"][1]["text"])
+            inputs = build_inputs(self.processor, images, prompts)
+            sequences = self.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            texts = decode_new_tokens(self.processor, inputs, sequences)
+            for i, text in zip(chunk, texts):
+                out[i] = GenerationResult(text=text, token_counts=TokenCounts(output_tokens=1))
+        return out
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError
+
+
+def test_batches_map_each_row_back_to_its_request(monkeypatch):
+    """Batch 3 over 7 requests, reordered by the delegate: every request gets its own row's
+    prompt length, its batch's prefill share and the kept count of a direct wrap."""
+    import types
+
+    from vlm_focus.eval import read_questions
+    from vlm_focus.integrations import lmms_eval as plugin
+    from vlm_focus.integrations.lmms_eval_tasks import organism_doc_to_text
+    from vlm_focus.integrations.lmms_eval_tasks import organism_doc_to_visual as to_visual
+
+    module = types.ModuleType("_fake_lmms_chat")
+    module.BatchedChat = BatchedChat
+    monkeypatch.setitem(sys.modules, "_fake_lmms_chat", module)
+    monkeypatch.setitem(plugin.DELEGATES, "llava", plugin.Delegate("_fake_lmms_chat.BatchedChat"))
+    lm = plugin.VlmFocus(pretrained="embedded", batch_size=3, pruner="fastv", keep=0.25, layer=0)
+    docs = read_questions(QUESTIONS)[:7]
+    lm.task_dict["t"] = {"test": docs}
+
+    def to_messages(doc):
+        content = [{"type": "image", "url": to_visual(doc)[0]}]
+        return [{"role": "user", "content": content + [{"type": "text", "text": ask(doc)}]}]
+
+    def ask(doc):  # prompts of three lengths
+        return organism_doc_to_text(doc, {"pre_prompt": doc["text"] * (doc["question_id"] % 3)})
+
+    requests = [
+        Instance(
+            "generate_until",
+            ("", to_messages, {}, i, "t", "test"),
+            0,
+            metadata={"task": "t", "doc_id": i, "repeats": 1},
+        )
+        for i in range(len(docs))
+    ]
+    counts = [r.token_counts for r in lm.generate_until(requests)]
+    processor = lm.delegate.processor
+    lengths = [
+        int(build_inputs(processor, to_visual(d), [ask(d)])["attention_mask"].sum()) for d in docs
+    ]
+    assert len(set(lengths)) > 1  # rows differ, so a mix-up would show
+    assert [c.input_tokens for c in counts] == lengths
+    assert {(c.visual_kept, c.visual_total) for c in counts} == {(36, 144)}
+    chunks = [[6, 5, 4], [3, 2, 1], [0]]  # the delegate's batches (descending doc id)
+    for chunk in chunks:
+        assert len({counts[i].prefill_s for i in chunk}) == 1
+    assert len({c.prefill_s for c in counts}) == len(chunks)
+    assert all(c.output_tokens == 1 for c in counts)
+    lm.remove()
+    assert not hasattr(lm.delegate.model, "_vlm_focus_handle")

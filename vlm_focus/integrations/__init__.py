@@ -12,6 +12,14 @@
 from .model_args import FocusArgs, focus_option_names, split_model_args
 
 
+def lmms_eval_manifest():
+    """Entry point of group ``lmms_eval.models``: registers ``--model vlm_focus`` (the class in
+    :mod:`vlm_focus.integrations.lmms_eval`, imported only when that model is asked for)."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(model_id="vlm_focus", chat_class_path=f"{__name__}.lmms_eval.VlmFocus")
+
+
 def lmms_eval_tasks_path() -> str:
     """Folder of the lmms-eval task YAMLs shipped with vlm_focus (for ``--include_path``)."""
     from .lmms_eval_tasks import tasks_path
@@ -19,4 +27,10 @@ def lmms_eval_tasks_path() -> str:
     return tasks_path()
 
 
-__all__ = ["FocusArgs", "focus_option_names", "lmms_eval_tasks_path", "split_model_args"]
+__all__ = [
+    "FocusArgs",
+    "focus_option_names",
+    "lmms_eval_manifest",
+    "lmms_eval_tasks_path",
+    "split_model_args",
+]

@@ -44,8 +44,6 @@ from ..loading import build_inputs, load_model, resolve_model_path
 from ..model_adapters import get_adapter
 from .model_args import FocusArgs, split_model_args
 
-MODEL_ID = "vlm_focus"
-
 
 @dataclass(frozen=True)
 class Delegate:
@@ -67,13 +65,6 @@ DELEGATES: dict[str, Delegate] = {
     "qwen2_5_vl": Delegate("lmms_eval.models.chat.qwen2_5_vl.Qwen2_5_VL"),
     "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL"),
 }
-
-
-def manifest() -> Any:
-    """The entry point of group ``lmms_eval.models``: registers ``--model vlm_focus``."""
-    from lmms_eval.models.registry_v2 import ModelManifest
-
-    return ModelManifest(model_id=MODEL_ID, chat_class_path=f"{__name__}.VlmFocus")
 
 
 @dataclass
@@ -401,4 +392,4 @@ def _text(messages: Any) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["DELEGATES", "FocusArgs", "FocusTokenCounts", "VlmFocus", "manifest"]
+__all__ = ["DELEGATES", "Delegate", "FocusArgs", "FocusTokenCounts", "VlmFocus"]

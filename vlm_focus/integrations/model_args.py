@@ -92,15 +92,30 @@ class FocusArgs:
         return out
 
     def tag(self) -> str:
-        """Short label, e.g. ``unpruned`` or ``fastv-k0.25-l0`` (``+attention_reweight``)."""
+        """The whole setting in one line: ``unpruned``, ``fastv-k0.25-l0``, or with every
+        non-default field and option, e.g. ``debiased-k0.25-l2,query=text,base=text`` and
+        ``unpruned+attention_reweight(strength=2.0)``."""
         config = self.config()
         if config is None:
             tag = "unpruned"
         else:
             keep = ":".join(f"{k:g}" for _, k in config.stages)
             layer = ":".join(str(layer) for layer, _ in config.stages)
-            tag = f"{config.pruner}-k{keep}-l{layer}"
-        return tag if self.mitigate is None else f"{tag}+{self.mitigate}"
+            defaults = FocusConfig()
+            extra = [
+                f"{name}={getattr(config, name)}"
+                for name in FOCUS_FIELDS
+                if name not in ("pruner", "keep", "layer")
+                and getattr(config, name) != getattr(defaults, name)
+            ]
+            extra += [f"{k}={v}" for k, v in sorted(config.options.items())]
+            if self.guide is not None:
+                extra.append(f"guide={self.guide}")
+            tag = ",".join([f"{config.pruner}-k{keep}-l{layer}", *extra])
+        if self.mitigate is None:
+            return tag
+        options = ",".join(f"{k}={v}" for k, v in sorted(self.mitigate_options.items()))
+        return f"{tag}+{self.mitigate}" + (f"({options})" if options else "")
 
 
 def split_model_args(
