@@ -316,3 +316,18 @@ def test_guided_pruning_of_a_video_matches_the_reference(kind):
     guide = make_model("qwen2_5_vl", seed=3)
     options = dict(guide=guide, guide_inputs=make_case("qwen2_5_vl", "video", guide, batch=2))
     _check(kind, "video", "sdpa", 2, 0, "guided", steps=4, **options)
+
+
+def test_a_text_only_row_beside_an_image_row_runs_unpruned_with_a_warning():
+    model = make_model("llava")
+    inputs = make_case("llava", "image", model, batch=2)
+    gen = torch.Generator().manual_seed(1)
+    inputs["input_ids"][0] = torch.randint(3, 100, inputs["input_ids"][0].shape, generator=gen)
+    inputs["pixel_values"] = inputs["pixel_values"][1:]
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with vf.wrap(model, pruner="fastv", keep=0.5, layer=2) as handle:
+            with pytest.warns(UserWarning, match="text-only row has nothing to drop"):
+                logits = model(**inputs).logits
+    torch.testing.assert_close(logits, plain, atol=1e-6, rtol=0)
+    assert handle.last_trace.n_kept == handle.last_trace.n_visual == [0, 16]

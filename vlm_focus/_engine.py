@@ -20,6 +20,7 @@ drop), so all rows keep one common length and no row keeps fewer tokens than ``k
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -232,6 +233,13 @@ class FocusEngine:
         layout_inputs = {**recorded, **{k: v for k, v in kwargs.items() if v is not None}}
         layout = self.adapter.layout(self.model, input_ids, layout_inputs)
         n_visual = visual.sum(1).tolist()
+        if 0 in n_visual and any(n_visual):
+            warnings.warn(
+                "vlm_focus: this batch mixes rows without visual tokens and rows with images; "
+                "rows keep one common length and a text-only row has nothing to drop, so the "
+                "batch runs unpruned (batch text-only prompts separately to prune the others)",
+                stacklevel=2,
+            )
         drops, remaining = [], list(n_visual)
         for _, keep in self.config.stages:
             want = [r - min(r, keep_count(keep, n)) for r, n in zip(remaining, n_visual)]
@@ -381,6 +389,16 @@ class FocusEngine:
         drop = state.drops[stage_index]
         counts = visual.sum(1) - drop  # [B]
         n_keep = int(counts.min())
+        if drop == 0:  # nothing to drop (keep=1.0, or a row without visual tokens)
+            state.trace.stages.append(
+                StageTrace(
+                    layer=index,
+                    kept=[current[b][visual[b]] for b in range(visual.shape[0])],
+                    scores=[torch.zeros(int(n)) for n in visual.sum(1).tolist()],
+                    candidates=[current[b][visual[b]] for b in range(visual.shape[0])],
+                )
+            )
+            return torch.arange(hidden.shape[1], device=hidden.device).expand(visual.shape[0], -1)
         ctx = StageContext(
             model=self.model,
             adapter=self.adapter,
