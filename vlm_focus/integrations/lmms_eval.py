@@ -107,9 +107,8 @@ class VlmFocus(lmms):
 
         path = resolve_model_path(pretrained)
         trust = bool(kwargs.get("trust_remote_code", False))
-        model_type = getattr(
-            AutoConfig.from_pretrained(path, trust_remote_code=trust), "model_type", None
-        )
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        model_type = getattr(config, "model_type", None)
         if model_type not in DELEGATES:
             raise ValueError(
                 f"pretrained={pretrained!r} has model_type {model_type!r}; --model vlm_focus "
@@ -120,8 +119,9 @@ class VlmFocus(lmms):
         delegate_cls = getattr(importlib.import_module(module_name), class_name)
         accepted = _init_parameters(delegate_cls)
         self.focus, rest = split_model_args(kwargs, other=accepted)
-        batch = int(rest.get("batch_size", 1) or 1)
-        if spec.max_batch is not None and batch > spec.max_batch:
+        _check_layers(self.focus, getattr(config.get_text_config(), "num_hidden_layers", None))
+        batch = _batch_size(rest.get("batch_size"))
+        if spec.max_batch is not None and batch is not None and batch > spec.max_batch:
             raise ValueError(
                 f"batch_size={batch}: lmms-eval's {class_name} for {model_type} runs "
                 f"{spec.max_batch} request per batch"
@@ -151,6 +151,8 @@ class VlmFocus(lmms):
             )
             options.update(guide=self.guide, guide_inputs=self._guide_inputs)
         self.handle = wrap(model, **options) if self.focus.pruned else None
+        if self.focus.mitigate is not None:
+            self._mitigation()  # checks the options against the model (its layer count)
         self._hooks = [
             model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after, with_kwargs=True),
@@ -159,7 +161,7 @@ class VlmFocus(lmms):
 
     # --- the harness's interface ------------------------------------------------------------
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult]:
-        self._facts = {}
+        self._facts, self._rows = {}, []
         proxies = [self._proxy(i, req) for i, req in enumerate(requests)]
         with self._mitigation():
             outputs = self.delegate.generate_until(proxies)
@@ -198,6 +200,7 @@ class VlmFocus(lmms):
 
     def clean(self) -> None:
         self.remove()
+        self.guide = None
         self.delegate.clean()
 
     def remove(self) -> None:
@@ -235,14 +238,13 @@ class VlmFocus(lmms):
     def _proxy(self, index: int, request: Instance) -> Instance:
         """The request as the delegate takes it, with its media callable noting the row order
         in which the delegate builds each batch."""
-        args = request.args
+        ctx, to_messages, gen_kwargs, doc_id, task, split = request.args
         if self.spec.chat:
-            ctx, to_messages, gen_kwargs, doc_id, task, split = args
-            new = (ctx, self._noting(index, to_messages), gen_kwargs, doc_id, task, split)
-        else:
-            ctx, to_messages, gen_kwargs, doc_id, task, split = args
-            new = (ctx, gen_kwargs, self._noting(index, to_messages, visuals=True), doc_id)
-            new = (*new, task, split)
+            noted = self._noting(index, to_messages)
+            new = (ctx, noted, gen_kwargs, doc_id, task, split)
+        else:  # a simple class takes (context, gen_kwargs, doc_to_visual, doc_id, task, split)
+            noted = self._noting(index, to_messages, visuals=True)
+            new = (ctx, gen_kwargs, noted, doc_id, task, split)
         return dataclasses.replace(request, arguments=new)
 
     def _noting(self, index: int, to_messages: Any, *, visuals: bool = False) -> Any:
@@ -349,6 +351,28 @@ def _init_parameters(cls: type) -> list[str]:
         if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             names.append(p.name)
     return names
+
+
+def _check_layers(focus: FocusArgs, n_layers: int | None) -> None:
+    """Pruning and mitigation layers inside the decoder's ``[0, n_layers)``, from the config."""
+    if n_layers is None:
+        return
+    config = focus.config()
+    stages = [("layer", layer) for layer, _ in config.stages] if config is not None else []
+    stages += [("mitigate_layers", layer) for layer in focus.mitigate_options.get("layers", [])]
+    for name, layer in stages:
+        if layer >= n_layers:
+            raise ValueError(
+                f"{name}: layer {layer} is out of range; this model has layers [0, {n_layers})"
+            )
+
+
+def _batch_size(value: Any) -> int | None:
+    """The harness's ``batch_size`` as an int (``None`` for ``auto`` and the like)."""
+    try:
+        return int(value) if value is not None else 1
+    except (TypeError, ValueError):
+        return None
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -178,6 +178,11 @@ def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
                 pruner_cls.Options(**extra)  # the pruner's own value checks
             except (TypeError, ValueError) as err:
                 raise ValueError(f"pruner {config.pruner!r}: {err}") from err
+    if wrap and mitigate is not None:
+        raise ValueError(
+            f"mitigate={mitigate!r} with pruning ({', '.join(sorted(wrap))}): the mitigations read "
+            "attention over the full sequence at every layer; run them without pruning"
+        )
     return FocusArgs(wrap=wrap, guide=guide, mitigate=mitigate, mitigate_options=mitigate_options)
 
 
