@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pruner_inputs import WIDTH, make_ctx
 from tiny_models import make_model
 
-from vlm_focus._engine import _top_visual
+from vlm_focus._engine import keep_mask as engine_keep_mask
 from vlm_focus.config import FocusConfig, keep_count
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
@@ -144,8 +144,10 @@ def test_selection_invariants(scene, name, query, data):
     scores = selection.scores
     assert scores.shape == visual.shape
     assert torch.isfinite(scores[visual]).all()
-    kept = _top_visual(scores, visual, counts)
-    kept_again = _top_visual(again.scores, visual, counts)
+    keep = engine_keep_mask(scores, visual, drop)
+    keep_again = engine_keep_mask(again.scores, visual, drop)
+    kept = [torch.nonzero(keep[b] & visual[b]).flatten() for b in range(visual.shape[0])]
+    kept_again = [torch.nonzero(k & v).flatten() for k, v in zip(keep_again, visual)]
     for b in range(visual.shape[0]):
         assert kept[b].numel() == int(counts[b])  # exact count
         assert visual[b, kept[b]].all()  # only visual tokens are candidates

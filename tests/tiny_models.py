@@ -195,7 +195,7 @@ def make_inputs(
     kind: str, model: torch.nn.Module, batch: int = 1, seed: int = 0, prompt_len: int = 6
 ) -> dict:
     """A left-padded batch: row b has text, one image (sizes differ per row where the model
-    allows it), then ``prompt_len + b`` instruction tokens."""
+    allows it, cycling through three), then ``prompt_len + b`` instruction tokens."""
     gen = torch.Generator().manual_seed(seed)
     rows, extra = [], {}
     if kind == "llava":
@@ -204,7 +204,7 @@ def make_inputs(
             rows.append([BOS] + _text(3, gen) + [IMAGE] * n + _text(prompt_len + b, gen))
         extra["pixel_values"] = torch.randn(batch, 3, 32, 32, generator=gen)
     elif kind == "llava_next":
-        sizes = [[40, 70], [64, 30], [50, 50]][:batch]
+        sizes = [[[40, 70], [64, 30], [50, 50]][b % 3] for b in range(batch)]
         for b, size in enumerate(sizes):
             cells, _ = _image_cells(model, size, anyres=True)
             rows.append(
@@ -213,7 +213,7 @@ def make_inputs(
         extra["pixel_values"] = torch.randn(batch, 5, 3, 32, 32, generator=gen)
         extra["image_sizes"] = torch.tensor(sizes)
     else:
-        grids = [[1, 8, 6], [1, 4, 8], [1, 4, 4]][:batch]
+        grids = [[[1, 8, 6], [1, 4, 8], [1, 4, 4]][b % 3] for b in range(batch)]
         type_rows = []
         for b, (t, h, w) in enumerate(grids):
             n = t * h * w // 4

@@ -19,7 +19,6 @@ drop), so all rows keep one common length and no row keeps fewer tokens than ``k
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -59,6 +58,7 @@ class _Prefill:
     valid: torch.Tensor  # [B, S] bool, original
     full_len: int
     drops: list[int]  # visual tokens every row drops at each stage
+    visual_counts: list[list[int]]  # per stage, per row: visual tokens before it (host)
     inputs: dict[str, Any]
     trace: FocusTrace
     current: torch.Tensor  # [B, S'] original positions still present
@@ -68,6 +68,7 @@ class _Prefill:
     decode_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     cache: Any = None  # weakref to the cache this prefill filled
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
+    memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
 
 
 def _gather_seq(
@@ -86,6 +87,21 @@ def _gather_seq(
     full = list(x.shape)
     full[dim] = index.shape[1]
     return x.gather(dim, index.view(view).expand(full))
+
+
+def _execution_device(module: nn.Module, default: torch.device) -> torch.device:
+    """Where ``module`` computes: accelerate's execution device when it dispatched the model
+    (weights may be offloaded), else the device of its first parameter."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device(device)
+    param = next(module.parameters(), None)
+    return param.device if param is not None else default
+
+
+def _on(index: torch.Tensor, x: Any) -> torch.Tensor:
+    """``index`` on the device of ``x`` (a layer's inputs follow the layer under a device map)."""
+    return index.to(x.device) if isinstance(x, torch.Tensor) else index
 
 
 def _slice_mask(mask: Any, rows: torch.Tensor | None, cols: torch.Tensor) -> Any:
@@ -193,6 +209,8 @@ class FocusEngine:
         state = self.state
         if state is not None and cache is not None and state.cache is not None:
             if state.cache() is cache and _cache_length(cache) > 0:
+                state.memo.clear()  # slices of the last call only
+                state.inputs = {}  # pixel inputs served the prefill's stages; let them go
                 if self.first_layer == 0:
                     kwargs = self._fill_decode_inputs(kwargs, input_ids, cache)
                 return args, kwargs
@@ -240,23 +258,22 @@ class FocusEngine:
                 "batch runs unpruned (batch text-only prompts separately to prune the others)",
                 stacklevel=2,
             )
-        drops, remaining = [], list(n_visual)
+        drops, counts, remaining = [], [], list(n_visual)
         for _, keep in self.config.stages:
             want = [r - min(r, keep_count(keep, n)) for r, n in zip(remaining, n_visual)]
             drop = min(want)
             drops.append(drop)
+            counts.append(remaining)
             remaining = [r - drop for r in remaining]
         batch, seq = input_ids.shape
-        trace = FocusTrace(
-            n_visual=n_visual,
-            visual_positions=[torch.nonzero(v).flatten() for v in visual],
-        )
+        trace = FocusTrace(n_visual=n_visual, visual=visual)
         self.state = _Prefill(
             layout=layout,
             visual=visual,
             valid=valid,
             full_len=seq,
             drops=drops,
+            visual_counts=counts,
             inputs={k: v for k, v in kwargs.items() if not isinstance(v, Cache)},
             trace=trace,
             current=torch.arange(seq, device=input_ids.device).expand(batch, seq),
@@ -338,21 +355,54 @@ class FocusEngine:
         cos, sin = kwargs["position_embeddings"]
         if index in self.stages:
             local = self._run_stage(index, layer, hidden, cos, sin)
-            hidden = _gather_seq(hidden, local, 1)
-            state.current = state.current.gather(1, local)
+            hidden = _gather_seq(hidden, local.to(hidden.device), 1)
+            state.current = state.current.gather(1, local.to(state.current.device))
         current = state.current
         state.per_layer[index] = current
-        base = state.per_layer.get(0) if self.first_layer == 0 else None
-        state.decode_cols[index] = current if base is None else torch.searchsorted(base, current)
+        state.decode_cols[index] = self._once(("cols",), current, lambda: self._columns(current))
         kwargs = dict(kwargs)
-        kwargs["position_embeddings"] = (_gather_seq(cos, current, 1), _gather_seq(sin, current, 1))
-        kwargs["attention_mask"] = _slice_mask(kwargs.get("attention_mask"), current, current)
+        # The decoder hands every layer the same full-length cos/sin, mask and position ids, and
+        # the kept set changes only at a stage: slice each once per stage (on its own device).
+        kwargs["position_embeddings"] = (
+            self._once(("cos", cos), current, lambda: _gather_seq(cos, _on(current, cos), 1)),
+            self._once(("sin", sin), current, lambda: _gather_seq(sin, _on(current, sin), 1)),
+        )
+        mask = kwargs.get("attention_mask")
+        kwargs["attention_mask"] = self._once(
+            ("mask", mask),
+            current,
+            lambda: _slice_mask(mask, _on(current, mask), _on(current, mask)),
+        )
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, torch.Tensor):
-            kwargs["position_ids"] = _gather_seq(position_ids, current, position_ids.dim() - 1)
+            kwargs["position_ids"] = self._once(
+                ("position_ids", position_ids),
+                current,
+                lambda: _gather_seq(
+                    position_ids, _on(current, position_ids), position_ids.dim() - 1
+                ),
+            )
         if index == len(self.layers) - 1:
             state.trace.sequence = current
         return hidden, kwargs
+
+    def _columns(self, current: torch.Tensor) -> torch.Tensor:
+        """Prefill columns of the decode mask a layer holding ``current`` keeps: the decode mask
+        spans the full prompt, or layer 0's kept prompt when K = 0 (the decoder hook sliced it)."""
+        base = self.state.per_layer.get(0) if self.first_layer == 0 else None
+        return current if base is None else torch.searchsorted(base, current)
+
+    def _once(self, key: tuple, current: torch.Tensor, make: Callable[[], Any]) -> Any:
+        """``make()`` for this source tensor and kept set, computed once and reused while
+        neither changes (the same objects reach every layer of a stage, or of a decode step)."""
+        memo = self.state.memo
+        name, source = key[0], key[1] if len(key) > 1 else None
+        hit = memo.get(name)
+        if hit is not None and hit[0] is source and hit[1] is current:
+            return hit[2]
+        value = make()
+        memo[name] = (source, current, value)
+        return value
 
     def _decode_layer(self, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any) -> dict:
         state = self.state
@@ -368,8 +418,10 @@ class FocusEngine:
         if width - prompt != own - kept_cols.shape[1] + n_new:
             raise RuntimeError(f"layer {index}: decode mask width {width} matches no cache length")
         kwargs = dict(kwargs)
-        kwargs["attention_mask"] = _slice_mask(
-            mask, None, _decode_columns(kept_cols, prompt, width)
+        kwargs["attention_mask"] = self._once(
+            ("decode_mask", mask),
+            kept_cols,
+            lambda: _slice_mask(mask, None, _decode_columns(_on(kept_cols, mask), prompt, width)),
         )
         return kwargs
 
@@ -381,24 +433,27 @@ class FocusEngine:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """Score and select at a stage layer; returns the local indices ``[B, S'']`` to keep."""
+        """Score and select at a stage layer; returns the local indices ``[B, S'']`` to keep.
+
+        Counts are known on the host, so nothing here waits for the device: every row drops
+        ``drop`` visual tokens, chosen on the device, and the trace reads them back lazily."""
         state = self.state
         stage_index = len(state.trace.stages)
-        current = state.current
-        visual = state.visual.gather(1, current)
+        # Score where the layer's weights are (under a device map its input may still be on
+        # the previous layer's device: accelerate moves it only inside forward).
+        device = _execution_device(layer, hidden.device)
+        hidden = hidden.to(device)
+        current = state.current.to(device)
+        batch, seq = current.shape
+        visual = state.visual.to(device).gather(1, current)
         drop = state.drops[stage_index]
-        counts = visual.sum(1) - drop  # [B]
-        n_keep = int(counts.min())
         if drop == 0:  # nothing to drop (keep=1.0, or a row without visual tokens)
-            state.trace.stages.append(
-                StageTrace(
-                    layer=index,
-                    kept=[current[b][visual[b]] for b in range(visual.shape[0])],
-                    scores=[torch.zeros(int(n)) for n in visual.sum(1).tolist()],
-                    candidates=[current[b][visual[b]] for b in range(visual.shape[0])],
-                )
-            )
-            return torch.arange(hidden.shape[1], device=hidden.device).expand(visual.shape[0], -1)
+            keep = torch.ones_like(visual)
+            zeros = torch.zeros(visual.shape, device=visual.device)
+            state.trace.stages.append(StageTrace(index, current, visual, keep, zeros))
+            return torch.arange(seq, device=device).expand(batch, seq)
+        counts = state.visual_counts[stage_index]  # host: visual tokens per row at this stage
+        n_keep = min(counts) - drop
         ctx = StageContext(
             model=self.model,
             adapter=self.adapter,
@@ -407,51 +462,41 @@ class FocusEngine:
             stage_index=stage_index,
             decoder_layer=layer,
             hidden=hidden,
-            cos=_gather_seq(cos, current, 1),
-            sin=_gather_seq(sin, current, 1),
+            cos=_gather_seq(cos.to(device), current, 1),
+            sin=_gather_seq(sin.to(device), current, 1),
             positions=current,
             visual=visual,
-            valid=state.valid.gather(1, current),
+            valid=state.valid.to(device).gather(1, current),
             layout=state.layout,
             inputs=state.inputs,
+            visual_counts=counts,
         )
-        sync = hidden.is_cuda
-        if sync:
-            torch.cuda.synchronize(hidden.device)
-        start = time.perf_counter()
+        watch = state.trace.stopwatch
+        start = watch.start(device)
         with torch.no_grad():
             selection = self.pruner.select(ctx, n_keep)
-        kept_visual = selection.kept
         if self.config.budget == "frame":
-            scores = _frame_shares(selection.scores, visual, state.frames.gather(1, current))
-            kept_visual = _top_visual(scores, visual, counts)
-        elif kept_visual is None or bool((counts != n_keep).any()):
-            kept_visual = _top_visual(selection.scores, visual, counts)
-        if sync:
-            torch.cuda.synchronize(hidden.device)
-        state.trace.seconds += time.perf_counter() - start
-        keep_mask = ~visual
-        for b, kept in enumerate(kept_visual):
-            keep_mask[b, kept] = True
-        local = torch.nonzero(keep_mask)[:, 1].view(hidden.shape[0], -1)  # sorted per row
-        scores = selection.scores.float()
-        state.trace.stages.append(
-            StageTrace(
-                layer=index,
-                kept=[current[b, k].sort().values for b, k in enumerate(kept_visual)],
-                scores=[scores[b][visual[b]].detach().cpu() for b in range(len(kept_visual))],
-                candidates=[current[b][visual[b]] for b in range(len(kept_visual))],
-            )
-        )
+            frames = state.frames.to(device).gather(1, current)
+            keep = keep_mask(_frame_shares(selection.scores, visual, frames), visual, drop)
+        elif selection.kept is not None and len(set(counts)) == 1:
+            keep = (~visual).scatter(1, selection.kept, True)  # the pruner's own top n_keep
+        else:
+            keep = keep_mask(selection.scores, visual, drop)
+        watch.stop(start, device)
+        # kept indices in ascending order: a stable sort puts the kept (key 0) first
+        local = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, : seq - drop]
+        state.trace.stages.append(StageTrace(index, current, visual, keep, selection.scores))
         return local
 
 
-def _top_visual(scores: torch.Tensor, visual: torch.Tensor, counts: torch.Tensor) -> list:
-    """Per row, the ``counts[b]`` highest-scoring visual indices (ragged rows); ties go to the
-    lower position, as in the kernel."""
+def keep_mask(scores: torch.Tensor, visual: torch.Tensor, drop: int) -> torch.Tensor:
+    """``[B, S]`` bool: every row keeps all non-visual tokens and drops its ``drop``
+    lowest-scoring visual tokens; ties keep the lower position, as in the kernel."""
     ranked = scores.float().masked_fill(~visual, float("-inf"))
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
-    return [order[b, : int(counts[b])].sort().values for b in range(scores.shape[0])]
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # visual first
+    last = visual.sum(1, keepdim=True) - drop  # [B, 1]: rank of each row's first dropped token
+    dropped = order.gather(1, last + torch.arange(drop, device=scores.device))  # [B, drop]
+    return torch.ones_like(visual).scatter(1, dropped, False)
 
 
 def _frame_ids(layout: list[list[ImageLayout]], shape: tuple[int, int], device) -> torch.Tensor:

@@ -1,21 +1,81 @@
-"""``FocusTrace``: what the last pruned prefill did, in ORIGINAL sequence positions."""
+"""``FocusTrace``: what the last pruned prefill did, in ORIGINAL sequence positions.
+
+The engine records device tensors and CUDA events only; the per-row lists and the scoring time
+are built when they are first read, so recording never makes the host wait for the device.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 
 @dataclass
 class StageTrace:
-    """One pruning stage: ``kept[b]`` are the original positions of row b's visual tokens
-    that survive this stage (sorted); ``scores[b]`` scores the visual tokens the stage saw."""
+    """One pruning stage, recorded as ``[B, S]`` tensors over the sequence the stage saw.
+
+    ``kept[b]``: original positions of row b's visual tokens that survive this stage (sorted);
+    ``scores[b]``: the stage's score of each visual token it saw; ``candidates[b]``: the
+    original positions it chose from (aligned with ``scores[b]``).
+    """
 
     layer: int
-    kept: list[torch.Tensor]
-    scores: list[torch.Tensor]
-    candidates: list[torch.Tensor]  # [b]: original positions the stage chose from
+    positions: torch.Tensor  # [B, S] original positions of the tokens the stage saw
+    visual: torch.Tensor  # [B, S] bool: its candidates
+    keep: torch.Tensor  # [B, S] bool: what it kept (text and padding included)
+    score_values: torch.Tensor  # [B, S] scores (non-visual entries meaningless)
+
+    @cached_property
+    def _host(self) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            t.detach().cpu() for t in (self.positions, self.visual, self.keep, self.score_values)
+        )
+
+    @cached_property
+    def kept(self) -> list[torch.Tensor]:
+        positions, visual, keep, _ = self._host
+        return [positions[b][visual[b] & keep[b]].sort().values for b in range(visual.shape[0])]
+
+    @cached_property
+    def scores(self) -> list[torch.Tensor]:
+        _, visual, _, scores = self._host
+        return [scores[b][visual[b]].float() for b in range(visual.shape[0])]
+
+    @cached_property
+    def candidates(self) -> list[torch.Tensor]:
+        positions, visual, _, _ = self._host
+        return [positions[b][visual[b]] for b in range(visual.shape[0])]
+
+
+class Stopwatch:
+    """Wall time of the scoring steps: CUDA events on a GPU (read lazily), else the host clock."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[object, object]] = []
+
+    def start(self, device: torch.device) -> object:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
+        return time.perf_counter()
+
+    def stop(self, start: object, device: torch.device) -> None:
+        self._spans.append((start, self.start(device)))
+
+    @property
+    def seconds(self) -> float:
+        total = 0.0
+        for begin, end in self._spans:
+            if isinstance(begin, float):
+                total += end - begin
+            else:
+                end.synchronize()
+                total += begin.elapsed_time(end) / 1e3
+        return total
 
 
 @dataclass
@@ -35,10 +95,19 @@ class FocusTrace:
     """
 
     n_visual: list[int]
-    visual_positions: list[torch.Tensor]
+    visual: torch.Tensor  # [B, S] bool, the input's visual tokens
     stages: list[StageTrace] = field(default_factory=list)
     sequence: torch.Tensor | None = None
-    seconds: float = 0.0
+    stopwatch: Stopwatch = field(default_factory=Stopwatch, repr=False)
+
+    @cached_property
+    def visual_positions(self) -> list[torch.Tensor]:
+        visual = self.visual.cpu()
+        return [torch.nonzero(row).flatten() for row in visual]
+
+    @property
+    def seconds(self) -> float:
+        return self.stopwatch.seconds
 
     @property
     def kept(self) -> list[torch.Tensor]:

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from .naive import score_and_select_naive
+from .naive import per_query_attention, score_and_select_naive
 
-__all__ = ["score_and_select", "triton_available"]
+__all__ = ["per_query_attention", "score_and_select", "triton_available"]
 
 _BACKENDS = ("torch", "triton")
 
@@ -62,6 +62,7 @@ def score_and_select(
     reduce: str = "mean",
     debias: torch.Tensor | None = None,
     backend: str | None = None,
+    n_visual: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention mass each visual key receives from the query rows, and the top ``n_keep`` keys.
 
@@ -78,6 +79,8 @@ def score_and_select(
         reduce: ``"mean"`` or ``"max"`` over heads.
         debias: ``[B, S]`` multiplier applied to the scores before selection.
         backend: ``None`` (automatic), ``"torch"`` or ``"triton"``.
+        n_visual: the fewest valid visual keys of any row, when the caller knows it on the
+            host; otherwise it is counted, which makes the host wait for the device.
 
     Returns:
         ``scores [B, S]`` float32 (0 where a key is not visual) and ``kept [B, n_keep]`` int64,
@@ -102,7 +105,8 @@ def score_and_select(
     if key_mask is None:
         key_mask = torch.ones(batch, seq, dtype=torch.bool, device=q.device)
     _check_bool("key_mask", key_mask, (batch, seq))
-    n_visual = int((visual & key_mask).sum(-1).min()) if batch else 0
+    if n_visual is None:
+        n_visual = int((visual & key_mask).sum(-1).min()) if batch else 0
     if isinstance(n_keep, bool) or not isinstance(n_keep, int) or not 1 <= n_keep <= n_visual:
         raise ValueError(f"n_keep={n_keep!r} must be an int in [1, {n_visual}] (visual keys/row)")
     if query_pos is None:

@@ -31,17 +31,9 @@ def score_and_select_naive(
     Ties at the cut are kept from the lowest positions.
     Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`.
     """
-    n_heads = q.shape[1]
-    seq = k.shape[2]
-    groups = n_heads // k.shape[1]
-    keys = k.repeat_interleave(groups, dim=1) if groups > 1 else k  # [B, H, S, D]
-    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scaling  # [B, H, Tq, S]
-    positions = torch.arange(seq, device=q.device)
-    causal = positions[None, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
-    allowed = key_mask[:, None, :] & causal  # [B, Tq, S]
-    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no allowed key gives 0
-    per_query = probs.mean(dim=1) if reduce == "mean" else probs.amax(dim=1)  # [B, Tq, S]
+    per_query = per_query_attention(
+        q, k, scaling=scaling, key_mask=key_mask, query_pos=query_pos, reduce=reduce
+    )  # [B, Tq, S]
     scores = torch.einsum("bt,bts->bs", query_weights.float(), per_query)
     if debias is not None:
         scores = scores * debias.float()
@@ -52,3 +44,32 @@ def score_and_select_naive(
     order = ranked.sort(dim=-1, descending=True, stable=True).indices  # [B, S]
     kept = order[:, :n_keep].sort(dim=-1).values
     return scores, kept
+
+
+def per_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scaling: float,
+    key_mask: torch.Tensor,
+    query_pos: torch.Tensor,
+    reduce: str,
+) -> torch.Tensor:
+    """``[B, Tq, S]``: ``R_h(softmax_s(q[b,h,t].k[b,h,s] * scaling))`` for every query row, over
+    the keys that are valid and at or before ``query_pos[b, t]`` (a row with none gives 0).
+
+    GQA heads are grouped onto their kv head rather than the keys repeated, so the largest
+    intermediate is the ``[B, H, Tq, S]`` probability slab.
+    """
+    batch, n_heads, n_query, dim = q.shape
+    n_kv, seq = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv
+    grouped = q.float().reshape(batch, n_kv, groups * n_query, dim)  # head h -> kv h // groups
+    logits = torch.matmul(grouped, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*Tq, S]
+    logits = logits.view(batch, n_kv, groups, n_query, seq)
+    positions = torch.arange(seq, device=q.device)
+    causal = positions[None, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
+    allowed = (key_mask[:, None, :] & causal)[:, None, None]  # [B, 1, 1, Tq, S]
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    probs = probs.flatten(1, 2)  # [B, H, Tq, S]
+    return probs.mean(dim=1) if reduce == "mean" else probs.amax(dim=1)

@@ -31,10 +31,10 @@ def llava_layout(
     if with_cls:
         cells = torch.cat([torch.tensor([[0, -1, -1]]), cells])
         patches = torch.cat([torch.tensor([[0, -1]]), patches])
-    visual = LLAVA.visual_mask(model, input_ids)
+    visual = LLAVA.visual_mask(model, input_ids).cpu()  # one copy to the host for all rows
     layouts = []
     for b in range(input_ids.shape[0]):
-        positions = torch.nonzero(visual[b]).flatten().cpu()
+        positions = torch.nonzero(visual[b]).flatten()
         n_images = positions.numel() // per_image
         chunks = chunk_positions(positions, [per_image] * n_images, f"row {b}")
         layouts.append(

@@ -72,12 +72,12 @@ def llava_next_layout(
     if image_sizes is None:
         raise ValueError("llava_next needs `image_sizes` (from the processor) with pixel_values")
     sizes = [list(map(int, s)) for s in torch.as_tensor(image_sizes).tolist()]
-    visual = LLAVA_NEXT.visual_mask(model, input_ids)
+    visual = LLAVA_NEXT.visual_mask(model, input_ids).cpu()  # one copy to the host
     per_row = _images_per_row(visual, len(sizes))
     layouts: list[list[ImageLayout]] = []
     first = 0
     for b in range(input_ids.shape[0]):
-        positions = torch.nonzero(visual[b]).flatten().cpu()
+        positions = torch.nonzero(visual[b]).flatten()
         row_sizes = sizes[first : first + per_row[b]]
         first += per_row[b]
         anyres = True

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import score_and_select
+from ..kernels import per_query_attention
 from ..model_adapters import ImageLayout
 from .base import StageContext
 
@@ -51,20 +51,28 @@ def image_tokens(ctx: StageContext) -> list[list[ImageTokens]]:
 def row_counts(ctx: StageContext, n_keep: int) -> list[int]:
     """Visual tokens row b keeps at this stage: the engine drops the same number from every
     row, so rows with more visual tokens keep more than ``n_keep``."""
-    n_visual = ctx.visual.sum(1)
-    drop = int(n_visual.min()) - n_keep
-    return [int(n) - drop for n in n_visual]
+    n_visual = ctx.visual_counts
+    if n_visual is None:
+        n_visual = ctx.visual.sum(1).tolist()
+    drop = min(n_visual) - n_keep
+    return [n - drop for n in n_visual]
 
 
 def rank_scores(ctx: StageContext, chosen: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
-    """Scores that make the engine keep exactly ``chosen[b]`` (local indices) in row b: chosen
-    tokens score ``2 + base`` and the others ``base``, with ``base`` scaled into ``[0, 1)``."""
-    base = base.float().cpu()
-    span = base.masked_fill(~ctx.visual.cpu(), 0.0).abs().amax(1, keepdim=True).clamp(min=1e-12)
-    scores = (base / span).clamp(-1.0, 0.999)
+    """Scores that make the engine keep exactly ``chosen[b]`` (local indices) in row b; see
+    :func:`mask_scores`."""
+    mask = torch.zeros(ctx.visual.shape, dtype=torch.bool)
     for b, index in enumerate(chosen):
-        scores[b, index] += 2.0
-    return scores.to(ctx.hidden.device)
+        mask[b, index.cpu()] = True
+    return mask_scores(ctx, mask.to(ctx.hidden.device), base.to(ctx.hidden.device))
+
+
+def mask_scores(ctx: StageContext, chosen: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Scores that make the engine keep exactly the ``chosen [B, S]`` tokens: chosen tokens
+    score ``2 + base`` and the others ``base``, with ``base`` scaled into ``[0, 1)``."""
+    base = base.float()
+    span = base.masked_fill(~ctx.visual, 0.0).abs().amax(1, keepdim=True).clamp(min=1e-12)
+    return (base / span).clamp(-1.0, 0.999) + 2.0 * chosen.float()
 
 
 def per_query_scores(
@@ -75,23 +83,17 @@ def per_query_scores(
     candidates: torch.Tensor,
     reduce: str | None = None,
 ) -> torch.Tensor:
-    """``[B, Tq, S]``: the attention each query row pays each candidate key, one row at a
-    time through the score-and-select dispatch (the query rows become the batch)."""
-    batch, heads, tq, dim = q.shape
-    flat_q = q.permute(0, 2, 1, 3).reshape(batch * tq, heads, 1, dim)
-    flat_k = k.repeat_interleave(tq, dim=0)  # [B*Tq, Hkv, S, D]
-    scores, _ = score_and_select(
-        flat_q,
-        flat_k,
-        candidates.repeat_interleave(tq, dim=0),
-        1,
+    """``[B, Tq, S]``: the attention each query row pays each candidate key (0 elsewhere).
+    Peak memory is the ``[B, H, Tq, S]`` probability slab; the keys are never copied per row."""
+    per_query = per_query_attention(
+        q,
+        k,
         scaling=ctx.attention.scaling,
-        key_mask=ctx.valid.repeat_interleave(tq, dim=0),
-        query_pos=rows.reshape(batch * tq, 1),
-        query_weights=torch.ones(batch * tq, 1, device=q.device),
+        key_mask=ctx.valid,
+        query_pos=rows,
         reduce=reduce or ctx.config.reduce,
     )
-    return scores.view(batch, tq, -1)
+    return per_query.masked_fill(~candidates[:, None, :], 0.0)
 
 
 def cell_xy(cells: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 TRENDS = ("exp", "monotone")
@@ -225,25 +224,39 @@ def resample_map(grid_map: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor
 
 
 # --- max-min diversity ---------------------------------------------------------------------------
+def maxmin_orders(features: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """Greedy max-min diversity (DivPrune) per row: start from the candidate farthest (cosine)
+    from the candidates' mean feature, then repeatedly take the candidate whose nearest chosen
+    token is farthest. ``features [B, S, D]``, ``candidates [B, S]`` bool; returns ``[B, count]``
+    indices in pick order (every prefix is the greedy answer for its size; a row with fewer
+    candidates than ``count`` repeats its last pick). Stays on the features' device: one
+    ``[B, S]`` distance update per pick, O(S * count * D) per row, no S x S matrix."""
+    if count < 1:
+        raise ValueError(f"count={count} must be >= 1")
+    unit = torch.nn.functional.normalize(features.detach().float(), dim=-1)  # [B, S, D]
+    weights = candidates.float()[..., None]
+    centre = (unit * weights).sum(1) / weights.sum(1).clamp(min=1)  # [B, D]
+    centre = torch.nn.functional.normalize(centre, dim=-1)
+    gone = float("-inf")
+    start = (1.0 - torch.einsum("bsd,bd->bs", unit, centre)).masked_fill(~candidates, gone)
+    pick = start.argmax(1)  # [B]
+    picks = [pick]
+    nearest = torch.full_like(start, float("inf")).masked_fill(~candidates, gone)
+    for _ in range(count - 1):
+        chosen = unit.gather(1, pick[:, None, None].expand(-1, 1, unit.shape[-1]))  # [B, 1, D]
+        distance = 1.0 - torch.einsum("bsd,bd->bs", unit, chosen[:, 0])
+        nearest = torch.minimum(nearest, distance).scatter(1, pick[:, None], gone)
+        best = nearest.argmax(1)
+        # a row out of candidates (all -inf) repeats its last pick
+        pick = torch.where(nearest.gather(1, best[:, None])[:, 0] > gone, best, pick)
+        picks.append(pick)
+    return torch.stack(picks, 1)
+
+
 def maxmin_order(features: torch.Tensor, count: int) -> torch.Tensor:
-    """Greedy max-min diversity (DivPrune): start from the token farthest (cosine) from the
-    mean feature, then repeatedly take the token whose nearest chosen token is farthest.
-    Returns ``count`` indices in pick order; every prefix is the greedy answer for its size."""
+    """:func:`maxmin_orders` of one set of ``[n, D]`` features: ``count`` indices."""
     n = features.shape[0]
     if not 1 <= count <= n:
         raise ValueError(f"count={count} must lie in [1, {n}]")
-    unit = torch.nn.functional.normalize(features.detach().float(), dim=-1)
-    centre = torch.nn.functional.normalize(unit.mean(0), dim=0)
-    first = int((1.0 - unit @ centre).argmax())
-    # One [n, n] distance matrix, then a plain numpy loop: many tiny torch ops per pick are
-    # slow on a busy multi-threaded CPU.
-    distance = (1.0 - unit @ unit.T).cpu().numpy()  # [n, n] cosine distance
-    order = [first]
-    nearest = distance[first].copy()  # [n] distance to the chosen set
-    nearest[first] = -1.0
-    for _ in range(count - 1):
-        pick = int(nearest.argmax())
-        order.append(pick)
-        np.minimum(nearest, distance[pick], out=nearest)
-        nearest[order] = -1.0
-    return torch.tensor(order, dtype=torch.long)
+    everything = torch.ones(1, n, dtype=torch.bool, device=features.device)
+    return maxmin_orders(features[None], everything, count)[0]

@@ -60,6 +60,7 @@ class StageContext:
         valid: ``[B, S]`` bool, False on padding.
         layout: per row, the images' :class:`ImageLayout` in original positions.
         inputs: the prefill's forward inputs (``pixel_values``, grids, ...), for pre-LLM sources.
+        visual_counts: per row, ``visual.sum(1)`` as host ints (the engine knows them).
     """
 
     model: nn.Module
@@ -76,6 +77,8 @@ class StageContext:
     valid: torch.Tensor
     layout: list[list[ImageLayout]]
     inputs: dict[str, Any]
+    #: per row, the number of current visual tokens, known on the host (``None``: count them)
+    visual_counts: list[int] | None = None
 
     @property
     def attention(self) -> nn.Module:
@@ -140,6 +143,7 @@ class StageContext:
             query_weights=weights,
             reduce=reduce or self.config.reduce,
             debias=debias,
+            n_visual=None if self.visual_counts is None else min(self.visual_counts),
         )
         return Selection(scores=scores, kept=kept)
 

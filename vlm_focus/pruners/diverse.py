@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._common import rank_scores, row_counts
-from ._math import maxmin_order
+from ._common import mask_scores, row_counts
+from ._math import maxmin_orders
 from .base import Pruner, Selection, StageContext
 
 
@@ -29,15 +29,40 @@ class DiverseOptions:
 def diverse_keep(
     features: torch.Tensor, count: int, pool: float = 1.0, relevance: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Indices of ``count`` tokens: the first ``min(n, round(pool * count))`` of the max-min
-    order, of which the ``count`` most ``relevant`` survive (the whole prefix when pool=1)."""
+    """Indices of ``count`` of ``n`` tokens (``features [n, D]``): the first
+    ``min(n, round(pool * count))`` of the max-min order, of which the ``count`` most
+    ``relevant`` survive (the whole prefix when pool=1)."""
     n = features.shape[0]
-    size = min(n, max(count, round(pool * count)))
-    order = maxmin_order(features, size)
-    if size == count or relevance is None:
-        return order[:count]
-    best = relevance[order].topk(count).indices
-    return order[best]
+    everything = torch.ones(1, n, dtype=torch.bool, device=features.device)
+    rel = None if relevance is None else relevance[None]
+    chosen = diverse_mask(features[None], everything, [count], [n], pool, rel)[0]
+    return torch.nonzero(chosen).flatten()
+
+
+def diverse_mask(
+    features: torch.Tensor,
+    candidates: torch.Tensor,
+    counts: list[int],
+    n_candidates: list[int],
+    pool: float,
+    relevance: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[B, S]`` bool: per row, ``counts[b]`` candidates chosen as in :func:`diverse_keep`,
+    on the features' device (``counts`` and ``n_candidates`` are host ints)."""
+    sizes = [min(n, max(c, round(pool * c))) for c, n in zip(counts, n_candidates, strict=True)]
+    order = maxmin_orders(features, candidates, max(sizes))  # [B, size]
+    device = features.device
+    rank = torch.arange(order.shape[1], device=device)[None]  # pick rank
+    wanted = torch.tensor(counts, device=device)[:, None]
+    if relevance is None or sizes == counts:
+        picked = rank < wanted
+    else:  # the counts[b] most relevant of each row's first sizes[b] picks
+        rel = relevance.float().gather(1, order)
+        rel = rel.masked_fill(rank >= torch.tensor(sizes, device=device)[:, None], float("-inf"))
+        by_relevance = torch.sort(rel, dim=1, descending=True, stable=True).indices
+        picked = torch.zeros_like(rank < wanted).scatter(1, by_relevance, rank < wanted)
+    chosen = torch.zeros(candidates.shape, dtype=torch.long, device=device)
+    return chosen.scatter_add(1, order, picked.long()) > 0  # repeated picks count once
 
 
 class DiversePruner(Pruner):
@@ -47,6 +72,7 @@ class DiversePruner(Pruner):
     distance: ``s_{j+1} = argmax_s min_{i <= j} (1 - cos(h_s, h_{s_i}))``, keeping the first
     ``keep``. With ``pool > 1`` the dispersion step picks ``pool x keep`` candidates and the
     instruction's text-to-vision attention at layer K keeps the ``keep`` most relevant.
+    Runs on the hidden states' device in ``O(S * keep * D)`` per row.
     """
 
     name = "diverse"
@@ -56,13 +82,11 @@ class DiversePruner(Pruner):
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         relevance = None
         if self.options.pool > 1:
-            relevance = ctx.attention_scores(n_keep).scores.float().cpu()
-        hidden = ctx.hidden.detach().float().cpu()
-        visual = ctx.visual.cpu()
-        chosen = []
-        for b, count in enumerate(row_counts(ctx, n_keep)):
-            local = torch.nonzero(visual[b]).flatten()
-            rel = relevance[b, local] if relevance is not None else None
-            chosen.append(local[diverse_keep(hidden[b, local], count, self.options.pool, rel)])
-        base = relevance if relevance is not None else torch.zeros(visual.shape)
-        return Selection(scores=rank_scores(ctx, chosen, base))
+            relevance = ctx.attention_scores(n_keep).scores.float()
+        counts = row_counts(ctx, n_keep)
+        n_visual = ctx.visual_counts or ctx.visual.sum(1).tolist()
+        chosen = diverse_mask(
+            ctx.hidden, ctx.visual, counts, n_visual, self.options.pool, relevance
+        )
+        base = relevance if relevance is not None else torch.zeros(ctx.visual.shape)
+        return Selection(scores=mask_scores(ctx, chosen, base.to(ctx.hidden.device)))

@@ -336,7 +336,7 @@ def guided_generate(
             visual &= mask.bool()
         engine.last_trace = GuidedTrace(
             n_visual=visual.sum(1).tolist(),
-            visual_positions=[torch.nonzero(v).flatten() for v in visual],
+            visual=visual,
             early_exit=True,
             confidence=result.confidence,
             guide_sequences=result.sequences,
