@@ -27,7 +27,7 @@ HEADS, TQ, SEQ, DIM = 32, 32, 11000, 128
 def _variants() -> list[tuple[str, dict, int, str]]:
     half = dict(BLOCK_N=64, BLOCK_D=128, PRECISION="tf32", DOT_FP32=False)
     fp32 = dict(half, PRECISION="ieee")
-    score = dict(SPLIT_PAD=16)
+    score = dict(SPLIT_PAD=64)  # kernels/_triton.py's fixed _MAX_SPLIT
     return [
         ("_lse_kernel", dict(GROUPS=1, BLOCK_T=32, **half), 4, "bf16"),
         ("_lse_kernel", dict(GROUPS=7, BLOCK_T=16, **fp32), 4, "fp32"),
@@ -69,11 +69,15 @@ def _compile_all(arch: int) -> None:
         }
         fn = getattr(kt, name)
         signature, constexprs, attrs = {}, dict(consts), {}
+        plain = set(fn.do_not_specialize)  # shape integers: neither 1 nor 16-divisible variants
         for i, arg in enumerate(fn.arg_names):
             if arg in consts:
                 signature[arg] = "constexpr"
                 continue
             value = values[arg]
+            if arg in plain or i in plain:
+                signature[arg] = "i32"
+                continue
             if isinstance(value, str):  # pointer: the JIT marks 16-byte aligned ones
                 signature[arg] = value
                 attrs[(i,)] = [["tt.divisibility", 16]]
@@ -92,6 +96,34 @@ def _compile_all(arch: int) -> None:
         )
         assert len(compiled.asm["cubin"]) > 0
         print(f"compiled {name} {dtype} {consts} for sm_{arch}")
+
+
+def test_shape_integers_are_plain_arguments_and_a_model_needs_few_variants() -> None:
+    """Every integer argument that is a size or a count (not a stride) is exempt from Triton's
+    ``== 1`` / ``% 16`` specialisation, so the variants of one model are the distinct
+    compile-time arguments: over B 1-32, S 600-12k and Tq 1-200 on an H200, at most ten."""
+    import torch
+
+    from vlm_focus.kernels import _triton as kt
+
+    strides = {"sqb", "sqh", "sqt", "sqd", "skb", "skh", "sks", "skd"}
+    for fn in (kt._lse_kernel, kt._score_kernel, kt._select_kernel):
+        constexprs = {fn.arg_names[i] for i in fn.constexprs}
+        sizes = {
+            a
+            for a in fn.arg_names
+            if a not in constexprs and a not in strides and not a.endswith("_ptr")
+            and a not in ("qk_scale", "head_scale")
+        }  # fmt: skip
+        assert sizes == set(fn.do_not_specialize), fn.__name__
+    variants = set()
+    for batch in (1, 2, 3, 4, 8, 16, 32):
+        for seq in range(600, 12_001, 397):
+            for tq in (1, 2, 5, 16, 17, 32, 33, 64, 100, 200):
+                q, k = (batch, 32, tq, 128), (batch, 32, seq, 128)  # LLaVA-1.5-7B
+                plan = kt.plan_for(q, k, "mean", n_sm=132)
+                variants.add(kt.compiled_variant(q, k, torch.bfloat16, "mean", False, plan))
+    assert len(variants) <= 10, sorted(variants)
 
 
 def test_kernels_compile_for_sm90() -> None:

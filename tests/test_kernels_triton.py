@@ -189,7 +189,7 @@ def test_queries_inside_the_image(reduce: str) -> None:
 
 @in_process
 @pytest.mark.parametrize(
-    "kind,pruner", [("llava", "fastv"), ("qwen2_vl", "text"), ("qwen3_vl", "fastv")]
+    "kind,pruner", [("llava", "fastv"), ("qwen2_vl", "debiased"), ("qwen3_vl", "fastv")]
 )
 def test_pruning_in_a_model_is_the_same_on_both_backends(
     kind: str, pruner: str, monkeypatch: pytest.MonkeyPatch

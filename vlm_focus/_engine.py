@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 
 from ._encoder_inputs import EncoderInputs
 from .config import FocusConfig, keep_count
+from .kernels import warm_up
 from .model_adapters import ImageLayout, ModelAdapter
 from .pruners import Pruner, StageContext
 from .trace import FocusTrace, StageTrace
@@ -164,6 +165,22 @@ class FocusEngine:
             self._hooks.extend(self.adapter.sequence_hooks(self.model, self._tokens_after))
         self._hooks.extend(self.pruner.attach(self.model, self.adapter))  # e.g. vision tower
         self._encoder_inputs = EncoderInputs(self.model, self.adapter)
+        if self.config.warm_kernels and self.pruner.attention_based:
+            self._warm_kernels()
+
+    def _warm_kernels(self) -> None:
+        """Compile the score kernel for each stage layer's head layout (a no-op off CUDA)."""
+        seen = set()
+        for index in self.stages:
+            layer = self.layers[index]
+            attn = getattr(layer, self.adapter.attention)
+            weight = attn.q_proj.weight
+            device = _execution_device(layer, weight.device)
+            n_heads = weight.shape[0] // attn.head_dim
+            key = (n_heads, n_heads // attn.num_key_value_groups, attn.head_dim, weight.dtype)
+            if device.type == "cuda" and (key, device) not in seen:
+                seen.add((key, device))
+                warm_up(*key[:3], dtype=key[3], device=device, reduces=(self.config.reduce,))
 
     def detach(self) -> None:
         for hook in self._hooks:

@@ -40,6 +40,13 @@ class FocusConfig:
             "frame keeps the same share of its own tokens"
         },
     )
+    warm_kernels: bool = field(
+        default=True,
+        metadata={
+            "help": "on a GPU, compile the Triton kernels' variants at wrap() so that no "
+            "request pays a compile (a few seconds, once per process)"
+        },
+    )
     options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "pruner-specific options (see vf.pruners())"}
     )
@@ -66,6 +73,8 @@ class FocusConfig:
             raise ValueError(f"reduce={self.reduce!r} is not one of {REDUCTIONS}")
         if self.budget not in BUDGETS:
             raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
+        if not isinstance(self.warm_kernels, bool):
+            raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):
             raise TypeError(f"pruner must be a name (str), got {type(self.pruner).__name__}")
         if not isinstance(self.options, dict):

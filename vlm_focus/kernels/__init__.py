@@ -14,7 +14,7 @@ import torch
 
 from .naive import per_query_attention, score_and_select_naive
 
-__all__ = ["per_query_attention", "score_and_select", "triton_available"]
+__all__ = ["per_query_attention", "score_and_select", "triton_available", "warm_up"]
 
 _BACKENDS = ("torch", "triton")
 
@@ -137,3 +137,39 @@ def score_and_select(
 
         return score_and_select_triton(q, k, visual, n_keep, **args)
     return score_and_select_naive(q, k, visual, n_keep, **args)
+
+
+def warm_up(
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    reduces: tuple[str, ...] = ("mean",),
+    max_seq: int = 16384,
+    backend: str | None = None,
+) -> int:
+    """Compile, ahead of the first request, the kernel variants a model's calls will launch:
+    both query-block sizes, every selection tile up to ``max_seq`` keys, with and without a
+    debias. Returns the number of warm-up launches (0 where the torch twin serves ``device``).
+    The shape integers are not specialised, so these variants cover every batch and length."""
+    probe = torch.empty(1, 1, 1, 1, device=device)
+    if _pick_backend(backend, probe) != "triton":
+        return 0
+    launches = 0
+    seqs = [s for s in (1024, 2048, 4096, 8192, 16384) if s <= max(1024, max_seq)]
+    for reduce in reduces:
+        for n_query in (1, 17):  # 16- and 32-row query blocks
+            for seq in seqs:
+                for with_debias in (False, True):
+                    q = torch.zeros(1, n_heads, n_query, head_dim, dtype=dtype, device=device)
+                    k = torch.zeros(1, n_kv, seq, head_dim, dtype=dtype, device=device)
+                    visual = torch.ones(1, seq, dtype=torch.bool, device=device)
+                    debias = torch.ones(1, seq, device=device) if with_debias else None
+                    score_and_select(
+                        q, k, visual, 1, scaling=1.0, reduce=reduce, debias=debias,
+                        backend="triton", n_visual=seq,
+                    )  # fmt: skip
+                    launches += 1
+    return launches

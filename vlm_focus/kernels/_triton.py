@@ -70,7 +70,20 @@ _SELECT_MAX_SINGLE = 16384  # row length up to which the selection keeps the who
 _MAX_TPARTS = 4  # query-block ranges of pass 2: bounds the partial scores at [B, 4 * heads, S]
 
 
-@triton.jit
+# Shape integers vary from call to call (batch, sequence, query rows, split counts). Triton
+# would compile a variant for each value that is 1 or a multiple of 16; these stay plain
+# arguments, so one compiled variant serves every shape of a model (strides stay specialised:
+# their alignment is what vectorises the loads).
+_LSE_SHAPES = ("n_heads", "n_query", "seq", "head_dim", "n_split", "keys_per_split")
+_SCORE_SHAPES = (
+    "n_heads", "n_kv", "n_query", "seq", "head_dim", "n_split", "kv_per_part", "n_hparts",
+    "n_tblocks", "tblocks_per_part", "n_parts",
+)  # fmt: skip
+_SELECT_SHAPES = ("seq", "n_parts", "n_keep")
+_MAX_SPLIT = 64  # key ranges of pass 1; pass 2 always reads a fixed _MAX_SPLIT-wide row
+
+
+@triton.jit(do_not_specialize=_LSE_SHAPES)
 def _lse_kernel(
     q_ptr,
     k_ptr,
@@ -153,7 +166,7 @@ def _lse_kernel(
     tl.store(lse_ptr + row * n_split + pid_s, lse, mask=t_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SCORE_SHAPES)
 def _score_kernel(
     q_ptr,
     k_ptr,
@@ -301,7 +314,7 @@ def _final_tile(
     return tl.where(vis, _order_key(acc), -2147483648)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SELECT_SHAPES)
 def _select_kernel(
     part_ptr,
     vis_ptr,
@@ -410,16 +423,21 @@ def _next_pow2(x: int) -> int:
 
 def _plan(q: torch.Tensor, k: torch.Tensor, reduce: str) -> _Plan:
     """Heuristic launch shape: enough programs (~4 per SM) for a batch-1 call at every S."""
-    batch, n_heads, n_query, _ = q.shape
-    n_kv, seq = k.shape[1], k.shape[2]
+    # The interpreter runs programs one after another: few, large programs are fastest there.
+    n_sm = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else 1
+    return plan_for(q.shape, k.shape, reduce, n_sm)
+
+
+def plan_for(q_shape, k_shape, reduce: str, n_sm: int) -> _Plan:
+    """:func:`_plan` from the shapes ``[B, H, Tq, D]`` / ``[B, Hkv, S, D]`` and the SM count."""
+    batch, n_heads, n_query, _ = q_shape
+    n_kv, seq = k_shape[1], k_shape[2]
     block_n = 64
     block_t = min(32, max(16, _next_pow2(n_query)))  # 32 rows keep pass 2 in registers
     n_tblocks = triton.cdiv(n_query, block_t)
     n_blocks = triton.cdiv(seq, block_n)
-    # The interpreter runs programs one after another: few, large programs are fastest there.
-    n_sm = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else 1
     target = 4 * n_sm
-    n_split = max(1, min(n_blocks, triton.cdiv(target, batch * n_heads * n_tblocks)))
+    n_split = max(1, min(n_blocks, _MAX_SPLIT, triton.cdiv(target, batch * n_heads * n_tblocks)))
     # Pass 2: split query blocks first (any reduce), then kv heads (mean only).
     n_tparts = max(1, min(n_tblocks, _MAX_TPARTS, triton.cdiv(target, batch * n_blocks)))
     n_hparts = 1
@@ -427,6 +445,30 @@ def _plan(q: torch.Tensor, k: torch.Tensor, reduce: str) -> _Plan:
         n_hparts = max(1, min(n_kv, triton.cdiv(target, batch * n_blocks * n_tparts)))
     return _Plan(
         block_n=block_n, block_t=block_t, n_split=n_split, n_hparts=n_hparts, n_tparts=n_tparts
+    )
+
+
+def compiled_variant(
+    q_shape, k_shape, dtype: torch.dtype, reduce: str, has_debias: bool, plan: _Plan, cuda=True
+) -> tuple:
+    """The compile-time arguments of the three kernels for one call: Triton compiles one
+    variant per distinct value (the shape integers are not specialised)."""
+    n_heads, head_dim = q_shape[1], q_shape[3]
+    seq = k_shape[2]
+    sel_block = plan.select_block or min(_SELECT_MAX_SINGLE, max(16, _next_pow2(seq)))
+    return (
+        n_heads // k_shape[1],  # GROUPS
+        plan.block_t,
+        plan.block_n,
+        max(16, _next_pow2(head_dim)),  # BLOCK_D
+        "ieee" if dtype == torch.float32 else "tf32",  # tf32 applies to fp32 inputs only
+        # The CPU interpreter (triton 3.9) returns garbage from tl.dot on bf16 tiles, so there
+        # the tiles go to fp32 first. Exact: a product of two bf16/fp16 numbers fits in fp32.
+        not cuda,  # DOT_FP32
+        reduce == "max",
+        has_debias,
+        sel_block,
+        triton.cdiv(seq, sel_block),  # N_TILES
     )
 
 
@@ -454,23 +496,20 @@ def _launch(
             common = torch.float32
         q, k = q.to(common), k.to(common)
     device = q.device
-    groups = n_heads // n_kv
-    block_n, block_t = plan.block_n, plan.block_t
-    block_d = max(16, _next_pow2(head_dim))
+    has_debias = debias is not None
+    (groups, block_t, block_n, block_d, precision, dot_fp32, reduce_max, _, sel_block, n_tiles) = (
+        compiled_variant(q.shape, k.shape, q.dtype, reduce, has_debias, plan, q.is_cuda)
+    )
     n_tblocks = triton.cdiv(n_query, block_t)
     n_blocks = triton.cdiv(seq, block_n)
     # Whole tiles per split, then drop splits that would be empty.
-    keys_per_split = triton.cdiv(n_blocks, max(1, plan.n_split)) * block_n
+    keys_per_split = triton.cdiv(n_blocks, max(1, min(plan.n_split, _MAX_SPLIT))) * block_n
     n_split = triton.cdiv(seq, keys_per_split)
     kv_per_part = triton.cdiv(n_kv, max(1, plan.n_hparts)) if reduce == "mean" else n_kv
     n_hparts = triton.cdiv(n_kv, kv_per_part)
     tblocks_per_part = triton.cdiv(n_tblocks, max(1, min(plan.n_tparts, _MAX_TPARTS)))
     n_tparts = triton.cdiv(n_tblocks, tblocks_per_part)
     n_parts = n_hparts * n_tparts
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 inputs only
-    # The CPU interpreter (triton 3.9) returns garbage from tl.dot on bf16 tiles, so there the tiles
-    # go to fp32 first. Exact: a product of two bf16/fp16 numbers fits in an fp32 mantissa.
-    dot_fp32 = not q.is_cuda
 
     kmask = key_mask.to(device).contiguous().view(torch.uint8)  # [B, S]
     vis = visual.to(device).contiguous().view(torch.uint8)  # [B, S]
@@ -498,16 +537,14 @@ def _launch(
             qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
             *q.stride(), *k.stride(),
             GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
-            SPLIT_PAD=max(2, _next_pow2(n_split)),
-            REDUCE_MAX=reduce == "max", PRECISION=precision, DOT_FP32=dot_fp32,
+            SPLIT_PAD=_MAX_SPLIT,
+            REDUCE_MAX=reduce_max, PRECISION=precision, DOT_FP32=dot_fp32,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
-        sel_block = plan.select_block or min(_SELECT_MAX_SINGLE, max(16, _next_pow2(seq)))
-        has_debias = debias is not None
         debias_arg = debias.to(device=device).contiguous() if has_debias else scores
         _select_kernel[(batch,)](
             parts, vis, debias_arg, scores, kept, seq, n_parts, n_keep,
-            HAS_DEBIAS=has_debias, BLOCK=sel_block, N_TILES=triton.cdiv(seq, sel_block),
+            HAS_DEBIAS=has_debias, BLOCK=sel_block, N_TILES=n_tiles,
             num_warps=4 if sel_block <= 2048 else (8 if sel_block <= 8192 else 16),
         )  # fmt: skip
     return scores, kept
