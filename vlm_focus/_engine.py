@@ -146,6 +146,8 @@ class FocusEngine:
         self.last_trace: FocusTrace | None = None
         self._hooks: list[Any] = []
         self._encoder_inputs: EncoderInputs | None = None
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+        self._flash = attn.startswith("flash")
 
     # --- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -391,7 +393,11 @@ class FocusEngine:
             lambda: _slice_mask(mask, _on(current, mask), _on(current, mask)),
         )
         position_ids = kwargs.get("position_ids")
-        if isinstance(position_ids, torch.Tensor):
+        if isinstance(position_ids, torch.Tensor) and self._flash:
+            # Kept ids have gaps, which flash-attention at batch 1 reads as packed sequences
+            # (a host read per layer); RoPE already sits in cos/sin, so the layers need none.
+            kwargs["position_ids"] = None
+        elif isinstance(position_ids, torch.Tensor):
             kwargs["position_ids"] = self._once(
                 ("position_ids", position_ids),
                 current,

@@ -44,6 +44,7 @@ class AttentionReweight:
         self.relevant: dict[int, torch.Tensor] = {}  # layer -> [B, S] bool (last prefill)
         self.text_rows: torch.Tensor | None = None  # [B, S] bool
         self._prefill: Prefill | None = None
+        self._has_visual = False
         self._bias = AttentionBias(
             model, range(n_layers) if layers is None else layers, self._bias_fn
         )
@@ -73,7 +74,8 @@ class AttentionReweight:
             self._prefill = prefill
             self.relevant.clear()
             self.text_rows = prefill.text_after_image()
-        if not bool(prefill.visual.any()) or self.strength == 0:
+            self._has_visual = bool(prefill.visual.any())  # read once per prefill
+        if not self._has_visual or self.strength == 0:
             return None
         if index not in self.relevant:
             if call.past != 0:
@@ -90,11 +92,10 @@ class AttentionReweight:
         batch, new = hidden.shape[:2]
         total = call.valid.shape[1]
         seq = relevant.shape[1]
-        positions = torch.arange(call.past, call.past + new, device=hidden.device)
         is_text = torch.ones(batch, new, dtype=torch.bool, device=hidden.device)
-        prompt_rows = positions < seq
-        if bool(prompt_rows.any()):
-            is_text[:, prompt_rows] = self.text_rows[:, positions[prompt_rows]]
+        n_prompt = min(new, seq - call.past)  # this call's rows inside the prompt (host ints)
+        if n_prompt > 0:
+            is_text[:, :n_prompt] = self.text_rows[:, call.past : call.past + n_prompt]
         columns = torch.zeros(batch, total, device=hidden.device)
         columns[:, :seq] = relevant.float() * self.strength
         return columns[:, None, :] * is_text[:, :, None].float()  # [B, T, L]

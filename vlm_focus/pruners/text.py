@@ -52,7 +52,8 @@ class TextPruner(Pruner):
     ``m_t = sum_s a[t, s]`` exceeds the mean of ``m`` over the instruction; then
     ``score[s] = sum_{t in raters} w_t a[t, s]`` with ``w`` uniform over the raters or, with
     ``prior=True``, ``w_t`` proportional to the attention the last prompt token pays ``t``
-    (AdaptInfer's text-to-text prior). All attention comes from the score-and-select dispatch.
+    (AdaptInfer's text-to-text prior). The per-row attention is one ``[B, H, Tq, S]`` slab
+    (``kernels.per_query_attention``, the twin's math), the prior comes from score-and-select.
     """
 
     name = "text"
