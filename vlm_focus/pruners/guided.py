@@ -159,9 +159,10 @@ def guide_attention(
         visual = adapter.visual_mask(guide, input_ids) & valid
         layout = adapter.layout(guide, input_ids, inputs)
         config = FocusConfig(query="text", reduce="mean")
-        total = torch.zeros(input_ids.shape, dtype=torch.float32)
+        sums: list[torch.Tensor] = []  # per layer [B, S], summed on the guide's device
         layers = adapter.decoder_layers(guide)
         batch, seq = input_ids.shape
+        counts = visual.sum(1).tolist()  # one host read for all layers
 
         def hook_for(index: int) -> Callable:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -182,8 +183,13 @@ def guide_attention(
                     valid=valid.to(hidden.device),
                     layout=layout,
                     inputs=inputs,
+                    visual_counts=counts,
                 )
-                total.add_(ctx.attention_scores(1).scores.float().cpu())
+                scores = ctx.attention_scores(1).scores.float()
+                if sums:  # one running sum, kept on the first layer's device
+                    previous = sums.pop()
+                    scores = previous + scores.to(previous.device)
+                sums.append(scores)
 
             return hook
 
@@ -196,6 +202,7 @@ def guide_attention(
         finally:
             for h in handles:
                 h.remove()
+        total = sums[0].cpu() if sums else torch.zeros(input_ids.shape)
     maps = []
     for b, images in enumerate(layout):
         row = []

@@ -248,7 +248,8 @@ class PyramidPruner(Pruner):
             picks = []
             for r in range(n_regions):
                 here = torch.nonzero(region_t == r).flatten()
-                best = fused_t[here].topk(int(budget[r])).indices
+                ranked = torch.sort(fused_t[here], descending=True, stable=True).indices
+                best = ranked[: int(budget[r])]  # ties: the lower position
                 picks.append(local_t[here[best]])
             chosen.append(torch.cat(picks))
         return Selection(scores=rank_scores(ctx, chosen, top))
