@@ -19,40 +19,19 @@ import statistics
 import time
 from pathlib import Path
 
+import prefill
 import torch
 from prefill import machine
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 import vlm_focus as vf
 
-HIDDEN, LAYERS, HEADS, MLP, VOCAB = 512, 4, 8, 1376, 32000
-IMAGE_TOKEN = 31999
+HIDDEN, LAYERS, HEADS, MLP = 512, 4, 8, 1376
+IMAGE_TOKEN = prefill.IMAGE_TOKEN
 STEPS = 32
 
 
-def build_model() -> LlavaForConditionalGeneration:
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=192,
-            patch_size=16,
-        ),
-        text_config=LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=MLP,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=HEADS,
-        ),
-        image_token_id=IMAGE_TOKEN,
-    )
-    config._attn_implementation = "sdpa"
-    return LlavaForConditionalGeneration(config).eval()
+def build_model():
+    return prefill.build_model(HIDDEN, LAYERS, HEADS, MLP, image_size=192, patch_size=16)
 
 
 def build_inputs(batch: int) -> dict:
@@ -76,7 +55,7 @@ def decode_seconds(model, inputs: dict) -> float:
     """Wall time of STEPS greedy decode steps after one prefill (the prefill is not timed)."""
     with torch.inference_mode():
         out = model(**inputs, use_cache=True, logits_to_keep=1)
-        cache, mask = out.past_key_values, inputs["attention_mask"]
+        cache, mask = out.cache, inputs["attention_mask"]
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(STEPS):

@@ -31,7 +31,15 @@ IMAGE_TOKEN = 31999
 PROMPT_TEXT = 40  # text tokens around the image (system + question)
 
 
-def build_model() -> LlavaForConditionalGeneration:
+def build_model(
+    hidden: int = HIDDEN,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    mlp: int = MLP,
+    image_size: int = 336,
+    patch_size: int = 14,
+) -> LlavaForConditionalGeneration:
+    """Random weights; the vision tower is kept tiny so that the language model dominates."""
     torch.manual_seed(0)
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(
@@ -39,16 +47,16 @@ def build_model() -> LlavaForConditionalGeneration:
             intermediate_size=128,
             num_hidden_layers=1,
             num_attention_heads=2,
-            image_size=336,
-            patch_size=14,
+            image_size=image_size,
+            patch_size=patch_size,
         ),
         text_config=LlamaConfig(
             vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=MLP,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=HEADS,
+            hidden_size=hidden,
+            intermediate_size=mlp,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
         ),
         image_token_id=IMAGE_TOKEN,
     )
