@@ -15,6 +15,13 @@ hands the same objects to every layer. So:
 
 Batches: every row drops the same number of visual tokens (the smallest number any row asks to
 drop), so all rows keep one common length and no row keeps fewer tokens than ``keep`` asks.
+
+On a GPU the hot path never waits for the device: a call brings images when it carries image
+inputs (never judged from token ids), counts come from the host, the kept set is chosen on the
+device, slices are built once per stage (or decode step) on the device of the tensor sliced,
+each stage scores on its layer's execution device (``device_map`` splits), and the trace is
+read back only when it is read. Adapters may add hooks for decoder inputs laid out on the full
+sequence (Qwen3-VL's DeepStack), fed with the original positions each layer outputs.
 """
 
 from __future__ import annotations
@@ -378,17 +385,18 @@ class FocusEngine:
             state.current = state.current.gather(1, local.to(state.current.device))
         current = state.current
         state.per_layer[index] = current
-        state.decode_cols[index] = self._once(("cols",), current, lambda: self._columns(current))
+        state.decode_cols[index] = self._once("cols", None, current, lambda: self._columns(current))
         kwargs = dict(kwargs)
         # The decoder hands every layer the same full-length cos/sin, mask and position ids, and
         # the kept set changes only at a stage: slice each once per stage (on its own device).
         kwargs["position_embeddings"] = (
-            self._once(("cos", cos), current, lambda: _gather_seq(cos, _on(current, cos), 1)),
-            self._once(("sin", sin), current, lambda: _gather_seq(sin, _on(current, sin), 1)),
+            self._once("cos", cos, current, lambda: _gather_seq(cos, _on(current, cos), 1)),
+            self._once("sin", sin, current, lambda: _gather_seq(sin, _on(current, sin), 1)),
         )
         mask = kwargs.get("attention_mask")
         kwargs["attention_mask"] = self._once(
-            ("mask", mask),
+            "mask",
+            mask,
             current,
             lambda: _slice_mask(mask, _on(current, mask), _on(current, mask)),
         )
@@ -399,7 +407,8 @@ class FocusEngine:
             kwargs["position_ids"] = None
         elif isinstance(position_ids, torch.Tensor):
             kwargs["position_ids"] = self._once(
-                ("position_ids", position_ids),
+                "position_ids",
+                position_ids,
                 current,
                 lambda: _gather_seq(
                     position_ids, _on(current, position_ids), position_ids.dim() - 1
@@ -415,11 +424,10 @@ class FocusEngine:
         base = self.state.per_layer.get(0) if self.first_layer == 0 else None
         return current if base is None else torch.searchsorted(base, current)
 
-    def _once(self, key: tuple, current: torch.Tensor, make: Callable[[], Any]) -> Any:
-        """``make()`` for this source tensor and kept set, computed once and reused while
-        neither changes (the same objects reach every layer of a stage, or of a decode step)."""
+    def _once(self, name: str, source: Any, current: torch.Tensor, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once and reused while ``source`` and ``current`` stay the same
+        objects (they do across the layers of a stage, or of one decode step)."""
         memo = self.state.memo
-        name, source = key[0], key[1] if len(key) > 1 else None
         hit = memo.get(name)
         if hit is not None and hit[0] is source and hit[1] is current:
             return hit[2]
@@ -442,7 +450,8 @@ class FocusEngine:
             raise RuntimeError(f"layer {index}: decode mask width {width} matches no cache length")
         kwargs = dict(kwargs)
         kwargs["attention_mask"] = self._once(
-            ("decode_mask", mask),
+            "decode_mask",
+            mask,
             kept_cols,
             lambda: _slice_mask(mask, None, _decode_columns(_on(kept_cols, mask), prompt, width)),
         )
