@@ -549,17 +549,19 @@ def _frame_ids(layout: list[list[ImageLayout]], shape: tuple[int, int], device) 
 
 def _frame_shares(scores: torch.Tensor, visual: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     """Scores whose top ``n`` over a row take the same share of every frame: each visual token
-    scores ``-(rank in its frame + 0.5) / frame size`` (rank 0 = its frame's best)."""
-    out = torch.full(scores.shape, float("-inf"), device=scores.device)
-    for b in range(scores.shape[0]):
-        idx = torch.nonzero(visual[b]).flatten()
-        s, f = scores[b, idx].float(), frames[b, idx]
-        by_score = torch.sort(s, descending=True, stable=True).indices
-        order = by_score[torch.sort(f[by_score], stable=True).indices]  # frame, then score
-        sizes = torch.bincount(f.clamp(min=0))
-        starts = sizes.cumsum(0) - sizes
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        rank = rank - starts[f.clamp(min=0)]
-        out[b, idx] = -(rank.float() + 0.5) / sizes[f.clamp(min=0)].float()
-    return out
+    scores ``-(rank in its frame + 0.5) / frame size`` (rank 0 = its frame's best). Batched on
+    the device: sort by score, then stably by frame, and count ranks from each frame's start."""
+    batch, seq = scores.shape
+    n_frames = seq + 1  # frame ids lie in [0, seq); text and padding form one last block
+    frame = torch.where(visual, frames, seq)
+    by_score = torch.sort(scores.float(), dim=1, descending=True, stable=True).indices
+    by_frame = torch.sort(frame.gather(1, by_score), dim=1, stable=True).indices
+    order = by_score.gather(1, by_frame)  # frame by frame, best first within each
+    sorted_frame = frame.gather(1, order)
+    sizes = torch.zeros(batch, n_frames, dtype=torch.long, device=scores.device)
+    sizes.scatter_add_(1, frame, torch.ones_like(frame))
+    starts = sizes.cumsum(1) - sizes
+    rank = torch.arange(seq, device=scores.device) - starts.gather(1, sorted_frame)
+    share = -(rank.float() + 0.5) / sizes.gather(1, sorted_frame).float()
+    out = torch.empty_like(share).scatter(1, order, share)
+    return out.masked_fill(~visual, float("-inf"))
