@@ -331,3 +331,20 @@ def test_a_text_only_row_beside_an_image_row_runs_unpruned_with_a_warning():
                 logits = model(**inputs).logits
     torch.testing.assert_close(logits, plain, atol=1e-6, rtol=0)
     assert handle.last_trace.n_kept == handle.last_trace.n_visual == [0, 16]
+
+
+@pytest.mark.parametrize(
+    "kind,case", [("llava_next", "image"), ("qwen2_vl", "image"), ("llava_onevision", "image")]
+)
+def test_beam_search_copies_share_their_prompts_images(kind, case):
+    """generate() repeats each prompt per beam while the encoder saw each image once."""
+    model = make_model(kind)
+    inputs = make_case(kind, case, model, batch=2)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, num_beams=2, do_sample=False)
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=2) as handle:
+        out = model.generate(**inputs, **kwargs)
+        trace = handle.last_trace
+    assert len(trace.kept) == 4 and torch.equal(trace.kept[0], trace.kept[1])
+    with torch.no_grad(), masked_reference(model, model.model.language_model.layers, trace):
+        ref = model.generate(**inputs, **kwargs)
+    assert torch.equal(out, ref)

@@ -37,6 +37,8 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from ._encoder_inputs import EncoderInputs
+from ._fixation import FixedView, StepFixation, step_columns
+from ._select import keep_mask, kept_columns
 from .config import FocusConfig, keep_count
 from .kernels import warm_up
 from .model_adapters import ImageLayout, ModelAdapter
@@ -77,6 +79,8 @@ class _Prefill:
     cache: Any = None  # weakref to the cache this prefill filled
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
+    fixation: StepFixation | None = None  # decode-time selection (pruner="fixation")
+    step_mask: torch.Tensor | None = None  # the current decode call's 2-D attention mask
 
 
 def _gather_seq(
@@ -237,6 +241,9 @@ class FocusEngine:
             if state.cache() is cache and _cache_length(cache) > 0:
                 state.memo.clear()  # slices of the last call only
                 state.inputs = {}  # pixel inputs served the prefill's stages; let them go
+                if state.fixation is not None:
+                    state.fixation.begin_step()
+                    state.step_mask = kwargs.get("attention_mask")
                 if self.first_layer == 0:
                     kwargs = self._fill_decode_inputs(kwargs, input_ids, cache)
                 return args, kwargs
@@ -287,7 +294,7 @@ class FocusEngine:
         drops, counts, remaining = [], [], list(n_visual)
         for _, keep in self.config.stages:
             want = [r - min(r, keep_count(keep, n)) for r, n in zip(remaining, n_visual)]
-            drop = min(want)
+            drop = 0 if self.pruner.decode_time else min(want)
             drops.append(drop)
             counts.append(remaining)
             remaining = [r - drop for r in remaining]
@@ -309,6 +316,19 @@ class FocusEngine:
                 else None
             ),
         )
+        if self.pruner.decode_time:
+            options = self.pruner.options
+            self.state.fixation = StepFixation(
+                self.adapter,
+                layout,
+                visual,
+                n_visual,
+                self.config.stages[0][1],
+                self.config.reduce,
+                options.refresh,
+                options.radius,
+            )
+            trace.fixation = self.state.fixation
         self.last_trace = trace
 
     def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Cache) -> dict:
@@ -359,6 +379,8 @@ class FocusEngine:
             hidden = args[0] if args else kwargs["hidden_states"]
             if _cache_length(cache, index) == 0:
                 hidden, kwargs = self._prefill_layer(index, module, hidden, kwargs, cache)
+            elif state.fixation is not None:
+                kwargs = self._fixated_layer(index, module, hidden, kwargs, cache)
             else:
                 kwargs = self._decode_layer(index, hidden, kwargs, cache)
             if args:
@@ -417,6 +439,34 @@ class FocusEngine:
         if index == len(self.layers) - 1:
             state.trace.sequence = current
         return hidden, kwargs
+
+    def _fixated_layer(
+        self, index: int, layer: nn.Module, hidden: torch.Tensor, kwargs: dict, cache: Any
+    ) -> dict:
+        """A decode step under fixation: the focal layer (the first hooked one) picks the
+        step's visual columns; every hooked layer reads only those (plus all text) from the
+        cache. Chunks of several new tokens (a follow-up turn) attend to everything."""
+        fixation = self.state.fixation
+        if hidden.shape[1] != 1:
+            return kwargs
+        if fixation.columns is None:
+            keys = cache.layers[index].keys  # [B, Hkv, L, D], before this step's token
+            fixation.fixate(layer, hidden, kwargs, keys, self.state.step_mask)
+        columns = fixation.columns
+        kwargs = dict(kwargs)
+        for key in _CACHE_KEYS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = FixedView(kwargs[key], columns)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            width = mask.shape[-1]
+            kwargs["attention_mask"] = self._once(
+                "fixed_mask",
+                mask,
+                columns,
+                lambda: _slice_mask(mask, None, step_columns(_on(columns, mask), width, 1)),
+            )
+        return kwargs
 
     def _columns(self, current: torch.Tensor) -> torch.Tensor:
         """Prefill columns of the decode mask a layer holding ``current`` keeps: the decode mask
@@ -515,20 +565,9 @@ class FocusEngine:
         else:
             keep = keep_mask(selection.scores, visual, drop)
         watch.stop(start, device)
-        # kept indices in ascending order: a stable sort puts the kept (key 0) first
-        local = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, : seq - drop]
+        local = kept_columns(keep, seq - drop)
         state.trace.stages.append(StageTrace(index, current, visual, keep, selection.scores))
         return local
-
-
-def keep_mask(scores: torch.Tensor, visual: torch.Tensor, drop: int) -> torch.Tensor:
-    """``[B, S]`` bool: every row keeps all non-visual tokens and drops its ``drop``
-    lowest-scoring visual tokens; ties keep the lower position, as in the kernel."""
-    ranked = scores.float().masked_fill(~visual, float("-inf"))
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # visual first
-    last = visual.sum(1, keepdim=True) - drop  # [B, 1]: rank of each row's first dropped token
-    dropped = order.gather(1, last + torch.arange(drop, device=scores.device))  # [B, drop]
-    return torch.ones_like(visual).scatter(1, dropped, False)
 
 
 def _frame_ids(layout: list[list[ImageLayout]], shape: tuple[int, int], device) -> torch.Tensor:

@@ -99,6 +99,15 @@ class FocusTrace:
     stages: list[StageTrace] = field(default_factory=list)
     sequence: torch.Tensor | None = None
     stopwatch: Stopwatch = field(default_factory=Stopwatch, repr=False)
+    fixation: object | None = field(default=None, repr=False)  # decode-time selection state
+
+    @property
+    def fixations(self) -> list[list[torch.Tensor]]:
+        """Decode-time fixation (``pruner="fixation"``): per decoding step, per row, the
+        original positions of the visual tokens that step attended to; ``[]`` otherwise."""
+        if self.fixation is None:
+            return []
+        return [step.positions for step in self.fixation.steps]
 
     @cached_property
     def visual_positions(self) -> list[torch.Tensor]:

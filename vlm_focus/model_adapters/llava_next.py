@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
+from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
 
 
 def anyres_canvas(model: nn.Module, image_size: list[int]) -> tuple[torch.Tensor, int, int]:
@@ -73,13 +73,17 @@ def llava_next_layout(
         raise ValueError("llava_next needs `image_sizes` (from the processor) with pixel_values")
     sizes = [list(map(int, s)) for s in torch.as_tensor(image_sizes).tolist()]
     visual = LLAVA_NEXT.visual_mask(model, input_ids).cpu()  # one copy to the host
-    per_row = _images_per_row(visual, len(sizes))
+    per_row = _images_per_row(visual)
+    repeat = rows_per_prompt(
+        sum(per_row), len(sizes), len(per_row), "runs of image tokens", "image_sizes"
+    )
     layouts: list[list[ImageLayout]] = []
     first = 0
     for b in range(input_ids.shape[0]):
         positions = torch.nonzero(visual[b]).flatten()
         row_sizes = sizes[first : first + per_row[b]]
-        first += per_row[b]
+        if (b + 1) % repeat == 0:  # beam copies of a prompt share its images
+            first += per_row[b]
         anyres = True
         cells = [_image_cells(model, s, anyres=True) for s in row_sizes]
         if sum(c.shape[0] for c, _ in cells) != positions.numel():
@@ -96,15 +100,10 @@ def llava_next_layout(
     return layouts
 
 
-def _images_per_row(visual: torch.Tensor, n_images: int) -> list[int]:
+def _images_per_row(visual: torch.Tensor) -> list[int]:
     """Images per row, counted as runs of image tokens (the processor puts text between images)."""
     v = visual.int()
-    counts = (((v[:, 1:] - v[:, :-1]) == 1).sum(-1) + v[:, 0]).tolist()
-    if sum(counts) != n_images:
-        raise ValueError(
-            f"found {sum(counts)} runs of image tokens but image_sizes lists {n_images} images"
-        )
-    return counts
+    return (((v[:, 1:] - v[:, :-1]) == 1).sum(-1) + v[:, 0]).tolist()
 
 
 LLAVA_NEXT = ModelAdapter(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
+from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
 from .llava_next import anyres_canvas
 
 _NEWLINE_CELL = torch.tensor([[0, -1, -1]])
@@ -115,8 +115,16 @@ def onevision_layout(
     videos = inputs.get("pixel_values_videos")
     frames = None if videos is None else int(videos.shape[1])  # [videos, frames, C, H, W]
     ids = input_ids.cpu()
+    batch = ids.shape[0]
+    described = sum(item[1].shape[0] for item in images)
+    repeat = rows_per_prompt(
+        int((ids == image_id).sum()), described, batch, "image tokens", "image_sizes"
+    )
     layouts: list[list[ImageLayout]] = []
-    for b in range(ids.shape[0]):
+    for b in range(batch):
+        if b % repeat:  # a beam copy of the previous row shares its images
+            layouts.append(list(layouts[-1]))
+            continue
         row: list[ImageLayout] = []
         positions = torch.nonzero(ids[b] == image_id).flatten()
         while positions.numel():  # consume images in order across the batch

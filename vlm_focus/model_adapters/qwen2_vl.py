@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells
+from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
 
 
 def _grid_layouts(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, list, torch.Tensor]]:
@@ -38,8 +38,22 @@ def qwen_layout(
         "video": deque(_grid_layouts(inputs.get("video_grid_thw", torch.zeros(0, 3)), merge)),
     }
     ids = input_ids.cpu()
+    batch = ids.shape[0]
+    repeat = {
+        kind: rows_per_prompt(
+            int((ids == token).sum()) if token is not None else 0,
+            sum(n for n, _, _ in grids[kind]),
+            batch,
+            f"{kind} tokens",
+            f"{kind}_grid_thw",
+        )
+        for kind, token in (("image", image_id), ("video", video_id))
+    }
     layouts: list[list[ImageLayout]] = []
-    for b in range(ids.shape[0]):
+    for b in range(batch):
+        if any(b % k for k in repeat.values()):  # a repeat of the row before (beams)
+            layouts.append([_repeated(layout, ids[b], ids[b - 1]) for layout in layouts[-1]])
+            continue
         row_layouts = []
         for kind, token in (("image", image_id), ("video", video_id)):
             positions = torch.nonzero(ids[b] == token).flatten()
@@ -55,6 +69,13 @@ def qwen_layout(
                 positions = positions[n:]
         layouts.append(sorted(row_layouts, key=lambda layout: int(layout.positions[0])))
     return layouts
+
+
+def _repeated(layout: ImageLayout, row: torch.Tensor, previous: torch.Tensor) -> ImageLayout:
+    """The layout of a row that repeats the previous one (``generate()``'s beam copies)."""
+    if not torch.equal(row, previous):
+        raise ValueError("rows that share a prompt's images must hold the same tokens")
+    return layout
 
 
 def mrope_decode_positions(

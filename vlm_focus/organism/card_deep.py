@@ -147,7 +147,11 @@ def deep_model_card(m: dict, folder: Path) -> str:
         "| bar | target | measured | verdict |",
         "|---|---|---|---|",
     ]
+    total = summary["minutes_total"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in deep_bars(m)]
+    lines.append(
+        f"| training wall clock, 2 CPU cores | <= 60 min | {total:.1f} min | {_ok(total <= 60)} |"
+    )
     t = m.get("twohop")
     if t:
         lines += [

@@ -24,6 +24,7 @@ from .baselines import PoolPruner, RandomPruner, TemporalPruner
 from .debiased import DebiasedPruner
 from .diverse import DiversePruner
 from .fastv import FastVPruner
+from .fixation import FixationPruner
 from .guided import GuidedPruner, guided_generate
 from .pyramid import PyramidPruner
 from .text import TextPruner
@@ -68,6 +69,7 @@ def get_pruner(name: str) -> type[Pruner]:
 
 for _cls in (
     FastVPruner,
+    FixationPruner,
     TextPruner,
     DebiasedPruner,
     PyramidPruner,

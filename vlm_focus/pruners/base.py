@@ -159,6 +159,9 @@ class Pruner:
     #: True when the scores are LLM attention from :meth:`StageContext.attention_scores`
     #: (such pruners can be wrapped by ``debiased``).
     attention_based: ClassVar[bool] = False
+    #: True for a decode-time pruner: prefill keeps every token and the engine selects per
+    #: decoding step (``fixation``); ``select`` is then never called.
+    decode_time: ClassVar[bool] = False
 
     def __init__(self, config: FocusConfig, options: Any) -> None:
         self.config = config

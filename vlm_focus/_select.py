@@ -1,0 +1,21 @@
+"""The one selection rule: which visual tokens a row keeps, given scores and a drop count."""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_mask(scores: torch.Tensor, visual: torch.Tensor, drop: int) -> torch.Tensor:
+    """``[B, S]`` bool: every row keeps all non-visual tokens and drops its ``drop``
+    lowest-scoring visual tokens; ties keep the lower position, as in the kernel."""
+    ranked = scores.float().masked_fill(~visual, float("-inf"))
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # visual first
+    last = visual.sum(1, keepdim=True) - drop  # [B, 1]: rank of each row's first dropped token
+    dropped = order.gather(1, last + torch.arange(drop, device=scores.device))  # [B, drop]
+    return torch.ones_like(visual).scatter(1, dropped, False)
+
+
+def kept_columns(keep: torch.Tensor, n_kept: int) -> torch.Tensor:
+    """``[B, n_kept]`` indices of the kept entries of ``keep [B, S]``, ascending (every row
+    keeps ``n_kept``): a stable sort puts the kept (key 0) first, in their order."""
+    return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :n_kept]
