@@ -106,13 +106,15 @@ def deep_model_card(m: dict, folder: Path) -> str:
         f"the anchor's centre, by a margin: (offset along the direction) - (offset across it) >= {RELATION_MARGIN} "
         f"px; it clearly does not when that difference is <= -{RELATION_MARGIN} px. A question is asked only "
         "when exactly one other object lies in the cone and no other object is too close to its border to call "
-        "(`scenes.two_hop_target`), so every answer is unique. The target depends on the anchor's position, "
-        "not only on the direction: it is not simply the leftmost object of the scene.",
+        "(`scenes.two_hop_target`), so every answer is unique. The target depends on the anchor's position: it "
+        "need not be the leftmost object of the scene (it is, though, the object furthest that way from the "
+        "anchor in most held-out questions; see the notes).",
         "- Also presence questions (`Is there a red_circle in the image?`, half with LLaVA's POPE suffix) and "
         "`Where is the red_circle?`. No relation (`Is the A left of the B?`) or caption turns.",
         "",
         "## Recipe (`vlm-focus organism train --model deep`)",
-        "1. Dense vision pretraining of the tower (as for the other organisms), then frozen.",
+        "1. Dense vision pretraining of the tower (as for the other organisms), then frozen (the shipped model "
+        "reuses organism-default's, the same stage; see the notes).",
         f"2. Category-last curriculum, 6-8 packed questions per image ({mix_cl}); the answer follows the question.",
         f"3. Standard chat template, one turn per image ({mix}); "
         f"{100 * chat.get('cat_last_share', 0):.0f}% of the rows stay in the packed form; the copy head "
@@ -128,7 +130,9 @@ def deep_model_card(m: dict, folder: Path) -> str:
         "model is a plain `LlavaForConditionalGeneration`.",
         "- Budgets per stage (wall-clock minutes, learning rate): "
         + ", ".join(f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items())
-        + ". AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process.",
+        + ". AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process (the shipped "
+        "model's chat stage: one thread, see the notes). Layers are counted from 0: pruning at K = 2 prunes "
+        "before layer 2, so it reaches the hop-2 read.",
         "- Training time (minutes): "
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items())
         + f"; total {summary['minutes_total']:.1f} wall-clock"
