@@ -91,7 +91,7 @@ def test_bad_queue_options(capsys):
 
 def test_outputs_of_a_failure_and_a_success():
     failed = app.outputs_of(DemoResult(ok=False, message="No image."))
-    assert failed == ("**Could not answer.** No image.", "", "", "", "", None, None, [], [])
+    assert failed == ("**Could not answer.** No image.", "", "", "", "", None, None, [], [], None)
     image = np.zeros((8, 8, 3), np.uint8)
     m = GroundedMap("red_circle", image + 1, [Box(1, 2, 3, 4, 0.5)], [0.75])
     ok = DemoResult(
@@ -109,7 +109,9 @@ def test_outputs_of_a_failure_and_a_success():
         prefill_ms_pruned=10.0,
         seconds=1.25,
     )
-    status, answer, unpruned, mitigated, stats, heat, kept, gallery, table = app.outputs_of(ok)
+    outputs = app.outputs_of(ok)
+    status, answer, unpruned, mitigated, stats, heat, kept, gallery, table, fixation = outputs
+    assert fixation is None  # a prefill pruner: no per-step fixation
     assert status == "Done in 1.2 s. Downscaled."
     assert (answer, unpruned, mitigated) == ("yes", "no", "")
     assert stats == (

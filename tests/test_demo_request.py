@@ -71,6 +71,25 @@ def test_outputs_have_the_image_size_and_the_kept_count(tiny, scene):
     assert result.answer_mitigated == "" and result.notices == []
 
 
+def test_fixation_draws_each_decoding_steps_kept_cells(tiny, scene):
+    import vlm_focus as vf
+
+    result = run(tiny, scene, pruner="fixation", keep=0.25, layer=1, max_new_tokens=4)
+    assert result.ok, result.message
+    assert result.n_kept == N_VISUAL  # the prefill keeps every token
+    strip = result.fixation_strip
+    assert strip.dtype == np.uint8 and strip.shape[0] == 150 + 22
+    model, processor = tiny
+    inputs = {k: v for k, v in req.build_inputs(processor, scene, QUESTION).items()}
+    with torch.no_grad(), vf.wrap(model, pruner="fixation", keep=0.25, layer=1) as handle:
+        model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    steps = len(handle.last_trace.fixations)
+    assert steps >= 1 and all(f[0].numel() == 4 for f in handle.last_trace.fixations)
+    panel = round(IMAGE_SIZE * 150 / IMAGE_SIZE)
+    assert strip.shape[1] == steps * panel + (steps - 1) * 4  # one panel per step
+    assert run(tiny, scene).fixation_strip is None  # a prefill pruner draws none
+
+
 def test_answers_equal_plain_generate_pruned_and_unpruned(tiny, scene):
     import vlm_focus as vf
 

@@ -153,7 +153,7 @@ def outputs_of(result: DemoResult) -> tuple:
     """The page's output values for one result (same order as the output components)."""
     if not result.ok:
         status = f"**Could not answer.** {result.message}"
-        return (status, "", "", "", "", None, None, [], [])
+        return (status, "", "", "", "", None, None, [], [], None)
     notes = " ".join(result.notices)
     status = f"Done in {result.seconds:.1f} s." + (f" {notes}" if notes else "")
     stats = f"**{result.kept_text}**  \n{result.timing_text}"
@@ -170,6 +170,7 @@ def outputs_of(result: DemoResult) -> tuple:
         result.kept_overlay,
         gallery,
         result.box_rows(),
+        result.fixation_strip,
     )
 
 
@@ -279,6 +280,14 @@ def build_app(
                     elem_id="objects",
                     visible=False,
                 )
+                fixation = gr.Image(
+                    label="Where each decoding step looked (fixation: the visual tokens that "
+                    "step attended to; the token it wrote underneath)",
+                    format="png",
+                    interactive=False,
+                    elem_id="fixation",
+                    visible=False,
+                )
                 table = gr.Dataframe(
                     headers=["phrase", "x", "y", "w", "h", "region score"],
                     label="Boxes (pixels) and region scores",
@@ -307,6 +316,7 @@ def build_app(
                 gr.Warning(result.message)
             values = list(outputs_of(result))
             values[7] = gr.update(value=values[7], visible=bool(values[7]))  # object maps
+            values[9] = gr.update(value=values[9], visible=values[9] is not None)  # fixation
             return tuple(values)
 
         def switch(path: str):
@@ -325,7 +335,18 @@ def build_app(
         run.click(
             respond,
             inputs=[image, prompt, pruner, keep, layer, mitigation],
-            outputs=[status, answer, unpruned, mitigated, stats, heat, kept, objects, table],
+            outputs=[
+                status,
+                answer,
+                unpruned,
+                mitigated,
+                stats,
+                heat,
+                kept,
+                objects,
+                table,
+                fixation,
+            ],
             api_name="answer",
         )
     return demo

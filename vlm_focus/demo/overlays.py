@@ -115,3 +115,24 @@ def kept_mask_overlay(
         for x0, y0, x1, y1 in boxes:
             cv2.rectangle(out, (x0, y0), (x1, y1), KEPT_COLOUR, 1)
     return out
+
+
+def frame_strip(
+    panels: Sequence[np.ndarray], labels: Sequence[str], height: int = 150
+) -> np.ndarray:
+    """Panels side by side at one ``height``, each with its label written underneath
+    ([H, W, 3] uint8): one panel per decoding step, the token it produced as the label."""
+    if not panels:
+        raise ValueError("frame_strip needs at least one panel")
+    if len(labels) != len(panels):
+        raise ValueError(f"{len(panels)} panels but {len(labels)} labels")
+    tiles = []
+    for panel, label in zip(panels, labels, strict=True):
+        panel = _check_image(panel)
+        width = max(1, round(panel.shape[1] * height / panel.shape[0]))
+        tile = cv2.resize(panel, (width, height), interpolation=cv2.INTER_NEAREST)
+        caption = np.full((22, width, 3), 255, dtype=np.uint8)
+        cv2.putText(caption, label[:14], (3, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (0, 0, 0), 1)
+        gap = np.full((height + 22, 4, 3), 255, dtype=np.uint8)
+        tiles += [np.concatenate([tile, caption], axis=0), gap]
+    return np.concatenate(tiles[:-1], axis=1)

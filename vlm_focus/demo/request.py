@@ -59,7 +59,7 @@ from ..grounding._maps import (
 from ..loading import build_inputs, decode_new_tokens
 from ..model_adapters import ImageLayout, get_adapter, supported_models
 from ..timing import median_seconds, prefill_fn
-from .overlays import draw_boxes, heat_overlay, kept_mask_overlay
+from .overlays import draw_boxes, frame_strip, heat_overlay, kept_mask_overlay
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ MAX_SIDE = 1344
 MAX_PIXELS = 100_000_000
 MAX_PROMPT_CHARS = 1000
 MAX_BOXES = 3
+MAX_FIXATION_STEPS = 12  # decoding steps drawn in the fixation strip
 #: Boxes of larger maps are found on the map resized to this many pixels (longest side).
 BOX_SIDE = 384
 
@@ -112,6 +113,8 @@ class DemoResult:
     prompt_map: GroundedMap | None = None
     object_maps: list[GroundedMap] = field(default_factory=list)
     kept_overlay: np.ndarray | None = None  # [H, W, 3] uint8
+    #: decode-time pruners (``fixation``): where each decoding step looked, one panel per step
+    fixation_strip: np.ndarray | None = None
     n_kept: int = 0
     n_visual: int = 0
     prefill_ms_unpruned: float = 0.0
@@ -382,6 +385,14 @@ def _compute(
     kept_overlay = kept_mask_overlay(image, grid, frame)
 
     prompt_len = inputs["input_ids"].shape[1]
+    strip = None
+    if trace.fixations:  # a decode-time pruner: draw each step's fixation
+        tokens = processor.tokenizer.convert_ids_to_tokens(pruned_seq[0, prompt_len:].tolist())
+        panels = []
+        for step in trace.fixations[:MAX_FIXATION_STEPS]:
+            grid, frame = kept_grid(layout, step[0], size, geometries)
+            panels.append(kept_mask_overlay(image, grid, frame, dim=0.35))
+        strip = frame_strip(panels, [str(t) for t in tokens[1 : len(panels) + 1]])
     prompt_map, object_maps = _ground(
         model, processor, inputs, prompt, pruned_seq[:1, prompt_len:], image, geometry
     )
@@ -399,6 +410,7 @@ def _compute(
         prompt_map=prompt_map,
         object_maps=object_maps,
         kept_overlay=kept_overlay,
+        fixation_strip=strip,
         n_kept=int(kept.numel()),
         n_visual=int(layout.positions.numel()),
         prefill_ms_unpruned=t_full * 1e3,
