@@ -348,3 +348,39 @@ def test_beam_search_copies_share_their_prompts_images(kind, case):
     with torch.no_grad(), masked_reference(model, model.model.language_model.layers, trace):
         ref = model.generate(**inputs, **kwargs)
     assert torch.equal(out, ref)
+
+
+def test_qwen3_prompt_with_an_image_and_a_video_under_generate():
+    """Qwen3-VL's video encoder calls its image encoder: the image grid recorded for the layout
+    must stay the image's, not the video's."""
+    model = make_model("qwen3_vl")
+    image = make_case("qwen3_vl", "image", model, batch=1)
+    video = make_case("qwen3_vl", "video", model, batch=1)
+    ids = torch.cat([image["input_ids"][:, :-6], video["input_ids"][:, 1:]], dim=1)
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=torch.cat(
+            [image["mm_token_type_ids"][:, :-6], video["mm_token_type_ids"][:, 1:]], dim=1
+        ),
+        pixel_values=image["pixel_values"],
+        image_grid_thw=image["image_grid_thw"],
+        pixel_values_videos=video["pixel_values_videos"],
+        video_grid_thw=video["video_grid_thw"],
+    )
+    layers = model.model.language_model.layers
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=0) as handle:
+        sequences, logits = greedy_generate(model, inputs, 4)
+        trace = handle.last_trace
+    assert trace.n_visual == [12 + 12]  # the 4x3 image grid and three 2x2 frames
+    with torch.no_grad(), masked_reference(model, layers, trace):
+        ref_sequences, ref_logits = greedy_generate(model, inputs, 4)
+    assert torch.equal(sequences, ref_sequences)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    with torch.no_grad(), vf.wrap(model, pruner="pool", keep=0.5, layer=0) as handle:
+        model.generate(**inputs, max_new_tokens=1)
+        used = handle._engine.state.layout[0]  # the layout generate()'s prefill was pruned by
+    assert [(im.kind, im.grids) for im in used] == [
+        ("image", [(4, 3)]),
+        ("video", [(2, 2)] * 3),
+    ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from typing import Any
 
@@ -63,15 +64,26 @@ class EncoderInputs:
         self._names.clear()
 
 
+_DEPTH = threading.local()  # encoder calls in progress on this thread
+
+
 def _recording(method: Any, listeners: list[EncoderInputs]) -> Any:
     signature = inspect.signature(method)
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        for listener in listeners:
-            for key in listener.adapter.layout_inputs:
-                if bound.get(key) is not None:
-                    listener.recorded[key] = bound[key]
-        return method(*args, **kwargs)
+        # Only the outermost call speaks for the inputs: Qwen3-VL's get_video_features calls
+        # get_image_features(videos, video_grid_thw), which must not pass for image inputs.
+        depth = getattr(_DEPTH, "value", 0)
+        if depth == 0:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            for listener in listeners:
+                for key in listener.adapter.layout_inputs:
+                    if bound.get(key) is not None:
+                        listener.recorded[key] = bound[key]
+        _DEPTH.value = depth + 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _DEPTH.value = depth
 
     return functools.wraps(method)(recording)

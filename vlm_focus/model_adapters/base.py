@@ -201,10 +201,10 @@ def rows_per_prompt(needed: int, described: int, batch: int, what: str, source: 
     """How many consecutive rows share one prompt's images: ``generate()`` repeats each
     prompt ``k`` times for beam search or ``num_return_sequences`` while the image encoder saw
     each image once, so the rows need ``k`` times the visual tokens the image inputs describe."""
-    if needed == described or described == 0:
+    if needed == described or needed == 0 or described == 0:
         return 1
     k = needed // described
-    if needed % described == 0 and batch % k == 0:
+    if k >= 1 and needed % described == 0 and batch % k == 0:
         return k
     raise ValueError(
         f"the prompt holds {needed} {what} but {source} describes {described}; pass the "
