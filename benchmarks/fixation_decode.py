@@ -68,8 +68,10 @@ def build_model() -> Qwen2_5_VLForConditionalGeneration:
 
 def build_inputs(n_visual: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    side = int(round((n_visual * 4) ** 0.5))  # patches per side (merge 2 x 2)
-    grid = (1, side, 4 * n_visual // side)
+    rows = int(n_visual**0.5)
+    while n_visual % rows:  # merged rows x cols = n_visual, as square as it divides
+        rows -= 1
+    grid = (1, 2 * rows, 2 * (n_visual // rows))  # patches (merge 2 x 2)
     text = torch.randint(2, 30000, (40,), generator=gen)
     ids = torch.cat([text[:20], torch.tensor([START] + [IMAGE] * n_visual + [END]), text[20:]])
     ids = ids[None]
@@ -84,14 +86,25 @@ def build_inputs(n_visual: int) -> dict:
 
 
 def decode_seconds(model, inputs: dict) -> float:
+    model.model.rope_deltas = None  # Qwen keeps the last image prompt's; a text prompt has none
     with torch.inference_mode():
         out = model(**inputs, use_cache=True, logits_to_keep=1)
         cache, mask = out.cache, inputs["attention_mask"]
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
+        delta = model.model.rope_deltas
         for _ in range(STEPS):
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            out = model(input_ids=token, attention_mask=mask, cache=cache, logits_to_keep=1)
+            # Qwen positions a direct decode call over the whole mask: pass the step's M-RoPE
+            # position as generate() does (cache length + the prompt's rope delta).
+            position = torch.tensor([[cache.get_seq_length()]]) + (0 if delta is None else delta)
+            out = model(
+                input_ids=token,
+                attention_mask=mask,
+                cache=cache,
+                position_ids=position[None].expand(3, -1, -1),
+                logits_to_keep=1,
+            )
             token = out.logits[:, -1].argmax(-1, keepdim=True)
         return time.perf_counter() - start
 
