@@ -170,9 +170,10 @@ def test_five_concurrent_requests_all_succeed(server):
     with ThreadPoolExecutor(max_workers=5) as pool:
         results = list(pool.map(ask, keeps))
     assert len(results) == 5
-    for keep, (status, answer, unpruned, _, stats, heat, kept, _, table) in zip(
+    for keep, (status, answer, unpruned, _, stats, heat, kept, _, table, fixation) in zip(
         keeps, results, strict=True
     ):
+        assert fixation["value"] is None  # fastv prunes in prefill: no per-step strip
         assert status.startswith("Done in"), status
         assert answer in ("yes", "no") and unpruned in ("yes", "no"), (status, answer, unpruned)
         assert f"{math.ceil(keep * total)} / {total} visual tokens kept" in stats
