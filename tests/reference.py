@@ -10,20 +10,12 @@ import torch
 
 
 @contextlib.contextmanager
-def masked_reference(model, layers, trace):
-    """Within the block, ``model`` behaves like the pruned model described by ``trace``.
-
-    ``trace.stages[i].layer`` and ``.kept[b]`` give, per stage, the original positions of the
-    visual tokens row b still has; everything visual not kept is masked as a KEY from that layer
-    on (a token may still see itself, so no attention row is empty).
-    """
-    visual = [set(v.tolist()) for v in trace.visual_positions]
-    pruned_from = []  # per stage: [B] sets of pruned original positions
-    for stage in trace.stages:
-        pruned_from.append(
-            (stage.layer, [visual[b] - set(k.tolist()) for b, k in enumerate(stage.kept)])
-        )
-    state = {}
+def _masking(model, layers, dropped):
+    """Run ``model`` with, at each layer, the keys ``dropped(index, call)`` names (per row, a set
+    of original positions, or ``None`` for none) masked out for that layer's queries; a token
+    still sees itself, so no attention row is empty. ``call`` holds this forward's 2-D mask and
+    its decode step (-1 in prefill)."""
+    call = {"step": -1}
 
     def on_model(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -32,28 +24,25 @@ def masked_reference(model, layers, trace):
         mask2d = kwargs.get("attention_mask")
         if mask2d is None:  # generate() drops an all-ones mask
             mask2d = torch.ones(ids.shape[0], past + ids.shape[1], dtype=torch.long)
-        state["mask2d"] = mask2d
+        call["mask2d"] = mask2d
+        call["step"] = call["step"] + 1 if past > 0 else -1
 
     def on_layer(index):
         def hook(module, args, kwargs):
-            pruned = None
-            for layer, sets in pruned_from:
-                if index >= layer:
-                    pruned = sets
-            if pruned is None:
+            sets = dropped(index, call)
+            if sets is None:
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
             batch, n_new = hidden.shape[:2]
-            mask2d = state["mask2d"]
+            mask2d = call["mask2d"]
             width = mask2d.shape[1]
             keys = torch.arange(width)
             queries = torch.arange(width - n_new, width)
             allowed = (keys[None, :] <= queries[:, None]).expand(batch, n_new, width).clone()
             allowed &= mask2d.bool()[:, None, :]
             for b in range(batch):
-                if pruned[b]:
-                    cols = torch.tensor(sorted(pruned[b]))
-                    allowed[b][:, cols] = False
+                if sets[b]:
+                    allowed[b][:, torch.tensor(sorted(sets[b]))] = False
             allowed |= keys[None, None, :] == queries[None, :, None]  # keep the diagonal
             dtype = hidden.dtype
             mask = torch.zeros(batch, 1, n_new, width, dtype=dtype)
@@ -74,6 +63,43 @@ def masked_reference(model, layers, trace):
             h.remove()
 
 
+def masked_reference(model, layers, trace):
+    """Within the block, ``model`` behaves like the pruned model described by ``trace``.
+
+    ``trace.stages[i].layer`` and ``.kept[b]`` give, per stage, the original positions of the
+    visual tokens row b still has; everything visual not kept is masked as a KEY from that layer
+    on, in prefill and every decode step.
+    """
+    visual = [set(v.tolist()) for v in trace.visual_positions]
+    pruned_from = [
+        (stage.layer, [visual[b] - set(k.tolist()) for b, k in enumerate(stage.kept)])
+        for stage in trace.stages
+    ]
+
+    def dropped(index, call):
+        sets = None
+        for layer, stage_sets in pruned_from:
+            if index >= layer:
+                sets = stage_sets
+        return sets
+
+    return _masking(model, layers, dropped)
+
+
+def fixation_reference(model, layers, first_layer, trace):
+    """The unpruned model where, at decode step ``t``, every layer ``>= first_layer`` masks the
+    visual keys that ``trace.fixations[t]`` did not attend to (for that step only)."""
+    visual = [set(v.tolist()) for v in trace.visual_positions]
+
+    def dropped(index, call):
+        if index < first_layer or call["step"] < 0:
+            return None
+        fixed = trace.fixations[call["step"]]
+        return [visual[b] - set(f.tolist()) for b, f in enumerate(fixed)]
+
+    return _masking(model, layers, dropped)
+
+
 def greedy_generate(model, inputs, steps):
     """Greedy ``generate()`` returning the sequences and each step's logits ``[B, steps, V]``."""
     out = model.generate(
@@ -85,54 +111,3 @@ def greedy_generate(model, inputs, steps):
         output_logits=True,
     )
     return out.sequences, torch.stack(out.logits, 1)
-
-
-@contextlib.contextmanager
-def fixation_reference(model, layers, first_layer, trace):
-    """The unpruned model where, at decode step ``t``, every layer ``>= first_layer`` masks the
-    visual keys that ``trace.fixations[t]`` did not attend to (for that step only)."""
-    visual = [set(v.tolist()) for v in trace.visual_positions]
-    state = {"step": -1}
-
-    def on_model(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        past = cache.get_seq_length() if cache is not None else 0
-        ids = kwargs["input_ids"]
-        mask2d = kwargs.get("attention_mask")
-        if mask2d is None:
-            mask2d = torch.ones(ids.shape[0], past + ids.shape[1], dtype=torch.long)
-        state["mask2d"], state["decode"] = mask2d, past > 0
-        state["step"] = state["step"] + 1 if past > 0 else -1
-
-    def on_layer(index):
-        def hook(module, args, kwargs):
-            if index < first_layer or not state["decode"]:
-                return None
-            hidden = args[0] if args else kwargs["hidden_states"]
-            batch, n_new = hidden.shape[:2]
-            mask2d = state["mask2d"]
-            width = mask2d.shape[1]
-            allowed = mask2d.bool()[:, None, :].expand(batch, n_new, width).clone()
-            keys = torch.arange(width)
-            allowed &= keys[None, None, :] <= torch.arange(width - n_new, width)[None, :, None]
-            fixed = trace.fixations[state["step"]]
-            for b in range(batch):
-                dropped = sorted(visual[b] - set(fixed[b].tolist()))
-                if dropped:
-                    allowed[b][:, torch.tensor(dropped)] = False
-            mask = torch.zeros(batch, 1, n_new, width, dtype=hidden.dtype)
-            mask.masked_fill_(~allowed[:, None], torch.finfo(hidden.dtype).min)
-            kwargs = dict(kwargs)
-            kwargs["attention_mask"] = mask
-            return args, kwargs
-
-        return hook
-
-    handles = [model.register_forward_pre_hook(on_model, with_kwargs=True)]
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(on_layer(i), with_kwargs=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
