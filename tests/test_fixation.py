@@ -9,7 +9,7 @@ import pytest
 import torch
 from pruner_inputs import HEAD, FakeLayer, grid_layout
 from reference import fixation_reference, greedy_generate
-from tiny_models import KINDS, make_inputs, make_model
+from tiny_models import KINDS, make_case, make_inputs, make_model
 
 import vlm_focus as vf
 from vlm_focus._fixation import StepFixation
@@ -42,6 +42,22 @@ def test_every_step_equals_its_masked_reference(kind, attn):
             assert kept.numel() < trace.n_visual[b]
             assert set(kept.tolist()) <= set(trace.visual_positions[b].tolist())
     assert trace.n_kept == trace.n_visual  # the prefill keeps every token
+
+
+@pytest.mark.parametrize(
+    "kind,case", [("qwen3_vl", "image"), ("qwen3_vl", "video"), ("llava_onevision", "image")]
+)
+def test_newer_layouts_equal_the_reference(kind, case):
+    model = make_model(kind)
+    inputs = make_case(kind, case, model, batch=2)
+    layers = model.model.language_model.layers
+    with torch.no_grad(), vf.wrap(model, pruner="fixation", keep=0.25, layer=1, refresh=2) as h:
+        sequences, logits = greedy_generate(model, inputs, 8)
+        trace = h.last_trace
+    with torch.no_grad(), fixation_reference(model, layers, 1, trace):
+        ref_sequences, ref_logits = greedy_generate(model, inputs, 8)
+    assert torch.equal(sequences, ref_sequences)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
