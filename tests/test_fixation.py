@@ -109,8 +109,8 @@ def test_fixation_follows_a_moving_peak_and_the_warm_start_stays_near():
         keys = torch.zeros(1, 1, seq, HEAD)
         keys[0, 0, 2 + r * 6 + c, 0] = 8.0  # the peak
         keys[0, 0, 2 + 2 * 6 + 2, 0] = 4.0  # a weaker blob in the middle
-        fixation.begin_step()
-        fixation.fixate(layer, hidden, {"position_embeddings": rope}, keys, None)
+        fixation.begin_step(None)
+        fixation.fixate(layer, hidden, {"position_embeddings": rope}, keys)
         (kept,) = fixation.steps[-1].positions
         picked.append(divmod(int(kept[0]) - 2, 6))
     assert picked[0] == (0, 0) and picked[1] == (0, 1)

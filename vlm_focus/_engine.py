@@ -37,7 +37,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from ._encoder_inputs import EncoderInputs
-from ._fixation import FixedView, StepFixation, step_columns
+from ._fixation import FixedView, StepFixation
 from ._select import keep_mask, kept_columns
 from .config import FocusConfig, keep_count
 from .kernels import warm_up
@@ -80,7 +80,6 @@ class _Prefill:
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (pruner="fixation")
-    step_mask: torch.Tensor | None = None  # the current decode call's 2-D attention mask
 
 
 def _gather_seq(
@@ -242,8 +241,7 @@ class FocusEngine:
                 state.memo.clear()  # slices of the last call only
                 state.inputs = {}  # pixel inputs served the prefill's stages; let them go
                 if state.fixation is not None:
-                    state.fixation.begin_step()
-                    state.step_mask = kwargs.get("attention_mask")
+                    state.fixation.begin_step(kwargs.get("attention_mask"))
                 if self.first_layer == 0:
                     kwargs = self._fill_decode_inputs(kwargs, input_ids, cache)
                 return args, kwargs
@@ -451,7 +449,7 @@ class FocusEngine:
             return kwargs
         if fixation.columns is None:
             keys = cache.layers[index].keys  # [B, Hkv, L, D], before this step's token
-            fixation.fixate(layer, hidden, kwargs, keys, self.state.step_mask)
+            fixation.fixate(layer, hidden, kwargs, keys)
         columns = fixation.columns
         kwargs = dict(kwargs)
         for key in _CACHE_KEYS:
@@ -459,12 +457,8 @@ class FocusEngine:
                 kwargs[key] = FixedView(kwargs[key], columns)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
-            width = mask.shape[-1]
             kwargs["attention_mask"] = self._once(
-                "fixed_mask",
-                mask,
-                columns,
-                lambda: _slice_mask(mask, None, step_columns(_on(columns, mask), width, 1)),
+                "fixed_mask", mask, columns, lambda: _slice_mask(mask, None, _on(columns, mask))
             )
         return kwargs
 

@@ -61,27 +61,20 @@ def _canvas_index(
 
 class FixedView:
     """The cache as one layer ``>= K`` sees it in a fixated step: ``update`` stores the new
-    keys and values in the real cache, then returns only the kept columns and the new ones."""
+    keys and values in the real cache, then returns only the step's ``columns``."""
 
     def __init__(self, cache: Any, columns: torch.Tensor) -> None:
         self._cache = cache
-        self._columns = columns  # [B, L'] kept columns of the cache before this step
+        self._columns = columns  # [B, L'] this step's columns, its own token's last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = self._cache.update(key_states, value_states, *args, **kwargs)
-        index = step_columns(self._columns, keys.shape[2], key_states.shape[2])
-        index = index.to(keys.device)[:, None, :, None]  # [B, 1, L'+n, 1]
+        index = self._columns.to(keys.device)[:, None, :, None]  # [B, 1, L', 1]
         shape = (keys.shape[0], keys.shape[1], index.shape[2], keys.shape[3])
         return keys.gather(2, index.expand(shape)), values.gather(2, index.expand(shape))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
-
-
-def step_columns(columns: torch.Tensor, total: int, n_new: int) -> torch.Tensor:
-    """The kept cached columns followed by this step's own ``n_new`` columns."""
-    tail = torch.arange(total - n_new, total, device=columns.device).expand(columns.shape[0], -1)
-    return torch.cat([columns, tail], dim=1)
 
 
 class StepFixation:
@@ -106,23 +99,20 @@ class StepFixation:
         self.canvas_index = index.to(visual.device)
         self.step = -1
         self.previous: torch.Tensor | None = None  # [B, S] last step's kept visual tokens
-        self.columns: torch.Tensor | None = None  # [B, L'] this step's kept cached columns
+        self.columns: torch.Tensor | None = None  # [B, L - drop + 1] what this step reads
+        self.key_mask: torch.Tensor | None = None  # [B, L + 1] this step's 2-D attention mask
         self.steps: list[FixationStep] = []
 
-    def begin_step(self) -> None:
+    def begin_step(self, key_mask: torch.Tensor | None) -> None:
         self.step += 1
-        self.columns = None
+        self.columns, self.key_mask = None, key_mask
 
     def fixate(
-        self,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        kwargs: dict,
-        keys: torch.Tensor,
-        key_mask: torch.Tensor | None,
+        self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Score the cached keys ``[B, Hkv, L, D]`` with this step's query at the focal layer
-        and return the columns to keep, ``[B, L - drop]`` (text and generated ones always)."""
+        """Score the cached keys ``[B, Hkv, L, D]`` with this step's (one) query at the focal
+        layer; returns the columns every layer ``>= K`` reads this step, ``[B, L - drop + 1]``:
+        the kept cached ones (text and generated always), then the step's own token at ``L``."""
         attn = getattr(layer, self.adapter.attention)
         norm = getattr(layer, self.adapter.input_norm)
         batch, length = keys.shape[0], keys.shape[2]
@@ -130,6 +120,7 @@ class StepFixation:
         q, _ = self.adapter.project_qk(attn, normed, normed)  # one token: k is as cheap
         cos, sin = kwargs["position_embeddings"]
         q = apply_rope(q, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
+        key_mask = self.key_mask
         if key_mask is None:
             key_mask = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
         scores = per_query_attention(
@@ -149,7 +140,8 @@ class StepFixation:
         keep = keep_mask(scores, visual, self.drop)
         self.previous = (keep[:, :seq] & visual[:, :seq]).to(self.visual.device)
         self.steps.append(FixationStep(keep, visual))
-        self.columns = kept_columns(keep, length - self.drop)
+        own = torch.full((batch, 1), length, device=keys.device)
+        self.columns = torch.cat([kept_columns(keep, length - self.drop), own], dim=1)
         return self.columns
 
     def neighbourhood(self, kept: torch.Tensor) -> torch.Tensor:

@@ -195,16 +195,7 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         + ".",
         "- AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process. Each stage "
         "stops at its step budget or its wall-clock budget, whichever comes first.",
-        "- Training time (minutes): "
-        + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items())
-        + f"; total {summary['minutes_total']:.1f} wall-clock"
-        + (
-            "; CPU minutes of the training process: "
-            + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items())
-            if summary.get("cpu_seconds")
-            else ""
-        )
-        + ". Curves are plotted against wall-clock minutes.",
+        training_time(summary) + ". Curves are plotted against wall-clock minutes.",
         "",
         "![learning curves](learning_curves.png)",
         "",
@@ -333,3 +324,16 @@ def model_card(name: str, m: dict, folder: Path) -> str:
         "Measured on a 2-core CPU; the numbers above come from `metrics.json` in this folder.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def training_time(summary: dict) -> str:
+    """``- Training time (minutes): ...`` of a card, per stage, wall clock and CPU (no full stop)."""
+    line = "- Training time (minutes): " + ", ".join(
+        f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items()
+    )
+    line += f"; total {summary['minutes_total']:.1f} wall-clock"
+    if summary.get("cpu_seconds"):
+        line += "; CPU minutes of the training process: " + ", ".join(
+            f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items()
+        )
+    return line

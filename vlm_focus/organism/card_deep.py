@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .card import _f, _ok
+from .card import _f, _ok, training_time
 from .scenes import CATEGORIES, COLOURS, RELATION_MARGIN, SHAPES
 
 
@@ -133,16 +133,7 @@ def deep_model_card(m: dict, folder: Path) -> str:
         + ". AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process (the shipped "
         "model's chat stage: one thread, see the notes). Layers are counted from 0: pruning at K = 2 prunes "
         "before layer 2, so it reaches the hop-2 read.",
-        "- Training time (minutes): "
-        + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items())
-        + f"; total {summary['minutes_total']:.1f} wall-clock"
-        + (
-            "; CPU minutes of the training process: "
-            + ", ".join(f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items())
-            if summary.get("cpu_seconds")
-            else ""
-        )
-        + ".",
+        training_time(summary) + ".",
         "",
         "![learning curves](learning_curves.png)",
         "",
