@@ -1,0 +1,74 @@
+"""The vLLM plugin's pre-LLM keep sets equal what ``vf.wrap(..., layer=0)`` keeps in
+transformers, on the tiny Qwen2.5-VL (this runs in the main environment: the selection
+module imports neither vLLM nor transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import IMAGE, VISION_END, VISION_START, make_model
+
+import vlm_focus as vf
+from vlm_focus.integrations.vllm import _scores
+
+
+def _inputs(grid: tuple[int, int, int], seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    n = t * h * w // 4
+    text = torch.randint(3, 100, (9,), generator=gen).tolist()
+    row = text[:3] + [VISION_START] + [IMAGE] * n + [VISION_END] + text[3:]
+    ids = torch.tensor([row])
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == IMAGE).long(),
+        pixel_values=torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=gen),
+        image_grid_thw=torch.tensor([grid]),
+    )
+
+
+def _kept_by_wrap(model, inputs: dict, **options) -> torch.Tensor:
+    first = int((inputs["input_ids"][0] == IMAGE).nonzero()[0])
+    with vf.wrap(model, layer=0, budget="frame", **options) as handle, torch.no_grad():
+        model(**inputs)
+        return handle.last_trace.kept[0] - first
+
+
+@pytest.mark.parametrize("grid", [(1, 16, 12), (1, 8, 16), (1, 10, 6)])
+@pytest.mark.parametrize("keep", [0.25, 0.5, 7])
+def test_pool_and_pyramid_keep_what_wrap_keeps(grid, keep):
+    model = make_model("qwen2_5_vl")
+    inputs = _inputs(grid, seed=sum(grid))
+    rows, cols = grid[1] // 2, grid[2] // 2
+    n_keep = _scores.keep_count(keep, rows * cols)
+    with torch.no_grad():
+        embeds = model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_grid_thw"]
+        ).pooler_output[0]  # [rows * cols, D]
+    for pruner, options in (("pool", {}), ("pyramid", {"alpha": 0.0})):
+        expected = _kept_by_wrap(model, inputs, pruner=pruner, keep=keep, **options)
+        got = _scores.select(pruner, embeds, rows, cols, n_keep)
+        assert got.tolist() == expected.tolist(), pruner
+
+
+def test_spread_rank_is_a_permutation_that_starts_at_the_centre():
+    rank = _scores.spread_rank(4, 6)
+    assert sorted(rank.tolist()) == list(range(24))
+    # the four cells around (2.0, 3.0) tie; the lowest raster index, cell (1, 2), goes first
+    assert int(rank.argmin()) == 1 * 6 + 2
+
+
+def test_share_budget_water_fills_and_sums_exactly():
+    counts = _scores.share_budget(torch.tensor([10.0, 1.0, 1.0]), torch.tensor([3, 8, 8]), 9)
+    assert counts.tolist() == [3, 3, 3]  # the heavy region is capped at its size
+    counts = _scores.share_budget(torch.tensor([0.0, 5.0]), torch.tensor([4, 4]), 1, minimum=1)
+    assert counts.tolist() == [0, 1]  # floors beyond the total: most mass first
+
+
+def test_keep_count_rounds_like_focus_config():
+    assert _scores.keep_count(0.25, 48) == 12
+    assert _scores.keep_count(0.01, 48) == 1
+    assert _scores.keep_count(100, 48) == 48
+    with pytest.raises(ValueError, match="ratio"):
+        _scores.keep_count(1.5, 48)

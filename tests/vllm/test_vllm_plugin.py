@@ -1,0 +1,254 @@
+"""vLLM serving with the vlm_focus plugin equals ``vf.wrap(..., layer=0)`` in transformers.
+
+Runs in the vLLM environment (``bash tests/vllm/make_venv.sh DIR``; ``.ci/run`` builds it) and
+is skipped where vLLM is not installed. The transformers side runs in the main environment,
+whose interpreter ``VLM_FOCUS_REFERENCE_PYTHON`` names (``tests/vllm/transformers_side.py``): vLLM
+pins an older transformers than vlm_focus supports, so the two never share a process.
+
+On a tiny random-weight Qwen2.5-VL saved to disk (one 48 x 64 px image = 48 merged cells):
+greedy tokens and kept cells through vLLM equal transformers' for ``pyramid`` and ``pool`` at
+keep 0.25 and 0.5, two prompts each, all in one batch; the plugin comes in through its entry
+point; without the override vLLM runs its own, unpruned model; ``vllm serve`` started by the
+documented command answers a pruned chat request on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM environment")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from transformers_side import prompt_text  # noqa: E402
+
+QUESTIONS = ("describe the picture", "where are the red shapes")
+SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs or None for the server default)
+    ("pyramid", 0.25, None),
+    ("pyramid", 0.5, {"vlm_focus_pruner": "pyramid", "vlm_focus_keep": 0.5}),
+    ("pool", 0.25, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.25}),
+    ("pool", 0.5, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}),
+    ("pyramid", 1.0, {"vlm_focus_keep": 1.0}),
+]
+ARCH = "VlmFocusQwen2_5_VLForConditionalGeneration"
+OVERRIDES = {"architectures": [ARCH], "vlm_focus": {"pruner": "pyramid", "keep": 0.25}}
+ENGINE_TIMEOUT = 420  # seconds for one engine: start-up, one batch, shut-down
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model() sends a function
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+def _reference_python() -> str:
+    python = os.environ.get("VLM_FOCUS_REFERENCE_PYTHON")
+    if not python:
+        pytest.fail(
+            "set VLM_FOCUS_REFERENCE_PYTHON to the main environment's python (the one with "
+            "vlm_focus's supported transformers); .ci/run does"
+        )
+    return python
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
+    subprocess.run(
+        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path)],
+        check=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> dict:
+    """transformers outputs keyed by (question, pruner, keep); pruner None = unpruned."""
+    work = tmp_path_factory.mktemp("reference")
+    cases = [{"prompt": prompt_text(q), "pruner": None, "keep": 1.0} for q in QUESTIONS]
+    cases += [
+        {"prompt": prompt_text(q), "pruner": pruner, "keep": keep}
+        for q in QUESTIONS
+        for pruner, keep, _ in SETTINGS
+    ]
+    (work / "cases.json").write_text(json.dumps(cases))
+    subprocess.run(
+        [
+            _reference_python(),
+            str(HERE / "transformers_side.py"),
+            "run",
+            str(model_dir),
+            str(work / "cases.json"),
+            str(work / "out.json"),
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    out = json.loads((work / "out.json").read_text())
+    return {(c["prompt"], c["pruner"], c["keep"]): c for c in out}
+
+
+def _offline(model_dir: Path, cases: list[dict], work: Path, overrides: dict | None) -> dict:
+    (work / "cases.json").write_text(json.dumps(cases))
+    command = [
+        sys.executable,
+        str(HERE / "vllm_offline.py"),
+        str(model_dir),
+        str(work / "cases.json"),
+        str(work / "out.json"),
+    ]
+    if overrides is not None:
+        command.append(json.dumps(overrides))
+    subprocess.run(command, check=True, cwd=work, env=_env(), timeout=ENGINE_TIMEOUT)
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def pruned(model_dir, tmp_path_factory) -> tuple[list[tuple], dict]:
+    """Every (question, setting) through one plugin engine, in one generate() batch."""
+    keys, cases = [], []
+    for question in QUESTIONS:
+        for pruner, keep, request in SETTINGS:
+            keys.append((prompt_text(question), pruner, keep))
+            cases.append({"prompt": prompt_text(question), "request": request})
+    work = tmp_path_factory.mktemp("pruned")
+    return keys, _offline(model_dir, cases, work, OVERRIDES)
+
+
+def test_pruned_outputs_and_kept_sets_equal_transformers(pruned, reference, model_dir):
+    keys, result = pruned
+    assert result[
+        "plugin_loaded"
+    ]  # found through the entry point; vllm_offline.py never imports it
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    for key, output in zip(keys, result["outputs"], strict=True):
+        expected = reference[key]
+        # the prompt vLLM ran holds exactly the kept number of image placeholders
+        assert output["prompt_token_ids"].count(image_token) == len(expected["kept"]), key
+        assert output["tokens"] == expected["tokens"], key
+    recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
+    for key in keys:
+        expected = reference[key]
+        assert (expected["n"], tuple(expected["kept"])) in recorded, key
+
+
+def test_pruning_changes_the_output_and_keep_one_is_unpruned(pruned, reference):
+    keys, result = pruned
+    for key, output in zip(keys, result["outputs"], strict=True):
+        unpruned = reference[(key[0], None, 1.0)]["tokens"]
+        if key[2] == 1.0:
+            assert output["tokens"] == unpruned, key
+    # the tiny model is sensitive enough that dropping tokens shows in its answer
+    assert any(
+        o["tokens"] != reference[(k[0], None, 1.0)]["tokens"]
+        for k, o in zip(keys, result["outputs"], strict=True)
+        if k[2] < 1.0
+    )
+
+
+def test_without_the_override_vllm_runs_its_own_unpruned_model(model_dir, reference, tmp_path):
+    cases = [{"prompt": prompt_text(q), "request": None} for q in QUESTIONS]
+    result = _offline(model_dir, cases, tmp_path, None)
+    assert result["plugin_loaded"] and result["kept"] == []  # loaded, but not in use
+    for question, output in zip(QUESTIONS, result["outputs"], strict=True):
+        assert output["tokens"] == reference[(prompt_text(question), None, 1.0)]["tokens"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, reference, tmp_path):
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_focus.integrations.vllm",
+        "serve",
+        str(model_dir),
+        "--pruner",
+        "pyramid",
+        "--keep",
+        "0.25",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+    ]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(command, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up in time"
+            time.sleep(2)
+        image = base64.b64encode((model_dir / "image.png").read_bytes()).decode()
+        body = {
+            "model": str(model_dir),
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": f"data:image/png;base64,{image}"},
+                        },
+                        {"type": "text", "text": QUESTIONS[0]},
+                    ],
+                }
+            ],
+            "max_tokens": 12,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"{base}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    expected = reference[(prompt_text(QUESTIONS[0]), "pyramid", 0.25)]
+    choice = answer["choices"][0]
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    assert answer["prompt_token_ids"].count(image_token) == len(expected["kept"]) == 12
+    assert choice["token_ids"] == expected["tokens"]

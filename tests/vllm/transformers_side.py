@@ -1,0 +1,223 @@
+"""The transformers side of the vLLM plugin tests; runs in the MAIN environment (the
+transformers vlm_focus supports), called by the tests in the vLLM environment as a script:
+
+    python tests/vllm/transformers_side.py build DIR     # tiny random Qwen2.5-VL + processor files
+    python tests/vllm/transformers_side.py run DIR CASES.json OUT.json
+
+``build`` saves a random-weight Qwen2.5-VL (text hidden 128, head_dim 32: the smallest head
+vLLM's CPU attention takes) with ``save_pretrained``, a word-level tokenizer with Qwen's special
+tokens and a chat template, the image processor's config, and ``image.png`` (48 x 64 px, so
+the merged grid is 8 rows x 6 columns and the processor does not resize it).
+
+``run`` reads cases ``[{"prompt": str, "pruner": str | null, "keep": float}]`` and writes, per
+case, the greedy continuation of ``vf.wrap(model, pruner, keep, layer=0, budget="frame")``
+(``alpha=0`` for ``pyramid``; unwrapped for ``pruner: null``) and the kept cells (indices into
+the image's merged grid, raster order).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIAL = {
+    "<|endoftext|>": 0,
+    "<|im_start|>": 1,
+    "<|im_end|>": 2,
+    "<|image_pad|>": 120,
+    "<|video_pad|>": 121,
+    "<|vision_start|>": 122,
+    "<|vision_end|>": 123,
+}
+WORDS = (
+    "user assistant system describe the picture what is in image where are shapes colour "
+    "red green blue yellow square circle triangle left right top bottom small large a an of "
+    "and there any how many count objects answer yes no one two three four"
+).split()
+VOCAB = 128
+MAX_NEW_TOKENS = 12
+IMAGE_SIZE = (48, 64)  # (width, height) in pixels: patches 12 x 16, merged grid 6 x 8
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}"
+    "{% if c['type'] in ['image', 'image_url'] %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def build(path: Path, seed: int = 0) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = dict(SPECIAL)
+    free = [i for i in range(VOCAB) if i not in SPECIAL.values()]
+    filler = [f"w{i}" for i in range(len(free) - len(WORDS) - 1)]
+    for token_id, word in zip(free, [*WORDS, *filler, "<unk>"], strict=True):
+        vocab[word] = token_id
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=[t for t in SPECIAL if t not in ("<|endoftext|>", "<|im_end|>")],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+    torch.manual_seed(seed)
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            out_hidden_size=128,
+            intermediate_size=64,
+            fullatt_block_indexes=[1],
+            window_size=16,
+        ),
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+            },
+            pad_token_id=0,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        ),
+        image_token_id=SPECIAL["<|image_pad|>"],
+        video_token_id=SPECIAL["<|video_pad|>"],
+        vision_start_token_id=SPECIAL["<|vision_start|>"],
+        vision_end_token_id=SPECIAL["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    pixels = {"min_pixels": 16, "max_pixels": 64 * 64}
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_convert_rgb": True,
+        "patch_size": 4,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": pixels["min_pixels"], "longest_edge": pixels["max_pixels"]},
+        **pixels,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    video = dict(processor, video_processor_type="Qwen2VLVideoProcessor")
+    video.pop("image_processor_type")
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    rng = np.random.default_rng(seed)
+    width, height = IMAGE_SIZE
+    array = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+    from PIL import Image
+
+    Image.fromarray(array).save(path / "image.png")
+
+
+def prompt_text(question: str) -> str:
+    """The prompt the chat template makes for one image and ``question``."""
+    return (
+        "<|im_start|>user <|vision_start|><|image_pad|><|vision_end|>"
+        f"{question}<|im_end|><|im_start|>assistant "
+    )
+
+
+def run(path: Path, cases: list[dict]) -> list[dict]:
+    from PIL import Image
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+    )
+
+    import vlm_focus as vf
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # exactly MAX_NEW_TOKENS, as vLLM's ignore_eos
+    model.generation_config.pad_token_id = 0
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image = Image.open(path / "image.png").convert("RGB")
+    visual = Qwen2VLImageProcessor.from_pretrained(path)(images=[image], return_tensors="pt")
+    grid = visual["image_grid_thw"]
+    n_cells = int(grid.prod()) // 4
+    image_id = model.config.image_token_id
+    out = []
+    for case in cases:
+        ids = tokenizer(case["prompt"], add_special_tokens=False)["input_ids"]
+        at = ids.index(image_id)
+        ids = ids[:at] + [image_id] * n_cells + ids[at + 1 :]
+        input_ids = torch.tensor([ids])
+        inputs = dict(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == image_id).long(),
+            pixel_values=visual["pixel_values"],
+            image_grid_thw=grid,
+        )
+        generate = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        with torch.no_grad():
+            if case["pruner"] is None:
+                tokens = model.generate(**inputs, **generate)
+                kept = list(range(n_cells))
+            else:
+                options = {"alpha": 0.0} if case["pruner"] == "pyramid" else {}
+                with vf.wrap(
+                    model,
+                    pruner=case["pruner"],
+                    keep=case["keep"],
+                    layer=0,
+                    budget="frame",
+                    **options,
+                ) as handle:
+                    tokens = model.generate(**inputs, **generate)
+                    kept = (handle.last_trace.kept[0] - at).tolist()
+        out.append(
+            dict(case, tokens=tokens[0, input_ids.shape[1] :].tolist(), kept=kept, n=n_cells)
+        )
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["build"] and len(argv) == 2:
+        build(Path(argv[1]))
+    elif argv[:1] == ["run"] and len(argv) == 4:
+        cases = json.loads(Path(argv[2]).read_text())
+        Path(argv[3]).write_text(json.dumps(run(Path(argv[1]), cases)))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,61 @@
+"""One offline vLLM engine on the tiny model, in its own process (an engine per process):
+
+    python tests/vllm/vllm_offline.py MODEL_DIR CASES.json OUT.json [HF_OVERRIDES_JSON]
+
+Each case is ``{"prompt", "request": {mm_processor_kwargs} | null}``; all cases go to one
+``LLM.generate`` call (one batch). Writes the greedy tokens and prompt token ids per case, the
+kept sets the pruning model recorded (if any), and whether the plugin module was loaded. Never
+imports vlm_focus itself: vLLM finds the plugin through its entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+MAX_NEW_TOKENS = 12
+
+
+def _kept(model) -> list[dict]:
+    return [{"n": n, "kept": kept.tolist()} for n, kept in getattr(model, "last_kept", [])]
+
+
+def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None = None) -> None:
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        hf_overrides=json.loads(overrides) if overrides else None,
+        max_model_len=512,
+        max_num_seqs=16,
+        limit_mm_per_prompt={"image": 1},
+        enforce_eager=True,
+        seed=0,
+    )
+    image = Image.open(Path(model_dir) / "image.png").convert("RGB")
+    cases = json.loads(Path(cases_path).read_text())
+    requests = []
+    for case in cases:
+        request = {"prompt": case["prompt"], "multi_modal_data": {"image": image}}
+        if case.get("request"):
+            request["mm_processor_kwargs"] = case["request"]
+        requests.append(request)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    (kept,) = llm.apply_model(_kept)
+    result = {
+        "outputs": [
+            {"tokens": list(o.outputs[0].token_ids), "prompt_token_ids": list(o.prompt_token_ids)}
+            for o in outputs
+        ],
+        "kept": kept,
+        "plugin_loaded": "vlm_focus.integrations.vllm" in sys.modules,
+    }
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

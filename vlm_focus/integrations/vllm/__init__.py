@@ -1,0 +1,132 @@
+"""vLLM serving with visual tokens pruned before the language model.
+
+A vLLM *general plugin* (entry point group ``vllm.general_plugins``, name ``vlm_focus``): every
+vLLM process calls :func:`register`, which adds pruning variants of vLLM's own multimodal model
+classes to vLLM's model registry. A server opts in per model through ``--hf-overrides``::
+
+    vllm serve PATH --hf-overrides \
+      '{"architectures": ["VlmFocusQwen2_5_VLForConditionalGeneration"],
+        "vlm_focus": {"pruner": "pyramid", "keep": 0.25}}'
+
+(:func:`hf_overrides` builds that dict; ``python -m vlm_focus.integrations.vllm serve PATH
+--pruner pyramid --keep 0.25`` runs that command line). A request may change ``pruner`` and
+``keep`` for its own images with ``mm_processor_kwargs={"vlm_focus_pruner": "pool",
+"vlm_focus_keep": 0.5}``.
+
+Pruning happens once per image, before the LLM, at a fixed rate: the processor emits
+``round(keep * n)`` placeholders for an image of ``n`` tokens, the model scores the image's
+``n`` embeddings before the LLM (``pool``: spatially uniform; ``pyramid``: PTP's bottom-up
+saliency, the embedding norm on Qwen2.5-VL) and returns exactly the kept ones, in prompt order,
+with their original M-RoPE positions. This equals ``vf.wrap(model, pruner=..., keep=...,
+layer=0, budget="frame")`` (``alpha=0`` for ``pyramid``) in transformers.
+
+The vLLM side imports torch, vLLM and :mod:`._scores` only; it never calls vlm_focus's
+transformers code (vLLM pins an older transformers than vlm_focus supports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._scores import PRUNERS, keep_count
+
+#: Key of the plugin's settings inside the model's Hugging Face config (``--hf-overrides``).
+CONFIG_KEY = "vlm_focus"
+#: Per-request keys of ``mm_processor_kwargs``.
+REQUEST_KEYS = ("vlm_focus_pruner", "vlm_focus_keep")
+#: ``model_type`` -> (vLLM's architecture, the plugin's pruning architecture).
+ARCHITECTURES = {
+    "qwen2_5_vl": (
+        "Qwen2_5_VLForConditionalGeneration",
+        "VlmFocusQwen2_5_VLForConditionalGeneration",
+    ),
+}
+_CLASSES = {
+    "VlmFocusQwen2_5_VLForConditionalGeneration": (
+        f"{__name__}._qwen2_5_vl:VlmFocusQwen2_5_VLForConditionalGeneration"
+    ),
+}
+
+
+@dataclass
+class ServeOptions:
+    """The plugin's settings for one server (the ``vlm_focus`` key of the HF config)."""
+
+    pruner: str = field(default="pyramid", metadata={"help": f"pre-LLM score: one of {PRUNERS}"})
+    keep: float | int = field(
+        default=0.25, metadata={"help": "tokens each image keeps: ratio in (0, 1] or count >= 1"}
+    )
+    tiles: int = field(default=2, metadata={"help": "pyramid: regions per side of the grid"})
+    min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})
+
+    def __post_init__(self) -> None:
+        check_request(self.pruner, self.keep)
+        for name, low in (("tiles", 1), ("min_per_region", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{CONFIG_KEY}.{name}={value!r} must be an int >= {low}")
+
+    @classmethod
+    def from_config(cls, value: Any) -> ServeOptions:
+        """From the ``vlm_focus`` entry of an HF config (a dict, or an object with fields)."""
+        if value is None:
+            raise ValueError(
+                f"the model config has no '{CONFIG_KEY}' entry: pass --hf-overrides "
+                f'\'{{"{CONFIG_KEY}": {{"pruner": "pyramid", "keep": 0.25}}}}\''
+            )
+        if not isinstance(value, dict):
+            value = value.to_dict() if hasattr(value, "to_dict") else dict(vars(value))
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(
+                f"unknown {CONFIG_KEY} setting(s) {unknown}; allowed: "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_request(pruner: Any, keep: Any) -> None:
+    """Raise ``ValueError`` for a pruner or keep the plugin cannot run."""
+    if pruner not in PRUNERS:
+        raise ValueError(f"vlm_focus pruner={pruner!r} is not one of {PRUNERS}")
+    keep_count(keep, 1)  # checks the type and range
+
+
+def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
+    """``--hf-overrides`` for a model of ``model_type`` served pruned with ``options``
+    (:class:`ServeOptions` fields)."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"the vLLM plugin has no pruning class for model_type={model_type!r}; "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    return {
+        "architectures": [ARCHITECTURES[model_type][1]],
+        CONFIG_KEY: ServeOptions(**options).to_dict(),
+    }
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``: registers the pruning classes by import path
+    (nothing heavy is imported until vLLM builds such a model). Safe to call repeatedly."""
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for name, path in _CLASSES.items():
+        if name not in known:
+            ModelRegistry.register_model(name, path)
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "CONFIG_KEY",
+    "REQUEST_KEYS",
+    "ServeOptions",
+    "check_request",
+    "hf_overrides",
+    "register",
+]

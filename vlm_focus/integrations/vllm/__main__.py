@@ -1,0 +1,75 @@
+"""``python -m vlm_focus.integrations.vllm serve MODEL [--pruner P] [--keep K] [vllm args...]``
+
+Starts vLLM's OpenAI-compatible server (``vllm serve``) with MODEL's images pruned before the
+LLM: it reads MODEL's ``model_type``, builds the ``--hf-overrides`` that pick the plugin's
+pruning architecture (:func:`vlm_focus.integrations.vllm.hf_overrides`) and hands every other
+argument to ``vllm serve`` unchanged. ``--print`` shows that command line instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from . import ARCHITECTURES, ServeOptions, hf_overrides
+
+
+def _model_type(model: str) -> str:
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text())["model_type"]
+    from transformers import AutoConfig  # a hub id: its config only
+
+    return AutoConfig.from_pretrained(model).model_type
+
+
+def serve_command(argv: list[str]) -> list[str]:
+    """The ``vllm serve`` argument list for ``serve`` arguments ``argv``."""
+    defaults = ServeOptions()
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_focus.integrations.vllm serve",
+        description="vllm serve with visual tokens pruned before the LLM (vlm_focus plugin); "
+        "arguments not listed here go to vllm serve",
+        allow_abbrev=False,
+    )
+    parser.add_argument("model", help="model path or id (as for vllm serve)")
+    parser.add_argument("--pruner", default=defaults.pruner, help="pool or pyramid")
+    parser.add_argument(
+        "--keep", default=str(defaults.keep), help="per image: ratio in (0, 1] or a count"
+    )
+    parser.add_argument("--tiles", type=int, default=defaults.tiles)
+    parser.add_argument("--min-per-region", type=int, default=defaults.min_per_region)
+    parser.add_argument("--model-type", default=None, help=f"one of {sorted(ARCHITECTURES)}")
+    parser.add_argument("--print", action="store_true", help="print the vllm command only")
+    args, rest = parser.parse_known_args(argv)
+    keep = float(args.keep) if any(c in args.keep for c in ".eE") else int(args.keep)
+    overrides = hf_overrides(
+        args.model_type or _model_type(args.model),
+        pruner=args.pruner,
+        keep=keep,
+        tiles=args.tiles,
+        min_per_region=args.min_per_region,
+    )
+    command = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides), *rest]
+    return (["--print"] if args.print else []) + command
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        raise SystemExit(__doc__)
+    command = serve_command(argv[1:])
+    if command[0] == "--print":
+        print(shlex.join(command[1:]))
+        return
+    # Run vLLM's own CLI in this interpreter (its console script may not be on PATH).
+    program = [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]
+    os.execv(sys.executable, program)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Qwen2.5-VL served by vLLM with each image pruned before the LLM.
+
+Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.register`), in the
+processes that build the model or its processor. Three pieces, each a subclass of vLLM's own
+Qwen2.5-VL class that changes one thing:
+
+- processor: an image of ``n`` merged cells gets ``keep_count(keep, n)`` placeholders, and two
+  per-image fields (``vlm_focus_keep``: that count, ``vlm_focus_pruner``: the score's index in
+  ``PRUNERS``) travel with the pixels, so the choice is part of the item's cache identity;
+- ``embed_multimodal``: runs vLLM's vision tower unchanged, selects the kept cells from the
+  embeddings (:func:`._scores.select`) and returns only those rows, in raster order, each with
+  its ``(t, h, w)`` cell appended as position channels;
+- M-RoPE: ``get_mrope_input_positions`` lays out the pruned prompt with the text positions of
+  the unpruned one (an image advances the position by ``max(t, rows, cols)`` however many of its
+  tokens are kept), and ``recompute_mrope_positions`` (vLLM's hook for models that prune their
+  multimodal embeddings) writes each kept token's original position from its channels and
+  strips them, before the LLM runs.
+
+vLLM calls that hook only while its multimodal-pruning switch is on, and the switch is its
+``video_pruning_rate`` (EVS). The model therefore turns it on in its own worker's config when it
+is built; videos are refused (their tokens would need positions from ``second_per_grid_ts``
+and EVS would prune them too), as is a server started with ``--video-pruning-rate``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.model_executor.models.qwen2_5_vl import (
+    Qwen2_5_VLDummyInputsBuilder,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLMultiModalProcessor,
+    Qwen2_5_VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig
+from vllm.multimodal.processing import PromptReplacement
+
+from . import CONFIG_KEY, ServeOptions, check_request
+from ._scores import PRUNERS, keep_count, select
+
+#: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
+#: ``value // 64, value % 64`` so that they stay exact in bf16 (integers up to 256) for grids of
+#: up to 4096 cells a side.
+_SPLIT = 64
+POSITION_CHANNELS = 6
+#: Per-image fields the processor adds for the model.
+KEEP_FIELD, PRUNER_FIELD = "vlm_focus_keep", "vlm_focus_pruner"
+_REQUEST_PRUNER, _REQUEST_KEEP = "vlm_focus_pruner", "vlm_focus_keep"
+_NO_VIDEO = (
+    "vlm_focus's vLLM plugin prunes images only; serve videos with vLLM's own "
+    "Qwen2_5_VLForConditionalGeneration (no vlm_focus architecture override)"
+)
+
+
+def _options(hf_config: Any) -> ServeOptions:
+    return ServeOptions.from_config(getattr(hf_config, CONFIG_KEY, None))
+
+
+def _split_request(kwargs: Mapping[str, object], defaults: ServeOptions):
+    """``(pruner, keep, rest)``: the request's choice (or the server's) and the kwargs meant
+    for the Hugging Face processor."""
+    pruner = kwargs.get(_REQUEST_PRUNER, defaults.pruner)
+    keep = kwargs.get(_REQUEST_KEEP, defaults.keep)
+    check_request(pruner, keep)
+    rest = {k: v for k, v in kwargs.items() if k not in (_REQUEST_PRUNER, _REQUEST_KEEP)}
+    return pruner, keep, rest
+
+
+def encode_cells(cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, 3]`` integer ``(t, h, w)`` -> ``[n, 6]`` channels in ``dtype``."""
+    hi = torch.div(cells, _SPLIT, rounding_mode="floor")
+    lo = cells - hi * _SPLIT
+    return torch.stack([hi, lo], dim=-1).flatten(1).to(dtype)  # [n, (t_hi t_lo h_hi ...)]
+
+
+def decode_cells(channels: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_cells`: ``[n, 6]`` -> ``[n, 3]`` long."""
+    pairs = channels.float().round().long().view(-1, 3, 2)
+    return pairs[..., 0] * _SPLIT + pairs[..., 1]
+
+
+class VlmFocusQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
+    """Images only: vLLM then neither profiles nor accepts videos for this architecture."""
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {"image": None}
+
+
+class VlmFocusQwen2_5_VLMultiModalProcessor(Qwen2_5_VLMultiModalProcessor):
+    """vLLM's Qwen2.5-VL processor with ``keep_count(keep, n)`` placeholders per image."""
+
+    def _serve_options(self) -> ServeOptions:
+        return _options(self.info.get_hf_config())
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        if mm_items.get_all_counts().get("video", 0):
+            raise ValueError(_NO_VIDEO)
+        pruner, keep, rest = _split_request(hf_kwargs, self._serve_options())
+        data = super()._apply_hf_processor_main(mm_items, rest)
+        grids = data.get("image_grid_thw")
+        if grids is not None:
+            merge = self.info.get_hf_config().vision_config.spatial_merge_size
+            cells = (grids.prod(-1) // merge**2).tolist()
+            data[KEEP_FIELD] = torch.tensor([keep_count(keep, n) for n in cells])
+            data[PRUNER_FIELD] = torch.full((len(cells),), PRUNERS.index(pruner))
+        return data
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        _, _, rest = _split_request(hf_processor_mm_kwargs, self._serve_options())
+        fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
+        fields[KEEP_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        fields[PRUNER_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        return fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        _, _, rest = _split_request(hf_processor_mm_kwargs, self._serve_options())
+        updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
+        image_token = self.info.get_hf_config().image_token_id
+
+        def kept_placeholders(item_idx: int) -> list[int]:
+            count = out_mm_kwargs["image"][item_idx][KEEP_FIELD].data
+            return [image_token] * int(count)
+
+        return [
+            PromptReplacement(modality="image", target=[image_token], replacement=kept_placeholders)
+            if update.modality == "image"
+            else update
+            for update in updates
+        ]
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    VlmFocusQwen2_5_VLMultiModalProcessor,
+    info=VlmFocusQwen2_5_VLProcessingInfo,
+    dummy_inputs=Qwen2_5_VLDummyInputsBuilder,
+)
+class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL whose images reach the LLM pruned (see the module docstring).
+
+    ``last_kept`` holds, for the most recent images encoded in this process (newest last), the
+    pair ``(n_cells, kept)`` with ``kept`` the kept cell indices in raster order.
+    """
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vlm_focus = _options(self.config)
+        mm_config = self.multimodal_config
+        if mm_config.is_multimodal_pruning_enabled():
+            raise ValueError(
+                "--video-pruning-rate (EVS) cannot be combined with vlm_focus's pruning "
+                "architecture; " + _NO_VIDEO
+            )
+        # vLLM's runner reads positions back from pruned embeddings only under this switch.
+        mm_config.video_pruning_rate = 0.5
+        self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
+
+    # --- the LLM's input: kept embeddings with their cells -----------------------------------
+    def embed_multimodal(self, **kwargs: object):
+        keeps = kwargs.pop(KEEP_FIELD, None)
+        codes = kwargs.pop(PRUNER_FIELD, None)
+        inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
+        if "video" in inputs:
+            raise ValueError(_NO_VIDEO)
+        if "image" not in inputs:
+            return []
+        image_input = inputs["image"]
+        embeds = self._process_image_input(image_input)  # per image: [rows * cols, D]
+        grids = image_input["image_grid_thw"].tolist()
+        keeps, codes = _per_item(keeps, len(grids)), _per_item(codes, len(grids))
+        merge = self.visual.spatial_merge_size
+        out = []
+        for emb, (t, h, w), n_keep, code in zip(embeds, grids, keeps, codes, strict=True):
+            if t != 1:
+                raise ValueError(f"an image has one frame, got image_grid_thw={[t, h, w]}")
+            rows, cols = h // merge, w // merge
+            kept = select(
+                PRUNERS[code],
+                emb,
+                rows,
+                cols,
+                n_keep,
+                tiles=self.vlm_focus.tiles,
+                min_per_region=self.vlm_focus.min_per_region,
+            )
+            self.last_kept.append((emb.shape[0], kept))
+            cells = torch.stack(
+                [torch.zeros_like(kept), torch.div(kept, cols, rounding_mode="floor"), kept % cols],
+                dim=-1,
+            )  # [n_keep, 3] (t, h, w); images have t == 1
+            kept_dev = kept.to(emb.device)
+            out.append(
+                torch.cat([emb[kept_dev], encode_cells(cells, emb.dtype).to(emb.device)], dim=-1)
+            )
+        return tuple(out)
+
+    # --- M-RoPE --------------------------------------------------------------------------------
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        """Positions ``[3, N]`` of the pruned prompt and the decode delta: text keeps the
+        positions of the unpruned prompt; an image's tokens get provisional positions that
+        :meth:`recompute_mrope_positions` replaces with their cells' once the image is
+        encoded."""
+        merge = self.config.vision_config.spatial_merge_size
+        pieces, start, next_pos = [], 0, 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            if feature.modality != "image":
+                raise ValueError(_NO_VIDEO)
+            offset, length = feature.mm_position.offset, feature.mm_position.length
+            t, h, w = feature.data["image_grid_thw"].data.tolist()
+            text = offset - start
+            pieces.append(torch.arange(text).expand(3, text) + next_pos)
+            base = next_pos + text
+            pieces.append(torch.full((3, length), base, dtype=torch.long))
+            next_pos = base + max(t, h // merge, w // merge)
+            start = offset + length
+        tail = len(input_tokens) - start
+        pieces.append(torch.arange(tail).expand(3, tail) + next_pos)
+        positions = torch.cat(pieces, dim=1).long()
+        end = next_pos + tail
+        return positions, end - len(input_tokens)
+
+    def recompute_mrope_positions(
+        self,
+        input_ids,
+        multimodal_embeddings: Sequence[torch.Tensor],
+        mrope_positions: torch.Tensor,
+        num_computed_tokens: int,
+    ):
+        """Write the original positions of the kept image tokens in this prefill chunk.
+
+        ``multimodal_embeddings`` are the chunk's slices of image outputs, in prompt order; the
+        first may start inside its image (chunked prefill). An image's placeholders are one run
+        of image tokens, and the token before the run (``<|vision_start|>``) holds the text
+        position the image's cells are offset from."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).cpu()
+        n = ids.numel()
+        positions = mrope_positions.clone()
+        media = ids == self.config.image_token_id
+        edges = torch.diff(media.long(), prepend=torch.zeros(1, dtype=torch.long))
+        starts = torch.nonzero(edges == 1).flatten().tolist()
+        ends = torch.nonzero(
+            torch.diff(media.long(), append=torch.zeros(1, dtype=torch.long)) == -1
+        )
+        ends = (ends.flatten() + 1).tolist()
+        runs = [(s, e) for s, e in zip(starts, ends, strict=True) if e > num_computed_tokens]
+        cleaned = []
+        for k, emb in enumerate(multimodal_embeddings):
+            run_start, _ = runs[k]
+            first = max(num_computed_tokens, run_start) if k == 0 else run_start
+            cells = decode_cells(emb[:, -POSITION_CHANNELS:].cpu())  # [m, 3]
+            base = int(positions[0, run_start - 1]) + 1 if run_start > 0 else 0
+            where = slice(first, first + emb.shape[0])
+            positions[:, where] = (cells.T + base).to(positions.dtype).to(positions.device)
+            cleaned.append(emb[:, :-POSITION_CHANNELS])
+        if n and not bool(media[-1]):
+            delta = int(positions[0, -1]) + 1 - n
+        else:  # a prompt ending in an image: its full extent, as the provisional layout had
+            delta = int(max(int(mrope_positions.max()), int(positions.max()))) + 1 - n
+        return cleaned, positions, delta
+
+
+def _per_item(value: object, n: int) -> list[int]:
+    """A batched per-image field as ``n`` host ints."""
+    if value is None:
+        raise ValueError(
+            "the image inputs carry no vlm_focus fields: this model needs the vlm_focus processor"
+        )
+    if isinstance(value, (list, tuple)):
+        value = torch.stack([torch.as_tensor(v).reshape(()) for v in value])
+    out = torch.as_tensor(value).reshape(-1).tolist()
+    if len(out) != n:
+        raise ValueError(f"{len(out)} vlm_focus entries for {n} images")
+    return [int(v) for v in out]
