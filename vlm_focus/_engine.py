@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from ._encoder_inputs import EncoderInputs
+from ._calls import CACHE_KEYS, CallTracker, cache_length, cache_of
 from ._fixation import FixedView, StepFixation
 from ._select import keep_mask, kept_columns
 from .config import FocusConfig, keep_count
@@ -44,19 +44,6 @@ from .kernels import warm_up
 from .model_adapters import ImageLayout, ModelAdapter
 from .pruners import Pruner, StageContext
 from .trace import FocusTrace, StageTrace
-
-_CACHE_KEYS = ("cache", "past_key_values")
-
-
-def _cache_of(kwargs: dict[str, Any]) -> Cache | None:
-    for key in _CACHE_KEYS:
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    return None
-
-
-def _cache_length(cache: Cache | None, layer: int = 0) -> int:
-    return 0 if cache is None else int(cache.get_seq_length(layer))
 
 
 @dataclass
@@ -155,28 +142,34 @@ class FocusEngine:
         self.state: _Prefill | None = None
         self.last_trace: FocusTrace | None = None
         self._hooks: list[Any] = []
-        self._encoder_inputs: EncoderInputs | None = None
+        self.tracker: CallTracker | None = None
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
         self._flash = attn.startswith("flash")
 
     # --- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> None:
+        # The shared tracker reads each call first; the engine's hooks run before any probe's
+        # or bias's on the same module (prepend), so those see the pruned layer inputs.
+        self.tracker = CallTracker.acquire(self.model, self.adapter)
+        if self.tracker.engine is not None:
+            self.tracker.release()
+            raise ValueError("this model is already wrapped; call handle.remove() first")
+        self.tracker.engine = self
         self._hooks.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         if self.first_layer == 0:
             decoder = self.adapter.decoder(self.model)
             self._hooks.append(
-                decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True)
+                decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True, prepend=True)
             )
         for index in range(self.first_layer, len(self.layers)):
             self._hooks.append(
                 self.layers[index].register_forward_pre_hook(
-                    self._layer_hook(index), with_kwargs=True
+                    self._layer_hook(index), with_kwargs=True, prepend=True
                 )
             )
         if self.adapter.sequence_hooks is not None:  # e.g. Qwen3-VL's DeepStack
             self._hooks.extend(self.adapter.sequence_hooks(self.model, self._tokens_after))
         self._hooks.extend(self.pruner.attach(self.model, self.adapter))  # e.g. vision tower
-        self._encoder_inputs = EncoderInputs(self.model, self.adapter)
         if self.config.warm_kernels and self.pruner.attention_based:
             self._warm_kernels()
 
@@ -198,10 +191,40 @@ class FocusEngine:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self._encoder_inputs is not None:
-            self._encoder_inputs.close()  # the encoder methods are back
-            self._encoder_inputs = None
+        if self.tracker is not None:
+            if self.tracker.engine is self:
+                self.tracker.engine = None
+            self.tracker.release()  # the encoder methods are back once nobody listens
+            self.tracker = None
         self.state = None
+
+    @property
+    def _active(self) -> bool:
+        """False while a side pass runs with the engine stood aside (``tracker.isolated()``)."""
+        return self.tracker is not None and self.tracker.engine is self
+
+    # --- what each layer holds, for the probes and biases ----------------------------------------
+    def prompt_positions(self, index: int) -> torch.Tensor | None:
+        """``[B, S']`` original positions of the prompt tokens layer ``index`` holds in the
+        current prefill, or ``None`` when it holds them all (before the first stage, or no
+        pruned prefill is current)."""
+        return self._tokens_after(index)
+
+    def fixating(self) -> bool:
+        return self.state is not None and self.state.fixation is not None
+
+    def dropped_keys(self) -> dict[int, torch.Tensor]:
+        """Per layer holding fewer prompt tokens, ``[B, S]`` bool: the visual tokens it lacks."""
+        state = self.state
+        if state is None:
+            return {}
+        out = {}
+        for index, held in state.per_layer.items():
+            if held.shape[1] == state.full_len:
+                continue
+            has = torch.zeros_like(state.visual).scatter(1, held.to(state.visual.device), True)
+            out[index] = state.visual & ~has
+        return out
 
     def _tokens_after(self, index: int) -> torch.Tensor | None:
         """``[B, S']`` original positions of the tokens decoder layer ``index`` outputs in the
@@ -213,8 +236,9 @@ class FocusEngine:
 
     # --- top-level hook: one layout per prefill -----------------------------------------------
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = _cache_of(kwargs)
+        if not self._active:
+            return args, kwargs
+        cache = cache_of(kwargs)
         if cache is not None and getattr(cache, "is_compileable", False):
             raise ValueError(
                 "vlm_focus pruning gives each layer its own cache length, which a static "
@@ -223,38 +247,34 @@ class FocusEngine:
             )
         # A call brings images when it carries pixels or (inside generate()) encoder outputs;
         # an image-token id that decoding emits is only text, so ids alone never decide.
-        has_images = bool(kwargs.get("mm_encoder_outputs")) or any(
-            kwargs.get(k) is not None for k in self.adapter.pixel_inputs
-        )
-        if input_ids is None:
-            if has_images:
-                raise ValueError("vlm_focus needs input_ids (not inputs_embeds) to find images")
+        tracker = self.tracker
+        call = tracker.call
+        if call is None:
+            if tracker.has_images:
+                raise ValueError(f"vlm_focus needs {tracker.problem} to prune images")
             self.state = None
             return args, kwargs
-        if has_images:
-            visual = self.adapter.visual_mask(self.model, input_ids)
-            self._start_prefill(input_ids, visual, cache, kwargs)
+        if call.has_images:
+            self._start_prefill(call, cache, kwargs)
             return args, kwargs
         state = self.state
         if state is not None and cache is not None and state.cache is not None:
-            if state.cache() is cache and _cache_length(cache) > 0:
+            if state.cache() is cache and cache_length(cache) > 0:
                 state.memo.clear()  # slices of the last call only
                 state.inputs = {}  # pixel inputs served the prefill's stages; let them go
                 if state.fixation is not None:
                     state.fixation.begin_step(kwargs.get("attention_mask"))
                 if self.first_layer == 0:
-                    kwargs = self._fill_decode_inputs(kwargs, input_ids, cache)
+                    kwargs = self._fill_decode_inputs(kwargs, call.input_ids, cache)
                 return args, kwargs
         self.state = None  # a text-only call passes through unpruned
         return args, kwargs
 
-    def _start_prefill(
-        self, input_ids: torch.Tensor, visual: torch.Tensor, cache: Any, kwargs: dict
-    ) -> None:
-        if _cache_length(cache) > 0:
+    def _start_prefill(self, call: Any, cache: Any, kwargs: dict) -> None:
+        if cache_length(cache) > 0:
             raise ValueError(
                 "vlm_focus prunes images in a prefill with an empty cache; this call brings "
-                f"images onto a cache that already holds {_cache_length(cache)} tokens (a later "
+                f"images onto a cache that already holds {cache_length(cache)} tokens (a later "
                 "chat turn). Run the whole conversation as one prompt on a fresh cache (pass "
                 "every turn and image to the processor, no past_key_values), or call "
                 "handle.remove() for calls that extend a cache"
@@ -269,18 +289,9 @@ class FocusEngine:
                 raise ValueError(
                     f"'{self.adapter.model_type}' needs `{name}` (from the processor) with images"
                 )
-        attention_mask = kwargs.get("attention_mask")
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("vlm_focus needs a 2-D attention_mask [batch, seq] (or none)")
-        valid = (
-            attention_mask.bool()
-            if attention_mask is not None
-            else torch.ones_like(input_ids, dtype=torch.bool)
-        )
-        visual = visual & valid
-        recorded = self._encoder_inputs.take() if self._encoder_inputs is not None else {}
-        layout_inputs = {**recorded, **{k: v for k, v in kwargs.items() if v is not None}}
-        layout = self.adapter.layout(self.model, input_ids, layout_inputs)
+        prefill = self.tracker.prefill  # the tracker read this call's ids, padding and inputs
+        input_ids, valid, visual = prefill.input_ids, prefill.valid, prefill.visual
+        layout = prefill.layout(self.model, self.adapter)
         n_visual = visual.sum(1).tolist()
         if 0 in n_visual and any(n_visual):
             warnings.warn(
@@ -305,7 +316,7 @@ class FocusEngine:
             full_len=seq,
             drops=drops,
             visual_counts=counts,
-            inputs={k: v for k, v in kwargs.items() if not isinstance(v, Cache)},
+            inputs={k: v for k, v in prefill.inputs.items() if not isinstance(v, Cache)},
             trace=trace,
             current=torch.arange(seq, device=input_ids.device).expand(batch, seq),
             frames=(
@@ -336,7 +347,7 @@ class FocusEngine:
             return kwargs
         state = self.state
         batch, n_new = input_ids.shape
-        width = state.full_len + _cache_length(cache) - state.per_layer[0].shape[1] + n_new
+        width = state.full_len + cache_length(cache) - state.per_layer[0].shape[1] + n_new
         text = torch.arange(width - n_new, width, device=input_ids.device).expand(batch, -1)
         kwargs = dict(kwargs)
         kwargs["position_ids"] = self.adapter.decode_positions(
@@ -346,14 +357,14 @@ class FocusEngine:
 
     # --- decoder hook (K = 0 decode): slice the 2-D mask before masks are built -----------------
     def _on_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        state = self.state
+        state = self.state if self._active else None
         mask = kwargs.get("attention_mask")
-        cache = _cache_of(kwargs)
-        if state is None or 0 not in state.per_layer or _cache_length(cache) == 0:
+        cache = cache_of(kwargs)
+        if state is None or 0 not in state.per_layer or cache_length(cache) == 0:
             return args, kwargs
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             kept = state.per_layer[0]
-            if mask.shape[1] != _cache_length(cache) + self._new_tokens(kwargs):
+            if mask.shape[1] != cache_length(cache) + self._new_tokens(kwargs):
                 kwargs = dict(kwargs)
                 kwargs["attention_mask"] = _gather_seq(
                     mask, _decode_columns(kept, state.full_len, mask.shape[1]), 1
@@ -371,11 +382,11 @@ class FocusEngine:
     def _layer_hook(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             state = self.state
-            if state is None:
+            if state is None or not self._active:
                 return None
-            cache = _cache_of(kwargs)
+            cache = cache_of(kwargs)
             hidden = args[0] if args else kwargs["hidden_states"]
-            if _cache_length(cache, index) == 0:
+            if cache_length(cache, index) == 0:
                 hidden, kwargs = self._prefill_layer(index, module, hidden, kwargs, cache)
             elif state.fixation is not None:
                 kwargs = self._fixated_layer(index, module, hidden, kwargs, cache)
@@ -452,7 +463,7 @@ class FocusEngine:
             fixation.fixate(layer, hidden, kwargs, keys)
         columns = fixation.columns
         kwargs = dict(kwargs)
-        for key in _CACHE_KEYS:
+        for key in CACHE_KEYS:
             if kwargs.get(key) is not None:
                 kwargs[key] = FixedView(kwargs[key], columns)
         mask = kwargs.get("attention_mask")
@@ -485,7 +496,7 @@ class FocusEngine:
         if not isinstance(mask, torch.Tensor):
             return kwargs  # no mask: every cached key is attendable, nothing to slice
         width, n_new = mask.shape[-1], hidden.shape[1]
-        own = _cache_length(cache, index)
+        own = cache_length(cache, index)
         if width == own + n_new:
             return kwargs
         kept_cols = state.decode_cols[index]

@@ -7,9 +7,16 @@ the decoder hands it (``position_embeddings``), the query rows it was asked for 
     P[b, h, t, s] = softmax_s( q[b, h, t] . k[b, h, s] * scaling  +  mask[b, t, s] )
 
 with the layer's mask semantics (causal: key ``s <= `` the query's position; padding: keys whose
-2-D ``attention_mask`` is 0 are excluded). In decode, keys come from the layer's own KV cache plus
-the new token's k, so generated tokens are probed with the cache they really attend to. At most a
-``[B, H, Tq, S]`` slab per layer is ever materialised.
+2-D ``attention_mask`` is 0 are excluded; a materialised 4-D layer mask is honoured too). In
+decode, keys come from the layer's own KV cache plus the new token's k, so generated tokens are
+probed with the cache they really attend to. At most a ``[B, H, Tq, S]`` slab per layer is ever
+materialised (:mod:`vlm_focus._attention` holds the math).
+
+On a pruned model (``vf.wrap``), a layer after a pruning stage holds only the kept tokens. The
+shared call tracker (:mod:`vlm_focus._calls`) knows their original positions, so probes record
+rows over the call's keys in original positions (0 at keys the layer no longer holds), and
+biases are written in original positions and mapped onto the layer's keys: both read and change
+exactly the attention the pruned model computes.
 
 :class:`AttentionBias` is the writing twin: it replaces a layer's mask with an additive float mask
 (``0`` / ``min`` from the same causal + padding semantics, plus a per-key bias), which both SDPA
@@ -25,18 +32,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._encoder_inputs import EncoderInputs
-from .model_adapters import ImageLayout, ModelAdapter, get_adapter
-from .pruners.base import apply_rope
+from ._attention import allowed_keys, attention_probs, layer_qk
+from ._calls import CallState, CallTracker, Prefill, cache_of
+from .model_adapters import ModelAdapter, get_adapter
 
-_CACHE_KEYS = ("cache", "past_key_values")
-
-
-def _cache_of(kwargs: dict[str, Any]) -> Any:
-    for key in _CACHE_KEYS:
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    return None
+__all__ = [
+    "AttentionBias",
+    "AttentionProbe",
+    "CallState",
+    "LayerView",
+    "Prefill",
+    "QuerySpec",
+    "Rows",
+    "attention_probs",
+    "check_layers",
+    "layer_attention_rows",
+    "layer_view",
+    "resolve_rows",
+    "rows_from_mask",
+]
 
 
 def _past_keys(cache: Any, layer_idx: int) -> torch.Tensor | None:
@@ -49,57 +63,13 @@ def _past_keys(cache: Any, layer_idx: int) -> torch.Tensor | None:
     return layers[layer_idx].keys
 
 
-def attention_probs(
-    q: torch.Tensor, k: torch.Tensor, scaling: float, allowed: torch.Tensor
-) -> torch.Tensor:
-    """``softmax(q k^T * scaling)`` over allowed keys: q ``[B, H, Tq, D]``, k ``[B, Hkv, S, D]``
-    (GQA kv heads are shared), allowed ``[B, Tq, S]`` bool -> ``[B, H, Tq, S]`` float32."""
-    groups = q.shape[1] // k.shape[1]
-    keys = k.repeat_interleave(groups, dim=1) if groups > 1 else k  # [B, H, S, D]
-    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scaling  # [B, H, Tq, S]
-    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
-
-
-@dataclass
-class CallState:
-    """What the top model saw in one forward call (prefill or one decode step)."""
-
-    input_ids: torch.Tensor  # [B, T] the new tokens of this call
-    valid: torch.Tensor  # [B, past + T] bool, keys that are not padding
-    past: int  # cached length before the call
-    inputs: dict[str, Any]
-
-
-@dataclass
-class Prefill:
-    """The prompt of the current generation: ids, padding, visual tokens, layout inputs."""
-
-    input_ids: torch.Tensor  # [B, S]
-    valid: torch.Tensor  # [B, S] bool
-    visual: torch.Tensor  # [B, S] bool
-    inputs: dict[str, Any]
-    _layout: list[list[ImageLayout]] | None = None
-
-    def layout(self, model: nn.Module, adapter: ModelAdapter) -> list[list[ImageLayout]]:
-        if self._layout is None:
-            self._layout = adapter.layout(model, self.input_ids, self.inputs)
-        return self._layout
-
-    def text_after_image(self) -> torch.Tensor:
-        """``[B, S]`` bool: valid tokens after each row's last visual token (the instruction)."""
-        batch, seq = self.visual.shape
-        index = torch.arange(seq, device=self.visual.device).expand(batch, seq)
-        last = torch.where(self.visual, index, -1).amax(dim=1, keepdim=True)
-        return self.valid & (index > last) & (last >= 0)
-
-
 @dataclass
 class Rows:
     """Attention rows recorded at one layer in one call.
 
-    ``probs [B, H, Tq, L]`` over every key of the call (prompt + cache + new), ``positions
-    [B, Tq]`` the query rows' absolute positions, ``mask [B, Tq]`` False on filler rows.
+    ``probs [B, H, Tq, L]`` over every key of the call in original positions (prompt + cache +
+    new; keys a pruned layer no longer holds get 0), ``positions [B, Tq]`` the query rows'
+    original positions, ``mask [B, Tq]`` False on filler rows.
     """
 
     layer: int
@@ -109,51 +79,144 @@ class Rows:
     step: int
 
 
-class _Tracker:
-    """Top-model pre-hook: the current call's ids / padding, and the prefill's visual tokens."""
+@dataclass
+class LayerView:
+    """One decoder layer's share of the current call, in original positions.
 
-    def __init__(self, model: nn.Module, adapter: ModelAdapter) -> None:
-        self.model = model
-        self.adapter = adapter
-        self.call: CallState | None = None
-        self.prefill: Prefill | None = None
-        self.step = -1
-        self._encoder = EncoderInputs(model, adapter)
-        self._hook = model.register_forward_pre_hook(self._on_model, with_kwargs=True)
+    A layer after a pruning stage holds only the kept prompt tokens: ``rows [B, T]`` are the
+    original positions of the tokens it computes in this call, ``keys [B, L]`` those of the keys
+    it attends to (its cache, then this call's tokens), ``None`` when it holds every one
+    (``0 .. width-1``). ``valid [B, L]`` marks the non-padding keys, ``allowed [B, T, L]`` what
+    the layer's own mask lets each row see (``None``: causal + padding), ``past`` its cache.
+    """
 
-    def close(self) -> None:
-        self._hook.remove()
-        self._encoder.close()
+    index: int
+    layer: nn.Module
+    hidden: torch.Tensor
+    kwargs: dict
+    call: CallState
+    prefill: Prefill | None
+    rows: torch.Tensor
+    keys: torch.Tensor | None
+    valid: torch.Tensor
+    past: torch.Tensor | None
+    allowed: torch.Tensor | None
 
-    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None:
-            raise ValueError("attention probes need input_ids (not inputs_embeds)")
-        cache = _cache_of(kwargs)
-        past = 0 if cache is None else int(cache.get_seq_length(0))
-        mask = kwargs.get("attention_mask")
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-            raise ValueError("attention probes need a 2-D attention_mask [batch, seq] (or none)")
-        batch, new = input_ids.shape
-        if mask is None:
-            valid = torch.ones(batch, past + new, dtype=torch.bool, device=input_ids.device)
-        else:
-            valid = mask.bool()
-            if valid.shape[1] != past + new:
-                raise ValueError(
-                    f"attention_mask covers {valid.shape[1]} tokens, the call has {past + new}"
-                )
-        self.call = CallState(input_ids, valid, past, kwargs)
-        self.step = self.step + 1 if past > 0 else 0
-        if past == 0:
-            recorded = self._encoder.take()
-            inputs = {**recorded, **{k: v for k, v in kwargs.items() if v is not None}}
-            self.prefill = Prefill(
-                input_ids=input_ids,
-                valid=valid,
-                visual=self.adapter.visual_mask(self.model, input_ids) & valid,
-                inputs=inputs,
+    @property
+    def width(self) -> int:
+        """Keys of the call in original positions (the 2-D mask's width)."""
+        return self.call.valid.shape[1]
+
+    @property
+    def prefill_call(self) -> bool:
+        return self.past is None
+
+    def local(self, positions: torch.Tensor) -> torch.Tensor:
+        """Indices into this layer's tokens of the original ``positions [B, Tq]``; a position
+        the layer no longer holds (a pruned visual token) raises."""
+        if self.keys is None or not self.prefill_call:
+            return positions - self.call.past
+        local = torch.searchsorted(self.rows, positions).clamp(max=self.rows.shape[1] - 1)
+        if not bool((self.rows.gather(1, local) == positions).all()):
+            raise ValueError(
+                f"a query row is a visual token that pruning removed before layer {self.index}; "
+                "query text tokens, or probe layers before the pruning stage"
             )
+        return local
+
+    def to_full(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., L]`` values over this layer's keys scattered to ``[..., width]`` (0 at keys
+        the layer does not hold); the leading dim is the batch."""
+        if self.keys is None:
+            return x
+        out = x.new_zeros(*x.shape[:-1], self.width)
+        index = self.keys.view(self.keys.shape[0], *([1] * (x.dim() - 2)), -1).expand_as(x)
+        return out.scatter(-1, index, x)
+
+    def to_layer(self, full: torch.Tensor) -> torch.Tensor:
+        """``[B, T, width]`` over the call's tokens and keys -> ``[B, T_l, L]`` over this
+        layer's tokens and keys."""
+        if self.keys is None:
+            return full
+        rows = self.rows - self.call.past
+        full = full.gather(1, rows[..., None].expand(-1, -1, full.shape[-1]))
+        return full.gather(2, self.keys[:, None, :].expand(-1, full.shape[1], -1))
+
+    def attention(self, adapter: ModelAdapter, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, H, Tq, width]`` attention of the rows at original ``positions`` (tokens of
+        this call) over the call's keys, from the layer's own q/k."""
+        local = self.local(positions)
+        allowed = None
+        if self.allowed is not None:
+            allowed = self.allowed.expand(local.shape[0], -1, -1)
+            allowed = allowed.gather(1, local[..., None].expand(-1, -1, allowed.shape[-1]))
+        probs = layer_attention_rows(
+            adapter, self.layer, self.hidden, self.kwargs, local, positions, self.past,
+            self.valid, self.keys, allowed,
+        )  # fmt: skip
+        return self.to_full(probs)
+
+
+def _layer_allowed(mask: Any, n_rows: int, n_keys: int) -> torch.Tensor | None:
+    """``[B, T, L]`` bool from a layer's materialised 4-D mask (bool, or additive float), or
+    None when the layer gets no such mask (causal + padding then say it all)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    if tuple(mask.shape[-2:]) != (n_rows, n_keys):
+        raise RuntimeError(
+            f"layer mask {list(mask.shape)} does not match {n_rows} rows and {n_keys} keys"
+        )
+    mask = mask[:, 0]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def layer_view(
+    tracker: CallTracker, adapter: ModelAdapter, index: int, layer: nn.Module, args, kwargs
+) -> LayerView | None:
+    """How decoder layer ``index`` sees the current call, or None when nothing is tracked."""
+    call = tracker.call
+    if call is None:
+        if tracker.problem is not None:
+            raise ValueError(f"attention probes and biases need {tracker.problem}")
+        return None
+    if call.past > 0 and tracker.fixating():
+        raise ValueError(
+            "attention probes and biases do not read the decoding steps of pruner='fixation' "
+            "(each step attends to its own visual columns); probe the prefill, or use a "
+            "prefill pruner"
+        )
+    hidden = args[0] if args else kwargs["hidden_states"]
+    attn = getattr(layer, adapter.attention)
+    past = _past_keys(cache_of(kwargs), attn.layer_idx)
+    n_past = 0 if past is None else past.shape[2]
+    batch, n_new = hidden.shape[:2]
+    device = hidden.device
+    kept = tracker.prompt_positions(index)
+    width = call.valid.shape[1]
+    if kept is None:
+        if n_past + n_new != width:
+            raise RuntimeError(f"layer {index} keys ({n_past + n_new}) and mask ({width}) differ")
+        rows = torch.arange(call.past, call.past + n_new, device=device).expand(batch, -1)
+        keys, valid = None, call.valid.to(device)
+    else:
+        kept = kept.to(device)
+        if past is None:
+            rows = keys = kept
+        else:
+            later = torch.arange(tracker.prompt_length, width, device=device).expand(batch, -1)
+            keys = torch.cat([kept, later], dim=1)
+            rows = later[:, later.shape[1] - n_new :]
+        if keys.shape[1] != n_past + n_new:
+            raise RuntimeError(
+                f"layer {index} holds {n_past + n_new} keys, the pruning trace {keys.shape[1]}"
+            )
+        valid = call.valid.to(device).gather(1, keys)
+    allowed = _layer_allowed(kwargs.get("attention_mask"), n_new, n_past + n_new)
+    return LayerView(
+        index, layer, hidden, kwargs, call, tracker.prefill, rows, keys, valid, past, allowed
+    )
 
 
 QuerySpec = torch.Tensor | str | Callable[[Prefill], tuple[torch.Tensor, torch.Tensor]]
@@ -191,7 +254,8 @@ def resolve_rows(prefill: Prefill, spec: QuerySpec) -> tuple[torch.Tensor, torch
 
 
 def rows_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, S]`` bool -> ragged rows padded to the longest: (positions, valid) ``[B, Tq]``."""
+    """``[B, S]`` bool -> ragged rows padded to the longest: (positions, valid) ``[B, Tq]``;
+    filler entries point at the last position (a text token every layer holds)."""
     counts = mask.sum(1)
     width = max(int(counts.max()), 1) if mask.shape[0] else 1
     order = torch.sort(mask.int(), dim=1, descending=True, stable=True).indices[:, :width]
@@ -200,7 +264,56 @@ def rows_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, valid
 
 
-class AttentionProbe:
+class _LayerHooks:
+    """Pre-hooks on chosen decoder layers plus a share of the model's call tracker."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[int] | None) -> None:
+        self.model = model
+        self.adapter = get_adapter(model)
+        self.decoder_layers = self.adapter.decoder_layers(model)
+        n_layers = len(self.decoder_layers)
+        self.layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+        self.tracker: CallTracker | None = None
+        self._hooks: list[Any] = []
+
+    def __enter__(self):
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def attach(self) -> None:
+        if self.tracker is not None:
+            return
+        self.tracker = CallTracker.acquire(self.model, self.adapter)
+        try:
+            for index in self.layers:
+                layer = self.decoder_layers[index]
+                self._hooks.append(
+                    layer.register_forward_pre_hook(self._hook(index), with_kwargs=True)
+                )
+        except Exception:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self.tracker is not None:
+            self.tracker.release()
+            self.tracker = None
+
+    @property
+    def prefill(self) -> Prefill | None:
+        return None if self.tracker is None else self.tracker.prefill
+
+    def _hook(self, index: int) -> Callable:
+        raise NotImplementedError
+
+
+class AttentionProbe(_LayerHooks):
     """Record attention probabilities of chosen query rows at chosen decoder layers.
 
     Use as a context manager around ``model(...)`` or ``model.generate(...)``::
@@ -210,7 +323,7 @@ class AttentionProbe:
         probe.records  # list of Rows, one per (layer, call)
 
     Args:
-        model: a supported VLM (``*ForConditionalGeneration``).
+        model: a supported VLM (``*ForConditionalGeneration``), pruned or not.
         layers: decoder layer indices; ``None`` for all.
         rows: prefill query rows (see :func:`resolve_rows`); ``None`` records no prefill rows.
         decode: also record every decode step's new token rows.
@@ -228,82 +341,37 @@ class AttentionProbe:
         on_rows: Callable[[Rows], None] | None = None,
         keep: bool = True,
     ) -> None:
-        self.model = model
-        self.adapter = get_adapter(model)
-        self.decoder_layers = self.adapter.decoder_layers(model)
-        n_layers = len(self.decoder_layers)
-        self.layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+        super().__init__(model, layers)
         self.rows = rows
         self.decode = decode
         self.on_rows = on_rows
         self.keep = keep
         self.records: list[Rows] = []
-        self.tracker: _Tracker | None = None
-        self._hooks: list[Any] = []
         self._rows_cache: tuple[Any, torch.Tensor, torch.Tensor] | None = None
 
-    # --- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> AttentionProbe:
         self.attach()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def attach(self) -> None:
-        if self.tracker is not None:
-            return
-        self.tracker = _Tracker(self.model, self.adapter)
-        try:
-            for index in self.layers:
-                layer = self.decoder_layers[index]
-                self._hooks.append(
-                    layer.register_forward_pre_hook(self._hook(index), with_kwargs=True)
-                )
-        except Exception:
-            self.remove()
-            raise
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
-
-    @property
-    def prefill(self) -> Prefill | None:
-        return None if self.tracker is None else self.tracker.prefill
-
-    # --- the hook ---------------------------------------------------------------------------
     def _hook(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             tracker = self.tracker
-            call = tracker.call if tracker is not None else None
-            if call is None:
+            if tracker is None:
                 return
-            hidden = args[0] if args else kwargs["hidden_states"]
-            _check_unpruned(hidden, call, index)
-            attn = getattr(module, self.adapter.attention)
-            past = _past_keys(_cache_of(kwargs), attn.layer_idx)
-            n_past = 0 if past is None else past.shape[2]
-            if n_past == 0:
+            view = layer_view(tracker, self.adapter, index, module, args, kwargs)
+            if view is None:
+                return
+            if view.prefill_call:
                 if self.rows is None:
                     return
                 rows, row_mask = self._prefill_rows(tracker.prefill)
-                local = rows
             elif self.decode:
-                batch, new = hidden.shape[:2]
-                local = torch.arange(new, device=hidden.device).expand(batch, new)
-                rows = local + n_past
+                rows = view.rows
                 row_mask = torch.ones_like(rows, dtype=torch.bool)
             else:
                 return
             with torch.no_grad():
-                probs = layer_attention_rows(
-                    self.adapter, module, hidden, kwargs, local, rows, past, call.valid
-                )
+                probs = view.attention(self.adapter, rows)
             record = Rows(index, probs, rows, row_mask, tracker.step)
             if self.on_rows is not None:
                 self.on_rows(record)
@@ -330,39 +398,25 @@ def layer_attention_rows(
     rows: torch.Tensor,
     past: torch.Tensor | None,
     valid: torch.Tensor,
+    key_positions: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention probabilities ``[B, H, Tq, L]`` of the query rows ``local [B, Tq]`` (indices into
-    this call's ``hidden``; absolute positions ``rows``) over the layer's keys (``past`` cached
-    keys, then this call's), from the layer's own norm, projections and RoPE tables."""
-    attn = getattr(layer, adapter.attention)
-    norm = getattr(layer, adapter.input_norm)
+    """Attention probabilities ``[B, H, Tq, L]`` of the query rows ``local [B, Tq]`` (indices
+    into this call's ``hidden``; original positions ``rows``) over the layer's ``L`` keys
+    (``past`` cached keys, then this call's), from the layer's own norm, projections and RoPE
+    tables. ``valid [B, L]`` marks non-padding keys, ``key_positions [B, L]`` their original
+    positions (default ``0 .. L-1``), ``allowed [B, Tq, L]`` what the layer's mask permits."""
     cos, sin = kwargs["position_embeddings"]
-    batch, _, width = hidden.shape
-    cos = cos.expand(batch, -1, -1)
-    sin = sin.expand(batch, -1, -1)
-    normed = norm(hidden)  # [B, T, D]
-    q_in = normed.gather(1, local[..., None].expand(-1, -1, width))  # [B, Tq, D]
-    q, k = adapter.project_qk(attn, q_in, normed)
-    index = local[..., None].expand(-1, -1, cos.shape[-1])
-    q = apply_rope(q, cos.gather(1, index), sin.gather(1, index))  # [B, H, Tq, D]
-    k = apply_rope(k, cos, sin)  # [B, Hkv, T, D]
+    q, k = layer_qk(adapter, layer, hidden, cos, sin, local)  # [B, H, Tq, D], [B, Hkv, T, D]
     if past is not None:
         k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]
     total = k.shape[2]
     if valid.shape[1] != total:
         raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")
-    keys = torch.arange(total, device=hidden.device)
-    allowed = valid[:, None, :] & (keys[None, None, :] <= rows[:, :, None])  # [B, Tq, L]
-    return attention_probs(q, k, attn.scaling, allowed)
-
-
-def _check_unpruned(hidden: torch.Tensor, call: CallState, index: int) -> None:
-    if hidden.shape[1] != call.input_ids.shape[1]:
-        raise ValueError(
-            f"decoder layer {index} sees {hidden.shape[1]} tokens but the call has "
-            f"{call.input_ids.shape[1]}: attention probes and biases need the unpruned sequence "
-            "(remove the pruning handle, or probe layers before its first stage)"
-        )
+    permitted = allowed_keys(valid, rows, key_positions)  # [B, Tq, L]
+    if allowed is not None:
+        permitted = permitted & allowed
+    return attention_probs(q, k, getattr(layer, adapter.attention).scaling, permitted)
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
@@ -381,96 +435,75 @@ def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
     return sorted(set(out))
 
 
-class AttentionBias:
+BiasFn = Callable[[LayerView], torch.Tensor | None]
+
+
+class AttentionBias(_LayerHooks):
     """Add a per-key bias to the attention logits of chosen layers (SDPA and eager).
 
-    ``bias_fn(index, layer, hidden, kwargs, prefill, call) -> [B, T, L] float or None`` gives
-    the additive bias of decoder layer ``index`` for the call's ``T`` query rows over its ``L``
-    keys (``-inf`` blocks a key); it may read the layer's own q/k (:func:`layer_attention_rows`).
-    The layer's own mask (causal + padding) is rebuilt as an additive float mask and the bias
-    added, so the model's attention becomes ``softmax(q k^T * scaling + mask + bias)``.
+    ``bias_fn(view) -> [B, T, W] float or None`` gives the additive bias of one decoder layer
+    (:class:`LayerView`: its index, module, inputs and positions) for the call's ``T`` tokens
+    over its ``W`` keys, in original positions (``-inf`` blocks a key); it may read the layer's
+    own attention (:meth:`LayerView.attention`). The bias is mapped onto the tokens and keys the
+    layer holds (a pruned layer holds fewer), the layer's own mask (causal + padding) is rebuilt
+    as an additive float mask and the bias added, so the attention becomes
+    ``softmax(q k^T * scaling + mask + bias)``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layers: Sequence[int],
-        bias_fn: Callable[..., torch.Tensor | None],
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[int], bias_fn: BiasFn) -> None:
         implementation = getattr(model.config, "_attn_implementation", None) or "eager"
         if implementation not in ("eager", "sdpa"):
             raise ValueError(
                 f"attention biasing needs attn_implementation 'sdpa' or 'eager', got "
                 f"{implementation!r} (flash attention takes no additive mask)"
             )
-        self.model = model
-        self.adapter = get_adapter(model)
-        self.decoder_layers = self.adapter.decoder_layers(model)
-        self.layers = check_layers(layers, len(self.decoder_layers))
+        super().__init__(model, layers)
         self.bias_fn = bias_fn
-        self.tracker: _Tracker | None = None
-        self._hooks: list[Any] = []
 
     def __enter__(self) -> AttentionBias:
         self.attach()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def attach(self) -> None:
-        if self.tracker is not None:
-            return
-        self.tracker = _Tracker(self.model, self.adapter)
-        for index in self.layers:
-            layer = self.decoder_layers[index]
-            self._hooks.append(layer.register_forward_pre_hook(self._hook(index), with_kwargs=True))
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
-
     def _hook(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             tracker = self.tracker
-            if tracker is None or tracker.call is None or tracker.prefill is None:
+            if tracker is None or tracker.prefill is None:
                 return None
-            hidden = args[0] if args else kwargs["hidden_states"]
-            _check_unpruned(hidden, tracker.call, index)
+            view = layer_view(tracker, self.adapter, index, module, args, kwargs)
+            if view is None:
+                return None
             with torch.no_grad():
-                bias = self.bias_fn(index, module, hidden, kwargs, tracker.prefill, tracker.call)
+                bias = self.bias_fn(view)
             if bias is None:
                 return None
-            return args, self._biased(kwargs, hidden, bias, tracker.call)
+            return args, self._biased(view, bias)
 
         return hook
 
-    def _biased(
-        self, kwargs: dict, hidden: torch.Tensor, bias: torch.Tensor, call: CallState
-    ) -> dict:
-        batch, new = hidden.shape[:2]
-        total = call.valid.shape[1]
-        if tuple(bias.shape) != (batch, new, total):
-            raise RuntimeError(f"bias has shape {list(bias.shape)}, expected {[batch, new, total]}")
+    @staticmethod
+    def _biased(view: LayerView, bias: torch.Tensor) -> dict:
+        kwargs, hidden = view.kwargs, view.hidden
+        batch = hidden.shape[0]
+        n_call = view.call.input_ids.shape[1]
+        if tuple(bias.shape) != (batch, n_call, view.width):
+            raise RuntimeError(
+                f"bias has shape {list(bias.shape)}, expected {[batch, n_call, view.width]}"
+            )
+        bias = view.to_layer(bias.to(hidden.device))  # [B, T_l, L]
         dtype = hidden.dtype if hidden.is_floating_point() else torch.float32
         low = torch.finfo(dtype).min
         mask = kwargs.get("attention_mask")
-        if mask is None:
-            keys = torch.arange(total, device=hidden.device)
-            rows = torch.arange(call.past, call.past + new, device=hidden.device)
-            allowed = call.valid[:, None, :] & (keys[None, None, :] <= rows[None, :, None])
-            base = torch.zeros(batch, 1, new, total, dtype=dtype, device=hidden.device)
-            base = base.masked_fill(~allowed[:, None], low)
-        elif mask.dtype == torch.bool:
-            base = torch.zeros(mask.shape, dtype=dtype, device=hidden.device)
-            base = base.masked_fill(~mask, low).expand(batch, -1, -1, -1)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            if mask.dtype == torch.bool:
+                base = torch.zeros(mask.shape, dtype=dtype, device=hidden.device)
+                base = base.masked_fill(~mask, low).expand(batch, -1, -1, -1)
+            else:
+                base = mask.to(dtype).expand(batch, -1, -1, -1)
         else:
-            base = mask.to(dtype).expand(batch, -1, -1, -1)
-        if base.shape[-1] != total or base.shape[-2] != new:
+            allowed = allowed_keys(view.valid, view.rows, view.keys)  # [B, T_l, L]
+            base = torch.zeros(batch, 1, *allowed.shape[1:], dtype=dtype, device=hidden.device)
+            base = base.masked_fill(~allowed[:, None], low)
+        if tuple(base.shape[-2:]) != tuple(bias.shape[-2:]):
             raise RuntimeError(f"layer mask {list(base.shape)} does not match the call")
         bias = bias.to(dtype)[:, None]  # [B, 1, T, L]
         blocked = torch.isneginf(bias)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
-from .._probe import AttentionBias, AttentionProbe, check_layers
+from .._calls import CallTracker
+from .._probe import AttentionBias, AttentionProbe, LayerView, check_layers
 from ..grounding._maps import extend_with_answer
 from ..model_adapters import get_adapter
 
@@ -101,15 +102,36 @@ class InstructionContrast(LogitsProcessor):
             )
         inputs, _ = extend_with_answer(self.inputs, input_ids[:, seq:])
         blocked = self.blocked.to(input_ids.device)
+        adapter = get_adapter(self.model)
+        tracker = CallTracker.acquire(self.model, adapter)
+        try:
+            engine = tracker.engine
+            # On a pruned model the side pass runs unpruned, with the keys each layer of the
+            # pruned prompt lacks masked out from that layer on: the same attention.
+            dropped = {} if engine is None else engine.dropped_keys()
 
-        def block(index, layer, hidden, kwargs, prefill, call):
-            bias = torch.zeros(batch, hidden.shape[1], call.valid.shape[1], device=hidden.device)
-            bias[:, :, :seq] = torch.where(blocked, float("-inf"), 0.0)[:, None, :]
-            return bias
+            def block(view: LayerView) -> torch.Tensor:
+                width = view.width
+                columns = torch.zeros(batch, width, device=view.hidden.device)
+                columns[:, :seq] = torch.where(blocked, float("-inf"), 0.0)
+                bias = columns[:, None, :].expand(-1, view.call.input_ids.shape[1], -1).clone()
+                gone = dropped.get(view.index)
+                if gone is not None:
+                    hide = gone.to(bias.device)[:, None, :].expand(-1, bias.shape[1], -1).clone()
+                    diagonal = torch.arange(seq, device=bias.device)
+                    hide[:, diagonal, diagonal] = False  # a dropped token still sees itself
+                    bias[:, :, :seq] = bias[:, :, :seq].masked_fill(hide, float("-inf"))
+                return bias
 
-        n_layers = len(get_adapter(self.model).decoder_layers(self.model))
-        with torch.no_grad(), AttentionBias(self.model, range(n_layers), block):
-            logits = self.model(**inputs, use_cache=False, logits_to_keep=1).logits[:, -1]
+            n_layers = len(adapter.decoder_layers(self.model))
+            with (
+                torch.no_grad(),
+                tracker.isolated(),
+                AttentionBias(self.model, range(n_layers), block),
+            ):
+                logits = self.model(**inputs, use_cache=False, logits_to_keep=1).logits[:, -1]
+        finally:
+            tracker.release()
         return logits
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

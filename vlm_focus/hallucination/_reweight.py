@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._probe import AttentionBias, CallState, Prefill, layer_attention_rows, rows_from_mask
+from .._probe import AttentionBias, LayerView, Prefill, rows_from_mask
 from ..model_adapters import get_adapter
 
 
@@ -61,15 +61,8 @@ class AttentionReweight:
         """Remove every hook: the model is exactly as before."""
         self._bias.remove()
 
-    def _bias_fn(
-        self,
-        index: int,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        kwargs: dict,
-        prefill: Prefill,
-        call: CallState,
-    ) -> torch.Tensor | None:
+    def _bias_fn(self, view: LayerView) -> torch.Tensor | None:
+        prefill, call = view.prefill, view.call
         if prefill is not self._prefill:
             self._prefill = prefill
             self.relevant.clear()
@@ -77,28 +70,29 @@ class AttentionReweight:
             self._has_visual = bool(prefill.visual.any())  # read once per prefill
         if not self._has_visual or self.strength == 0:
             return None
+        index = view.index
         if index not in self.relevant:
             if call.past != 0:
                 return None  # a decode step of a prefill this context did not see
-            # relevance: attention of the instruction rows to the visual keys, this layer's q/k
+            # relevance: attention of the instruction rows to the visual keys, from this
+            # layer's q/k over the keys it holds (a pruned layer: the kept ones)
             rows, row_mask = rows_from_mask(self.text_rows)
-            probs = layer_attention_rows(
-                self.adapter, layer, hidden, kwargs, rows, rows, None, call.valid
-            )  # [B, H, Tq, S]
+            probs = view.attention(self.adapter, rows)  # [B, H, Tq, S]
             w = row_mask.float() / row_mask.sum(1, keepdim=True).clamp(min=1)
             scores = torch.einsum("bhts,bt->bs", probs, w) / probs.shape[1]
             self.relevant[index] = relevant_tokens(scores, prefill.visual, self.ratio)
         relevant = self.relevant[index]
-        batch, new = hidden.shape[:2]
-        total = call.valid.shape[1]
+        batch, new = call.input_ids.shape
+        total = view.width
         seq = relevant.shape[1]
-        is_text = torch.ones(batch, new, dtype=torch.bool, device=hidden.device)
+        device = view.hidden.device
+        is_text = torch.ones(batch, new, dtype=torch.bool, device=device)
         n_prompt = min(new, seq - call.past)  # this call's rows inside the prompt (host ints)
         if n_prompt > 0:
             is_text[:, :n_prompt] = self.text_rows[:, call.past : call.past + n_prompt]
-        columns = torch.zeros(batch, total, device=hidden.device)
+        columns = torch.zeros(batch, total, device=device)
         columns[:, :seq] = relevant.float() * self.strength
-        return columns[:, None, :] * is_text[:, :, None].float()  # [B, T, L]
+        return columns[:, None, :] * is_text[:, :, None].float()  # [B, T, W]
 
 
 def attention_reweight(
@@ -122,7 +116,9 @@ def attention_reweight(
         A'[t, :] = softmax(q_t k^T * scaling + mask + strength * 1[relevant])
 
     so their attention weight grows by ``exp(strength)`` before renormalisation, while all other
-    visual tokens are left as they are. Use as a context manager around ``generate()``; works
-    with SDPA and eager (the layer's mask becomes an additive float mask).
+    visual tokens are left as they are. On a pruned model (``vf.wrap``) a layer after a pruning
+    stage scores and boosts only the visual tokens it still holds (pruned ones score 0). Use as
+    a context manager around ``generate()``; works with SDPA and eager (the layer's mask becomes
+    an additive float mask).
     """
     return AttentionReweight(model, strength, layers, ratio)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .._attention import allowed_keys, attention_probs
+
 
 def score_and_select_naive(
     q: torch.Tensor,
@@ -58,18 +60,8 @@ def per_query_attention(
     """``[B, Tq, S]``: ``R_h(softmax_s(q[b,h,t].k[b,h,s] * scaling))`` for every query row, over
     the keys that are valid and at or before ``query_pos[b, t]`` (a row with none gives 0).
 
-    GQA heads are grouped onto their kv head rather than the keys repeated, so the largest
-    intermediate is the ``[B, H, Tq, S]`` probability slab.
+    The softmax is :func:`vlm_focus._attention.attention_probs`, the one the probes use; the
+    largest intermediate is its ``[B, H, Tq, S]`` probability slab.
     """
-    batch, n_heads, n_query, dim = q.shape
-    n_kv, seq = k.shape[1], k.shape[2]
-    groups = n_heads // n_kv
-    grouped = q.float().reshape(batch, n_kv, groups * n_query, dim)  # head h -> kv h // groups
-    logits = torch.matmul(grouped, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*Tq, S]
-    logits = logits.view(batch, n_kv, groups, n_query, seq)
-    positions = torch.arange(seq, device=q.device)
-    causal = positions[None, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
-    allowed = (key_mask[:, None, :] & causal)[:, None, None]  # [B, 1, 1, Tq, S]
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-    probs = probs.flatten(1, 2)  # [B, H, Tq, S]
+    probs = attention_probs(q, k, scaling, allowed_keys(key_mask, query_pos))  # [B, H, Tq, S]
     return probs.mean(dim=1) if reduce == "mean" else probs.amax(dim=1)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from .._attention import apply_rope, layer_qk, text_after_image  # noqa: F401 (re-exported)
 from ..kernels import score_and_select
 
 if TYPE_CHECKING:
@@ -33,18 +34,6 @@ class Selection:
 
     scores: torch.Tensor
     kept: torch.Tensor | None = None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the decoder applies it: ``x * cos + rotate_half(x) * sin``; M-RoPE arrives
-    already folded into ``cos``/``sin`` (``[B, T, D]``), so one formula serves both."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-    return x * cos + _rotate_half(x) * sin
 
 
 @dataclass
@@ -95,11 +84,14 @@ class StageContext:
         if query == "last":
             rows = torch.full((batch, 1), seq - 1, device=self.hidden.device)
             return rows, torch.ones(batch, 1, device=self.hidden.device)
-        index = torch.arange(seq, device=self.hidden.device).expand(batch, seq)
-        last_visual = torch.where(self.visual, index, -1).amax(dim=1, keepdim=True)  # [B, 1]
-        is_text = self.valid & (index > last_visual)
+        is_text = text_after_image(self.visual, self.valid)
         n_text = is_text.sum(1)
-        tq = int(n_text.max())
+        fewest, tq = torch.stack([n_text.min(), n_text.max()]).tolist()  # one host read
+        if fewest == 0:
+            raise ValueError(
+                "query='text' scores visual tokens with the instruction after the image, but a "
+                "prompt has no text after its image; add an instruction, or use query='last'"
+            )
         rows = torch.arange(seq - tq, seq, device=self.hidden.device).expand(batch, tq)
         selected = is_text.gather(1, rows)
         weights = selected.float() / n_text.clamp(min=1)[:, None]
@@ -108,15 +100,7 @@ class StageContext:
     def query_key(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, H, Tq, D]`` for the given rows and k ``[B, Hkv, S, D]``, after RoPE, computed
         with this layer's own norm and projections (never the full ``S x S`` attention)."""
-        norm = getattr(self.decoder_layer, self.adapter.input_norm)
-        width = self.hidden.shape[-1]
-        normed = norm(self.hidden)  # [B, S, D]
-        q_in = normed.gather(1, rows[..., None].expand(-1, -1, width))  # [B, Tq, D]
-        q, k = self.adapter.project_qk(self.attention, q_in, normed)
-        index = rows[..., None].expand(-1, -1, self.cos.shape[-1])
-        q = apply_rope(q, self.cos.gather(1, index), self.sin.gather(1, index))
-        k = apply_rope(k, self.cos, self.sin)
-        return q, k
+        return layer_qk(self.adapter, self.decoder_layer, self.hidden, self.cos, self.sin, rows)
 
     def attention_scores(
         self,

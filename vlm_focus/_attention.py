@@ -1,0 +1,93 @@
+"""The attention math every reader of a decoder's attention shares.
+
+The pruners' scoring, the kernel's torch twin, the fixation step and the attention probes all
+recompute a layer's attention rows from its own norm, q/k projections and RoPE tables rather
+than asking the model for ``output_attentions``. This module is the one home of that math:
+
+* :func:`apply_rope`: RoPE as the decoders apply it (M-RoPE arrives folded into ``cos``/``sin``);
+* :func:`layer_qk`: q for chosen rows and k for every token of one layer's input;
+* :func:`allowed_keys`: causal + padding semantics, by original positions;
+* :func:`attention_probs`: ``softmax(q k^T * scaling)`` over allowed keys, GQA heads grouped
+  onto their kv head instead of repeating the keys;
+* :func:`text_after_image`: the instruction, i.e. the valid tokens after each row's last visual
+  token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the decoder applies it: ``x * cos + rotate_half(x) * sin``; M-RoPE arrives
+    already folded into ``cos``/``sin`` (``[B, T, D]``), so one formula serves both."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+    return x * cos + rotate_half(x) * sin
+
+
+def layer_qk(
+    adapter,
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[B, H, Tq, D]`` of the rows ``rows [B, Tq]`` (indices into ``hidden``) and k
+    ``[B, Hkv, T, D]`` of every token, after RoPE, from the layer's own input norm and
+    projections; ``cos``/``sin`` are the ``[B or 1, T, D]`` tables of ``hidden``'s tokens."""
+    attention = getattr(layer, adapter.attention)
+    norm = getattr(layer, adapter.input_norm)
+    batch, _, width = hidden.shape
+    cos = cos.expand(batch, -1, -1)
+    sin = sin.expand(batch, -1, -1)
+    normed = norm(hidden)  # [B, T, D]
+    q_in = normed.gather(1, rows[..., None].expand(-1, -1, width))  # [B, Tq, D]
+    q, k = adapter.project_qk(attention, q_in, normed)
+    index = rows[..., None].expand(-1, -1, cos.shape[-1])
+    q = apply_rope(q, cos.gather(1, index), sin.gather(1, index))
+    k = apply_rope(k, cos, sin)
+    return q, k
+
+
+def allowed_keys(
+    key_valid: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, Tq, S]`` bool: key ``s`` is valid and not after query ``t`` (causal), comparing
+    original positions (``key_pos [B, S]``, default ``0..S-1``) so pruned sequences keep the
+    unpruned model's semantics."""
+    if key_pos is None:
+        key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)[None]
+    return key_valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, allowed: torch.Tensor
+) -> torch.Tensor:
+    """``softmax(q k^T * scaling)`` over allowed keys: q ``[B, H, Tq, D]``, k ``[B, Hkv, S, D]``
+    (head ``h`` reads kv head ``h // (H / Hkv)``), allowed ``[B, Tq, S]`` -> ``[B, H, Tq, S]``
+    float32; a row with no allowed key is 0. The largest intermediate is this slab."""
+    batch, n_heads, n_query, dim = q.shape
+    n_kv, seq = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv
+    grouped = q.float().reshape(batch, n_kv, groups * n_query, dim)
+    logits = torch.matmul(grouped, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*Tq, S]
+    logits = logits.view(batch, n_kv, groups, n_query, seq)
+    logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return probs.view(batch, n_heads, n_query, seq)
+
+
+def text_after_image(visual: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: the valid tokens after each row's last visual token (the instruction);
+    all False in a row without visual tokens."""
+    batch, seq = visual.shape
+    index = torch.arange(seq, device=visual.device).expand(batch, seq)
+    last = torch.where(visual, index, -1).amax(dim=1, keepdim=True)
+    return valid & (index > last) & (last >= 0)

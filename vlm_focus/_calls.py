@@ -1,0 +1,202 @@
+"""One call tracker per model instance, shared by the pruning engine, the probes and the biases.
+
+A forward pre-hook on the top model records, for every call, the new token ids, which keys are
+padding, how long the cache already is, and (for a prompt) which tokens are visual and the
+image inputs the adapter lays them out from. ``generate()`` hands some of those inputs to the
+image encoder only, so they are recorded there (:class:`~vlm_focus._encoder_inputs.EncoderInputs`).
+
+When a pruning handle is attached, it tells the tracker which original positions each decoder
+layer holds (:meth:`CallTracker.prompt_positions`), so a probe or a bias at a pruned layer reads
+and writes its attention in original positions instead of refusing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._attention import text_after_image
+from ._encoder_inputs import EncoderInputs
+from .model_adapters import ImageLayout, ModelAdapter
+
+CACHE_KEYS = ("cache", "past_key_values")
+
+
+def cache_of(kwargs: dict[str, Any]) -> Any:
+    for key in CACHE_KEYS:
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def cache_length(cache: Any, layer: int = 0) -> int:
+    return 0 if cache is None else int(cache.get_seq_length(layer))
+
+
+@dataclass
+class Prefill:
+    """The prompt of the current generation: ids, padding, visual tokens, layout inputs."""
+
+    input_ids: torch.Tensor  # [B, S]
+    valid: torch.Tensor  # [B, S] bool
+    visual: torch.Tensor  # [B, S] bool
+    inputs: dict[str, Any]
+    _layout: list[list[ImageLayout]] | None = None
+
+    def layout(self, model: nn.Module, adapter: ModelAdapter) -> list[list[ImageLayout]]:
+        if self._layout is None:
+            self._layout = adapter.layout(model, self.input_ids, self.inputs)
+        return self._layout
+
+    def text_after_image(self) -> torch.Tensor:
+        """``[B, S]`` bool: valid tokens after each row's last visual token (the instruction)."""
+        return text_after_image(self.visual, self.valid)
+
+
+@dataclass
+class CallState:
+    """What the top model saw in one forward call (prefill or one decode step).
+
+    ``valid`` spans every key of the call in original positions (the prompt at full length,
+    then the generated tokens), ``past`` is how many of those precede this call's tokens."""
+
+    input_ids: torch.Tensor  # [B, T] the new tokens of this call
+    valid: torch.Tensor  # [B, past + T] bool, keys that are not padding
+    past: int
+    inputs: dict[str, Any]
+    has_images: bool
+    cache: Any = None
+
+
+@dataclass
+class CallTracker:
+    """The one top-model pre-hook of a model instance; see the module docstring.
+
+    Get it with :meth:`acquire` and give it back with :meth:`release`; the hook (and the
+    encoder recording) goes when the last user releases it.
+    """
+
+    model: nn.Module
+    adapter: ModelAdapter
+    call: CallState | None = None
+    prefill: Prefill | None = None
+    step: int = -1
+    #: why the current call cannot be read (no input_ids, a mask that is not 2-D), or None
+    problem: str | None = None
+    engine: Any = None  # the pruning engine attached to this model, if any
+    has_images: bool = False  # the current call brings images (pixels or encoder outputs)
+    users: int = 0
+    _hook: Any = None
+    _encoder: EncoderInputs | None = None
+    _prefill_cache: Any = field(default=None, repr=False)
+
+    @classmethod
+    def acquire(cls, model: nn.Module, adapter: ModelAdapter) -> CallTracker:
+        tracker = _TRACKERS.get(model)
+        if tracker is None:
+            tracker = cls(model, adapter)
+            tracker._encoder = EncoderInputs(model, adapter)
+            tracker._hook = model.register_forward_pre_hook(
+                tracker._on_model, with_kwargs=True, prepend=True
+            )
+            _TRACKERS[model] = tracker
+        tracker.users += 1
+        return tracker
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users > 0:
+            return
+        self._hook.remove()
+        self._encoder.close()
+        if _TRACKERS.get(self.model) is self:
+            del _TRACKERS[self.model]
+
+    # --- what layers hold ---------------------------------------------------------------------
+    def prompt_positions(self, index: int) -> torch.Tensor | None:
+        """``[B, S']`` original positions of the prompt tokens decoder layer ``index`` holds in
+        the current prefill (and its cache), or ``None`` when it holds all of them."""
+        if self.engine is None:
+            return None
+        return self.engine.prompt_positions(index)
+
+    def fixating(self) -> bool:
+        """True while a decode-time pruner chooses the keys of each decoding step."""
+        return self.engine is not None and self.engine.fixating()
+
+    @contextlib.contextmanager
+    def isolated(self):
+        """Run a side pass (e.g. contrastive decoding's second model call) without disturbing
+        the current generation: the pruning engine stands aside, and the tracked prompt and
+        call are restored afterwards."""
+        saved = (self.call, self.prefill, self.step, self._prefill_cache, self.engine)
+        self.engine = None
+        try:
+            yield self
+        finally:
+            self.call, self.prefill, self.step, self._prefill_cache, self.engine = saved
+
+    @property
+    def prompt_length(self) -> int:
+        return 0 if self.prefill is None else self.prefill.input_ids.shape[1]
+
+    # --- the hook -------------------------------------------------------------------------------
+    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = cache_of(kwargs)
+        has_images = bool(kwargs.get("mm_encoder_outputs")) or any(
+            kwargs.get(k) is not None for k in self.adapter.pixel_inputs
+        )
+        self.problem = None
+        self.has_images = has_images
+        if input_ids is None:
+            self.call = None
+            self.problem = "input_ids (not inputs_embeds)"
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            self.call = None
+            self.problem = "a 2-D attention_mask [batch, seq] (or none)"
+            return
+        batch, new = input_ids.shape
+        stored = cache_length(cache)
+        if mask is not None:
+            past = mask.shape[1] - new
+            valid = mask.bool()
+        else:
+            past = stored + self._short_by(cache)
+            valid = torch.ones(batch, past + new, dtype=torch.bool, device=input_ids.device)
+        if stored == 0:
+            past = 0
+            if valid.shape[1] != new:
+                self.call = None
+                self.problem = f"an attention_mask as long as the call ({new} tokens)"
+                return
+        self.call = CallState(input_ids, valid, past, kwargs, has_images, cache)
+        self.step = self.step + 1 if stored > 0 else 0
+        if stored == 0:
+            recorded = self._encoder.take()
+            inputs = {**recorded, **{k: v for k, v in kwargs.items() if v is not None}}
+            self.prefill = Prefill(
+                input_ids=input_ids,
+                valid=valid,
+                visual=self.adapter.visual_mask(self.model, input_ids) & valid,
+                inputs=inputs,
+            )
+            self._prefill_cache = None if cache is None else weakref.ref(cache)
+
+    def _short_by(self, cache: Any) -> int:
+        """How many prompt tokens layer 0's cache lacks (pruning before layer 0), so that a
+        call without a mask is still placed at its original position."""
+        if cache is None or self._prefill_cache is None or self._prefill_cache() is not cache:
+            return 0
+        kept = self.prompt_positions(0)
+        return 0 if kept is None else self.prompt_length - kept.shape[1]
+
+
+_TRACKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
