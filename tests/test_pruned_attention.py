@@ -170,3 +170,22 @@ def test_probes_refuse_fixation_decode_steps_and_pruned_query_rows():
         with pytest.raises(ValueError, match="pruning removed"):
             with AttentionProbe(model, layers=[3], rows=visual[None]):
                 model(**inputs)
+
+
+def test_visual_beam_on_a_pruned_model_equals_the_masked_reference():
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model, batch=2)
+    layers = model.model.language_model.layers
+
+    def run(context):
+        with context as handle, H.visual_beam(model, weight=2.0) as proc:
+            out = _generate(model, inputs, num_beams=3, logits_processor=[proc])
+        return out, proc.history, getattr(handle, "last_trace", None)
+
+    (seq, scores), history, trace = run(_wrap(model, 2))
+    assert len(trace.kept) == 6  # the beam copies of each prompt
+    (ref_seq, ref_scores), ref_history, _ = run(masked_reference(model, layers, trace))
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
+    for a, b in zip(history, ref_history, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
