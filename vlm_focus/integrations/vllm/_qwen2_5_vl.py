@@ -170,8 +170,11 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
         image_input = inputs["image"]
         embeds = self._process_image_input(image_input)  # per image: [rows * cols, D]
         grids = image_input["image_grid_thw"].tolist()
-        keeps, codes = _per_item(keeps, len(grids)), _per_item(codes, len(grids))
         merge = self.visual.spatial_merge_size
+        if keeps is None or codes is None:  # inputs not made by the processor: server defaults
+            keeps = [keep_count(self.vlm_focus.keep, t * h * w // merge**2) for t, h, w in grids]
+            codes = [PRUNERS.index(self.vlm_focus.pruner)] * len(grids)
+        keeps, codes = _per_item(keeps, len(grids)), _per_item(codes, len(grids))
         out = []
         for emb, (t, h, w), n_keep, code in zip(embeds, grids, keeps, codes, strict=True):
             if t != 1:
@@ -264,10 +267,6 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
 
 def _per_item(value: object, n: int) -> list[int]:
     """A batched per-image field as ``n`` host ints."""
-    if value is None:
-        raise ValueError(
-            "the image inputs carry no vlm_focus fields: this model needs the vlm_focus processor"
-        )
     if isinstance(value, (list, tuple)):
         value = torch.stack([torch.as_tensor(v).reshape(()) for v in value])
     out = torch.as_tensor(value).reshape(-1).tolist()

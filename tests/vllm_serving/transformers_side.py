@@ -1,8 +1,8 @@
 """The transformers side of the vLLM plugin tests; runs in the MAIN environment (the
 transformers vlm_focus supports), called by the tests in the vLLM environment as a script:
 
-    python tests/vllm/transformers_side.py build DIR     # tiny random Qwen2.5-VL + processor files
-    python tests/vllm/transformers_side.py run DIR CASES.json OUT.json
+    python tests/vllm_serving/transformers_side.py build DIR  # tiny Qwen2.5-VL, processor files
+    python tests/vllm_serving/transformers_side.py run DIR CASES.json OUT.json
 
 ``build`` saves a random-weight Qwen2.5-VL (text hidden 128, head_dim 32: the smallest head
 vLLM's CPU attention takes) with ``save_pretrained``, a word-level tokenizer with Qwen's special

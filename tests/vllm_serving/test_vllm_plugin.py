@@ -1,9 +1,10 @@
 """vLLM serving with the vlm_focus plugin equals ``vf.wrap(..., layer=0)`` in transformers.
 
-Runs in the vLLM environment (``bash tests/vllm/make_venv.sh DIR``; ``.ci/run`` builds it) and
-is skipped where vLLM is not installed. The transformers side runs in the main environment,
-whose interpreter ``VLM_FOCUS_REFERENCE_PYTHON`` names (``tests/vllm/transformers_side.py``): vLLM
-pins an older transformers than vlm_focus supports, so the two never share a process.
+Runs in the vLLM environment (``bash tests/vllm_serving/make_venv.sh DIR``; ``.ci/run`` builds
+it) and is skipped where vLLM is not installed. The transformers side
+(``tests/vllm_serving/transformers_side.py``) runs in the main environment, whose interpreter
+``VLM_FOCUS_REFERENCE_PYTHON`` names: vLLM pins an older transformers than vlm_focus supports,
+so the two never share a process.
 
 On a tiny random-weight Qwen2.5-VL saved to disk (one 48 x 64 px image = 48 merged cells):
 greedy tokens and kept cells through vLLM equal transformers' for ``pyramid`` and ``pool`` at
@@ -17,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -199,7 +201,9 @@ def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, refer
         "--enforce-eager",
     ]
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(command, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ENGINE_TIMEOUT
@@ -214,41 +218,44 @@ def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, refer
             assert time.monotonic() < deadline, "server did not come up in time"
             time.sleep(2)
         image = base64.b64encode((model_dir / "image.png").read_bytes()).decode()
-        body = {
-            "model": str(model_dir),
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image_url",
-                            "image_url": {"url": f"data:image/png;base64,{image}"},
-                        },
-                        {"type": "text", "text": QUESTIONS[0]},
-                    ],
-                }
-            ],
-            "max_tokens": 12,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        request = urllib.request.Request(
-            f"{base}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as r:
-            answer = json.loads(r.read())
+        answers = [_chat(base, model_dir, image, None), _chat(base, model_dir, image, POOL_HALF)]
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)  # the server and the engine it started
         log.close()
-    expected = reference[(prompt_text(QUESTIONS[0]), "pyramid", 0.25)]
-    choice = answer["choices"][0]
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
-    assert answer["prompt_token_ids"].count(image_token) == len(expected["kept"]) == 12
-    assert choice["token_ids"] == expected["tokens"]
+    for answer, setting in zip(answers, (("pyramid", 0.25), ("pool", 0.5)), strict=True):
+        expected = reference[(prompt_text(QUESTIONS[0]), *setting)]
+        assert answer["prompt_token_ids"].count(image_token) == len(expected["kept"]), setting
+        assert answer["choices"][0]["token_ids"] == expected["tokens"], setting
+
+
+POOL_HALF = {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}
+
+
+def _chat(base: str, model_dir: Path, image: str, request: dict | None) -> dict:
+    """One chat completion with the image and QUESTIONS[0], greedy, with token ids."""
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+        {"type": "text", "text": QUESTIONS[0]},
+    ]
+    body = {
+        "model": str(model_dir),
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if request is not None:
+        body["mm_processor_kwargs"] = request
+    post = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(post, timeout=120) as r:
+        return json.loads(r.read())

@@ -1,0 +1,54 @@
+"""The vLLM plugin's settings and its ``serve`` command line (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlm_focus.integrations import vllm as plugin
+from vlm_focus.integrations.vllm.__main__ import serve_command
+
+
+def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
+    overrides = plugin.hf_overrides("qwen2_5_vl", pruner="pool", keep=0.5)
+    assert overrides == {
+        "architectures": ["VlmFocusQwen2_5_VLForConditionalGeneration"],
+        "vlm_focus": {"pruner": "pool", "keep": 0.5, "tiles": 2, "min_per_region": 1},
+    }
+    assert plugin.ServeOptions.from_config(overrides["vlm_focus"]).keep == 0.5
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pruner": "fastv"}, "not one of"),
+        ({"keep": 0.0}, "ratio"),
+        ({"keep": 0}, "count"),
+        ({"tiles": 0}, "tiles"),
+    ],
+)
+def test_bad_settings_name_what_is_allowed(options, message):
+    with pytest.raises(ValueError, match=message):
+        plugin.hf_overrides("qwen2_5_vl", **options)
+
+
+def test_unknown_model_type_and_missing_or_unknown_config_entries_raise():
+    with pytest.raises(ValueError, match="qwen2_5_vl"):
+        plugin.hf_overrides("llava")
+    with pytest.raises(ValueError, match="--hf-overrides"):
+        plugin.ServeOptions.from_config(None)
+    with pytest.raises(ValueError, match="unknown vlm_focus setting"):
+        plugin.ServeOptions.from_config({"ratio": 0.5})
+
+
+def test_serve_command_reads_the_model_type_and_passes_other_arguments_on(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    command = serve_command([str(tmp_path), "--keep", "0.5", "--port", "8001", "--print"])
+    assert command[:4] == ["--print", "vllm", "serve", str(tmp_path)]
+    assert json.loads(command[command.index("--hf-overrides") + 1]) == plugin.hf_overrides(
+        "qwen2_5_vl", keep=0.5
+    )
+    assert command[-2:] == ["--port", "8001"]
+    counted = serve_command([str(tmp_path), "--keep", "64"])
+    assert json.loads(counted[counted.index("--hf-overrides") + 1])["vlm_focus"]["keep"] == 64
