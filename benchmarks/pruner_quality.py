@@ -228,7 +228,7 @@ def main() -> None:
     runs += [(f"{name} x{len(stage_layers)}", name) for name in args.multi_stage]
     for label, name in runs:
         for keep in args.keeps:
-            options = dict(pruner=name, keep=keep, layer=args.layer, query=args.query)
+            options = dict(pruner=name, keep=keep, layer=args.layer, query_rows=args.query)
             if label != name:  # the same final keep in stages: keep^(1/n), keep^(2/n), ... keep
                 n = len(stage_layers)
                 options["layer"] = stage_layers

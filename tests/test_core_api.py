@@ -51,7 +51,7 @@ def test_scores_equal_eager_attention_head_mean(kind, layer, query):
     with torch.no_grad():
         attentions = model(**inputs, output_attentions=True).attentions[layer]  # [B, H, S, S]
     mask = inputs["attention_mask"].bool()
-    with vf.wrap(model, keep=0.5, layer=layer, query=query) as handle:
+    with vf.wrap(model, keep=0.5, layer=layer, query_rows=query) as handle:
         _logits(model, inputs)
     trace = handle.last_trace
     for b in range(2):
@@ -89,7 +89,7 @@ def test_trace_records_original_positions_and_counts():
 def test_keep_count_and_ratio_rounding():
     model = make_model("llava")  # 16 visual tokens
     inputs = make_inputs("llava", model)
-    for keep, expected in [(5, 5), (0.25, 4), (0.11, 2), (1, 1), (16, 16)]:
+    for keep, expected in [(5, 5), (0.25, 4), (0.11, 2), (2, 2), (16, 16), (1.0, 16)]:
         with vf.wrap(model, keep=keep, layer=1) as handle:
             _logits(model, inputs)
         assert handle.last_trace.n_kept == [expected]
@@ -158,7 +158,8 @@ def test_manual_decode_loop_without_generate_matches_generate():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"keep": 0}, "count must be >= 1"),
+        ({"keep": 0}, "count must be >= 2"),
+        ({"keep": 1}, "keep=1 is ambiguous: pass 1.0"),
         ({"keep": -0.5}, r"ratio must lie in \(0, 1\]"),
         ({"keep": 1.5}, r"ratio must lie in \(0, 1\]"),
         ({"keep": True}, "ratio in"),
@@ -169,7 +170,7 @@ def test_manual_decode_loop_without_generate_matches_generate():
         ({"pruner": "nope"}, "unknown pruner 'nope'; registered: .*fastv"),
         ({"pruner": "fastv", "temperature": 2}, "unknown option .*allowed: .*keep"),
         ({"pruner": "random", "seed": "x"}, "seed='x' must be an int"),
-        ({"query": "first"}, "query='first' is not one of"),
+        ({"query_rows": "first"}, "query_rows='first' is not one of"),
         ({"reduce": "sum"}, "reduce='sum' is not one of"),
     ],
 )

@@ -72,4 +72,4 @@ def test_multi_stage_schedule_matches_reference(kind, attn):
 @pytest.mark.parametrize("query", ["last", "text"])
 @pytest.mark.parametrize("reduce", ["mean", "max"])
 def test_query_and_reduce_options_match_reference(query, reduce):
-    _check("llava", "eager", 2, 2, query=query, reduce=reduce)
+    _check("llava", "eager", 2, 2, query_rows=query, reduce=reduce)

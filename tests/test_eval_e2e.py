@@ -80,19 +80,20 @@ def test_coco_grounding_files(setup, tmp_path):
     _, common = setup
     assert main(["coco", *common, "--out", str(tmp_path), "--limit", "2", "--absent", "2"]) == 0
     root = tmp_path / "coco" / "eval0--model"
-    queries = read_jsonl(root / "queries.jsonl")
-    summary = json.loads((root / "summary.json").read_text())
+    folder = root / "all-layers"  # the map setting: every layer and head
+    queries = read_jsonl(folder / "queries.jsonl")
+    summary = json.loads((folder / "summary.json").read_text())
     assert summary["n_images"] == 2 and summary["n_queries"] == len(queries)
     assert sum(not q["present"] for q in queries) == 4
     for q in queries:
         assert 0 <= q["point"][0] <= 192 and 0 <= q["point"][1] <= 192
         assert (q["hit"] is None) == (not q["present"])
         assert all(0.0 <= b["score"] <= 1.0 for b in q["boxes"])
-    dets = json.loads((root / "detections.json").read_text())
+    dets = json.loads((folder / "detections.json").read_text())
     assert all(set(d) == {"image_id", "category_id", "bbox", "score"} for d in dets)
     assert 0.0 <= summary["AP"] <= summary["AP50"] <= 1.0 and 0.0 <= summary["auroc"] <= 1.0
-    assert (root / "examples.png").read_bytes()[:4] == b"\x89PNG"
-    assert (root / "table.md").read_text().startswith("| model | n_images |")
+    assert (folder / "examples.png").read_bytes()[:4] == b"\x89PNG"
+    assert (root / "table.md").read_text().startswith("| setting | model | layers | heads |")
 
 
 def test_chair_files(setup, tmp_path, capsys):
@@ -175,12 +176,14 @@ def test_shipped_chair_ids_are_the_organism_heldout_set():
 def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
     _, common = setup
     args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "2"]
-    assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 0
-    summary = json.loads(
-        (tmp_path / "pope" / "eval0--model" / "random" / "unpruned-reweight.json").read_text()
-    )
-    assert summary["mitigate"] == "reweight" and summary["n"] == 2
-    assert main([*args, "--mitigate", "beam", "--pruner", "fastv"]) == 2
+    assert main([*args, "--mitigate", "attention_reweight", "--max-new-tokens", "2"]) == 0
+    folder = tmp_path / "pope" / "eval0--model" / "random"
+    summary = json.loads((folder / "unpruned-attention_reweight.json").read_text())
+    assert summary["mitigate"] == "attention_reweight" and summary["n"] == 2
+    assert summary["mitigation_parameters"] == {"strength": 1.0, "layers": None, "ratio": 0.25}
+    with pytest.warns(DeprecationWarning, match="'reweight' is deprecated"):  # the earlier name
+        assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 0
+    assert main([*args, "--mitigate", "visual_beam", "--pruner", "fastv"]) == 2
     assert "run them without pruning" in capsys.readouterr().err
 
 

@@ -145,8 +145,8 @@ def test_logged_kept_counts_equal_the_wrap_trace(runs, setting):
         ),
         (
             "mitigate=attention_reweight,strength=1.0",
-            ["--mitigate", "reweight"],
-            "unpruned-reweight",
+            ["--mitigate", "attention_reweight"],
+            "unpruned-attention_reweight",
         ),
     ],
 )
@@ -217,9 +217,12 @@ def test_model_args_split_and_schedules():
     assert rest == {"pretrained": "x", "batch_size": 2}
     assert focus.wrap == {"pruner": "debiased", "base": "text", "keep": 0.5}
     assert focus.tag() == "debiased-k0.5-l2,base=text"  # FocusConfig's default layer
-    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64", "query": "text"})
+    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64", "query_rows": "text"})
     assert focus.config().stages == [(2, 0.5), (8, 0.25), (16, 64)]
-    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16,query=text"
+    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16,query_rows=text"
+    with pytest.warns(DeprecationWarning, match="query= is deprecated"):  # the earlier name
+        focus, _ = split_model_args({"layer": "2", "keep": "0.5", "query": "text"})
+        assert focus.config().query_rows == "text"
     focus, _ = split_model_args(
         {"mitigate": "attention_reweight", "strength": 2, "mitigate_layers": "0:1"}
     )

@@ -1,15 +1,101 @@
-"""``FocusConfig``: what to prune, how much, and where."""
+"""``FocusConfig``: what to prune, how much, and where; ``LoadOptions``: how a command loads its
+model. Each option is defined once, here: the API, every command line (``--help`` is generated
+from these fields, defaults included) and the demo read these definitions."""
 
 from __future__ import annotations
 
+import functools
+import numbers
+import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-QUERIES = ("last", "text")
+QUERY_ROWS = ("last", "text")
+QUERIES = QUERY_ROWS  # the earlier name
 REDUCTIONS = ("mean", "max")
 BUDGETS = ("span", "frame")
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+KEEP_RULE = "a float ratio in (0, 1] (1.0 keeps every visual token) or an int count >= 2"
 
 
+def deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn that the name ``old`` is deprecated in favour of ``new`` (a ``DeprecationWarning``;
+    the command lines show it)."""
+    warnings.warn(
+        f"vlm_focus: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel
+    )
+
+
+def parse_keep(value: Any) -> float | int:
+    """The one reading of ``keep``, shared by ``wrap()``, every command line and the evaluations.
+
+    - a float is a ratio in ``(0, 1]``: ``0.25`` keeps a quarter of each row's visual tokens,
+      ``1.0`` keeps them all;
+    - an int is a count ``>= 2`` of visual tokens kept per row (a count above an input's visual
+      tokens raises when that input runs); ``1`` is refused as ambiguous: pass ``1.0`` to keep
+      every token;
+    - text, as the command line gives it, is an int when it is a whole number written without a
+      point or exponent (``"64"``), else a float (``"0.25"``, ``"1.0"``);
+    - numpy (and other ``numbers``) scalars count as the Python int or float they hold.
+
+    Anything else raises ``ValueError`` naming the value (as read), its type and the rule, so the
+    API and the command line give the same message for the same input.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"[+-]?\d+", text):
+            value = int(text)
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"keep={value!r} is not a number; keep takes {KEEP_RULE}"
+                ) from None
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"keep={value!r} has type {type(value).__name__}; keep takes {KEEP_RULE}")
+    elif isinstance(value, numbers.Integral):
+        value = int(value)
+    else:
+        value = float(value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"keep={value!r}: a ratio must lie in (0, 1]; a count is an int >= 2")
+        return value
+    if value == 1:
+        raise ValueError(
+            f"keep={value!r} is ambiguous: pass 1.0 to keep every visual token, or a count >= 2"
+        )
+    if value < 2:
+        raise ValueError(f"keep={value!r}: a count must be >= 2 (a ratio is a float in (0, 1])")
+    return value
+
+
+def keeps_everything(keep: Any) -> bool:
+    """True for the ratio ``1.0``: every stage keeps every visual token (no pruning)."""
+    keeps = keep if isinstance(keep, (tuple, list)) else (keep,)
+    return all(isinstance(k, float) and k == 1.0 for k in keeps)
+
+
+def _accepts_query(cls: type) -> type:
+    """Let ``cls(query=...)`` keep working as the deprecated name of ``query_rows``."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "query" in kwargs:
+            if "query_rows" in kwargs:
+                raise TypeError("pass query_rows only (query is its deprecated name)")
+            deprecated("query=", "query_rows=")
+            kwargs["query_rows"] = kwargs.pop("query")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_accepts_query
 @dataclass
 class FocusConfig:
     """Settings for :func:`vlm_focus.wrap`. Checked on construction; serialisable with ``to_dict``.
@@ -18,41 +104,70 @@ class FocusConfig:
     ``layer=(2, 8, 16), keep=(0.5, 0.25, 0.125)``; each stage prunes what the previous one kept.
     """
 
-    pruner: str = field(default="fastv", metadata={"help": "registered pruner name"})
+    pruner: str = field(
+        default="fastv",
+        metadata={"help": "registered pruner (`vlm-focus pruners` lists them with their options)"},
+    )
     keep: float | int | tuple = field(
         default=0.25,
-        metadata={"help": "visual tokens kept per row: ratio in (0, 1] or a count >= 1"},
+        metadata={"help": f"visual tokens kept per row: {KEEP_RULE}", "parse": str},
     )
     layer: int | tuple = field(
         default=2,
-        metadata={"help": "prune after this many decoder layers (0 = before the first layer)"},
+        metadata={
+            "help": "prune after this many decoder layers (0 = before the first layer)",
+            "parse": int,
+        },
     )
-    query: str = field(
+    query_rows: str = field(
         default="last",
-        metadata={"help": "scoring rows: 'last' prompt token or all 'text' after the image"},
+        metadata={
+            "help": "the rows whose attention scores the visual tokens: the 'last' prompt token "
+            "or every 'text' token after the image (formerly query)",
+            "choices": QUERY_ROWS,
+            "aliases": ("--query",),
+        },
     )
-    reduce: str = field(default="mean", metadata={"help": "head aggregation: 'mean' or 'max'"})
+    reduce: str = field(
+        default="mean",
+        metadata={"help": "how the heads' attention is combined", "choices": REDUCTIONS},
+    )
     budget: str = field(
         default="span",
         metadata={
             "help": "what keep divides: 'span' = a row's whole visual span (all images and "
             "frames together, the pruner decides where), 'frame' = every image and every video "
-            "frame keeps the same share of its own tokens"
+            "frame keeps the same share of its own tokens",
+            "choices": BUDGETS,
         },
     )
     warm_kernels: bool = field(
         default=True,
         metadata={
             "help": "on a GPU, compile the Triton kernels' variants at wrap() so that no "
-            "request pays a compile (a few seconds, once per process)"
+            "request pays a compile (a few seconds, once per process)",
+            "cli": False,
         },
     )
     options: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "pruner-specific options (see vf.pruners())"}
+        default_factory=dict,
+        metadata={
+            "help": "the pruner's own options (vf.pruner_options(name) lists them)",
+            "cli": False,
+        },
     )
 
     def __post_init__(self) -> None:
-        layers = self.layer if isinstance(self.layer, (tuple, list)) else (self.layer,)
+        if not isinstance(self.options, dict):
+            raise TypeError("options must be a dict of pruner-specific settings")
+        self.options = dict(self.options)
+        if "query" in self.options:  # wrap(model, query=...): the deprecated name
+            deprecated("query=", "query_rows=", stacklevel=7)
+            self.query_rows = self.options.pop("query")
+        staged = isinstance(self.layer, (tuple, list))
+        layers = tuple(self.layer) if staged else (self.layer,)
+        layers = tuple(_whole(x) for x in layers)
+        self.layer = layers if staged else layers[0]
         keeps = self.keep if isinstance(self.keep, (tuple, list)) else (self.keep,)
         if len(layers) != len(keeps) or not layers:
             raise ValueError(
@@ -65,10 +180,10 @@ class FocusConfig:
                 )
         if list(layers) != sorted(set(layers)):
             raise ValueError(f"layer={self.layer!r}: stage layers must be strictly increasing")
-        for keep in keeps:
-            _check_keep(keep)
-        if self.query not in QUERIES:
-            raise ValueError(f"query={self.query!r} is not one of {QUERIES}")
+        keeps = tuple(parse_keep(k) for k in keeps)
+        self.keep = keeps if isinstance(self.keep, (tuple, list)) else keeps[0]
+        if self.query_rows not in QUERY_ROWS:
+            raise ValueError(f"query_rows={self.query_rows!r} is not one of {QUERY_ROWS}")
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce={self.reduce!r} is not one of {REDUCTIONS}")
         if self.budget not in BUDGETS:
@@ -77,8 +192,11 @@ class FocusConfig:
             raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):
             raise TypeError(f"pruner must be a name (str), got {type(self.pruner).__name__}")
-        if not isinstance(self.options, dict):
-            raise TypeError("options must be a dict of pruner-specific settings")
+
+    @property
+    def query(self) -> str:
+        """The earlier name of :attr:`query_rows`."""
+        return self.query_rows
 
     @property
     def stages(self) -> list[tuple[int, float | int]]:
@@ -91,13 +209,11 @@ class FocusConfig:
         return asdict(self)
 
 
-def _check_keep(keep: Any) -> None:
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
-        raise ValueError(f"keep={keep!r} must be a ratio in (0, 1] or an int count >= 1")
-    if isinstance(keep, float) and not 0.0 < keep <= 1.0:
-        raise ValueError(f"keep={keep!r}: a ratio must lie in (0, 1]; pass an int for a count")
-    if isinstance(keep, int) and keep < 1:
-        raise ValueError(f"keep={keep!r}: a count must be >= 1")
+def _whole(value: Any) -> Any:
+    """A numpy integer as a Python int (other values unchanged, for the checks to name)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 def keep_count(keep: float | int, n_visual: int) -> int:
@@ -107,3 +223,37 @@ def keep_count(keep: float | int, n_visual: int) -> int:
     if keep > n_visual:
         raise ValueError(f"keep={keep} is more than the {n_visual} visual tokens of this input")
     return keep
+
+
+@dataclass
+class LoadOptions:
+    """How a command loads its model (``vlm-focus run``, ``bench``, ``eval``, ``demo``)."""
+
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "model folder or hub id",
+            "default_text": "embedded, the shipped organism model",
+            "metavar": "PATH_OR_ID",
+        },
+    )
+    device: str | None = field(
+        default=None,
+        metadata={
+            "help": "torch device",
+            "default_text": "cuda when available, else cpu; under accelerate launch, the "
+            "process's own device",
+        },
+    )
+    attn: str = field(
+        default="sdpa", metadata={"help": "attention implementation", "choices": ATTENTION}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "allow code from the model repository to run"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.attn not in ATTENTION:
+            raise ValueError(f"attn={self.attn!r} is not one of {ATTENTION}")
+        if self.model is not None and not str(self.model).strip():
+            raise ValueError("model is empty: pass a model folder or hub id, or leave it out")

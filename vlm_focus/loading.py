@@ -8,16 +8,15 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from .asset_paths import EMBEDDED, default_model_path, is_embedded
 from .model_adapters import get_adapter
 
-DEFAULT_MODEL = "embedded"
+DEFAULT_MODEL = EMBEDDED
 
 
 def resolve_model_path(model: str | None) -> str:
     """``None``/``"embedded"`` → the shipped organism model; anything else is a path or hub id."""
-    if model in (None, DEFAULT_MODEL):
-        from .organism import default_model_path
-
+    if is_embedded(model):
         path = default_model_path()
         if not (path / "config.json").exists():
             raise FileNotFoundError(
@@ -26,6 +25,13 @@ def resolve_model_path(model: str | None) -> str:
             )
         return str(path)
     return model
+
+
+def resolve_device(device: str | None) -> str:
+    """``device``, or for ``None`` the default of every command: cuda when available, else cpu."""
+    if device is not None:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_model(

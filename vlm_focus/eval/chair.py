@@ -1,4 +1,5 @@
-"""CHAIR (Rohrbach et al., 2018): object hallucination in captions.
+"""CHAIR (Rohrbach et al., 2018): object hallucination in captions; the protocol and its
+metrics (the runner is :mod:`vlm_focus.eval.chair_run`, ``vlm-focus eval chair``).
 
 Rules (PROTOCOLS.md):
 
@@ -15,10 +16,7 @@ Rules (PROTOCOLS.md):
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,10 @@ from typing import Any
 from .synonyms import COCO_SYNONYMS, IRREGULAR_PLURALS
 
 PROTOCOL_PROMPT = "Please describe this image in detail."
+CHAIR_COLUMNS = (
+    "setting", "pruner", "keep", "mitigate", "n", "CHAIR_s", "CHAIR_i", "recall", "length",
+    "mentions",
+)  # fmt: skip
 PROTOCOL_MAX_NEW_TOKENS = 512
 EMBEDDED_MAX_NEW_TOKENS = 64
 SHIPPED_IDS = Path(__file__).resolve().parent / "chair_image_ids_organism.json"
@@ -128,152 +130,3 @@ def drop_unfinished(text: str) -> str:
     """Drop the last unfinished sentence (text after the last '.'), when a '.' exists."""
     cut = text.rfind(".")
     return text[: cut + 1] if cut >= 0 else text
-
-
-# --- the command --------------------------------------------------------------------------------
-def image_ids(args: argparse.Namespace, cocoset: Any, embedded: bool) -> tuple[list[int], str]:
-    """The fixed image-id list: ``--image-ids``, the shipped organism list, or a seeded sample."""
-    import numpy as np
-
-    if args.image_ids is not None:
-        ids = json.loads(Path(args.image_ids).read_text())
-        source = str(args.image_ids)
-    elif embedded:
-        ids = json.loads(SHIPPED_IDS.read_text())
-        source = f"shipped list {SHIPPED_IDS.name}"
-    else:
-        every = sorted(cocoset.images_by_id)
-        if len(every) > args.n_images:
-            rng = np.random.default_rng(args.seed)
-            every = sorted(int(i) for i in rng.choice(every, args.n_images, replace=False))
-        ids, source = every, f"seeded sample (seed={args.seed}, n={args.n_images})"
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{source}: an image-id list is a JSON list of ints")
-    unknown = [i for i in ids if i not in cocoset.images_by_id]
-    if unknown:
-        raise ValueError(f"{source}: {len(unknown)} ids not in the set, e.g. {unknown[:3]}")
-    return ids, source
-
-
-def run_chair(args: argparse.Namespace) -> dict | None:
-    from .cli import load, load_guide, model_tag, write_json
-    from .data import resolve_set, split_missing
-    from .generation import Generator, Setting
-    from .runner import process_state, run_items
-
-    state = process_state()
-    embedded = args.images is None and args.instances is None
-    cocoset = resolve_set(args, state)
-    ids, id_source = image_ids(args, cocoset, embedded)
-    ids = ids[: args.limit] if args.limit else ids
-    prompt = args.prompt or (_organism_prompt() if _embedded(args) else PROTOCOL_PROMPT)
-    default_tokens = EMBEDDED_MAX_NEW_TOKENS if _embedded(args) else PROTOCOL_MAX_NEW_TOKENS
-    max_new = args.max_new_tokens or default_tokens
-    setting = Setting(
-        pruner=args.pruner,
-        keep=args.keep if args.pruner else 1.0,
-        layer=args.layer,
-        mitigate=args.mitigate,
-        max_new_tokens=max_new,
-    )
-    items = [
-        {"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids
-    ]  # fmt: skip
-    present, missing = split_missing(items, cocoset, args.on_missing)
-    model, processor = load(args, state)
-    guide = (
-        load_guide(args, state) if setting.pruned and setting.pruner == "guided" else (None,) * 2
-    )
-    generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
-    table = ObjectWords.for_categories(cocoset.category_names.values())
-    truth = _truth(cocoset, table)
-
-    def process(batch: list[dict]) -> list[dict]:
-        images = [cocoset.images_dir / r["image"] for r in batch]
-        texts, facts = generator(images, [prompt] * len(batch))
-        out = []
-        for r, text, fact in zip(batch, texts, facts, strict=True):
-            cut = fact["new_tokens"] >= max_new and max_new < PROTOCOL_MAX_NEW_TOKENS
-            caption = drop_unfinished(text) if cut else text
-            out.append(
-                {
-                    "image_id": r["image_id"],
-                    "image": r["image"],
-                    "raw": text,
-                    "caption": caption,
-                    "objects": extract_objects(caption, table),
-                    **fact,
-                }
-            )
-        return out
-
-    def metric(records: list[dict]) -> str:
-        m = chair_metrics({r["image_id"]: r["caption"] for r in records}, truth, table)
-        return f"CHAIR_s={m['CHAIR_s']:.3f} CHAIR_i={m['CHAIR_i']:.3f} recall={m['recall']:.3f}"
-
-    root = args.out / "chair" / model_tag(args.model)
-    records = run_items(
-        present,
-        process,
-        root / f"{setting.tag}.jsonl",
-        key="image_id",
-        batch_size=args.batch_size,
-        state=state,
-        desc=f"chair {setting.tag}",
-        metric=metric,
-        config={"model": args.model or "embedded", **setting.describe(), "prompt": prompt},
-    )
-    if not state.is_main_process:
-        return None
-    summary = {
-        "setting": setting.tag,
-        **setting.describe(),
-        **chair_metrics({r["image_id"]: r["caption"] for r in records}, truth, table),
-        "n_missing_images": len(missing),
-        "model": args.model or "embedded",
-        "prompt": prompt,
-        "unfinished_sentence": (
-            "dropped when the caption hit max_new_tokens"
-            if max_new < PROTOCOL_MAX_NEW_TOKENS
-            else "kept"
-        ),
-        "image_ids": id_source,
-        "truth": "instance categories + objects named in reference captions",
-        "mention_rule": "two-word names first, then singularised words; repeats counted",
-        "set": cocoset.describe(),
-        "processes": state.num_processes,
-    }
-    write_json(root / f"{setting.tag}.json", summary)
-    write_json(root / "image_ids.json", ids)
-    from .tables import write_table
-
-    write_table([summary], CHAIR_COLUMNS, root / f"{setting.tag}-table")
-    print(
-        f"chair {setting.tag}: CHAIR_s {summary['CHAIR_s']:.4f} CHAIR_i {summary['CHAIR_i']:.4f} "
-        f"recall {summary['recall']:.4f} length {summary['length']:.1f} (n={summary['n']}) "
-        f"-> {root}",
-        file=sys.stderr,
-    )
-    return summary
-
-
-CHAIR_COLUMNS = ("setting", "mitigate", "n", "CHAIR_s", "CHAIR_i", "recall", "length", "mentions")
-
-
-def _organism_prompt() -> str:
-    from ..organism.vocab import CAPTION_PROMPT
-
-    return CAPTION_PROMPT
-
-
-def _truth(cocoset: Any, table: ObjectWords) -> dict[int, set[str]]:
-    names: dict[int, set[str]] = {i: set() for i in cocoset.images_by_id}
-    for ann in cocoset.instances["annotations"]:
-        names.setdefault(ann["image_id"], set()).add(cocoset.category_names[ann["category_id"]])
-    return {
-        i: truth_objects(names[i], cocoset.captions.get(i, []), table) for i in names
-    }  # fmt: skip
-
-
-def _embedded(args: argparse.Namespace) -> bool:
-    return args.model in (None, "embedded")

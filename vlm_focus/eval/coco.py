@@ -1,9 +1,11 @@
-"""``vlm-focus eval coco``: attention grounding on a COCO-format set.
+"""COCO attention grounding: the protocol and its metrics (the runner is
+:mod:`vlm_focus.eval.coco_run`, ``vlm-focus eval coco``).
 
 For each image the model is asked about every category present and ``--absent`` sampled absent
 ones (``"Is there a {category} in the image?"`` + LLaVA's suffix by default). The attention map of
-the category's tokens in the prompt (:func:`vlm_focus.grounding.heatmap`, all layers and heads)
-gives a point (its peak, :func:`~vlm_focus.grounding.point`) and boxes
+the category's tokens in the prompt (:func:`vlm_focus.grounding.heatmap`, over the chosen layers
+and heads: all of them by default) gives a point (its peak, :func:`~vlm_focus.grounding.point`)
+and boxes
 (:func:`~vlm_focus.grounding.boxes`). Each box's confidence is its region score (MTLA: the share
 of the category tokens' image attention inside the box). It is read from the same map with
 :func:`~vlm_focus.grounding.box_share`, which equals
@@ -17,21 +19,41 @@ the top box's score, present (positive) against absent queries.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import sys
 from typing import Any
 
 import numpy as np
 
-from .metrics import auroc, coco_box_ap, point_in_boxes
+from .metrics import auroc, coco_box_ap
 from .pope import LLAVA_SUFFIX, image_categories, question_text
 
 COCO_COLUMNS = (
-    "model", "n_images", "n_queries", "AP", "AP50", "pointing", "auroc", "n_detections",
-    "n_dropped", "n_missing_images",
+    "setting", "model", "layers", "heads", "n_images", "n_queries", "AP", "AP50", "pointing",
+    "auroc", "n_detections", "n_dropped", "n_missing_images",
 )  # fmt: skip
+
+
+#: The query prompt: the POPE question about the category, with LLaVA's answer suffix.
+DEFAULT_TEMPLATE = "{question}" + LLAVA_SUFFIX
+
+
+def check_template(template: str) -> str:
+    """A query template holds ``{question}`` (the POPE question about the category) or
+    ``{category}`` (its name): the map is read at the category's tokens."""
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"prompt={template!r} is empty; give a template with {{question}}")
+    if "{category}" not in template and "{question}" not in template:
+        raise ValueError(
+            f"prompt={template!r} must contain {{question}} (the POPE question about the "
+            "category) or {category} (its name): the map is read at the category's tokens"
+        )
+    return template
+
+
+def query_prompt(template: str, category: str) -> str:
+    """The prompt of one query."""
+    return template.format(question=question_text(category), category=category)
 
 
 def queries(
@@ -111,125 +133,3 @@ def summarise(records: list[dict], instances: dict, image_ids: list[int]) -> dic
         "n_queries": len(records),
         "n_present": len(hits),
     }
-
-
-def run_coco(args: argparse.Namespace) -> dict | None:
-    from .. import grounding
-    from ..loading import load_image
-    from .cli import load, model_tag, write_json
-    from .data import resolve_set, split_missing
-    from .generation import Generator, Setting
-    from .runner import process_state, run_items
-    from .tables import write_table
-
-    if args.max_boxes < 1 or args.absent < 0:
-        raise ValueError("--max-boxes must be >= 1 and --absent >= 0")
-    template = args.prompt or "{question}" + LLAVA_SUFFIX
-    if "{category}" not in template and "{question}" not in template:
-        raise ValueError("--prompt must contain {category} (the phrase the map is read from)")
-    state = process_state()
-    cocoset = resolve_set(args, state)
-    present_cats = image_categories(cocoset.instances)
-    ids = sorted(i for i, c in present_cats.items() if c)
-    if len(ids) > args.n_images:
-        rng = np.random.default_rng(args.seed)
-        ids = sorted(int(i) for i in rng.choice(ids, args.n_images, replace=False))
-    ids = ids[: args.limit] if args.limit else ids
-    rows = queries(cocoset.instances, ids, args.absent, args.seed)
-    rows, missing = split_missing(rows, cocoset, args.on_missing)
-    missing_images = sorted({r["image_id"] for r in missing})
-    ids = [i for i in ids if i not in set(missing_images)]
-    model, processor = load(args, state)
-    generator = Generator(model, processor, Setting())
-    truth = gt_boxes(cocoset.instances)
-
-    def prompt(r: dict) -> str:
-        return template.format(question=question_text(r["category"]), category=r["category"])
-
-    def process(batch: list[dict]) -> list[dict]:
-        out: dict[str, dict] = {}
-        groups: dict[str, list[dict]] = {}
-        for r in batch:
-            groups.setdefault(r["category"], []).append(r)
-        for name, group in groups.items():
-            images = [load_image(cocoset.images_dir / r["image"]) for r in group]
-            inputs = generator.inputs(images, [prompt(r) for r in group])
-            generator.visual_counts(inputs)
-            sizes = [(im.height, im.width) for im in images]
-            maps = grounding.heatmap(model, inputs, name, tokenizer=processor, image_size=sizes)
-            for r, row_maps in zip(group, maps, strict=True):
-                heat = row_maps[0]
-                x, y = grounding.point(heat)
-                found = grounding.boxes(heat, max_boxes=args.max_boxes)
-                boxes = [
-                    {"bbox": [round(v, 2) for v in b.xywh],
-                     "score": float(grounding.box_share(heat, b))}
-                    for b in found
-                ]  # fmt: skip
-                boxes.sort(key=lambda b: -b["score"])
-                key = (r["image_id"], r["category_id"])
-                out[r["query_id"]] = {
-                    **{k: r[k] for k in ("query_id", "image_id", "category_id", "category")},
-                    "present": r["present"],
-                    "point": [x, y],
-                    "hit": point_in_boxes((x, y), truth.get(key, [])) if r["present"] else None,
-                    "boxes": boxes,
-                    "score": boxes[0]["score"] if boxes else 0.0,
-                }
-        return [out[r["query_id"]] for r in batch]
-
-    def metric(records: list[dict]) -> str:
-        hits = [r["hit"] for r in records if r["present"]]
-        a = auroc([r["score"] for r in records], [r["present"] for r in records])
-        return f"pointing={sum(hits) / max(len(hits), 1):.3f} auroc={a:.3f}"
-
-    root = args.out / "coco" / model_tag(args.model)
-    records = run_items(
-        rows,
-        process,
-        root / "queries.jsonl",
-        key="query_id",
-        batch_size=args.batch_size,
-        state=state,
-        desc="coco grounding",
-        metric=metric,
-        config={
-            "model": args.model or "embedded",
-            "prompt": template,
-            "absent": args.absent,
-            "max_boxes": args.max_boxes,
-            "seed": args.seed,
-            "instances": str(cocoset.instances_path),
-        },
-    )
-    if not state.is_main_process:
-        return None
-    summary = {
-        "model": args.model or "embedded",
-        "n_images": len(ids),
-        **summarise(records, cocoset.instances, ids),
-        "n_missing_images": len(missing_images),
-        "prompt": template,
-        "absent_per_image": args.absent,
-        "max_boxes": args.max_boxes,
-        "map_rule": "heatmap of the category tokens in the prompt, all layers and heads",
-        "box_rule": "grounding.boxes: Gaussian smoothing, Otsu threshold, connected components",
-        "score_rule": "region score (MTLA) of each box = grounding.box_share of the same map",
-        "pointing_rule": "hit when the map's peak lies inside any box of the queried category",
-        "auroc_rule": "top box score, present (positive) vs absent queries",
-        "set": cocoset.describe(),
-        "processes": state.num_processes,
-    }
-    write_json(root / "summary.json", summary)
-    write_json(root / "detections.json", detections(records))
-    write_table([summary], COCO_COLUMNS, root / "table")
-    from .plots import grounding_examples
-
-    grounding_examples(records, truth, cocoset.image_path, root / "examples.png")
-    print(
-        f"coco: AP {summary['AP']:.4f} AP50 {summary['AP50']:.4f} pointing "
-        f"{summary['pointing']:.4f} AUROC {summary['auroc']:.4f} "
-        f"({summary['n_queries']} queries, {summary['n_images']} images) -> {root}",
-        file=sys.stderr,
-    )
-    return summary

@@ -1,6 +1,7 @@
 """Evaluation data: a COCO-format set (image folder + instances json + optional captions json),
-either the user's (``--images``, ``--instances``, ``--captions``) or the embedded organism's
-held-out scenes, written once into the output folder from their seeds."""
+either the user's (``--images``, ``--instances``, ``--captions``) or the shipped held-out set of
+the embedded models (:mod:`vlm_focus.asset_paths`), written once into the output folder with its
+images rendered from their seeds."""
 
 from __future__ import annotations
 
@@ -96,15 +97,15 @@ def load_coco_set(
 
 
 def embedded_set(root: str | Path, n_images: int = EMBEDDED_IMAGES, state: Any = None) -> CocoSet:
-    """The organism's held-out scenes (PNGs, instances.json, captions.json) under ``root``,
-    generated from their seeds on first use (by the main process; the others wait)."""
-    from ..organism.scenes import heldout_scenes, write_dataset
+    """The shipped held-out set (PNGs, instances.json, captions.json) under ``root``, written on
+    first use (by the main process; the others wait)."""
+    from ..asset_paths import write_heldout_set
 
     folder = Path(root) / f"organism-heldout-{n_images}"
     done = folder / "COMPLETE"
     is_main = state is None or state.is_main_process
     if is_main and not done.exists():
-        write_dataset(heldout_scenes(n_images, min_objects=3), folder, images=True)
+        write_heldout_set(folder, n_images)
         done.write_text("ok\n")
     if state is not None:
         state.wait_for_everyone()

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from .. import hallucination as hal
+from ..config import FocusConfig, keeps_everything, parse_keep
 from ..loading import build_inputs, load_image
 from ..model_adapters import get_adapter
 
-MITIGATIONS = ("none", "reweight", "beam", "contrast")
-BEAMS = 4  # beam width of the visual-attention beam search
+MITIGATIONS = hal.mitigation_choices()  # "none" and the registry's names
 
 
 class _PrefillClock(LogitsProcessor):
@@ -33,18 +34,25 @@ class _PrefillClock(LogitsProcessor):
 
 @dataclass
 class Setting:
-    """What one evaluation run does to the model; recorded with its results."""
+    """What one evaluation run does to the model; recorded with its results.
+
+    The pruning fields mean what they mean in :class:`~vlm_focus.FocusConfig` (and default to
+    its defaults); ``mitigate`` is a name of :func:`vlm_focus.hallucination.mitigations`, run
+    with the registry's default parameters."""
 
     pruner: str | None = None
-    keep: float | int = 1.0
-    layer: int = 0
-    query: str = "last"
+    keep: float | int = FocusConfig.keep
+    layer: int = FocusConfig.layer
+    query_rows: str = FocusConfig.query_rows
+    reduce: str = FocusConfig.reduce
+    budget: str = FocusConfig.budget
     mitigate: str = "none"
     max_new_tokens: int = 16
 
     def __post_init__(self) -> None:
-        if self.mitigate not in MITIGATIONS:
-            raise ValueError(f"mitigate={self.mitigate!r}; allowed: {', '.join(MITIGATIONS)}")
+        self.mitigate = hal.mitigation_name(self.mitigate)
+        if self.pruner is not None:
+            self.keep = parse_keep(self.keep)
         if self.pruned and self.mitigate != "none":
             raise ValueError(
                 f"--mitigate {self.mitigate} with --pruner {self.pruner}: the mitigations read "
@@ -53,26 +61,49 @@ class Setting:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
+    @classmethod
+    def from_options(cls, options: Any, **overrides: Any) -> Setting:
+        """The setting of a command's options (a :class:`~vlm_focus.eval.common.PruneOptions`)."""
+        values = {
+            name: getattr(options, name)
+            for name in ("pruner", "keep", "layer", "query_rows", "reduce", "budget", "mitigate")
+        }
+        return cls(**{**values, **overrides})
+
     @property
     def pruned(self) -> bool:
-        return self.pruner is not None and self.keep != 1.0
+        """A pruner runs and keeps less than every visual token (``keep=1.0`` is unpruned)."""
+        return self.pruner is not None and not keeps_everything(self.keep)
 
     @property
     def tag(self) -> str:
-        """File-name tag, e.g. ``unpruned`` or ``fastv-k0.25-l2-beam``."""
+        """File-name tag, e.g. ``unpruned`` or ``fastv-k0.25-l2-qtext``; options at
+        FocusConfig's defaults are left out, and a mitigation is appended."""
         tag = f"{self.pruner}-k{self.keep:g}-l{self.layer}" if self.pruned else "unpruned"
-        if self.pruned and self.query != "last":
-            tag += f"-q{self.query}"
+        if self.pruned:
+            for name, short in (("query_rows", "q"), ("reduce", "r"), ("budget", "b")):
+                value = getattr(self, name)
+                if value != getattr(FocusConfig, name):
+                    tag += f"-{short}{value}"
         return tag if self.mitigate == "none" else f"{tag}-{self.mitigate}"
 
     def describe(self) -> dict[str, Any]:
-        beams = BEAMS if self.mitigate == "beam" else 1
+        if self.mitigate == "none":
+            mitigation: dict[str, Any] = {}
+            beams = 1
+        else:
+            mitigation = hal.get_mitigation(self.mitigate).describe()
+            mitigation.pop("mitigation")
+            beams = mitigation.get("num_beams", 1)
         return {
             "pruner": self.pruner if self.pruned else None,
             "keep": self.keep if self.pruned else 1.0,
             "layer": self.layer if self.pruned else None,
-            "query": self.query if self.pruned else None,
+            "query_rows": self.query_rows if self.pruned else None,
+            "reduce": self.reduce if self.pruned else None,
+            "budget": self.budget if self.pruned else None,
             "mitigate": self.mitigate,
+            "mitigation_parameters": mitigation,
             "decoding": f"{'beam search' if beams > 1 else 'greedy'}, num_beams={beams}, "
             f"do_sample=False, max_new_tokens={self.max_new_tokens}",
         }
@@ -148,7 +179,9 @@ class Generator:
                     pruner=s.pruner,
                     keep=s.keep,
                     layer=s.layer,
-                    query=s.query,
+                    query_rows=s.query_rows,
+                    reduce=s.reduce,
+                    budget=s.budget,
                     **options,
                 )
             try:
@@ -178,29 +211,20 @@ class Generator:
         return texts, rows
 
     def _generate(self, inputs, images, prompts, gen, handle) -> torch.Tensor:
-        from .. import hallucination as hal
-
         s, model = self.setting, self.model
         if handle is not None and s.pruner == "guided":
             from ..pruners import guided_generate
 
             guide_inputs = self.inputs(images, prompts, self.guide_processor)
             return guided_generate(handle, inputs, guide_inputs, **gen).sequences
-        if s.mitigate == "reweight":
-            with hal.attention_reweight(model):
-                return model.generate(**inputs, **gen)
-        if s.mitigate == "beam":
-            with hal.visual_beam(model) as proc:
-                gen["logits_processor"] = [gen["logits_processor"][0], proc]
-                return model.generate(**inputs, num_beams=BEAMS, **gen)
-        if s.mitigate == "contrast":
-            from ..grounding import GENERIC_PROMPT
-
-            generic = self.inputs(images, [GENERIC_PROMPT] * len(prompts))
-            with hal.instruction_contrast(model, inputs, generic) as proc:
-                gen["logits_processor"] = [gen["logits_processor"][0], proc]
-                return model.generate(**inputs, **gen)
-        return model.generate(**inputs, **gen)
+        generic = None
+        if s.mitigate != "none":
+            prompt = hal.get_mitigation(s.mitigate).generic_prompt
+            if prompt is not None:
+                generic = self.inputs(images, [prompt] * len(prompts))
+        with hal.mitigate(model, s.mitigate, inputs, generic_inputs=generic) as active:
+            extra = active.generate_kwargs(logits_processor=gen.pop("logits_processor"))
+            return model.generate(**inputs, **gen, **extra)
 
     def decode(self, inputs: dict, sequences: torch.Tensor) -> list[str]:
         new = sequences[:, inputs["input_ids"].shape[1] :]

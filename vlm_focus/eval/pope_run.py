@@ -1,13 +1,19 @@
-"""``vlm-focus eval pope``: answer POPE questions under one setting or a pruning sweep."""
+"""``vlm-focus eval pope``: answer POPE questions under one setting or a pruning sweep.
+
+The runner of :mod:`vlm_focus.eval.pope` (the protocol and its metrics), with a typed
+:class:`PopeConfig`. Every call rebuilds ``table.md``, ``table.csv`` and ``retention.png`` from
+every setting whose results lie in the model's folder.
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import load, load_guide, model_tag, write_json
+from ..config import keeps_everything, parse_keep
+from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
 from .data import resolve_set, split_missing
 from .generation import Generator, Setting
 from .metrics import PARSE_RULE, parse_yes_no
@@ -29,117 +35,197 @@ TABLE_COLUMNS = (
 )  # fmt: skip
 
 
-def parse_sweep(sweep: str | None, pruners: str | None, args: argparse.Namespace) -> list[Setting]:
+@dataclass
+class PopeConfig(PruneOptions):
+    """``vlm-focus eval pope``: POPE yes/no questions under one setting or a pruning sweep."""
+
+    split: str = field(
+        default="all",
+        metadata={"help": "POPE split to run", "choices": ("all", *SPLITS)},
+    )
+    questions: list[Path] | None = field(
+        default=None,
+        metadata={
+            "help": "existing POPE jsonl files (each file's split is the random/popular/"
+            "adversarial part of its name)",
+            "default_text": "built from the instances by the POPE rules",
+            "parse": Path,
+            "nargs": "+",
+        },
+    )
+    n_images: int = field(default=500, metadata={"help": "POPE images to sample"})
+    suffix: str | None = field(
+        default=None,
+        metadata={
+            "help": "text appended to every question",
+            "default_text": f"LLaVA's {LLAVA_SUFFIX!r}",
+        },
+    )
+    max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
+    sweep: str | None = field(
+        default=None,
+        metadata={"help": "a keep sweep, e.g. keep=1.0,0.5,0.25,0.11", "default_text": "none"},
+    )
+    pruners: str | None = field(
+        default=None,
+        metadata={
+            "help": "pruners of the --sweep: a comma list or 'all'",
+            "default_text": "--pruner, else fastv",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.questions is not None:
+            self.questions = [Path(q) for q in self.questions]
+        if self.n_images < 1:
+            raise ValueError(f"n_images={self.n_images} must be >= 1")
+        if self.pruners is not None and self.sweep is None:
+            raise ValueError("pruners only apply with a sweep (--sweep keep=...)")
+
+    def _sweeps(self) -> bool:
+        return self.sweep is not None
+
+
+def parse_sweep(config: PopeConfig) -> list[Setting]:
     """The settings of a run: one, or unpruned + every (pruner, keep < 1) of a sweep."""
     import vlm_focus as vf
 
     common = dict(
-        layer=args.layer,
-        query=args.query,
-        mitigate=args.mitigate,
-        max_new_tokens=args.max_new_tokens,
+        layer=config.layer,
+        query_rows=config.query_rows,
+        reduce=config.reduce,
+        budget=config.budget,
+        mitigate=config.mitigate,
+        max_new_tokens=config.max_new_tokens,
     )
-    if sweep is None:
-        if pruners is not None:
-            raise ValueError("--pruners needs --sweep keep=...")
-        if args.pruner is None:
+    if config.sweep is None:
+        if config.pruner is None:
             return [Setting(**common)]
-        return [Setting(pruner=args.pruner, keep=args.keep, **common)]
-    name, _, values = sweep.partition("=")
+        return [Setting(pruner=config.pruner, keep=config.keep, **common)]
+    name, _, values = config.sweep.partition("=")
     if name.strip() != "keep" or not values:
-        raise ValueError(f"--sweep {sweep!r}: expected keep=v1,v2,... (e.g. keep=1.0,0.5,0.25)")
-    from .cli import _keep
-
-    keeps = [_keep(v) for v in values.split(",") if v.strip()]
-    if pruners in (None, ""):
-        names = [args.pruner or "fastv"]
-    elif pruners == "all":
+        raise ValueError(
+            f"sweep={config.sweep!r}: expected keep=v1,v2,... (e.g. keep=1.0,0.5,0.25)"
+        )
+    keeps = [parse_keep(v) for v in values.split(",") if v.strip()]
+    if config.pruners in (None, ""):
+        names = [config.pruner or "fastv"]
+    elif config.pruners == "all":
         names = vf.pruners()
     else:
-        names = [n.strip() for n in pruners.split(",") if n.strip()]
+        names = [n.strip() for n in config.pruners.split(",") if n.strip()]
     known = set(vf.pruners())
     for n in names:
         if n not in known:
             raise ValueError(f"unknown pruner {n!r}; registered: {', '.join(sorted(known))}")
     settings = [Setting(**common)]
-    settings += [Setting(pruner=n, keep=k, **common) for n in names for k in keeps if k != 1.0]
+    settings += [
+        Setting(pruner=n, keep=k, **common) for n in names for k in keeps if not keeps_everything(k)
+    ]
     return settings
 
 
-def question_sets(args: argparse.Namespace, state: Any) -> tuple[Path, dict[str, list[dict]], str]:
+def question_sets(config: PopeConfig, state: Any) -> tuple[Path, dict[str, list[dict]], str]:
     """(image folder, questions per split, description of their source)."""
-    if args.questions:
-        if args.images is None:
-            images_dir = resolve_set(args, state).images_dir
+    if config.questions:
+        if config.images is None:
+            images_dir = resolve_set(config, state).images_dir
         else:
-            images_dir = args.images
+            images_dir = config.images
             if not Path(images_dir).is_dir():
                 raise FileNotFoundError(f"image directory not found: {images_dir}")
         sets = {}
-        for path in args.questions:
+        for path in config.questions:
             split = next((s for s in SPLITS if s in path.stem), path.stem)
             sets[split] = read_questions(path)
-        return Path(images_dir), sets, "files: " + ", ".join(str(p) for p in args.questions)
-    cocoset = resolve_set(args, state)
-    splits = SPLITS if args.split == "all" else (args.split,)
+        return Path(images_dir), sets, "files: " + ", ".join(str(p) for p in config.questions)
+    cocoset = resolve_set(config, state)
+    splits = SPLITS if config.split == "all" else (config.split,)
     sets = {}
-    folder = args.out / "pope" / "questions" / f"{cocoset.name}-n{args.n_images}-seed{args.seed}"
+    folder = (
+        config.out / "pope" / "questions" / f"{cocoset.name}-n{config.n_images}-seed{config.seed}"
+    )
     for split in splits:
-        rows = build_questions(cocoset.instances, split, n_images=args.n_images, seed=args.seed)
+        rows = build_questions(cocoset.instances, split, n_images=config.n_images, seed=config.seed)
         if state.is_main_process:
             write_questions(rows, folder / f"pope_{split}.jsonl")
         sets[split] = rows
     source = (
-        f"built from {cocoset.instances_path} by the POPE rules (n_images={args.n_images}, "
-        f"3 positive + 3 negative per image, seed={args.seed}); copies in {folder}"
+        f"built from {cocoset.instances_path} by the POPE rules (n_images={config.n_images}, "
+        f"3 positive + 3 negative per image, seed={config.seed}); copies in {folder}"
     )
     return cocoset.images_dir, sets, source
 
 
-def run_pope(args: argparse.Namespace) -> list[dict]:
-    """Run every (setting, split); returns the summary rows (also written as json/md/csv)."""
+def run_pope(config: PopeConfig) -> list[dict]:
+    """Run every (setting, split); returns this call's summary rows (also written as json),
+    and rebuilds the folder's table and retention plot from every setting run so far."""
+    if not isinstance(config, PopeConfig):
+        raise TypeError(f"run_pope expects a PopeConfig, got {type(config).__name__}")
     state = process_state()
-    settings = parse_sweep(args.sweep, args.pruners, args)
-    images_dir, splits, source = question_sets(args, state)
-    suffix = LLAVA_SUFFIX if args.suffix is None else args.suffix
+    settings = parse_sweep(config)
+    images_dir, splits, source = question_sets(config, state)
+    suffix = LLAVA_SUFFIX if config.suffix is None else config.suffix
     sets = {"_images": images_dir, "_suffix": suffix, "_source": source, "splits": splits}
-    model, processor = load(args, state)
+    model, processor = load(config, state)
     guide = (None, None)
-    root = args.out / "pope" / model_tag(args.model)
+    root = config.out / "pope" / model_tag(config.model)
     summaries: list[dict] = []
     failed: list[str] = []
     for setting in settings:
         try:
             if setting.pruned and setting.pruner == "guided" and guide[0] is None:
-                guide = load_guide(args, state)
-            summaries += _run_setting(args, state, model, processor, guide, setting, sets, root)
+                guide = load_guide(config, state)
+            summaries += _run_setting(config, state, model, processor, guide, setting, sets, root)
         except (ValueError, FileNotFoundError, RuntimeError) as err:
-            if not args.sweep:
+            if not config.sweep:
                 raise
             failed.append(setting.tag)  # one pruner's failure does not stop a sweep
             print(f"pope {setting.tag}: skipped: {err}", file=sys.stderr)
     if state.is_main_process and summaries:
-        write_table(summaries, TABLE_COLUMNS, root / "table")
-        if args.sweep:
+        every = all_summaries(root)
+        write_table(every, TABLE_COLUMNS, root / "table")
+        if any(s["pruner"] is not None for s in every):
             from .plots import retention_plot
 
-            retention_plot(summaries, root / "retention.png", metric="f1")
+            retention_plot(every, root / "retention.png", metric="f1")
         if failed:
             write_json(root / "failed.json", failed)
-        print(f"results in {root}", file=sys.stderr)
+        print(f"results in {root} (table: {len(every)} rows)", file=sys.stderr)
     return summaries
 
 
-def _run_setting(args, state, model, processor, guide, setting, sets, root) -> list[dict]:
+def all_summaries(root: Path) -> list[dict]:
+    """Every summary under ``root/<split>/``: splits in POPE order, then unpruned first, each
+    pruner's settings from most to fewest visual tokens kept."""
+    rows = read_summaries(root, "*/*.json")
+    order = {s: i for i, s in enumerate(SPLITS)}
+
+    def key(s: dict) -> tuple:
+        pruned = s.get("pruner") is not None
+        return (
+            order.get(s["split"], len(order)),
+            s["split"],
+            pruned,
+            s.get("pruner") or "",
+            -float(s.get("visual_kept") or 0.0),
+            s["setting"],
+        )
+
+    return sorted(rows, key=key)
+
+
+def _run_setting(config, state, model, processor, guide, setting, sets, root) -> list[dict]:
     """Every split of one setting; the main process returns their summaries."""
     images_dir, suffix, source = sets["_images"], sets["_suffix"], sets["_source"]
     generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     summaries = []
     for split, rows in sets["splits"].items():
-        rows = rows[: args.limit] if args.limit else rows
+        rows = rows[: config.limit] if config.limit else rows
         for r in rows:
             r["image_path"] = str(Path(images_dir) / r["image"])
-        present, missing = split_missing(rows, _Folder(images_dir), args.on_missing)
+        present, missing = split_missing(rows, _Folder(images_dir), config.on_missing)
 
         def process(batch: list[dict], generator=generator) -> list[dict]:
             images = [r["image_path"] for r in batch]
@@ -166,12 +252,12 @@ def _run_setting(args, state, model, processor, guide, setting, sets, root) -> l
             process,
             root / split / f"{setting.tag}.jsonl",
             key="question_id",
-            batch_size=args.batch_size,
+            batch_size=config.batch_size,
             state=state,
             desc=f"pope {split} {setting.tag}",
             metric=running_metric,
             config={
-                "model": args.model or "embedded",
+                "model": config.model_name,
                 **setting.describe(),
                 "prompt_suffix": suffix,
                 "questions": source,
@@ -185,7 +271,7 @@ def _run_setting(args, state, model, processor, guide, setting, sets, root) -> l
             **setting.describe(),
             **summarise(records),
             "n_missing_images": len(missing),
-            "model": args.model or "embedded",
+            "model": config.model_name,
             "prompt_suffix": suffix,
             "parse_rule": PARSE_RULE,
             "questions": source,

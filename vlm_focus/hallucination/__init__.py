@@ -9,6 +9,10 @@
         model.generate(**inputs, logits_processor=[proc])
     hal.vas(model, inputs).overall
 
+    with hal.mitigate(model, "visual_beam", inputs) as active:   # by name, with the defaults
+        model.generate(**inputs, **active.generate_kwargs())   # that every entry point uses
+    hal.mitigations()   # ['attention_reweight', 'instruction_contrast', 'visual_beam']
+
 Each method installs instance hooks only while active and removes them on exit, under SDPA or
 eager attention.
 """
@@ -17,14 +21,30 @@ from ._beam import VisualBeam, visual_beam
 from ._contrast import InstructionContrast, instruction_contrast
 from ._reweight import AttentionReweight, attention_reweight
 from ._vas import VisualAttention, vas
+from .registry import (
+    Mitigation,
+    get_mitigation,
+    mitigate,
+    mitigation_choices,
+    mitigation_name,
+    mitigations,
+    register_mitigation,
+)
 
 __all__ = [
     "AttentionReweight",
     "InstructionContrast",
+    "Mitigation",
     "VisualAttention",
     "VisualBeam",
     "attention_reweight",
+    "get_mitigation",
     "instruction_contrast",
+    "mitigate",
+    "mitigation_choices",
+    "mitigation_name",
+    "mitigations",
+    "register_mitigation",
     "vas",
     "visual_beam",
 ]

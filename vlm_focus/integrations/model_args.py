@@ -3,7 +3,8 @@
 Harnesses such as lmms-eval hand a model every ``--model_args`` item as one keyword. This module
 takes out the ones that belong to vlm_focus and checks them, before any weights load:
 
-- :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query``, ``reduce``;
+- :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query_rows``
+  (``query``, its earlier name, still works), ``reduce``;
   ``layer`` and ``keep`` take multi-stage schedules as colon lists (``layer=2:8:16,
   keep=0.5:0.25:0.125``), since the harness splits its arguments on commas;
 - the chosen pruner's own options (``base``, ``alpha``, ``seed``, ...), checked by that pruner's
@@ -48,7 +49,7 @@ def pruner_option_names() -> dict[str, list[str]]:
 
 def focus_option_names() -> list[str]:
     """Every model argument vlm_focus takes (config fields, all pruners' options, mitigation)."""
-    names = set(FOCUS_FIELDS) | {"mitigate", *MITIGATION_OPTIONS}
+    names = set(FOCUS_FIELDS) | {"mitigate", "query", *MITIGATION_OPTIONS}  # query: query_rows
     for options in pruner_option_names().values():
         names.update(options)
     return sorted(names)
@@ -93,7 +94,7 @@ class FocusArgs:
 
     def tag(self) -> str:
         """The whole setting in one line: ``unpruned``, ``fastv-k0.25-l0``, or with every
-        non-default field and option, e.g. ``debiased-k0.25-l2,query=text,base=text`` and
+        non-default field and option, e.g. ``debiased-k0.25-l2,query_rows=text,base=text`` and
         ``unpruned+attention_reweight(strength=2.0)``."""
         config = self.config()
         if config is None:
@@ -255,7 +256,7 @@ def _guide_path(guide: Any) -> str:
     if not isinstance(guide, str) or not guide:
         raise ValueError(f"guide={guide!r} must be a model path, a hub id or 'embedded'")
     if guide == "embedded":
-        from ..organism import guide_model_path
+        from ..asset_paths import guide_model_path
 
         return str(guide_model_path())
     looks_local = guide.startswith((".", "/", "~")) or guide.count("/") != 1

@@ -280,7 +280,7 @@ def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
         out[task] = {"full_accuracy": base["accuracy"]}
         for layer in [k for k in (0, 2) if k < model.config.text_config.num_hidden_layers]:
             for pruner in ("fastv", "random"):
-                handle = vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query="text")
+                handle = vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query_rows="text")
                 try:
                     preds = [
                         parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)
@@ -497,7 +497,7 @@ def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     out: dict = {"keep": keep, "query": "text", "n": n, "full_accuracy": full}
     for layer in (2, 4):
         for pruner in ("fastv", "random"):
-            with vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query="text"):
+            with vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query_rows="text"):
                 acc = accuracy()
             out[f"{pruner}_layer{layer}_accuracy"] = acc
             out[f"{pruner}_layer{layer}_retention"] = acc / max(full, 1e-9)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..asset_paths import CAPTION_PROMPT as CAPTION_PROMPT  # the organisms' caption prompt
 from .scenes import CATEGORIES, COLOURS, IMAGE_SIZE, POSITIONS, RELATIONS, SHAPES
 
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>", "<image>")
@@ -25,7 +26,6 @@ PAD, BOS, EOS, UNK, IMAGE = (TOKEN_ID[t] for t in SPECIAL)
 YES, NO = TOKEN_ID["yes"], TOKEN_ID["no"]
 
 POPE_SUFFIX = "\nAnswer the question using a single word or phrase."
-CAPTION_PROMPT = "Describe the image."
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

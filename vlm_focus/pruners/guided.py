@@ -158,7 +158,7 @@ def guide_attention(
         valid = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         visual = adapter.visual_mask(guide, input_ids) & valid
         layout = adapter.layout(guide, input_ids, inputs)
-        config = FocusConfig(query="text", reduce="mean")
+        config = FocusConfig(query_rows="text", reduce="mean")
         sums: list[torch.Tensor] = []  # per layer [B, S], summed on the guide's device
         layers = adapter.decoder_layers(guide)
         batch, seq = input_ids.shape

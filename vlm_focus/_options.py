@@ -1,0 +1,216 @@
+"""Command-line options and option tables generated from config dataclasses.
+
+Each option is defined once, as a dataclass field whose ``metadata`` holds its ``help`` and,
+where needed:
+
+- ``choices``: the allowed values;
+- ``parse``: how the command line's text becomes a value when the field's type does not say
+  (``str`` leaves the text to the dataclass's own check, e.g. ``keep``);
+- ``default_text``: what ``--help`` shows for the default (for a default of ``None`` that stands
+  for something, e.g. "the embedded model");
+- ``aliases``: earlier flag spellings, still accepted with a deprecation warning;
+- ``nargs``, ``metavar``: as in argparse; ``cli=False``: not on the command line.
+
+:func:`add_options` turns the fields into argparse options whose help ends with the default,
+and :func:`parse_config` builds the dataclass from what was given, so every default comes from
+the dataclass itself. :func:`inherit` copies a field (default and metadata) into another
+dataclass, so a command exposes e.g. ``FocusConfig.keep`` without retyping it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+_PARSERS = {"int": int, "float": float, "str": str, "Path": Path}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionInfo:
+    """One option: its name, type (as written in the dataclass), default and help."""
+
+    name: str
+    type: str
+    default: Any
+    help: str
+
+    @property
+    def default_text(self) -> str:
+        """The default as Python writes it (``'fastv'``, ``True``, ``None``)."""
+        return repr(self.default)
+
+
+def inherit(cls: type, name: str, *, default: Any = dataclasses.MISSING, **metadata: Any) -> Any:
+    """A ``dataclasses.field`` with the default and metadata of ``cls``'s field ``name``
+    (``default`` and ``metadata`` entries override), for a config that exposes the same
+    option."""
+    source = _field(cls, name)
+    merged = {**source.metadata, **metadata}
+    if default is not dataclasses.MISSING:
+        return dataclasses.field(default=default, metadata=merged)
+    if source.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=source.default_factory, metadata=merged)
+    return dataclasses.field(default=source.default, metadata=merged)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of ``cls``'s field ``name``."""
+    return _default(_field(cls, name))
+
+
+def options(cls: type, *, cli_only: bool = False) -> list[OptionInfo]:
+    """Every field of the dataclass ``cls`` as an :class:`OptionInfo`, in field order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if cli_only and not f.metadata.get("cli", True):
+            continue
+        out.append(OptionInfo(f.name, _type_name(f.type), _default(f), f.metadata.get("help", "")))
+    return out
+
+
+def cli_fields(cls: type) -> list[str]:
+    """Names of the fields of ``cls`` that are command-line options."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
+def flag(name: str) -> str:
+    """``--query-rows`` for ``query_rows``."""
+    return "--" + name.replace("_", "-")
+
+
+def show(value: Any) -> str:
+    """A default as ``--help`` and the option tables print it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return ",".join(show(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        return "{}" if not value else repr(value)
+    if isinstance(value, str):
+        return repr(value) if value != value.strip() or not value else value
+    return str(value)
+
+
+def help_text(f: dataclasses.Field) -> str:
+    """The help of a field with its default, as ``--help`` prints it."""
+    default = f.metadata.get("default_text") or show(_default(f))
+    return f"{f.metadata.get('help', '')} (default: {default})"
+
+
+def add_options(
+    parser: argparse.ArgumentParser | Any,
+    cls: type,
+    *,
+    exclude: Iterable[str] = (),
+) -> None:
+    """Add one option per command-line field of ``cls`` to ``parser`` (or an argument group).
+
+    Options that are not given stay out of the parsed namespace, so :func:`parse_config` can
+    tell them from the defaults (which come from ``cls``)."""
+    skip = set(exclude)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        meta = f.metadata
+        names = [flag(f.name), *meta.get("aliases", ())]
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": help_text(f).replace("%", "%%"),
+        }
+        type_name = _type_name(f.type)
+        if type_name == "bool":
+            kwargs["action"] = "store_true" if not _default(f) else argparse.BooleanOptionalAction
+        else:
+            parse = meta.get("parse") or _PARSERS.get(type_name.removesuffix(" | None"))
+            if parse is None:
+                raise TypeError(
+                    f"{cls.__name__}.{f.name} ({type_name}) needs metadata 'parse' to be a "
+                    "command-line option"
+                )
+            kwargs.update(type=parse, action=_Store, deprecated=tuple(meta.get("aliases", ())))
+            for key in ("choices", "nargs", "metavar"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        parser.add_argument(*names, **kwargs)
+
+
+def given(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` that the command line gave, with their values."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(namespace).items() if k in names}
+
+
+def parse_config(cls: type, namespace: argparse.Namespace, **extra: Any) -> Any:
+    """``cls`` built from the options given on the command line (and ``extra``); every option
+    not given takes the dataclass's default."""
+    return cls(**given(namespace, cls), **extra)
+
+
+def show_deprecations() -> None:
+    """Let a command line show vlm_focus's deprecation warnings (Python hides them), each as
+    one line."""
+    warnings.filterwarnings("default", category=DeprecationWarning, message="vlm_focus: ")
+    plain = warnings.formatwarning
+    if getattr(plain, "vlm_focus", False):
+        return
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        if str(message).startswith("vlm_focus: "):
+            return f"{message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    formatwarning.vlm_focus = True
+    warnings.formatwarning = formatwarning
+
+
+def options_markdown(rows: Iterable[tuple[str, OptionInfo]], first: str = "pruner") -> str:
+    """A markdown table ``| first | option | type | default | what it does |``."""
+    lines = [f"| {first} | option | type | default | what it does |", "|---|---|---|---|---|"]
+    for owner, info in rows:
+        cells = [f"`{owner}`", f"`{info.name}`", f"`{info.type}`", f"`{info.default_text}`"]
+        cells.append(info.help)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+class _Store(argparse.Action):
+    """``store``, with a deprecation warning when an earlier spelling of the flag is used."""
+
+    def __init__(self, *args: Any, deprecated: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deprecated = deprecated
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string in self.deprecated:
+            warnings.warn(
+                f"vlm_focus: {option_string} is deprecated; use {self.option_strings[0]}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        setattr(namespace, self.dest, values)
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f
+    raise ValueError(f"{cls.__name__} has no option {name!r}")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, str):
+        return annotation
+    return getattr(annotation, "__name__", str(annotation))

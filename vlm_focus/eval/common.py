@@ -1,0 +1,208 @@
+"""What the evaluation commands share: their typed options, loading the model (and the guide),
+result folder names and atomic JSON writes. The runners import this; the command line
+(:mod:`vlm_focus.eval.cli`) sits on top of the runners."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._options import default_of, inherit, show
+from ..asset_paths import guide_model_path, is_embedded
+from ..config import FocusConfig, LoadOptions, keeps_everything
+from ..hallucination import mitigation_choices, mitigation_name
+
+ON_MISSING = ("skip", "stop")
+#: The pruning options of the evaluations, each as FocusConfig defines it.
+PRUNE_FIELDS = ("keep", "layer", "query_rows", "reduce", "budget")
+
+
+def _focus(name: str) -> Any:
+    """``FocusConfig``'s option ``name`` with default ``None``, which stands for its default
+    (so that an option given without ``--pruner`` can be told from one left out)."""
+    return inherit(
+        FocusConfig, name, default=None, default_text=show(default_of(FocusConfig, name))
+    )
+
+
+@dataclass
+class EvalOptions(LoadOptions):
+    """Options of every ``vlm-focus eval`` command: the model, the data and the run."""
+
+    out: Path = field(default=Path("vlm_focus_eval"), metadata={"help": "output folder"})
+    images: Path | None = field(
+        default=None,
+        metadata={
+            "help": "image folder of a COCO-format set (e.g. COCO val2014)",
+            "default_text": "the embedded held-out scenes, written under --out",
+        },
+    )
+    instances: Path | None = field(
+        default=None,
+        metadata={
+            "help": "COCO instances json of that set",
+            "default_text": "the embedded held-out set's",
+        },
+    )
+    limit: int | None = field(
+        default=None,
+        metadata={
+            "help": "quick check: only the first N questions per split (pope) or N images "
+            "(coco, chair)",
+            "default_text": "all",
+            "metavar": "N",
+        },
+    )
+    batch_size: int = field(default=8, metadata={"help": "rows per generate() call"})
+    on_missing: str = field(
+        default="skip",
+        metadata={
+            "help": "an item whose image file is missing: skip and count it, or stop",
+            "choices": ON_MISSING,
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "seed of every sampled choice"})
+    threads: int | None = field(
+        default=None,
+        metadata={"help": "torch CPU threads per process", "default_text": "torch's default"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.out = Path(self.out)
+        self.images = None if self.images is None else Path(self.images)
+        self.instances = None if self.instances is None else Path(self.instances)
+        for name in ("limit", "batch_size", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        if self.on_missing not in ON_MISSING:
+            raise ValueError(f"on_missing={self.on_missing!r}; allowed: {', '.join(ON_MISSING)}")
+
+    @property
+    def model_name(self) -> str:
+        return "embedded" if is_embedded(self.model) else str(self.model)
+
+
+@dataclass
+class PruneOptions(EvalOptions):
+    """An evaluation that generates: optional pruning (the :class:`~vlm_focus.FocusConfig`
+    options, with its defaults) and an optional mitigation from the registry."""
+
+    pruner: str | None = field(
+        default=None,
+        metadata={
+            "help": "registered pruner (`vlm-focus pruners` lists them); the pruning options "
+            "below only apply with it",
+            "default_text": "none, the model runs unpruned",
+        },
+    )
+    keep: float | int | None = _focus("keep")
+    layer: int | None = _focus("layer")
+    query_rows: str | None = _focus("query_rows")
+    reduce: str | None = _focus("reduce")
+    budget: str | None = _focus("budget")
+    mitigate: str = field(
+        default="none",
+        metadata={
+            "help": "mitigation from vlm_focus.hallucination, with its registered defaults: "
+            + ", ".join(mitigation_choices()),
+        },
+    )
+    guide: str | None = field(
+        default=None,
+        metadata={
+            "help": "guide model (folder or hub id) for --pruner guided",
+            "default_text": "the embedded guide model when the embedded model runs",
+            "metavar": "PATH_OR_ID",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [n for n in PRUNE_FIELDS if getattr(self, n) is not None]
+        if given and self.pruner is None and not self._sweeps():
+            listed = ", ".join(f"{n}={getattr(self, n)!r}" for n in given)
+            raise ValueError(
+                f"{listed} only apply with a pruner, and none was chosen (without one the model "
+                "runs unpruned): pass pruner (--pruner NAME, e.g. fastv) or leave them out"
+            )
+        defaults = FocusConfig()
+        for name in PRUNE_FIELDS:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(defaults, name))
+        self.mitigate = mitigation_name(self.mitigate)
+        if self.pruner is not None:
+            from ..pruners import get_pruner
+
+            get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
+            # the one check of every pruning option (keep's rule, choices, layer >= 0)
+            checked = FocusConfig(pruner=self.pruner, **{n: getattr(self, n) for n in PRUNE_FIELDS})
+            self.keep = checked.keep
+        if self.guide is not None and self.pruner != "guided" and not self._sweeps():
+            raise ValueError(f"guide={self.guide!r} only applies with pruner 'guided'")
+
+    def _sweeps(self) -> bool:
+        return False
+
+    @property
+    def pruned(self) -> bool:
+        return self.pruner is not None and not keeps_everything(self.keep)
+
+
+def model_tag(model: str | None) -> str:
+    """A folder name for a model: ``embedded`` or the path/hub id's last parts, sanitised."""
+    if is_embedded(model):
+        return "embedded"
+    parts = [x for x in re.split(r"[\\/]+", str(model)) if x][-2:]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "--".join(parts))
+
+
+def load(options: LoadOptions, state: Any) -> tuple[Any, Any]:
+    """(model, processor) on this process's device."""
+    from ..loading import load_model
+
+    return load_model(
+        options.model,
+        device=options.device or str(state.device),
+        attn_implementation=options.attn,
+        trust_remote_code=options.trust_remote_code,
+    )
+
+
+def load_guide(options: PruneOptions, state: Any) -> tuple[Any, Any]:
+    """The guide model for ``pruner="guided"``: ``guide``, or the embedded guide model when the
+    embedded model runs."""
+    from ..loading import load_model
+
+    path = options.guide
+    if path is None and is_embedded(options.model):
+        path = str(guide_model_path())
+    if path is None:
+        raise ValueError("pruner 'guided' needs guide=PATH_OR_HUB_ID (--guide, a small VLM)")
+    return load_model(path, device=options.device or str(state.device))
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON through a temporary file (atomic replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def read_summaries(folder: Path, pattern: str) -> list[dict]:
+    """Every summary JSON under ``folder`` matching ``pattern`` (run configs excluded)."""
+    out = []
+    for path in sorted(Path(folder).glob(pattern)):
+        if path.name.endswith(".config.json"):
+            continue
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "setting" in data:
+            out.append(data)
+    return out
