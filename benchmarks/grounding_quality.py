@@ -227,7 +227,7 @@ def run_grounding(model, processor, scenes, heads, batch: int) -> dict:
             query = last if v.get("last") else cat_pos
             maps[name] = G.heatmap(model, inputs, query, **kwargs)
         py = p_yes(model, inputs)
-        vas_b = H.vas(model, inputs, query=cat_pos).per_layer[:, 0]  # layer-0 VAS at the category
+        vas_b = H.vas(model, inputs, query_rows=cat_pos).per_layer[:, 0]  # layer-0 VAS, category
         for b, (scene, cat, present) in enumerate(chunk):
             key = "present" if present else "absent"
             heat0 = maps["layer 0"][b][0]

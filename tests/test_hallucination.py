@@ -54,7 +54,7 @@ def test_vas_equals_visual_share_of_eager_attention(kind):
     assert got.per_head.shape == (2, 4, 4)
     sdpa = make_model(kind, "sdpa")
     torch.testing.assert_close(H.vas(sdpa, inputs).per_layer, want, atol=1e-5, rtol=0)
-    text = H.vas(model, inputs, query="text", layers=[1])
+    text = H.vas(model, inputs, query_rows="text", layers=[1])
     assert text.per_layer.shape == (2, 1) and text.layers == [1]
 
 

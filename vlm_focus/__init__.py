@@ -12,7 +12,7 @@ from . import grounding, hallucination
 from .api import FocusHandle, wrap
 from .config import FocusConfig
 from .model_adapters import ModelAdapter, register_adapter, supported_models
-from .pruners import Pruner, pruners, register_pruner
+from .pruners import Pruner, pruner_options, pruners, register_pruner
 from .trace import FocusTrace, StageTrace
 
 __version__ = "0.1.0"
@@ -27,6 +27,7 @@ __all__ = [
     "__version__",
     "grounding",
     "hallucination",
+    "pruner_options",
     "pruners",
     "register_adapter",
     "register_pruner",

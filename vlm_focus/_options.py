@@ -108,11 +108,13 @@ def add_options(
     cls: type,
     *,
     exclude: Iterable[str] = (),
+    defaults: bool = False,
 ) -> None:
     """Add one option per command-line field of ``cls`` to ``parser`` (or an argument group).
 
     Options that are not given stay out of the parsed namespace, so :func:`parse_config` can
-    tell them from the defaults (which come from ``cls``)."""
+    tell them from the defaults (which come from ``cls``); with ``defaults=True`` the namespace
+    holds every option, given or not, at the dataclass's default."""
     skip = set(exclude)
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.metadata.get("cli", True):
@@ -121,7 +123,7 @@ def add_options(
         names = [flag(f.name), *meta.get("aliases", ())]
         kwargs: dict[str, Any] = {
             "dest": f.name,
-            "default": argparse.SUPPRESS,
+            "default": _default(f) if defaults else argparse.SUPPRESS,
             "help": help_text(f).replace("%", "%%"),
         }
         type_name = _type_name(f.type)

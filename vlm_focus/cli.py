@@ -1,63 +1,128 @@
-"""``vlm-focus``: run | bench | organism | eval | demo."""
+"""``vlm-focus``: run | bench | pruners | organism | eval | demo.
+
+Every pruning option means what it means in ``vf.wrap`` and has the same default (they are
+:class:`~vlm_focus.FocusConfig`'s fields); each option's help ends with its default.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
-from .config import QUERIES, REDUCTIONS
-
-
-def _keep(text: str) -> float | int:
-    value = float(text)
-    return int(value) if value > 1 or (value == 1 and "." not in text) else value
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model path or hub id (default: embedded)")
-    p.add_argument("--image", default=None, help="image file (default: a bundled sample scene)")
-    p.add_argument("--prompt", default=None, help="question or instruction")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    p.add_argument("--trust-remote-code", action="store_true", help="allow model repo code")
+from ._options import add_options, inherit, parse_config, show_deprecations
+from .asset_paths import CAPTION_PROMPT, sample_scene_paths
+from .config import FocusConfig, LoadOptions, parse_keep
 
 
-def _add_prune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pruner", default="fastv")
-    p.add_argument("--keep", type=_keep, default=0.25, help="ratio in (0, 1] or a count")
-    p.add_argument("--layer", type=int, default=0, help="0 = before the first decoder layer")
-    p.add_argument("--query", default="text", choices=QUERIES)
-    p.add_argument("--reduce", default="mean", choices=REDUCTIONS)
+@dataclass
+class InputOptions(LoadOptions):
+    """One image, one prompt and one pruning setting (``vlm-focus run`` and ``bench``)."""
+
+    image: str | None = field(
+        default=None,
+        metadata={"help": "image file", "default_text": "a bundled sample scene"},
+    )
+    prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "question or instruction",
+            "default_text": f"{CAPTION_PROMPT!r}, the embedded models' caption prompt",
+        },
+    )
+    pruner: str = inherit(FocusConfig, "pruner")
+    keep: float | int = inherit(FocusConfig, "keep")
+    layer: int = inherit(FocusConfig, "layer")
+    query_rows: str = inherit(FocusConfig, "query_rows")
+    reduce: str = inherit(FocusConfig, "reduce")
+    budget: str = inherit(FocusConfig, "budget")
+    repeats: int = field(
+        default=5,
+        metadata={"help": "timed pairs of alternating unpruned and pruned prefills"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError(
+                f"prompt={self.prompt!r} is empty: type a question or an instruction, or leave "
+                f"--prompt out for {CAPTION_PROMPT!r}"
+            )
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats!r} must be an int >= 1")
+        self.keep = self.focus().keep  # FocusConfig's checks, keep's one rule
+
+    def focus(self, keep: Any = None) -> FocusConfig:
+        """The :class:`~vlm_focus.FocusConfig` of these options (with another ``keep``)."""
+        return FocusConfig(
+            pruner=self.pruner,
+            keep=self.keep if keep is None else keep,
+            layer=self.layer,
+            query_rows=self.query_rows,
+            reduce=self.reduce,
+            budget=self.budget,
+        )
 
 
-def _parser() -> argparse.ArgumentParser:
+@dataclass
+class RunConfig(InputOptions):
+    """``vlm-focus run``: answer one prompt about one image, unpruned and pruned."""
+
+    max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object"})
+
+
+@dataclass
+class BenchConfig(InputOptions):
+    """``vlm-focus bench``: prefill time pruned against unpruned on one input, per keep."""
+
+    keeps: str = field(
+        default="1.0,0.5,0.25,0.11",
+        metadata={"help": "keep values to time, a comma list (each read as --keep is)"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.keep_values()
+
+    def keep_values(self) -> list[float | int]:
+        values = [parse_keep(k) for k in self.keeps.split(",") if k.strip()]
+        if not values:
+            raise ValueError(f"keeps={self.keeps!r} names no keep value")
+        return values
+
+
+COMMANDS: dict[str, tuple[type, str, tuple[str, ...]]] = {
+    "run": (RunConfig, "answer one prompt about one image, pruned and unpruned", ()),
+    "bench": (BenchConfig, "prefill time pruned vs unpruned on one input", ("keep",)),
+}
+_DELEGATES = {
+    "organism": ("vlm_focus.organism.cli", "train or evaluate the embedded organism models"),
+    "eval": ("vlm_focus.eval.cli", "POPE, COCO grounding and CHAIR evaluation"),
+    "demo": ("vlm_focus.demo.app", "Gradio grounding demo"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="answer one prompt about one image, pruned and unpruned")
-    _add_model_args(run)
-    _add_prune_args(run)
-    run.add_argument("--max-new-tokens", type=int, default=16)
-    run.add_argument("--json", action="store_true", help="print one JSON object")
-    bench = sub.add_parser("bench", help="prefill time pruned vs unpruned on one input")
-    _add_model_args(bench)
-    _add_prune_args(bench)
-    bench.add_argument("--keeps", default="1.0,0.5,0.25,0.11")
-    bench.add_argument("--repeats", type=int, default=5)
-    for name, help_text in [
-        ("organism", "train or evaluate the embedded organism models"),
-        ("eval", "POPE, COCO grounding and CHAIR evaluation"),
-        ("demo", "Gradio grounding demo"),
-    ]:
+    for name, (config_cls, help_text, exclude) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=config_cls.__doc__)
+        add_options(command, config_cls, exclude=exclude)
+    sub.add_parser("pruners", help="the registered pruners and their options")
+    for name, (_, help_text) in _DELEGATES.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return p
 
 
-_DELEGATES = {
-    "organism": "vlm_focus.organism.cli",
-    "eval": "vlm_focus.eval.cli",
-    "demo": "vlm_focus.demo.app",
-}
+def parse(argv: list[str]) -> RunConfig | BenchConfig:
+    """The typed config of a ``run`` or ``bench`` command line."""
+    args = parser().parse_args(argv)
+    if args.command not in COMMANDS:
+        raise ValueError(f"{args.command!r} has no config of its own")
+    return parse_config(COMMANDS[args.command][0], args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,72 +131,91 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         try:
-            module = importlib.import_module(_DELEGATES[argv[0]])
+            module = importlib.import_module(_DELEGATES[argv[0]][0])
         except ModuleNotFoundError as err:
             print(f"vlm-focus {argv[0]}: not available in this install ({err})", file=sys.stderr)
             return 2
         return int(module.main(argv[1:]) or 0)
-    args = _parser().parse_args(argv)
+    show_deprecations()
+    args = parser().parse_args(argv)
+    if args.command == "pruners":
+        print(pruners_table(), end="")
+        return 0
     try:
-        if args.command == "run":
-            return _run(args)
-        return _bench(args)
+        config = parse_config(COMMANDS[args.command][0], args)
+        return _run(config) if args.command == "run" else _bench(config)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"vlm-focus {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 
-def _load(args: argparse.Namespace):
-    from .loading import build_inputs, load_image, load_model
-
-    model, processor = load_model(
-        args.model,
-        device=args.device,
-        attn_implementation=args.attn,
-        trust_remote_code=args.trust_remote_code,
-    )
-    image_path, prompt = args.image, args.prompt
-    if image_path is None or prompt is None:
-        from .organism import sample_scene_paths
-        from .organism.vocab import CAPTION_PROMPT
-
-        scenes = sample_scene_paths()
-        image_path = image_path or (scenes[0] if scenes else None)
-        prompt = prompt or CAPTION_PROMPT
-    if image_path is None:
-        raise ValueError("no --image given and no bundled sample scene found")
-    inputs = build_inputs(processor, load_image(image_path), prompt)
-    inputs = {k: v.to(args.device) if hasattr(v, "to") else v for k, v in inputs.items()}
-    return model, processor, inputs, str(image_path), prompt
-
-
-def _wrap(model, args, keep):
+def pruners_table() -> str:
+    """What ``vlm-focus pruners`` prints: every pruner, what it scores, and its options."""
     import vlm_focus as vf
 
-    return vf.wrap(
-        model,
-        pruner=args.pruner,
-        keep=keep,
-        layer=args.layer,
-        query=args.query,
-        reduce=args.reduce,
+    from ._options import options
+
+    shared = ", ".join(o.name for o in options(FocusConfig, cli_only=True))
+    lines = [
+        f"Every pruner takes {shared} (vlm-focus run --help); its own options are keywords of "
+        "vf.wrap(model, pruner=NAME, ...):",
+        "",
+    ]
+    for name in vf.pruners():
+        cls = vf.pruners.get_pruner(name)
+        lines.append(f"{name}: {cls.summary}" if cls.summary else name)
+        infos = vf.pruner_options(name)
+        if not infos:
+            lines.append("    (no options of its own)")
+        width = max((len(i.name) for i in infos), default=0)
+        for info in infos:
+            lines.append(
+                f"    {info.name:<{width}}  {info.type} = {info.default_text}  {info.help}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _load(config: InputOptions):
+    from .loading import build_inputs, load_image, load_model, resolve_device
+
+    device = resolve_device(config.device)
+    model, processor = load_model(
+        config.model,
+        device=device,
+        attn_implementation=config.attn,
+        trust_remote_code=config.trust_remote_code,
     )
+    image_path = config.image
+    if image_path is None:
+        scenes = sample_scene_paths()
+        if not scenes:
+            raise ValueError("no --image given and no bundled sample scene found")
+        image_path = scenes[0]
+    prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
+    inputs = build_inputs(processor, load_image(image_path), prompt)
+    inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
+    return model, processor, inputs, str(image_path), prompt, device
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(config: RunConfig) -> int:
     import torch
 
-    from .loading import decode_new_tokens
-    from .timing import median_seconds, prefill_fn
+    import vlm_focus as vf
 
-    model, processor, inputs, image, prompt = _load(args)
-    generate = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    from .loading import decode_new_tokens
+    from .timing import paired_seconds, prefill_fn
+
+    model, processor, inputs, image, prompt, device = _load(config)
+    focus = config.focus()
+    generate = dict(max_new_tokens=config.max_new_tokens, do_sample=False)
     with torch.inference_mode():
         full = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
-        t_full = median_seconds(prefill_fn(model, inputs))
-        with _wrap(model, args, args.keep) as handle:
+        with vf.wrap(model, focus) as handle:
             pruned = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
-            t_pruned = median_seconds(prefill_fn(model, inputs))
+        timing = paired_seconds(
+            prefill_fn(model, inputs), lambda: vf.wrap(model, focus), repeats=config.repeats
+        )
     trace = handle.last_trace
     report = {
         "model": model.config.model_type,
@@ -139,46 +223,72 @@ def _run(args: argparse.Namespace) -> int:
         "prompt": prompt,
         "answer_unpruned": full,
         "answer_pruned": pruned,
-        "pruner": args.pruner,
-        "keep": args.keep,
-        "layer": args.layer,
+        **{k: v for k, v in focus.to_dict().items() if k not in ("options", "warm_kernels")},
         "visual_kept": trace.n_kept[0],
         "visual_total": trace.n_visual[0],
-        "prefill_ms_unpruned": round(t_full * 1e3, 2),
-        "prefill_ms_pruned": round(t_pruned * 1e3, 2),
-        "prefill_speedup": round(t_full / t_pruned, 2),
+        "prefill_ms_unpruned": round(timing.base_median * 1e3, 2),
+        "prefill_ms_pruned": round(timing.other_median * 1e3, 2),
+        "prefill_speedup": round(timing.ratio, 2),
+        "prefill_speedup_min": round(timing.low, 2),
+        "prefill_speedup_max": round(timing.high, 2),
+        "timing_pairs": timing.runs,
+        "timing_trusted": timing.trusted,
+        "device": device,
     }
-    if args.json:
+    if config.json:
         print(json.dumps(report))
         return 0
     print(f"model     {report['model']}   image {image}")
     print(f"prompt    {prompt}")
     print(f"unpruned  {full}")
-    print(f"pruned    {pruned}   ({args.pruner}, keep={args.keep}, layer={args.layer})")
+    print(f"pruned    {pruned}   ({_setting(focus)})")
     print(f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}")
     print(
-        f"prefill   {report['prefill_ms_unpruned']} ms -> {report['prefill_ms_pruned']} ms "
-        f"({report['prefill_speedup']}x, median of 5, same run, {args.device})"
+        f"prefill   {report['prefill_ms_unpruned']} ms -> {report['prefill_ms_pruned']} ms, "
+        f"speed-up {timing.summary()}, {device}"
     )
+    if timing.warning():
+        print(f"warning   {timing.warning()}")
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from .timing import median_seconds, prefill_fn
+def _bench(config: BenchConfig) -> int:
+    import vlm_focus as vf
 
-    model, _, inputs, _, _ = _load(args)
-    keeps = [_keep(k) for k in args.keeps.split(",")]
-    base = median_seconds(prefill_fn(model, inputs), repeats=args.repeats)
-    print(f"unpruned prefill {base * 1e3:.2f} ms ({args.device}, median of {args.repeats})")
-    for keep in keeps:
-        with _wrap(model, args, keep) as handle:
-            t = median_seconds(prefill_fn(model, inputs), repeats=args.repeats)
+    from .timing import paired_seconds, prefill_fn
+
+    model, _, inputs, _, _, device = _load(config)
+    print(
+        f"prefill, {_setting(config.focus(), keep=False)}, {device}: each keep timed in "
+        f"{config.repeats} pairs alternating with the unpruned model; speed-up = median of the "
+        "paired ratios (min-max)"
+    )
+    doubtful = []
+    for keep in config.keep_values():
+        focus = config.focus(keep)
+        with vf.wrap(model, focus) as handle:
+            prefill_fn(model, inputs)()
+        timing = paired_seconds(
+            prefill_fn(model, inputs), lambda f=focus: vf.wrap(model, f), repeats=config.repeats
+        )
         trace = handle.last_trace
         print(
             f"keep={keep:<5} kept {trace.n_kept[0]:>4}/{trace.n_visual[0]:<4} "
-            f"prefill {t * 1e3:8.2f} ms  speedup {base / t:5.2f}x"
+            f"prefill {timing.other_median * 1e3:8.2f} ms vs {timing.base_median * 1e3:8.2f} ms "
+            f"unpruned  speed-up {timing.ratio:5.2f}x  min-max {timing.low:.2f}-{timing.high:.2f}"
+            f"  {timing.runs} pairs" + ("" if timing.trusted else "  (spread too wide to trust)")
         )
+        if not timing.trusted:
+            doubtful.append((keep, timing.warning()))
+    for keep, why in doubtful:
+        print(f"warning: keep={keep}: {why}")
     return 0
+
+
+def _setting(focus: FocusConfig, *, keep: bool = True) -> str:
+    parts = [focus.pruner] + ([f"keep={focus.keep}"] if keep else [])
+    parts += [f"layer={focus.layer}", f"query_rows={focus.query_rows}", f"reduce={focus.reduce}"]
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

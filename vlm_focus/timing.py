@@ -1,17 +1,31 @@
-"""Prefill timing for pruned-vs-unpruned ratios measured in one run (CPU or CUDA)."""
+"""Prefill timing for pruned-vs-unpruned ratios measured in one run (CPU or CUDA).
+
+:func:`paired_seconds` alternates the two runs (unpruned, pruned, pruned, unpruned, ...) so that
+load and clock drift hit both alike, and reports the median of the per-pair ratios with their
+spread (min-max) and the pair count: a ratio whose spread is wide is not to be trusted.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
+
+#: Above this relative spread of the paired ratios ((max - min) / median) a ratio is flagged.
+TRUSTED_SPREAD = 0.15
+
+
+def _sync() -> Callable[[], None]:
+    return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()``; CUDA work is synchronised before each clock read."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync = _sync()
     for _ in range(warmup):
         fn()
     times = []
@@ -22,6 +36,125 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+@dataclass
+class PairedTiming:
+    """Seconds of alternating runs: ``base[i]`` and ``other[i]`` form pair ``i``."""
+
+    base: list[float]
+    other: list[float]
+
+    @property
+    def runs(self) -> int:
+        """Number of pairs."""
+        return len(self.base)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Per pair, ``base / other`` (the speed-up of ``other``)."""
+        return [b / o for b, o in zip(self.base, self.other, strict=True)]
+
+    @property
+    def ratio(self) -> float:
+        """Median of the paired ratios."""
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios)
+
+    @property
+    def spread(self) -> float:
+        """``(max - min) / median`` of the paired ratios."""
+        return (self.high - self.low) / self.ratio
+
+    @property
+    def trusted(self) -> bool:
+        """At least 3 pairs, and a spread within :data:`TRUSTED_SPREAD`."""
+        return self.runs >= 3 and self.spread <= TRUSTED_SPREAD
+
+    @property
+    def base_median(self) -> float:
+        return statistics.median(self.base)
+
+    @property
+    def other_median(self) -> float:
+        return statistics.median(self.other)
+
+    def summary(self) -> str:
+        """E.g. ``1.68x (min-max 1.60-1.75 over 5 alternating pairs)``."""
+        return (
+            f"{self.ratio:.2f}x (min-max {self.low:.2f}-{self.high:.2f} over {self.runs} "
+            "alternating pairs)"
+        )
+
+    def warning(self) -> str | None:
+        """Why the ratio is not to be trusted, or ``None``."""
+        if self.trusted:
+            return None
+        if self.runs < 3:
+            return f"only {self.runs} pair(s): too few to judge the spread; use --repeats 5 or more"
+        return (
+            f"the paired ratios spread by {100 * self.spread:.0f}% of their median (more than "
+            f"{100 * TRUSTED_SPREAD:.0f}%): the machine is busy or the runs too short to trust "
+            "this ratio; rerun on a quiet machine or with more --repeats"
+        )
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return {
+            "ratio": round(self.ratio, 3),
+            "ratio_min": round(self.low, 3),
+            "ratio_max": round(self.high, 3),
+            "runs": self.runs,
+            "trusted": self.trusted,
+        }
+
+
+def paired_seconds(
+    fn: Callable[[], object],
+    other: Callable[[], AbstractContextManager],
+    repeats: int = 5,
+    warmup: int = 1,
+) -> PairedTiming:
+    """Time ``fn()`` plainly and inside ``other()`` (e.g. ``lambda: vf.wrap(model, ...)``),
+    alternating: pair ``i`` runs plain first when ``i`` is even and second when odd. Only
+    ``fn()`` is timed (entering and leaving ``other()`` is not); CUDA work is synchronised
+    before each clock read. Both sides get ``warmup`` untimed runs first."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+    sync = _sync()
+
+    def timed(context: Callable[[], AbstractContextManager] | None) -> float:
+        if context is None:
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - start
+        with context():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - start
+
+    for _ in range(warmup):
+        timed(None)
+        timed(other)
+    base, pruned = [], []
+    for i in range(repeats):
+        if i % 2 == 0:
+            base.append(timed(None))
+            pruned.append(timed(other))
+        else:
+            pruned.append(timed(other))
+            base.append(timed(None))
+    return PairedTiming(base, pruned)
 
 
 def prefill_fn(model: torch.nn.Module, inputs: dict) -> Callable[[], object]:

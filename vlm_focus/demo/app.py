@@ -17,6 +17,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import numpy as np  # noqa: E402
 
+from .._options import add_options, default_of, parse_config  # noqa: E402
+from ..config import FocusConfig, LoadOptions  # noqa: E402
 from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
 
 DESCRIPTION = (
@@ -29,8 +31,10 @@ EXAMPLE_PROMPTS = (
     "Describe the image.",
     "Is there a blue_square in the image?",
 )
-DEFAULT_PRUNER = "fastv"
-DEFAULT_KEEP = 0.25
+# the page's pruning defaults are vf.wrap's (FocusConfig's), like every command line's
+DEFAULT_PRUNER = default_of(FocusConfig, "pruner")
+DEFAULT_KEEP = default_of(FocusConfig, "keep")
+DEFAULT_LAYER = default_of(FocusConfig, "layer")
 N_SAMPLES = 6
 MAX_FILE_SIZE = 64 * 1024 * 1024  # bytes per upload
 #: Small images (the organism's scenes are 192 px) are drawn at the panel size, cells kept sharp.
@@ -204,7 +208,7 @@ def build_app(
     served = served or Served(model, processor)
     samples = sample_scenes()
     n_layers = served.n_layers
-    default_layer = min(2, n_layers - 1)
+    default_layer = min(DEFAULT_LAYER, n_layers - 1)
 
     with gr.Blocks(analytics_enabled=False, title="vlm_focus demo") as demo:
         header = gr.Markdown(_header(served.name))
@@ -325,7 +329,7 @@ def build_app(
                 gr.Warning(message)
                 return message, gr.skip(), gr.skip()
             n = served.n_layers
-            slider = gr.update(maximum=max(n - 1, 0), value=min(2, n - 1))
+            slider = gr.update(maximum=max(n - 1, 0), value=min(DEFAULT_LAYER, n - 1))
             return message, _header(served.name), slider
 
         load.click(
@@ -354,13 +358,11 @@ def build_app(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus demo", description=DESCRIPTION)
-    p.add_argument("--model", default=None, help="model path or hub id (default: embedded)")
+    # --model --device --attn --trust-remote-code, defined (and defaulted) as in every command
+    add_options(p, LoadOptions, defaults=True)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="open a public gradio share link")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    p.add_argument("--trust-remote-code", action="store_true", help="allow model repo code")
     p.add_argument(
         "--lock-model", action="store_true", help="hide the page's panel that loads other models"
     )
@@ -393,6 +395,12 @@ def launch(demo: Any, args: argparse.Namespace, *, block: bool = True):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    load_options = parse_config(LoadOptions, args)
+    args.model, args.attn = load_options.model, load_options.attn
+    args.trust_remote_code = load_options.trust_remote_code
+    from ..loading import resolve_device
+
+    args.device = resolve_device(load_options.device)
     for name in ("concurrency", "queue_size"):
         if getattr(args, name) < 1:
             print(f"vlm-focus demo: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

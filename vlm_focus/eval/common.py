@@ -12,7 +12,7 @@ from typing import Any
 
 from .._options import default_of, inherit, show
 from ..asset_paths import guide_model_path, is_embedded
-from ..config import FocusConfig, LoadOptions, keeps_everything
+from ..config import FocusConfig, LoadOptions, keeps_everything, parse_keep
 from ..hallucination import mitigation_choices, mitigation_name
 
 ON_MISSING = ("skip", "stop")
@@ -125,6 +125,8 @@ class PruneOptions(EvalOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.keep is not None:
+            self.keep = parse_keep(self.keep)
         given = [n for n in PRUNE_FIELDS if getattr(self, n) is not None]
         if given and self.pruner is None and not self._sweeps():
             listed = ", ".join(f"{n}={getattr(self, n)!r}" for n in given)

@@ -38,24 +38,32 @@ def vas(
     model: nn.Module,
     inputs: Mapping[str, Any],
     *,
-    query: QuerySpec = "last",
+    query_rows: QuerySpec = "last",
     layers: Sequence[int] | None = None,
+    query: QuerySpec | None = None,
 ) -> VisualAttention:
     """Visual attention score (VAS) of a prompt.
 
-    For query rows ``T`` (default the last prompt token; ``"text"`` for the instruction) and the
-    visual tokens ``V`` of the row::
+    For query rows ``T`` (``query_rows``: default the last prompt token; ``"text"`` for the
+    instruction, as in :class:`~vlm_focus.FocusConfig`) and the visual tokens ``V`` of the
+    row::
 
         VAS_l = 1/(H |T|) sum_h sum_{t in T} sum_{v in V} A^{l,h}[t, v]      VAS = mean_l VAS_l
 
     A low VAS marks answers produced with little look at the image, a known correlate of object
-    hallucination. One forward pass, attention recomputed from q/k (SDPA-safe).
+    hallucination. One forward pass, attention recomputed from q/k (SDPA-safe). ``query`` is
+    the earlier name of ``query_rows`` (deprecated).
     """
+    if query is not None:
+        from ..config import deprecated
+
+        deprecated("vas(query=)", "vas(query_rows=)")
+        query_rows = query
     if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
         raise TypeError("inputs must be the processor's output mapping with input_ids")
     n_layers = len(get_adapter(model).decoder_layers(model))
     layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
-    with torch.no_grad(), AttentionProbe(model, layers, rows=query) as probe:
+    with torch.no_grad(), AttentionProbe(model, layers, rows=query_rows) as probe:
         model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
         visual = probe.prefill.visual
     if not bool(visual.any(1).all()):

@@ -13,12 +13,20 @@ Adding a method takes one subclass and one call::
 
     register_pruner(MyPruner)
     vf.wrap(model, pruner="mine", temperature=0.5)
+
+``vf.pruners()`` lists the names and ``vf.pruner_options(name)`` each option's name, type,
+default and help (``vlm-focus pruners`` prints them all; so does the README's table).
+``vf.pruners.get_pruner(name)`` and the other names of this module are reachable from
+``vf.pruners`` too.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from typing import Any
 
+from .._options import OptionInfo, options, options_markdown
 from .base import NoOptions, Pruner, Selection, StageContext, apply_rope
 from .baselines import PoolPruner, RandomPruner, TemporalPruner
 from .debiased import DebiasedPruner
@@ -35,8 +43,11 @@ __all__ = [
     "Selection",
     "StageContext",
     "apply_rope",
+    "OptionInfo",
     "get_pruner",
     "guided_generate",
+    "pruner_options",
+    "pruner_options_markdown",
     "pruners",
     "register_pruner",
 ]
@@ -56,15 +67,50 @@ def register_pruner(cls: type[Pruner], *, replace: bool = False) -> type[Pruner]
     return cls
 
 
-def pruners() -> list[str]:
-    """Names of the registered pruners."""
-    return sorted(_PRUNERS)
+class _PrunerNames:
+    """``pruners()``: the names of the registered pruners. Because ``vf.pruners`` is this
+    callable rather than the module, attribute access reaches the module's names:
+    ``vf.pruners.get_pruner("debiased")``, ``vf.pruners.pruner_options("text")``."""
+
+    def __call__(self) -> list[str]:
+        return sorted(_PRUNERS)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return getattr(sys.modules[__name__], name)
+        except AttributeError:
+            raise AttributeError(
+                f"vlm_focus.pruners has no {name!r}; it has: {', '.join(__all__)}"
+            ) from None
+
+    def __dir__(self) -> list[str]:
+        return list(__all__)
+
+    def __repr__(self) -> str:
+        return "<vlm_focus.pruners(): names of the registered pruners>"
+
+
+pruners = _PrunerNames()
 
 
 def get_pruner(name: str) -> type[Pruner]:
-    if name not in _PRUNERS:
+    """The registered :class:`Pruner` class of ``name``."""
+    if not isinstance(name, str) or name not in _PRUNERS:
         raise ValueError(f"unknown pruner {name!r}; registered: {', '.join(pruners())}")
     return _PRUNERS[name]
+
+
+def pruner_options(name: str) -> list[OptionInfo]:
+    """The options of pruner ``name`` (its ``Options`` dataclass), each with its name, type,
+    default and help, in field order; pass them to ``vf.wrap`` as keywords. The options every
+    pruner takes (``keep``, ``layer``, ...) are :class:`~vlm_focus.FocusConfig`'s."""
+    return options(get_pruner(name).Options)
+
+
+def pruner_options_markdown() -> str:
+    """The README's pruner-options table: one row per option of every registered pruner."""
+    rows = [(name, info) for name in pruners() for info in pruner_options(name)]
+    return options_markdown(rows, first="pruner")
 
 
 for _cls in (

@@ -14,7 +14,9 @@ from .base import Pruner, Selection, StageContext
 
 @dataclass
 class RandomOptions:
-    seed: int = 0
+    seed: int = field(
+        default=0, metadata={"help": "seed of the random scores (each stage adds its index)"}
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
