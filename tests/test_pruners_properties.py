@@ -114,7 +114,7 @@ def _options(draw_name, data):
 )
 def test_selection_invariants(scene, name, query, data):
     layouts, positions, valid, hidden, keep, seed = scene
-    config = FocusConfig(pruner=name, query=query)
+    config = FocusConfig(pruner=name, query_rows=query)
     ctx = make_ctx(hidden, layouts, valid=valid, positions=positions, config=config)
     visual = ctx.visual
     n_now = visual.sum(1).tolist()

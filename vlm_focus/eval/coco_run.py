@@ -104,7 +104,7 @@ class CocoConfig(EvalOptions):
         check_template(DEFAULT_TEMPLATE if self.prompt is None else self.prompt)
         if self.layers is not None:
             parse_layers(self.layers)
-        if self.heads is not None and not Path(self.heads).suffix == ".json":
+        if self.heads is not None and Path(self.heads).suffix != ".json":
             parse_heads(self.heads)
 
     @property
