@@ -90,14 +90,14 @@ def _sample(cls, name):
 def test_each_option_has_one_default_and_one_parsing_across_entry_points(name):
     cls = FocusConfig if name in FOCUS else LoadOptions
     sample = _sample(cls, name)
-    argv = [flag(name)] if sample is True else [flag(name), str(sample)]
-    if name in FOCUS and name != "pruner":
-        argv += ["--pruner", "fastv"]  # eval's pruning options apply with a pruner
+    # eval's pruning options apply with a pruner (without one they stay None: unpruned)
+    base = ["--pruner", "fastv"] if name in FOCUS and name != "pruner" else []
+    argv = [*base, flag(name)] if sample is True else [*base, flag(name), str(sample)]
     parsed = {}
     for entry, (parse, names) in ENTRY_POINTS.items():
         if name not in names:
             continue
-        default = getattr(parse([]), name)
+        default = getattr(parse(base), name)
         if entry.startswith("eval") and name == "pruner":
             assert default is None  # eval measures the unpruned model unless asked
         else:
@@ -238,6 +238,9 @@ def test_eval_pruning_options_without_a_pruner_are_an_error(capsys):
     assert "pass pruner (--pruner NAME, e.g. fastv)" in capsys.readouterr().err
     sweep = eval_cli.parse(["pope", "--layer", "1", "--sweep", "keep=1.0,0.5"])
     assert sweep.layer == 1 and sweep.pruner is None  # a sweep brings its own pruners
+    unpruned = eval_cli.parse(["pope", "--limit", "3"])
+    assert unpruned.keep is None and not unpruned.pruned
+    assert dataclasses.replace(unpruned, limit=4).limit == 4  # a config round-trips
 
 
 def test_empty_prompts_are_refused_everywhere():

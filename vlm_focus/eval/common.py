@@ -92,7 +92,10 @@ class EvalOptions(LoadOptions):
 @dataclass
 class PruneOptions(EvalOptions):
     """An evaluation that generates: optional pruning (the :class:`~vlm_focus.FocusConfig`
-    options, with its defaults) and an optional mitigation from the registry."""
+    options, with its defaults) and an optional mitigation from the registry.
+
+    Without a pruner (or a sweep) the pruning options stay ``None``: the model runs unpruned,
+    and giving one of them is an error instead of being ignored."""
 
     pruner: str | None = field(
         default=None,
@@ -134,10 +137,11 @@ class PruneOptions(EvalOptions):
                 f"{listed} only apply with a pruner, and none was chosen (without one the model "
                 "runs unpruned): pass pruner (--pruner NAME, e.g. fastv) or leave them out"
             )
-        defaults = FocusConfig()
-        for name in PRUNE_FIELDS:
-            if getattr(self, name) is None:
-                setattr(self, name, getattr(defaults, name))
+        if self.pruner is not None or self._sweeps():  # unpruned: the options stay None
+            defaults = FocusConfig()
+            for name in PRUNE_FIELDS:
+                if getattr(self, name) is None:
+                    setattr(self, name, getattr(defaults, name))
         self.mitigate = mitigation_name(self.mitigate)
         if self.pruner is not None:
             from ..pruners import get_pruner

@@ -64,10 +64,8 @@ class Setting:
     @classmethod
     def from_options(cls, options: Any, **overrides: Any) -> Setting:
         """The setting of a command's options (a :class:`~vlm_focus.eval.common.PruneOptions`)."""
-        values = {
-            name: getattr(options, name)
-            for name in ("pruner", "keep", "layer", "query_rows", "reduce", "budget", "mitigate")
-        }
+        names = ("pruner", "keep", "layer", "query_rows", "reduce", "budget", "mitigate")
+        values = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
         return cls(**{**values, **overrides})
 
     @property
