@@ -1,0 +1,444 @@
+"""Attention-guided zoom: crop boxes on constructed maps (wide and tall images), the re-ask's
+inputs against hand-built multi-image inputs of the real LLaVA and Qwen2-VL processors (built
+offline), routing at thresholds 0 and 1, the conformal calibration on a hand-made score list,
+the zoom on a pruned model, and the high-resolution organism scenes' exact boxes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tiny_models import IMAGE, VIDEO, VISION_END, VISION_START, make_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    CLIPImageProcessorPil,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2VLProcessor,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import vlm_focus as vf
+from vlm_focus import geometry as geo
+from vlm_focus import zoom
+from vlm_focus.geometry import Size
+from vlm_focus.grounding import HeatMap
+from vlm_focus.zoom import CropBox
+
+QUESTION = "Is there a red_circle in the image?"
+WORDS = "USER ASSISTANT : ? . , Is there a an red_circle blue_square in the image yes no".split()
+LLAVA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}USER: {% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image>\n{% else %}{{ item['text'] }}{% endif %}"
+    "{% endfor %} ASSISTANT:{% endfor %}"
+)
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+# --- processors built offline ------------------------------------------------------------------
+def _tokenizer(special: dict[str, int]) -> PreTrainedTokenizerFast:
+    """A word-level fast tokenizer whose special tokens carry the tiny models' ids."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for word in WORDS:
+        vocab[word] = len(vocab)
+    vocab.update(special)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    tok.add_special_tokens({"additional_special_tokens": list(special)})
+    return tok
+
+
+class _QwenProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor without a video processor (that one needs torchvision)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def _processor(kind: str):
+    if kind == "llava":  # the tiny CLIP tower: 32 px, patch 8 -> 16 tokens
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        return LlavaProcessor(
+            image_processor=image_processor, tokenizer=_tokenizer({"<image>": IMAGE}),
+            patch_size=8, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE,
+        )  # fmt: skip
+    special = {"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": VISION_START,
+               "<|vision_end|>": VISION_END, "<|im_start|>": 124, "<|im_end|>": 125}  # fmt: skip
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+    )  # fmt: skip
+    return _QwenProcessor(image_processor=image_processor, tokenizer=_tokenizer(special),
+                          chat_template=QWEN_TEMPLATE)  # fmt: skip
+
+
+def _hand_text(kind: str, question: str, n_images: int) -> str:
+    """The chat prompt written out by hand."""
+    if kind == "llava":
+        return "<s>USER: " + "<image>\n" * n_images + f"{question} ASSISTANT:"
+    images = "<|vision_start|><|image_pad|><|vision_end|>" * n_images
+    return f"<|im_start|>user\n{images}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _hand_inputs(processor, texts, images):
+    processor.tokenizer.padding_side = "left"
+    return dict(processor(images=images, text=texts, return_tensors="pt", padding=True))
+
+
+def _assert_same_inputs(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+class _Recorder:
+    """Records the inputs of every ``generate()`` call of a model."""
+
+    def __init__(self, model, monkeypatch):
+        self.calls: list[dict] = []
+        original = model.generate
+
+        def generate(**kwargs):
+            self.calls.append({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            return original(**kwargs)
+
+        monkeypatch.setattr(model, "generate", generate)
+
+
+# --- crop boxes on constructed maps ------------------------------------------------------------
+def _map(size: Size, rule: str, x: float, y: float, grid=(12, 12)) -> tuple[HeatMap, tuple]:
+    """A map with one hot cell at the cell holding pixel (x, y), on a ``rule`` frame."""
+    frame = geo.rule_frame(size, rule)
+    cell = frame.cell_at(x, y, grid)
+    assert cell is not None
+    values = torch.full(grid, 1e-3)
+    values[cell] = 1.0
+    return HeatMap(values, [values], size, [frame]), cell
+
+
+SHAPES = {"wide": Size(360, 120), "tall": Size(120, 360)}
+PEAKS = [(0.05, 0.05), (0.95, 0.9), (0.5, 0.5), (0.1, 0.85)]
+
+
+@pytest.mark.parametrize("rule", ["resize", "crop"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("margin, min_size", [(0.25, 64), (0.5, 100), (0.0, 200)])
+def test_crop_holds_the_peak_with_margin_and_minimum_inside_the_image(rule, shape, margin,
+                                                                       min_size):  # fmt: skip
+    size = SHAPES[shape]
+    shares = PEAKS if rule == "resize" else [(0.5, 0.5), (0.45, 0.4), (0.55, 0.6)]
+    for fx, fy in shares:
+        x, y = fx * size.width, fy * size.height
+        heat, cell = _map(size, rule, x, y)
+        found, crops = zoom.choose_crops(heat, margin=margin, min_size=min_size, aspect="view")
+        (box,), (crop,) = found, crops
+        frame = heat.frames[0]
+        aspect = frame.width / frame.height  # 1 for the centre crop, the image's for resize
+        assert crop.contains(x, y)
+        cell_box = frame.cells((12, 12))[cell].tolist()  # x_lo y_lo x_hi y_hi of the hot cell
+        cx, cy = (cell_box[0] + cell_box[2]) / 2, (cell_box[1] + cell_box[3]) / 2
+        assert crop.contains(cx, cy)
+        # inside the image
+        assert crop.x >= 0 and crop.y >= 0
+        assert crop.x + crop.width <= size.width and crop.y + crop.height <= size.height
+        # the margin box (clipped to the image) lies inside the crop
+        x0, y0 = max(box.x - margin * box.w, 0), max(box.y - margin * box.h, 0)
+        x1 = min(box.x + box.w * (1 + margin), size.width)
+        y1 = min(box.y + box.h * (1 + margin), size.height)
+        need_w, need_h = (
+            min(box.w * (1 + 2 * margin), size.width),
+            min(box.h * (1 + 2 * margin), size.height),
+        )
+        assert crop.width >= need_w - 1e-6 and crop.height >= need_h - 1e-6
+        assert crop.covers([box.x, box.y, box.w, box.h])
+        assert (x1 - x0) <= crop.width + 1e-6 and (y1 - y0) <= crop.height + 1e-6
+        # minimum size, as far as a crop of this aspect fits in the image
+        fit_w = min(size.width, size.height * aspect)
+        fit_h = fit_w / aspect
+        assert crop.width >= min(min_size, fit_w) - 1e-6
+        assert crop.height >= min(min_size, fit_h) - 1e-6
+        # aspect kept (whole pixels) where the margin box allows it
+        if need_w <= fit_w and need_h <= fit_h:
+            assert abs(crop.width - aspect * crop.height) <= 1 + aspect
+
+
+def test_crop_box_arithmetic():
+    size = Size(200, 100)
+    # margin 0.5 on a 30 x 10 box centred (25, 25): 60 x 20, shifted right to x = 0
+    assert zoom.crop_box([10, 20, 30, 10], size, margin=0.5) == CropBox(0, 15, 60, 20)
+    # minimum side 50, then square: 50 x 50 centred on (100, 50), inside the image
+    assert zoom.crop_box([95, 45, 10, 10], size, margin=0, min_size=50, aspect=1.0) == CropBox(
+        75, 25, 50, 50
+    )
+    # a box reaching outside the image is clipped first; a box larger than it gives the image
+    assert zoom.crop_box([-50, -50, 400, 300], size).is_whole(size)
+    # tall image, square crop, minimum 192: the largest square that fits (aspect over minimum)
+    tall = Size(120, 300)
+    crop = zoom.crop_box([50, 140, 20, 20], tall, margin=0.25, min_size=192, aspect=1.0)
+    assert crop == CropBox(0, 90, 120, 120)
+    # the box wins over the aspect: an 8:1 crop of a 110 x 20 box is 160 wide, more than the
+    # image; shrunk to 120 x 15 it would cut the box, so it is 120 x 20
+    crop = zoom.crop_box([5, 10, 110, 20], tall, margin=0.0, aspect=8.0)
+    assert crop == CropBox(0, 10, 120, 20)
+    with pytest.raises(ValueError, match="margin"):
+        zoom.crop_box([0, 0, 1, 1], size, margin=-1)
+    with pytest.raises(ValueError, match="aspect"):
+        zoom.crop_box([0, 0, 1, 1], size, aspect=0)
+    with pytest.raises(TypeError, match=r"\[x, y, w, h\]"):
+        zoom.crop_box("box", size)
+
+
+def test_several_regions_merge_into_one_crop_for_a_one_image_prompt():
+    size = Size(240, 240)
+    frame = geo.rule_frame(size, "resize")
+    values = torch.full((12, 12), 1e-3)
+    values[1, 1] = values[10, 9] = 1.0
+    heat = HeatMap(values, [values], size, [frame])
+    found, crops = zoom.choose_crops(heat, regions=2, min_size=40, mode="both")
+    assert len(found) == 2 and len(crops) == 2
+    _, (merged,) = zoom.choose_crops(heat, regions=2, min_size=40, mode="crop")
+    assert all(merged.covers(c.xywh) for c in crops)
+    # peak anchor: a point box at the map's peak; an empty map anchors at the centre
+    (peak,), (crop,) = zoom.choose_crops(heat, anchor="peak", min_size=40)
+    assert peak.w == 1 and crop.width >= 40
+    empty = HeatMap(torch.zeros(12, 12), [torch.zeros(12, 12)], size, [frame])
+    (centre,), _ = zoom.choose_crops(empty, min_size=40)
+    assert (centre.x + 0.5, centre.y + 0.5) == (120, 120)
+
+
+def test_native_side_reads_the_processor():
+    assert zoom.native_side(_processor("llava")) == 32  # the centre crop
+    assert zoom.native_side(_processor("qwen2_vl")) == 32  # sqrt(max_pixels)
+    assert zoom.native_side(CLIPImageProcessorPil(size={"height": 48, "width": 64},
+                                                  do_center_crop=False)) == 48  # fmt: skip
+    with pytest.raises(ValueError, match="min_size='view' needs the processor"):
+        zoom.native_side(None)
+
+
+# --- the re-ask's inputs ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("mode", ["both", "crop"])
+def test_reask_builds_the_processors_multi_image_inputs(kind, mode, monkeypatch):
+    model = make_model(kind)
+    processor = _processor(kind)
+    images = [_photo(64, 48, 0), _photo(40, 56, 1)]
+    questions = [QUESTION, "Is there a blue_square ?"]
+    crops = [[CropBox(8, 4, 32, 32)], [CropBox(0, 20, 40, 30)]]
+    spy = _Recorder(model, monkeypatch)
+    answers = zoom.reask(model, processor, images, questions, crops, mode=mode,
+                         max_new_tokens=3)  # fmt: skip
+    cut = [images[0].crop((8, 4, 40, 36)), images[1].crop((0, 20, 40, 50))]
+    n = 2 if mode == "both" else 1
+    flat = [images[0], cut[0], images[1], cut[1]] if mode == "both" else cut
+    want = _hand_inputs(processor, [_hand_text(kind, q, n) for q in questions], flat)
+    (got,) = spy.calls
+    _assert_same_inputs(got, want)
+    per_image = 16 if kind == "llava" else None
+    if per_image is not None:
+        assert int((want["input_ids"] == IMAGE).sum()) == per_image * len(flat)
+    else:
+        grids = want["image_grid_thw"]
+        assert grids.shape[0] == len(flat)
+        assert int((want["input_ids"] == IMAGE).sum()) == int(grids.prod(-1).sum()) // 4
+    with torch.no_grad():
+        sequences = model.generate(**want, max_new_tokens=3, do_sample=False)
+    texts = processor.batch_decode(sequences[:, want["input_ids"].shape[1] :],
+                                   skip_special_tokens=True)  # fmt: skip
+    assert answers == [t.strip() for t in texts]
+
+
+def test_default_modes_come_from_the_model_type():
+    assert zoom.default_mode(make_model("llava")) == "crop"
+    assert zoom.default_mode(make_model("qwen2_vl")) == "both"
+    assert set(zoom.DEFAULT_MODES.values()) <= set(zoom.MODES)
+    assert set(zoom.DEFAULT_MODES) == set(vf.supported_models())
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_look_closer_reasks_with_its_chosen_crop(kind, monkeypatch):
+    model = make_model(kind)
+    processor = _processor(kind)
+    image = _photo(96, 64, 2)
+    spy = _Recorder(model, monkeypatch)
+    found = zoom.look_closer(
+        model, processor, image, QUESTION, max_new_tokens=2, min_size=24, anchor="peak"
+    )
+    assert found.routed and found.zoomed and found.plain_answer is None
+    (crop,) = found.crops
+    assert found.map is not None and found.map.size == Size(96, 64)
+    assert crop.width >= 24 and crop.height >= 24 and not crop.is_whole(Size(96, 64))
+    mode = zoom.default_mode(model)
+    n = 2 if mode == "both" else 1
+    flat = [image, image.crop(crop.pil)] if mode == "both" else [image.crop(crop.pil)]
+    want = _hand_inputs(processor, [_hand_text(kind, QUESTION, n)], flat)
+    (reasked,) = spy.calls  # route="always": no plain pass, one re-ask
+    _assert_same_inputs(reasked, want)
+    assert set(found.seconds) == {"plain", "map", "reask", "total"}
+    assert found.seconds["plain"] == 0 and found.seconds["total"] == pytest.approx(
+        found.seconds["map"] + found.seconds["reask"]
+    )
+
+
+# --- routing and calibration -----------------------------------------------------------------
+def test_route_thresholds():
+    conf = [0.0, 0.3, 0.999, 1.0]
+    assert zoom.route(conf, 0.0) == [False] * 4
+    assert zoom.route(conf, 1.0) == [True] * 4
+    assert zoom.route(conf, 0.5) == [True, True, False, False]
+    with pytest.raises(ValueError, match=r"threshold=1.5 must lie in \[0, 1\]"):
+        zoom.route(conf, 1.5)
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    p = torch.tensor([2.0, 0.0, 0.0]).exp() / (math.exp(2.0) + 2)
+    top1 = zoom.first_token_confidence(logits, "top1")
+    margin = zoom.first_token_confidence(logits, "margin")
+    assert top1.tolist() == pytest.approx([float(p[0]), 1 / 3])
+    assert margin.tolist() == pytest.approx([float(p[0] - p[1]), 0.0])
+
+
+@pytest.mark.parametrize("threshold, expect", [(0.0, False), (1.0, True)])
+def test_adaptive_threshold_zero_zooms_nothing_and_one_everything(threshold, expect):
+    model = make_model("llava")
+    processor = _processor("llava")
+    images = [_photo(96, 64, 3), _photo(64, 96, 4), _photo(80, 80, 5)]
+    questions = [QUESTION, "Is there a blue_square ?", QUESTION]
+    found = zoom.look_closer(model, processor, images, questions, route="adaptive",
+                             threshold=threshold, max_new_tokens=2, min_size=24,
+                             anchor="peak")  # fmt: skip
+    plain, conf = zoom.first_pass(model, processor, images, questions, max_new_tokens=2)
+    assert [f.routed for f in found] == [expect] * 3
+    assert [f.plain_answer for f in found] == plain
+    assert [f.confidence for f in found] == pytest.approx(conf)
+    if not expect:
+        assert [f.answer for f in found] == plain
+        assert all(f.map is None and not f.crops and f.seconds["map"] == 0 for f in found)
+    else:
+        assert all(f.zoomed and f.map is not None and len(f.crops) == 1 for f in found)
+
+
+def test_calibration_picks_the_conformal_quantile():
+    # 9 hard cases (scores 0.1 ... 0.9 shuffled) among 12; recall 0.8 -> k = ceil(10 * 0.8) = 8
+    scores = [0.5, 0.2, 0.95, 0.9, 0.3, 0.7, 0.99, 0.6, 0.4, 0.8, 0.1, 0.97]
+    hard = [True, True, False, True, True, True, False, True, True, True, True, False]
+    cal = zoom.calibrate(scores, hard, recall=0.8)
+    assert (cal.n, cal.n_hard, cal.k) == (12, 9, 8)
+    assert cal.quantile == 0.8
+    assert cal.threshold == float(np.nextafter(0.8, 1.0))
+    assert cal.hard_routed == pytest.approx(8 / 9)  # every hard score <= 0.8
+    assert cal.routed == pytest.approx(8 / 12)
+    # recall 0.95 -> k = ceil(9.5) = 10 > 9: everything is routed
+    everything = zoom.calibrate(scores, hard, recall=0.95)
+    assert everything.quantile == math.inf and everything.threshold == 1.0
+    assert everything.routed == 1.0
+    with pytest.raises(ValueError, match="no hard case"):
+        zoom.calibrate([0.5, 0.6], [False, False])
+    with pytest.raises(ValueError, match=r"recall=1 must lie in \(0, 1\)"):
+        zoom.calibrate(scores, hard, recall=1)
+
+
+def test_calibration_round_trips_and_calibrates_a_model(tmp_path):
+    cal = zoom.calibrate([0.2, 0.4], [True, True], recall=0.5, statistic="margin")
+    cal.save(tmp_path / "cal.json")
+    assert zoom.Calibration.load(tmp_path / "cal.json") == cal
+    model = make_model("llava")
+    processor = _processor("llava")
+    images = [_photo(64, 64, s) for s in range(4)]
+    questions = [QUESTION] * 4
+    plain, conf = zoom.first_pass(model, processor, images, questions, max_new_tokens=2)
+    refs = ["never-said"] * 4  # every plain answer is wrong: all four are hard
+    cal, records = zoom.calibrate_model(model, processor, images, questions, refs, recall=0.5,
+                                        batch_size=3, max_new_tokens=2)  # fmt: skip
+    assert [r["answer"] for r in records] == plain
+    assert [r["confidence"] for r in records] == pytest.approx(conf)
+    assert cal.n_hard == 4 and cal.quantile == pytest.approx(sorted(conf)[math.ceil(5 * 0.5) - 1])
+    assert zoom.answers_match("Yes, there is.", "yes") and not zoom.answers_match("no", "yes")
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="route='adaptive' needs threshold="):
+        zoom.ZoomOptions(route="adaptive")
+    with pytest.raises(ValueError, match="mode='tiles'; allowed"):
+        zoom.ZoomOptions(mode="tiles")
+    with pytest.raises(ValueError, match="min_size=1.5: a share"):
+        zoom.ZoomOptions(min_size=1.5)
+    with pytest.raises(ValueError, match=r"unknown zoom option\(s\) \['zoom_factor'\]"):
+        zoom.look_closer(make_model("llava"), _processor("llava"), _photo(32, 32), QUESTION,
+                         zoom_factor=2)  # fmt: skip
+    assert zoom.ZoomOptions(route="adaptive", threshold=0.9).to_json()["threshold"] == 0.9
+
+
+# --- with vf.wrap(): prune the full view, zoom on a second pass -----------------------------------
+def test_zoom_on_a_pruned_model(monkeypatch):
+    model = make_model("llava")
+    processor = _processor("llava")
+    images = [_photo(96, 64, 6), _photo(64, 96, 7)]
+    questions = [QUESTION, "Is there a blue_square ?"]
+    kwargs = dict(layers=[0], max_new_tokens=3, min_size=24, anchor="peak")
+    plain = zoom.look_closer(model, processor, images, questions, **kwargs)
+    with vf.wrap(model, pruner="fastv", keep=0.5, layer=2) as handle:
+        spy = _Recorder(model, monkeypatch)
+        pruned = zoom.look_closer(model, processor, images, questions, **kwargs)
+        trace = handle.last_trace
+        (reasked,) = spy.calls
+        with torch.no_grad():
+            sequences = model.generate(**reasked, max_new_tokens=3, do_sample=False)
+    # layer 0 runs before the pruning stage: the same map, the same crops
+    for a, b in zip(plain, pruned, strict=True):
+        assert torch.allclose(a.map.grid, b.map.grid, atol=1e-6)
+        assert a.crops == b.crops
+    want = _hand_inputs(processor, [_hand_text("llava", q, 1) for q in questions],
+                        [im.crop(f.crops[0].pil) for im, f in zip(images, pruned)])  # fmt: skip
+    _assert_same_inputs(reasked, want)
+    assert [int(k.numel()) for k in trace.kept] == [8, 8]  # the re-ask ran pruned (16 -> 8)
+    texts = processor.batch_decode(sequences[:, want["input_ids"].shape[1] :],
+                                   skip_special_tokens=True)  # fmt: skip
+    assert [f.answer for f in pruned] == [t.strip() for t in texts]
+
+
+# --- the high-resolution organism set -----------------------------------------------------------
+@pytest.mark.parametrize("layout", ["tile", "spread"])
+def test_highres_scenes_keep_exact_boxes(layout):
+    from vlm_focus.organism import highres
+
+    (scene,) = highres.highres_scenes(1, canvas=576, layout=layout)
+    image = scene.image()
+    assert image.shape == (576, 576, 3) and scene.downscale == 3
+    ox, oy = scene.offset
+    for native, placed in zip(scene.native.objects, scene.objects, strict=True):
+        mask = placed.mask(576)
+        box = placed.box(576)
+        if layout == "tile":
+            nx, ny, nw, nh = native.box(192)
+            assert box == (nx + ox, ny + oy, nw, nh)
+            assert np.array_equal(mask[oy : oy + 192, ox : ox + 192], native.mask(192))
+        ys, xs = np.nonzero(mask)
+        assert box == (xs.min(), ys.min(), xs.max() - xs.min() + 1, ys.max() - ys.min() + 1)
+        # the object falls to about one 16-pixel cell or less in the 192-pixel view
+        assert max(box[2], box[3]) / scene.downscale <= 18
+        # its pixels carry the object's colour, not the background's
+        inside = image[mask].astype(float).mean(0)
+        assert np.abs(inside - np.asarray(scene.native.background, float)).max() > 40
+    rows = highres.highres_pope([scene], "random")
+    assert len(rows) == 6 and {r["label"] for r in rows} == {"yes", "no"}
+    for r in rows:
+        assert (scene.box(r["category_id"] - 1) is not None) == (r["label"] == "yes")

@@ -1,0 +1,70 @@
+"""Look closer: attention-guided zoom for small details, routed to the questions that need it.
+
+A VLM sees a large photo through a coarse grid, so small objects fall below one cell, while its
+attention often already points at them. Training-free zoom reads where the question looks (the
+attention map of its content words, :class:`~vlm_focus.grounding.GroundingPass`), crops that
+region at full resolution and asks again, with the image and the crop or with the crop alone
+(SD-RPN turns mid-layer attention into such region proposals). Adaptive routing zooms only
+when the plain answer's first token is uncertain, with a threshold calibrated conformally on
+held-out questions (LazyMCoT).
+
+    from vlm_focus import zoom
+    found = zoom.look_closer(model, processor, image, "Is there a red_circle in the image?")
+    found.answer, found.crops, found.map, found.seconds
+
+    cal, _ = zoom.calibrate_model(model, processor, images, questions, labels, recall=0.9)
+    found = zoom.look_closer(model, processor, images, questions, route="adaptive",
+                             threshold=cal.threshold)
+    share = sum(f.routed for f in found) / len(found)
+
+    python -m vlm_focus.zoom calibrate --questions pope_random.jsonl --image-dir DIR --out cal.json
+
+The crop-box rules are pure functions on :mod:`vlm_focus.geometry` sizes (:func:`crop_box`);
+the default re-ask per model type is :data:`DEFAULT_MODES`.
+"""
+
+from ._crop import CropBox, crop_box, frame_aspect, native_side, union_box
+from ._look import (
+    ANCHORS,
+    ASPECTS,
+    ROUTES,
+    ZoomAnswer,
+    ZoomOptions,
+    answers_match,
+    calibrate_model,
+    choose_crops,
+    first_pass,
+    look_closer,
+    reask,
+)
+from ._reask import DEFAULT_MODES, MODES, chat_text, default_mode, multi_image_inputs
+from ._routing import STATISTICS, Calibration, calibrate, first_token_confidence, route
+
+__all__ = [
+    "ANCHORS",
+    "ASPECTS",
+    "DEFAULT_MODES",
+    "MODES",
+    "ROUTES",
+    "STATISTICS",
+    "Calibration",
+    "CropBox",
+    "ZoomAnswer",
+    "ZoomOptions",
+    "answers_match",
+    "calibrate",
+    "calibrate_model",
+    "chat_text",
+    "choose_crops",
+    "crop_box",
+    "default_mode",
+    "first_pass",
+    "first_token_confidence",
+    "frame_aspect",
+    "look_closer",
+    "multi_image_inputs",
+    "native_side",
+    "reask",
+    "route",
+    "union_box",
+]

@@ -1,0 +1,187 @@
+"""Crop-box arithmetic on :mod:`vlm_focus.geometry` sizes: from an attention box to the region
+that is cropped at full resolution and asked about again.
+
+All coordinates are original image pixels, ``(x, y)`` with ``x`` to the right; boxes are COCO
+``[x, y, w, h]``. Nothing here reads a model: the rules are pure functions of the box, the image
+:class:`~vlm_focus.geometry.Size` and the options, so they are tested on constructed boxes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ..geometry import Frame, Size, as_size, image_processor_of
+
+
+class CropBox(NamedTuple):
+    """A crop in whole image pixels: top-left ``(x, y)``, ``width`` and ``height`` (COCO order),
+    inside the image it was cut from."""
+
+    x: int
+    y: int
+    width: int
+    height: int
+
+    @property
+    def xywh(self) -> list[int]:
+        return [self.x, self.y, self.width, self.height]
+
+    @property
+    def pil(self) -> tuple[int, int, int, int]:
+        """``(left, upper, right, lower)``, what ``PIL.Image.crop`` takes."""
+        return self.x, self.y, self.x + self.width, self.y + self.height
+
+    @property
+    def area(self) -> int:
+        return self.width * self.height
+
+    def contains(self, x: float, y: float) -> bool:
+        """Whether the point ``(x, y)`` lies inside the crop (edges included)."""
+        return self.x <= x <= self.x + self.width and self.y <= y <= self.y + self.height
+
+    def covers(self, box: Sequence[float]) -> bool:
+        """Whether the whole box ``[x, y, w, h]`` lies inside the crop."""
+        bx, by, bw, bh = (float(v) for v in box)
+        return (
+            self.x <= bx
+            and self.y <= by
+            and bx + bw <= self.x + self.width
+            and by + bh <= self.y + self.height
+        )
+
+    def is_whole(self, size: Size) -> bool:
+        """Whether the crop is the whole ``size`` image."""
+        return (self.x, self.y, self.width, self.height) == (0, 0, size.width, size.height)
+
+
+def _xywh(box: Any) -> tuple[float, float, float, float]:
+    values = box.xywh if hasattr(box, "xywh") else box
+    try:
+        x, y, w, h = (float(v) for v in values)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"box must be [x, y, w, h] (or a grounding Box), got {box!r}") from err
+    if not all(math.isfinite(v) for v in (x, y, w, h)) or w < 0 or h < 0:
+        raise ValueError(f"box {box!r}: x, y, w, h must be finite with w, h >= 0")
+    return x, y, w, h
+
+
+def crop_box(
+    box: Any,
+    size: Any,
+    *,
+    margin: float = 0.25,
+    min_size: float = 0.0,
+    aspect: float | None = None,
+) -> CropBox:
+    """The crop for an attention ``box`` ``[x, y, w, h]`` on a ``size`` image.
+
+    With the box (clipped to the image) centred at ``(cx, cy)``:
+
+    1. margin: ``w' = w (1 + 2 margin)``, ``h' = h (1 + 2 margin)`` (``margin`` of the box's
+       side on each side);
+    2. minimum size: each side at least ``min_size`` pixels;
+    3. aspect: the shorter side grown until ``width / height = aspect`` (``None``: keep);
+    4. fit: when the crop exceeds the image it shrinks, aspect kept, to the largest such crop
+       inside the image, but never below the margin box (clipped to the image): the box wins
+       over the aspect, the aspect over the minimum size;
+    5. placement: centred on the box, then shifted (not shrunk) to lie inside the image, and
+       rounded outwards to whole pixels.
+
+    The crop therefore always lies inside the image and contains the box, and it meets the
+    margin and the minimum size wherever the image is large enough.
+    """
+    size = as_size(size)
+    for name, value in (("margin", margin), ("min_size", min_size)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{name}={value!r} must be a number >= 0")
+    if aspect is not None and (isinstance(aspect, bool) or not float(aspect) > 0):
+        raise ValueError(f"aspect={aspect!r} must be a width/height ratio > 0, or None")
+    width, height = float(size.width), float(size.height)
+    x, y, w, h = _xywh(box)
+    x0, y0 = min(max(x, 0.0), width), min(max(y, 0.0), height)  # clip to the image
+    x1, y1 = min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+    need_w = min((x1 - x0) * (1 + 2 * margin), width)  # the margin box, inside the image
+    need_h = min((y1 - y0) * (1 + 2 * margin), height)
+    cw, ch = max(need_w, float(min_size)), max(need_h, float(min_size))
+    if aspect is not None:
+        a = float(aspect)
+        if cw / max(ch, 1e-9) < a:
+            cw = ch * a
+        else:
+            ch = cw / a
+        if cw > width or ch > height:
+            scale = min(width / cw, height / ch)
+            cw, ch = cw * scale, ch * scale
+    cw, ch = max(min(cw, width), need_w, 1.0), max(min(ch, height), need_h, 1.0)
+    left = min(max(cx - cw / 2, 0.0), width - cw)
+    top = min(max(cy - ch / 2, 0.0), height - ch)
+    ix0, iy0 = max(math.floor(left + 1e-9), 0), max(math.floor(top + 1e-9), 0)
+    ix1 = min(math.ceil(left + cw - 1e-9), size.width)
+    iy1 = min(math.ceil(top + ch - 1e-9), size.height)
+    return CropBox(ix0, iy0, max(ix1 - ix0, 1), max(iy1 - iy0, 1))
+
+
+def union_box(boxes: Sequence[Any]) -> list[float]:
+    """The smallest ``[x, y, w, h]`` holding every box."""
+    if not boxes:
+        raise ValueError("union_box needs at least one box")
+    parts = [_xywh(b) for b in boxes]
+    x0 = min(p[0] for p in parts)
+    y0 = min(p[1] for p in parts)
+    x1 = max(p[0] + p[2] for p in parts)
+    y1 = max(p[1] + p[3] for p in parts)
+    return [x0, y0, x1 - x0, y1 - y0]
+
+
+def frame_aspect(frame: Frame) -> float:
+    """``width / height`` of a view's frame: the shape a crop needs to fill that view exactly
+    (1 for a CLIP-style centre crop or a pad to a square; the image's own for a plain resize or
+    dynamic resolution)."""
+    return float(frame.width) / float(frame.height)
+
+
+def native_side(processor: Any) -> int:
+    """The side, in pixels, of the largest square the image processor shows without shrinking
+    it: a crop at least this large reaches the vision encoder at no more than 1:1 scale.
+
+    Read from the processor's settings: ``crop_size`` after a centre crop, else ``size``
+    (``shortest_edge``, or the smaller of ``height``/``width``); anyres
+    (``image_grid_pinpoints``): the largest pinpoint's ``sqrt(h * w)``; dynamic resolution
+    (``merge_size`` and ``patch_size``): ``sqrt(max_pixels)``.
+    """
+    ip = image_processor_of(processor)
+    if ip is None:
+        raise ValueError(
+            "min_size='view' needs the processor (its image processor's settings give the "
+            "encoder's input size); pass min_size in pixels instead"
+        )
+
+    def get(settings: Any, key: str) -> Any:
+        if settings is None:
+            return None
+        if isinstance(settings, dict):
+            return settings.get(key)
+        return getattr(settings, key, None)
+
+    size = getattr(ip, "size", None)
+    if get(ip, "merge_size") is not None and get(ip, "patch_size") is not None:
+        high = get(size, "longest_edge") or get(ip, "max_pixels")
+        if high:
+            return max(1, int(math.isqrt(int(high))))
+    pinpoints = getattr(ip, "image_grid_pinpoints", None)
+    if pinpoints:
+        return max(int(math.isqrt(int(h) * int(w))) for h, w in pinpoints)
+    crop = getattr(ip, "crop_size", None)
+    if getattr(ip, "do_center_crop", False) and crop is not None:
+        return int(min(get(crop, "height"), get(crop, "width")))
+    if get(size, "shortest_edge"):
+        return int(get(size, "shortest_edge"))
+    if get(size, "height") and get(size, "width"):
+        return int(min(get(size, "height"), get(size, "width")))
+    raise ValueError(
+        f"min_size='view': cannot read the input size from {type(ip).__name__} (size={size!r}); "
+        "pass min_size in pixels"
+    )
