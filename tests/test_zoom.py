@@ -336,6 +336,23 @@ def test_adaptive_threshold_zero_zooms_nothing_and_one_everything(threshold, exp
         assert all(f.zoomed and f.map is not None and len(f.crops) == 1 for f in found)
 
 
+def test_an_image_the_processor_does_not_shrink_is_not_zoomed(monkeypatch):
+    model = make_model("llava")
+    processor = _processor("llava")  # the encoder's input is 32 x 32
+    images = [_photo(32, 32, 8), _photo(30, 24, 9)]
+    questions = [QUESTION, QUESTION]
+    plain, _ = zoom.first_pass(model, processor, images, questions, max_new_tokens=2)
+    spy = _Recorder(model, monkeypatch)
+    found = zoom.look_closer(model, processor, images, questions, route="adaptive",
+                             threshold=1.0, max_new_tokens=2)  # fmt: skip
+    assert len(spy.calls) == 1  # the plain pass only: no map, no re-ask
+    assert [f.answer for f in found] == plain
+    assert all(f.routed and not f.zoomed and f.map is None for f in found)
+    assert [f.crops for f in found] == [[CropBox(0, 0, 32, 32)], [CropBox(0, 0, 30, 24)]]
+    again = zoom.look_closer(model, processor, images, questions, max_new_tokens=2)
+    assert [f.answer for f in again] == plain  # route="always" asks them plainly
+
+
 def test_calibration_picks_the_conformal_quantile():
     # 9 hard cases (scores 0.1 ... 0.9 shuffled) among 12; recall 0.8 -> k = ceil(10 * 0.8) = 8
     scores = [0.5, 0.2, 0.95, 0.9, 0.3, 0.7, 0.99, 0.6, 0.4, 0.8, 0.1, 0.97]

@@ -17,7 +17,9 @@ The steps, per batch of questions (each row one image and one question):
    view, clipped to the image);
 4. re-ask: the question again with the image and the crops (``"both"``) or the crops alone
    (``"crop"``); the default per model type is :data:`DEFAULT_MODES`. A crop that is the whole
-   image shows nothing new: such a row keeps its plain answer (or is asked plainly).
+   image shows nothing new: such a row keeps its plain answer (or is asked plainly). Where the
+   smallest allowed crop already covers the image (with ``min_size="view"``: an image the
+   processor does not shrink) no map is read at all.
 
 It works on a model wrapped by :func:`vlm_focus.wrap`: both passes then run pruned, and the
 probe reads the attention the pruned model computes.
@@ -198,7 +200,8 @@ class ZoomAnswer:
         mode: ``"both"`` or ``"crop"``.
         crops: the chosen regions in the image's pixels (empty when not routed).
         boxes: the attention boxes they grew from (a peak gives a 1-pixel box).
-        map: the question's attention map (``None`` when not routed).
+        map: the question's attention map (``None`` when not routed, or when the smallest
+            crop already covers the image).
         seconds: this row's share of each phase's batch time (``plain``, ``map``, ``reask``)
             and their sum (``total``); the mean of ``total`` is the batch's wall time per row.
     """
@@ -473,23 +476,30 @@ def look_closer(
     crops: list[list[CropBox]] = [[] for _ in range(n)]
     zoomed = [False] * n
     rows = [b for b in range(n) if routed[b]]
-    if rows:
+    # where the smallest allowed crop already covers the image (an image the processor does
+    # not shrink), every crop is the whole image: no map is needed
+    whole = {b for b in rows if _min_side(opts, sizes[b], processor) >= max(sizes[b])}
+    for b in whole:
+        crops[b] = [CropBox(0, 0, sizes[b].width, sizes[b].height)]
+    mapped = [b for b in rows if b not in whole]
+    if mapped:
         start = now()
-        inputs = _to(build_inputs(processor, [pictures[b] for b in rows],
-                                  [questions[b] for b in rows]), model)  # fmt: skip
-        gp = GroundingPass(model, inputs, processor=processor, images=[pictures[b] for b in rows],
-                           layers=opts.layers, heads=opts.heads)  # fmt: skip
-        for j, b in enumerate(rows):
+        inputs = _to(build_inputs(processor, [pictures[b] for b in mapped],
+                                  [questions[b] for b in mapped]), model)  # fmt: skip
+        gp = GroundingPass(model, inputs, processor=processor,
+                           images=[pictures[b] for b in mapped], layers=opts.layers,
+                           heads=opts.heads)  # fmt: skip
+        for j, b in enumerate(mapped):
             heats[b] = _focus_map(gp, j, focuses[b], questions[b])
             found[b], crops[b] = choose_crops(heats[b], opts, processor=processor, mode=mode)
-        share = (now() - start) / len(rows)
-        for b in rows:
+        share = (now() - start) / len(mapped)
+        for b in mapped:
             spent["map"][b] = share
+    if rows:
         # a crop equal to the whole image shows nothing new: keep (or get) the plain answer
         ask = []
         for b in rows:
-            whole = all(c.is_whole(sizes[b]) for c in crops[b])
-            zoomed[b] = not whole
+            zoomed[b] = not all(c.is_whole(sizes[b]) for c in crops[b])
             if zoomed[b] or plain[b] is None:
                 ask.append(b)
         if ask:
