@@ -37,7 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from .pope import pope_questions
-from .scenes import IMAGE_SIZE, Scene, SceneObject, coco_instances, heldout_scenes
+from .scenes import (
+    IMAGE_SIZE,
+    Scene,
+    SceneObject,
+    coco_instances,
+    generate_scene,
+    heldout_scenes,
+)
 
 LAYOUTS = ("tile", "spread")
 #: Offsets are drawn from their own seed stream, apart from the scenes' seeds.
@@ -118,12 +125,31 @@ def place(scene: Scene, canvas: int, layout: str = "tile", seed: int | None = No
     return HighResScene(scene, placed, offset, layout)
 
 
+def native_scenes(n: int, min_objects: int = 3, first_seed: int | None = None) -> list[Scene]:
+    """The first ``n`` scenes with at least ``min_objects`` objects from seed ``first_seed`` on
+    (default: the held-out set, the POPE images of the normal organism evaluation)."""
+    if first_seed is None:
+        return heldout_scenes(n, min_objects=min_objects)
+    out: list[Scene] = []
+    seed = int(first_seed)
+    while len(out) < n:
+        scene = generate_scene(seed)
+        if len(scene.objects) >= min_objects:
+            out.append(scene)
+        seed += 1
+    return out
+
+
 def highres_scenes(
-    n: int, canvas: int = 576, layout: str = "tile", min_objects: int = 3
+    n: int,
+    canvas: int = 576,
+    layout: str = "tile",
+    min_objects: int = 3,
+    first_seed: int | None = None,
 ) -> list[HighResScene]:
-    """The first ``n`` held-out scenes with at least ``min_objects`` objects (the POPE image set
-    of the normal organism evaluation), each placed on a ``canvas`` image."""
-    return [place(s, canvas, layout) for s in heldout_scenes(n, min_objects=min_objects)]
+    """:func:`native_scenes` (default: the held-out POPE images), each placed on a ``canvas``
+    image."""
+    return [place(s, canvas, layout) for s in native_scenes(n, min_objects, first_seed)]
 
 
 def highres_pope(scenes: list[HighResScene], split: str, seed: int = 0) -> list[dict]:
@@ -182,6 +208,7 @@ __all__ = [
     "HighResScene",
     "highres_pope",
     "highres_scenes",
+    "native_scenes",
     "place",
     "write_highres",
 ]
