@@ -232,7 +232,7 @@ def draw(path: Path, report: dict, example: dict | None) -> None:
             ms = report["results"][which][m]["mean_latency_ms"]
             ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.01, f"{ms:.0f} ms",
                     ha="center", fontsize=6, rotation=90)  # fmt: skip
-    ax.set_xticks(x, [n.replace(" (", "\n(") for n in names], fontsize=7)
+    ax.set_xticks(x, [n.replace(" (", "\n(").replace(", ", ",\n") for n in names], fontsize=7)
     ax.set_ylim(0.4, 1.12)
     ax.set_ylabel("POPE accuracy")
     ax.set_title("accuracy (bars) and mean latency per question (labels)", fontsize=9)

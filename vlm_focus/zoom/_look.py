@@ -274,6 +274,8 @@ def choose_crops(
     their union (a one-image prompt has room for one).
     """
     options = _options(options, overrides)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {MODES}")
     size, _ = heat.require_pixels()
     size = as_size(size)
     found: list[Box] = []
