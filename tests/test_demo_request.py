@@ -19,6 +19,7 @@ from vlm_focus import grounding
 from vlm_focus import hallucination as hal
 from vlm_focus.demo import request as req
 from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay
+from vlm_focus.geometry import Frame, Size, model_frames
 from vlm_focus.grounding import Box
 from vlm_focus.loading import build_inputs, decode_new_tokens
 from vlm_focus.organism import sample_scene_paths
@@ -113,14 +114,16 @@ def test_prompt_map_is_the_heatmap_of_the_phrase_with_its_boxes_and_scores(tiny,
         m.phrase == "red_circle"
     )  # the prompt's content word; stop words and the template left out
     inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
-    ref = grounding.heatmap(model, inputs, "red_circle", tokenizer=processor, geometry="crop")[0][0]
+    picture = Image.fromarray(scene)
+    ref = grounding.heatmap(model, inputs, "red_circle", processor=processor, images=[picture])
+    ref = ref[0][0]
     torch.testing.assert_close(m.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
     expected_boxes = grounding.boxes(ref, max_boxes=req.MAX_BOXES)
     assert [b.xywh for b in m.boxes] == [b.xywh for b in expected_boxes]
     assert len(m.boxes) >= 1
     for box, score in zip(m.boxes, m.scores, strict=True):
         direct = grounding.region_score(
-            model, inputs, box.xywh, "red_circle", tokenizer=processor, geometry="crop"
+            model, inputs, box.xywh, "red_circle", processor=processor, images=[picture]
         )
         assert score == pytest.approx(float(direct[0]), abs=1e-5)
         assert 0.0 <= score <= 1.0
@@ -139,11 +142,13 @@ def test_each_object_word_of_the_answer_gets_a_map(tiny, scene):
     inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
     tok = processor.tokenizer
     answer = torch.tensor([tok.encode("yes , a blue_square .", add_special_tokens=False)])
-    prompt_map, object_maps = req._ground(model, processor, inputs, QUESTION, answer, scene, None)
+    prompt_map, object_maps = req._ground(model, processor, inputs, QUESTION, answer, scene)
     assert prompt_map.phrase == "red_circle"
     assert [m.phrase for m in object_maps] == ["blue_square"]
     obj = object_maps[0]
-    ref = grounding.heatmap(model, inputs, "blue_square", answer=answer, tokenizer=processor)
+    ref = grounding.heatmap(
+        model, inputs, "blue_square", answer=answer, processor=processor, images=[scene]
+    )
     torch.testing.assert_close(obj.map.pixels, ref[0][0].pixels, atol=1e-6, rtol=1e-4)
     assert len(obj.boxes) == 1 and obj.scores[0] == pytest.approx(
         grounding.box_share(ref[0][0], obj.boxes[0]), abs=1e-6
@@ -176,13 +181,14 @@ def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
         model(**inputs)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
     kept = handle.last_trace.kept[0]
-    grid, frame = req.kept_grid(layout, kept, (IMAGE_SIZE, IMAGE_SIZE), ["resize"])
+    frames = model_frames(model, layout, Size(IMAGE_SIZE, IMAGE_SIZE), processor=processor)
+    grid, frame = req.kept_grid(layout, kept, frames)
     assert grid.shape == (SPEC.grid, SPEC.grid) and grid.sum() == 3
     first = int(layout.positions[0])
     for pos in kept.tolist():  # LLaVA: row-major grid, one token per cell
         r, c = divmod(pos - first, SPEC.grid)
         assert grid[r, c]
-    assert frame == (0.0, 0.0, float(IMAGE_SIZE), float(IMAGE_SIZE))
+    assert frame == Frame(0.0, 0.0, IMAGE_SIZE, IMAGE_SIZE)  # a square scene: crop = whole
 
 
 @pytest.mark.parametrize(
@@ -345,7 +351,9 @@ def test_heat_overlay_is_the_colormap_blend():
 def test_kept_mask_overlay_on_a_cropped_frame():
     image = np.full((4, 8, 3), 200, np.uint8)
     kept = np.array([[True, False], [False, True]])
-    out = kept_mask_overlay(image, kept, (0.0, 2.0, 4.0, 4.0), outline=False)  # central square
+    out = kept_mask_overlay(image, kept, Frame(2.0, 0.0, 4.0, 4.0), outline=False)  # central
+    with pytest.raises(TypeError, match="Frame"):
+        kept_mask_overlay(image, kept, (0.0, 2.0, 4.0, 4.0))  # a bare tuple: which order?
     assert (out[:, :2] == 200).all() and (out[:, 6:] == 200).all()  # outside the frame
     assert (out[0:2, 2:4] == 200).all() and (out[2:4, 4:6] == 200).all()  # kept cells
     assert (out[0:2, 4:6] == 50).all() and (out[2:4, 2:4] == 50).all()  # pruned: 200 * 0.25
@@ -366,7 +374,7 @@ def test_a_prompt_without_content_words_is_mapped_as_a_whole(tiny, scene):
     model, processor = tiny
     inputs = build_inputs(processor, Image.fromarray(scene), "Describe the image.")
     ref = grounding.heatmap(
-        model, inputs, "Describe the image.", tokenizer=processor, geometry="crop"
+        model, inputs, "Describe the image.", processor=processor, images=[scene]
     )[0][0]
     torch.testing.assert_close(result.prompt_map.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
 
@@ -376,7 +384,6 @@ def test_kept_grid_on_multi_view_and_merged_grids(kind):
     from tiny_models import make_inputs, make_model
 
     import vlm_focus as vf
-    from vlm_focus.grounding._maps import view_geometries
     from vlm_focus.model_adapters import get_adapter
 
     model = make_model(kind).eval()
@@ -385,9 +392,11 @@ def test_kept_grid_on_multi_view_and_merged_grids(kind):
         model(**inputs)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
     kept = handle.last_trace.kept[0]
-    size = (120, 90)
-    geometries = view_geometries(model, len(layout.grids), None)
-    grid, frame = req.kept_grid(layout, kept, size, geometries)
+    size = layout.image_size or Size(width=90, height=120)  # LLaVA-NeXT knows its own
+    if kind != "llava_next":  # a size that fits the merged grid's aspect
+        rows, cols = layout.grids[0]
+        size = Size(width=cols * 30, height=rows * 30)
+    grid, frame = req.kept_grid(layout, kept, model_frames(model, layout, size))
     finest = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
     assert grid.shape == layout.grids[finest]
     in_view = (layout.cells[:, 0] == finest) & (layout.cells[:, 1] >= 0)
@@ -396,8 +405,24 @@ def test_kept_grid_on_multi_view_and_merged_grids(kind):
     for i in torch.nonzero(survived & in_view).flatten().tolist():
         _, r, c = layout.cells[i].tolist()
         assert grid[r, c]
-    assert frame == (0.0, 0.0, 120.0, 90.0)  # these views are resized to the grid
-    overlay = kept_mask_overlay(np.full((120, 90, 3), 200, np.uint8), grid, frame)
-    assert overlay.shape == (120, 90, 3)
+    assert frame == Frame(0.0, 0.0, size.width, size.height)  # resized to the grid
+    overlay = kept_mask_overlay(np.full((size.height, size.width, 3), 200, np.uint8), grid, frame)
+    assert overlay.shape == (size.height, size.width, 3)
     if kind != "llava_next":  # one merged grid holds every visual token
         assert grid.sum() == handle.last_trace.n_kept[0]
+
+
+def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene):
+    wide = np.full((IMAGE_SIZE, IMAGE_SIZE * 3 // 2, 3), 200, np.uint8)
+    left = IMAGE_SIZE // 4
+    wide[:, left : left + IMAGE_SIZE] = scene  # the scene in the middle, padded left and right
+    result = run(tiny, wide, keep=0.5)
+    assert result.ok, result.message
+    assert result.image.shape == wide.shape
+    crop = Frame(float(left), 0.0, float(IMAGE_SIZE), float(IMAGE_SIZE))
+    assert result.prompt_map.map.frames == [crop]  # the organism's processor centre-crops
+    pixels = result.prompt_map.map.pixels
+    assert float(pixels[:, :left].abs().sum()) == 0.0 and float(pixels[:, -left:].abs().sum()) == 0
+    assert (result.kept_overlay[:, :left] == wide[:, :left]).all()  # outside the encoder's view
+    for box in result.prompt_map.boxes:
+        assert left - 1 <= box.x and box.x + box.w <= left + IMAGE_SIZE + 1

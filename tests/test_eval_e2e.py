@@ -161,9 +161,12 @@ def test_box_share_equals_region_score(setup):
     scene = heldout_scenes(1, min_objects=3)[0]
     image = load_image(root / "data" / f"scene_{scene.seed}.png")
     inputs = build_inputs(processor, [image], ["Is there a red_circle in the image?"])
-    heat = grounding.heatmap(model, inputs, "red_circle", tokenizer=processor)[0][0]
+    heat = grounding.heatmap(model, inputs, "red_circle", processor=processor, images=[image])
+    heat = heat[0][0]
     box = [20.0, 30.0, 70.0, 50.0]
-    direct = grounding.region_score(model, inputs, box, "red_circle", tokenizer=processor)
+    direct = grounding.region_score(
+        model, inputs, box, "red_circle", processor=processor, images=[image]
+    )
     assert grounding.box_share(heat, box) == pytest.approx(float(direct[0]), abs=1e-6)
 
 

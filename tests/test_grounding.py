@@ -1,5 +1,6 @@
 """Grounding: probe rows against eager attention, map geometry for all four adapters (planted
-peaks), pixel alignment, boxes on synthetic blobs, MTLA region scores, localization heads."""
+peaks), boxes on synthetic blobs, MTLA region scores, localization heads, the one-pass API and
+its deprecated argument names."""
 
 from __future__ import annotations
 
@@ -11,9 +12,19 @@ from tiny_models import KINDS, make_inputs, make_model
 import vlm_focus._probe as probe_module
 from vlm_focus import grounding as G
 from vlm_focus._probe import AttentionProbe
-from vlm_focus.grounding._maps import build_map, cell_rectangles, view_frame
-from vlm_focus.model_adapters import ImageLayout, get_adapter
-from vlm_focus.model_adapters.base import grid_cells
+from vlm_focus.geometry import Frame, Size, rule_frame
+from vlm_focus.model_adapters import get_adapter
+
+
+def processed_sizes(kind: str, inputs: dict) -> list[Size] | None:
+    """Original sizes equal to the processed frames of the tiny inputs (8 pixels per cell) for
+    the layouts that do not carry a size (LLaVA, Qwen); ``None`` for LLaVA-NeXT."""
+    batch = inputs["input_ids"].shape[0]
+    if kind == "llava":
+        return [Size(32, 32)] * batch
+    if "image_grid_thw" in inputs:
+        return [Size(int(w) // 2 * 8, int(h) // 2 * 8) for _, h, w in inputs["image_grid_thw"]]
+    return None
 
 
 class WordTokenizer:
@@ -95,7 +106,7 @@ def test_planted_peak_lands_on_its_cell_and_pixels(kind, monkeypatch):
         targets.append(int(image.positions[idx]))
         cells.append((rows // 2, cols - 1))
     _plant(monkeypatch, targets)
-    maps = G.heatmap(model, inputs)
+    maps = G.heatmap(model, inputs, sizes=processed_sizes(kind, inputs))
     if kind == "qwen2_vl":  # a non-square merged grid in both rows
         assert [tuple(m[0].grid.shape) for m in maps] == [(4, 3), (2, 4)]
     if kind == "llava_next":  # base 4x4 plus unpadded multi-crop grids
@@ -107,37 +118,14 @@ def test_planted_peak_lands_on_its_cell_and_pixels(kind, monkeypatch):
         assert divmod(int(grid.argmax()), grid.shape[1]) == cells[b]
         assert heat.mass == pytest.approx(1.0, abs=1e-5)
         # the pixel peak lies inside the cell's pixel rectangle
-        rect = cell_rectangles(tuple(grid.shape), heat.frames[-1])[cells[b]]
-        y, x = divmod(int(heat.pixels.argmax()), heat.image_size[1])
-        assert rect[0] <= y + 0.5 <= rect[2] and rect[1] <= x + 0.5 <= rect[3]
+        x_lo, y_lo, x_hi, y_hi = heat.frames[-1].cells(tuple(grid.shape))[cells[b]].tolist()
+        y, x = divmod(int(heat.pixels.argmax()), heat.size.width)
+        assert x_lo <= x + 0.5 <= x_hi and y_lo <= y + 0.5 <= y_hi
         px, py = G.point(heat, sigma=0)
-        assert rect[0] <= py <= rect[2] and rect[1] <= px <= rect[3]
+        assert x_lo <= px <= x_hi and y_lo <= py <= y_hi
+        assert heat.pixels.shape == (heat.size.height, heat.size.width)
         if heat.layout.image_size is not None:
-            assert heat.image_size == tuple(heat.layout.image_size)
-
-
-@pytest.mark.parametrize("geometry", ["resize", "crop", "pad"])
-def test_upsampled_map_aligns_with_image_pixels(geometry):
-    rows, cols, size = 3, 4, (45, 80)  # a wide image
-    layout = ImageLayout(torch.arange(rows * cols), grid_cells(rows, cols), [(rows, cols)])
-    y0, x0, fh, fw = view_frame(size, geometry)
-    rects = cell_rectangles((rows, cols), (y0, x0, fh, fw))
-    for r, c in [(1, 1), (1, 2)]:
-        values = torch.zeros(rows * cols)
-        values[r * cols + c] = 1.0
-        heat = build_map(values, layout, size, geometry)
-        y, x = divmod(int(heat.pixels.argmax()), size[1])
-        lo_y, lo_x, hi_y, hi_x = rects[r, c].tolist()
-        assert lo_y <= y + 0.5 <= hi_y and lo_x <= x + 0.5 <= hi_x
-        # density integrates to the cell's mass (an interior cell, frame inside the image)
-        if geometry != "pad":
-            assert float(heat.pixels.sum()) == pytest.approx(1.0, rel=0.03)
-    if geometry == "crop":  # outside the central square nothing is seen
-        assert x0 == pytest.approx(17.5) and fw == 45
-        assert float(heat.pixels[:, :17].abs().sum()) == 0.0
-        assert float(heat.pixels[:, 63:].abs().sum()) == 0.0
-    if geometry == "pad":
-        assert y0 == pytest.approx(-17.5) and fh == 80
+            assert heat.size == heat.layout.image_size
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -146,7 +134,7 @@ def test_sdpa_and_eager_give_the_same_maps(kind):
     for attn in ("sdpa", "eager"):
         model = make_model(kind, attn)
         inputs = make_inputs(kind, model, batch=2)
-        maps[attn] = G.heatmap(model, inputs, layers=[0, 2])
+        maps[attn] = G.heatmap(model, inputs, layers=[0, 2], sizes=processed_sizes(kind, inputs))
     for row_s, row_e in zip(maps["sdpa"], maps["eager"], strict=True):
         for a, b in zip(row_s, row_e, strict=True):
             torch.testing.assert_close(a.grid, b.grid, atol=1e-5, rtol=1e-4)
@@ -169,15 +157,15 @@ def test_query_forms_agree_and_bad_queries_raise():
         torch.testing.assert_close(x[0].grid, y[0].grid, atol=0, rtol=0)
     single = {k: v[:1] for k, v in inputs.items()}
     phrase = tok.decode(single["input_ids"][0, -2:].tolist())
-    c = G.heatmap(model, single, phrase, tokenizer=tok)
+    c = G.heatmap(model, single, phrase, processor=tok)
     d = G.heatmap(model, single, single["input_ids"][0, -2:].tolist())
     torch.testing.assert_close(c[0][0].grid, a[0][0].grid, atol=1e-6, rtol=0)
     torch.testing.assert_close(d[0][0].grid, a[0][0].grid, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="empty"):
-        G.heatmap(model, single, "  ", tokenizer=tok)
-    with pytest.raises(ValueError, match="not found"):
-        G.heatmap(model, single, "xjjj", tokenizer=tok)  # token 999
-    with pytest.raises(ValueError, match="tokenizer"):
+        G.heatmap(model, single, "  ", processor=tok)
+    with pytest.raises(ValueError, match="not found in row 0 of the prompt's text$"):
+        G.heatmap(model, single, "xjjj", processor=tok)  # token 999, no answer: the prompt
+    with pytest.raises(ValueError, match="processor="):
         G.heatmap(model, single, "xab")
     with pytest.raises(TypeError):
         G.heatmap(model, single, 3.5)
@@ -242,10 +230,9 @@ def test_boxes_of_a_heatmap_are_in_image_pixels(monkeypatch):
     _plant(monkeypatch, [int(layout.positions[idx])])
     heat = G.heatmap(model, inputs)[0][0]
     (box,) = G.boxes(heat, threshold=0.5, sigma=0)
-    rect = cell_rectangles(tuple(heat.grid.shape), heat.frames[1])[1, 2].tolist()  # y0 x0 y1 x1
-    cell_box = [rect[1], rect[0], rect[3] - rect[1], rect[2] - rect[0]]
-    assert heat.image_size == (40, 70)
-    assert G.iou(box, cell_box) >= 0.5
+    x_lo, y_lo, x_hi, y_hi = heat.frames[1].cells(tuple(heat.grid.shape))[1, 2].tolist()
+    assert heat.size == Size(width=70, height=40)  # image_sizes [[40, 70]] are (height, width)
+    assert G.iou(box, [x_lo, y_lo, x_hi - x_lo, y_hi - y_lo]) >= 0.5
 
 
 # --- region scores (MTLA) -------------------------------------------------------------------
@@ -276,19 +263,24 @@ def test_region_score_matches_hand_computation(monkeypatch):
     _plant_rows(monkeypatch, {0: {cell_a: 0.5}, 1: {cell_b: 0.3, cell_a: 0.1}})
     seq = inputs["input_ids"].shape[1]
     tokens = torch.tensor([[seq - 2, seq - 1]])
-    inside_a = G.region_score(model, inputs, [0, 0, 8, 8], tokens)
+    gp = G.GroundingPass(model, inputs, sizes=Size(32, 32), rows=tokens)  # planted rows 0, 1
+    inside_a = gp.region_score(tokens, [0, 0, 8, 8])
     assert float(inside_a) == pytest.approx(0.6 / 0.9, abs=1e-6)
-    half_b = G.region_score(model, inputs, [24, 24, 4, 8], tokens)
+    half_b = gp.region_score(tokens, [24, 24, 4, 8])
     assert float(half_b) == pytest.approx(0.5 * 0.3 / 0.9, abs=1e-6)
-    disjoint = G.region_score(model, inputs, [8, 8, 16, 16], tokens)
+    disjoint = gp.region_score(tokens, [8, 8, 16, 16])
     assert float(disjoint) == pytest.approx(0.0, abs=1e-7)
-    assert float(G.region_score(model, inputs, [0, 0, 32, 32], tokens)) == pytest.approx(1.0)
+    assert float(gp.region_score(tokens, [0, 0, 32, 32])) == pytest.approx(1.0)
+    direct = G.region_score(model, inputs, [0, 0, 8, 8], tokens, sizes=Size(32, 32))
+    assert float(direct) == pytest.approx(float(inside_a), abs=1e-7)
     with pytest.raises(ValueError, match="outside"):
-        G.region_score(model, inputs, [20, 20, 16, 16], tokens)
+        gp.region_score(tokens, [20, 20, 16, 16])
     with pytest.raises(ValueError, match="non-positive"):
-        G.region_score(model, inputs, [0, 0, 0, 5], tokens)
+        gp.region_score(tokens, [0, 0, 0, 5])
     with pytest.raises(TypeError):
-        G.region_score(model, inputs, [0, 0, 5], tokens)
+        gp.region_score(tokens, [0, 0, 5])
+    with pytest.raises(ValueError, match="Pass images="):  # LLaVA inputs carry no size
+        G.region_score(model, inputs, [0, 0, 8, 8], tokens)
 
 
 def test_region_score_planted_box_beats_disjoint_and_ignores_token_order(monkeypatch):
@@ -298,15 +290,16 @@ def test_region_score_planted_box_beats_disjoint_and_ignores_token_order(monkeyp
     forward = torch.tensor([[seq - 3, seq - 2, seq - 1]] * 2)
     backward = forward.flip(1)
     box = [0, 0, 12, 16]
-    a = G.region_score(model, inputs, box, forward)
-    b = G.region_score(model, inputs, box, backward)
+    sizes = processed_sizes("qwen2_5_vl", inputs)
+    a = G.region_score(model, inputs, box, forward, sizes=sizes)
+    b = G.region_score(model, inputs, box, backward, sizes=sizes)
     torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)
     # plant: row b's image token at cell (0, 0) gets 0.7 of each query row
     targets = [int(layout[b][0].positions[0]) for b in range(2)]
     _plant(monkeypatch, targets, mass=0.7)
-    holding = G.region_score(model, inputs, [0, 0, 8, 8], forward)
-    disjoint = G.region_score(model, inputs, [16, 8, 8, 8], forward)
+    holding = G.region_score(model, inputs, [0, 0, 8, 8], forward, sizes=sizes)
+    disjoint = G.region_score(model, inputs, [16, 8, 8, 8], forward, sizes=sizes)
     assert bool((holding > 0.99).all()) and bool((disjoint < 1e-6).all())
 
 
@@ -319,8 +312,9 @@ def test_region_score_of_generated_tokens_equals_describe_and_ground():
             :, inputs["input_ids"].shape[1] :
         ]
     name = tok.word(int(answer[0, 1]))
+    sizes = Size(32, 32)
     results = G.describe_and_ground(
-        model, inputs, tokenizer=tok, objects=[name], max_new_tokens=4,
+        model, inputs, processor=tok, objects=[name], max_new_tokens=4, sizes=sizes,
         generate_kwargs={"min_new_tokens": 4},
     )  # fmt: skip
     assert torch.equal(results[0].answer_ids, answer[0])
@@ -330,12 +324,12 @@ def test_region_score_of_generated_tokens_equals_describe_and_ground():
     mask = torch.zeros(2, inputs["input_ids"].shape[1] + 4, dtype=torch.bool)
     mask[0, phrase.positions] = True
     mask[1, -1] = True
-    direct = G.region_score(model, inputs, phrase.box, mask, answer=answer)
+    direct = G.region_score(model, inputs, phrase.box, mask, answer=answer, sizes=sizes)
     assert float(direct[0]) == pytest.approx(phrase.score, abs=1e-6)
     maps = G.heatmap(model, inputs, mask, answer=answer)
     torch.testing.assert_close(maps[0][0].grid, phrase.map.grid, atol=1e-7, rtol=0)
     # a phrase of the answer found by text
-    by_text = G.heatmap(model, {k: v[:1] for k, v in inputs.items()}, name, tokenizer=tok,
+    by_text = G.heatmap(model, {k: v[:1] for k, v in inputs.items()}, name, processor=tok,
                         answer=answer[:1])  # fmt: skip
     torch.testing.assert_close(by_text[0][0].grid, phrase.map.grid, atol=1e-6, rtol=0)
 
@@ -348,8 +342,8 @@ def test_localization_heads_pick_the_planted_heads(monkeypatch, tmp_path):
     diffuse = {(0, 1), (2, 3)}
     real = probe_module.layer_attention_rows
 
-    def fake(adapter, layer, hidden, kwargs, local, rows, past, valid):
-        probs = real(adapter, layer, hidden, kwargs, local, rows, past, valid)
+    def fake(adapter, layer, hidden, kwargs, local, rows, *rest):
+        probs = real(adapter, layer, hidden, kwargs, local, rows, *rest)
         index = layers.index(layer)
         visual = adapter.visual_mask(model, fake.input_ids)  # [B, S]
         out = torch.zeros_like(probs)
@@ -397,22 +391,35 @@ def test_localization_heads_pick_the_planted_heads(monkeypatch, tmp_path):
         G.heatmap(model, inputs, heads={1: [9]})
 
 
-def test_default_geometry_follows_the_adapter_and_can_be_overridden():
-    model = make_model("llava")  # its adapter declares the base view square-padded
+def test_without_a_processor_the_adapters_fallback_places_the_grid():
+    model = make_model("llava")  # LLaVA's fallback: CLIP-style shortest-side resize + centre crop
     inputs = make_inputs("llava", model, batch=1)
-    padded = G.heatmap(model, inputs, image_size=(40, 60))[0][0]
-    assert padded.image_size == (40, 60)
-    assert padded.frames == [view_frame((40, 60), "pad")]
-    cropped = G.heatmap(model, inputs, image_size=(40, 60), geometry="crop")[0][0]
-    assert cropped.frames == [view_frame((40, 60), "crop")]
-    torch.testing.assert_close(padded.grid, cropped.grid, atol=0, rtol=0)
+    size = Size(width=60, height=40)
+    cropped = G.heatmap(model, inputs, sizes=size)[0][0]
+    assert cropped.size == size and cropped.pixels.shape == (40, 60)
+    assert cropped.frames == [Frame(10.0, 0.0, 40.0, 40.0)]
     assert float(cropped.pixels[:, :10].abs().sum()) == 0.0  # outside the central square
-    next_model = make_model("qwen2_vl")
-    heat = G.heatmap(next_model, make_inputs("qwen2_vl", next_model, batch=1))[0][0]
-    assert heat.frames == [(0.0, 0.0, 32.0, 24.0)] and heat.image_size == (32, 24)
+    padded = G.heatmap(model, inputs, sizes=size, geometry="pad")[0][0]
+    assert padded.frames == [rule_frame(size, "pad")]
+    torch.testing.assert_close(padded.grid, cropped.grid, atol=0, rtol=0)
+    # no size: the grid is there, pixels raise and say what to pass
+    bare = G.heatmap(model, inputs)[0][0]
+    torch.testing.assert_close(bare.grid, cropped.grid, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"unknown .*'llava'.*Pass images="):
+        _ = bare.pixels
+    with pytest.raises(ValueError, match="Pass images="):
+        G.point(bare)
+    qwen = make_model("qwen2_vl")
+    q_inputs = make_inputs("qwen2_vl", qwen, batch=1)  # merged grid 4 x 3 (rows x cols)
+    heat = G.heatmap(qwen, q_inputs, sizes=Size(width=30, height=40))[0][0]
+    assert heat.frames == [Frame(0.0, 0.0, 30.0, 40.0)]
+    with pytest.raises(ValueError, match="swapped"):
+        G.heatmap(qwen, q_inputs, sizes=Size(width=40, height=30))
+    with pytest.raises(TypeError, match="ambiguous"):
+        G.heatmap(qwen, q_inputs, sizes=(30, 40))
 
 
-def test_probing_a_pruned_layer_raises_and_earlier_layers_work():
+def test_layers_before_the_pruning_layer_read_as_unpruned():
     import vlm_focus as vf
 
     model = make_model("llava")
@@ -420,8 +427,6 @@ def test_probing_a_pruned_layer_raises_and_earlier_layers_work():
     plain = G.heatmap(model, inputs, layers=[0, 1])
     with vf.wrap(model, pruner="fastv", keep=0.5, layer=2):
         same = G.heatmap(model, inputs, layers=[0, 1])
-        with pytest.raises(ValueError, match="unpruned"):
-            G.heatmap(model, inputs, layers=[3])
     for a, b in zip(plain, same, strict=True):
         torch.testing.assert_close(a[0].grid, b[0].grid, atol=1e-6, rtol=0)
 
@@ -430,8 +435,8 @@ def test_describe_and_ground_without_a_vocabulary_grounds_each_content_word():
     model = make_model("qwen2_vl")
     inputs = make_inputs("qwen2_vl", model, batch=2)
     results = G.describe_and_ground(
-        model, inputs, tokenizer=WordTokenizer(), max_new_tokens=3,
-        generate_kwargs={"min_new_tokens": 3},
+        model, inputs, processor=WordTokenizer(), max_new_tokens=3,
+        sizes=processed_sizes("qwen2_vl", inputs), generate_kwargs={"min_new_tokens": 3},
     )  # fmt: skip
     seq = inputs["input_ids"].shape[1]
     for b, described in enumerate(results):
@@ -441,3 +446,168 @@ def test_describe_and_ground_without_a_vocabulary_grounds_each_content_word():
             assert phrase.map.row == b and phrase.map.grid.shape == ((4, 3) if b == 0 else (2, 4))
             assert phrase.box is not None
             assert phrase.score == pytest.approx(G.box_share(phrase.map, phrase.box))
+
+
+# --- the one-pass API -----------------------------------------------------------------------
+class UnkTokenizer(WordTokenizer):
+    """A WordTokenizer that spells words it cannot parse as its unknown token (id 2)."""
+
+    unk_token_id, unk_token = 2, "<unk>"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out = []
+        for w in text.split():
+            try:
+                out.append(int("".join(str(self.letters.index(c)) for c in w[1:])))
+            except ValueError:
+                out.append(self.unk_token_id)
+        return out
+
+
+def test_one_pass_serves_every_query_and_equals_the_wrappers():
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model, batch=2)
+    sizes = processed_sizes("qwen2_vl", inputs)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        gp = G.GroundingPass(model, inputs, sizes=sizes, layers=[1, 2])
+        seq = inputs["input_ids"].shape[1]
+        last_two = torch.tensor([[seq - 2, seq - 1]] * 2)
+        maps = gp.maps(last_two)
+        instruction = gp.maps()
+        assert len(calls) == 1  # one forward for every query
+    finally:
+        hook.remove()
+    ref = G.heatmap(model, inputs, last_two, sizes=sizes, layers=[1, 2])
+    default = G.heatmap(model, inputs, sizes=sizes, layers=[1, 2])  # the instruction
+    for b in range(2):
+        torch.testing.assert_close(maps[b][0].grid, ref[b][0].grid, atol=1e-6, rtol=0)
+        torch.testing.assert_close(maps[b][0].pixels, ref[b][0].pixels, atol=1e-6, rtol=0)
+        torch.testing.assert_close(instruction[b][0].grid, default[b][0].grid, atol=1e-6, rtol=0)
+        one = gp.map(last_two, row=b)
+        torch.testing.assert_close(one.grid, maps[b][0].grid, atol=0, rtol=0)
+        assert gp.point(last_two, row=b) == G.point(maps[b][0])
+        assert gp.boxes(last_two, row=b) == G.boxes(maps[b][0])
+    box = [0, 0, 8, 8]
+    torch.testing.assert_close(
+        gp.region_score(last_two, box),
+        G.region_score(model, inputs, box, last_two, sizes=sizes, layers=[1, 2]),
+        atol=1e-6,
+        rtol=0,
+    )
+    with pytest.raises(ValueError, match="not recorded"):
+        G.GroundingPass(model, inputs, rows=last_two[:, 1:]).maps(last_two)
+
+
+def test_old_argument_names_warn_and_give_the_same_answer():
+    model = make_model("llava")
+    inputs = {k: v[:1] for k, v in make_inputs("llava", model, batch=1).items()}
+    tok = WordTokenizer()
+    phrase = tok.decode(inputs["input_ids"][0, -2:].tolist())
+    new = G.heatmap(model, inputs, phrase, processor=tok, sizes=Size(width=48, height=32))[0][0]
+    with pytest.warns(DeprecationWarning, match="tokenizer"):
+        with pytest.warns(DeprecationWarning, match=r"image_size=\(height, width\)"):
+            old = G.heatmap(model, inputs, phrase, tokenizer=tok, image_size=(32, 48))[0][0]
+    assert old.size == new.size == Size(48, 32)
+    torch.testing.assert_close(old.pixels, new.pixels, atol=0, rtol=0)
+    with pytest.warns(DeprecationWarning, match=r"HeatMap.image_size"):
+        assert new.image_size == (32, 48)
+    box = [8, 4, 16, 16]
+    score = G.region_score(model, inputs, box, phrase, processor=tok, sizes=Size(48, 32))
+    with pytest.warns(DeprecationWarning, match="tokens="):
+        old_score = G.region_score(
+            model, inputs, box, tokens=phrase, processor=tok, sizes=Size(48, 32)
+        )
+    torch.testing.assert_close(score, old_score, atol=0, rtol=0)
+
+
+def test_error_messages_name_the_place_and_the_unknown_token():
+    model = make_model("llava")
+    inputs = {k: v[:1] for k, v in make_inputs("llava", model, batch=1).items()}
+    gp = G.GroundingPass(model, inputs, processor=UnkTokenizer())
+    with pytest.raises(ValueError, match="not found in row 0 of the prompt's text") as err:
+        gp.map("xjjj")
+    assert "answer" not in str(err.value)
+    with pytest.raises(ValueError, match="unknown token '<unk>' \\(id 2\\)"):
+        gp.map("red_circle")
+    with pytest.raises(ValueError, match="source='answer' needs answer="):
+        gp.map("xab", source="answer")
+
+
+def test_answer_is_trimmed_at_its_first_end_of_sequence_token():
+    model = make_model("llava")
+    inputs = make_inputs("llava", model, batch=2)
+    eos = int(model.generation_config.eos_token_id or 2)
+    model.generation_config.eos_token_id = eos
+    answer = torch.tensor([[5, 6, eos, 7, 8], [9, 10, 11, 12, 13]])
+    trimmed = G.GroundingPass(model, inputs, answer=answer)
+    assert trimmed.answer_ids(0).tolist() == [5, 6] and trimmed.answer_ids(1).tolist() == [
+        9, 10, 11, 12, 13
+    ]  # fmt: skip
+    short = G.GroundingPass(model, {k: v[:1] for k, v in inputs.items()}, answer=answer[:1, :2])
+    torch.testing.assert_close(trimmed.map(row=0).grid, short.map().grid, atol=1e-6, rtol=0)
+
+
+def test_mentions_of_the_answer_and_the_prompt():
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model, batch=1)
+    tok = WordTokenizer()
+    answer = torch.tensor([[57, 5, 63]])  # xfh, xf (too short for a content word), xgd
+    gp = G.GroundingPass(model, inputs, processor=tok, answer=answer, sizes=Size(24, 32))
+    seq = inputs["input_ids"].shape[1]
+    (found,) = gp.mentions()
+    assert [(m.text, m.positions, m.source) for m in found] == [
+        ("xfh", (seq,), "answer"), ("xgd", (seq + 2,), "answer")
+    ]  # fmt: skip
+    assert [m.positions for m in gp.mentions(objects=["xgd"])[0]] == [(seq + 2,)]
+    torch.testing.assert_close(
+        gp.map(found[1]).grid, gp.map(torch.tensor([[seq + 2]])).grid, atol=0, rtol=0
+    )
+    both = gp.map(found)  # several mentions of one row: one map of all their tokens
+    torch.testing.assert_close(
+        both.grid, gp.map(torch.tensor([[seq, seq + 2]])).grid, atol=0, rtol=0
+    )
+    last = inputs["input_ids"][0, -1:].tolist()
+    within = gp.mentions(source="prompt", within=tok.decode(last))[0]
+    assert [m.positions for m in within] == [(seq - 1,)]
+    assert gp.answer_text() == "xfh xf xgd"
+
+
+def test_ground_gives_the_map_point_and_boxes_in_the_images_pixels():
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+
+    import vlm_focus as vf
+    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    processor = build_processor(SPECS["tiny"])
+    image = Image.new("RGB", (120, 80), (128, 128, 128))
+    found = vf.ground(model, processor, image, "red_circle")
+    assert found.map.size == Size(120, 80) and found.map.pixels.shape == (80, 120)
+    # the organism's processor centre-crops: the frame is the central 80 x 80 square
+    assert found.map.frames == [Frame(20.0, 0.0, 80.0, 80.0)]
+    assert 20 <= found.point[0] <= 100 and 0 <= found.point[1] <= 80
+    assert found.boxes and found.scores == [G.box_share(found.map, b) for b in found.boxes]
+    from vlm_focus.loading import build_inputs
+
+    inputs = build_inputs(processor, image, "Is there a red_circle in the image?")
+    ref = G.heatmap(model, inputs, "red_circle", processor=processor, images=[image])[0][0]
+    torch.testing.assert_close(found.map.pixels, ref.pixels, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="does not contain"):
+        vf.ground(model, processor, image, "red_circle", prompt="Describe it.")
+
+
+def test_import_vlm_focus_loads_neither_opencv_nor_a_modeling_module():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vlm_focus as vf; assert callable(vf.ground); "
+        "bad = sorted(m for m in sys.modules if m == 'cv2' or m.startswith('cv2.') or "
+        "(m.startswith('transformers.models.') and '.modeling_' in m)); print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -111,12 +111,19 @@ def test_padding_patches_with_inflated_scores_are_suppressed():
     ctx = make_ctx(single_image(log_scores), [[grid_layout(2, SIDE, SIDE)]])
     fastv = top_cells(_pruner("fastv").select(ctx, 12).scores, ctx, 12)
     assert all(i // SIDE in (0, 1, 2, 9, 10, 11) for i in fastv)
-    options = dict(positional=False, sinks=False, image_sizes=[(200, 400)])  # pad rows 0-2, 9-11
+    # a 400 x 200 image padded to a square (LLaVA's fallback is a centre crop: say so)
+    size = {"width": 400, "height": 200}
+    options = dict(positional=False, sinks=False, pad_to_square=True, image_sizes=[size])
     debiased = _pruner("debiased", **options).select(ctx, 12).scores
     assert top_cells(debiased, ctx, 12) == target
     assert float(debiased[0, 2 : 2 + 3 * SIDE].abs().sum()) == 0.0  # pure padding: zero
     off = _pruner("debiased", **{**options, "padding": False}).select(ctx, 12).scores
     assert top_cells(off, ctx, 12) == fastv
+    cropped = _pruner("debiased", **{**options, "pad_to_square": None}).select(ctx, 12).scores
+    assert top_cells(cropped, ctx, 12) == fastv  # the adapter's fallback pads nothing
+    with pytest.warns(DeprecationWarning, match="height, width"):
+        legacy = _pruner("debiased", **{**options, "image_sizes": [(200, 400)]})
+    torch.testing.assert_close(legacy.select(ctx, 12).scores, debiased, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("sink_by", ["activation", "attention", "both"])

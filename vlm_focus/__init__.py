@@ -6,6 +6,7 @@ for Hugging Face vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL
     model.generate(**inputs)
     handle.last_trace.kept
     handle.remove()
+    found = vf.ground(model, processor, image, "red circle")  # map, point, boxes in its pixels
 """
 
 from . import grounding, hallucination
@@ -17,6 +18,20 @@ from .trace import FocusTrace, StageTrace
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``vf.ground`` (grounding's one-call convenience) and ``vf.geometry``, imported on use."""
+    if name == "ground":
+        from .grounding import ground
+
+        return ground
+    if name == "geometry":
+        from . import geometry
+
+        return geometry
+    raise AttributeError(f"module 'vlm_focus' has no attribute {name!r}")
+
+
 __all__ = [
     "FocusConfig",
     "FocusHandle",
@@ -25,6 +40,8 @@ __all__ = [
     "Pruner",
     "StageTrace",
     "__version__",
+    "geometry",
+    "ground",
     "grounding",
     "hallucination",
     "pruner_options",

@@ -11,8 +11,8 @@ import cv2
 import numpy as np
 import torch
 
+from ..geometry import Frame
 from ..grounding import Box
-from ..grounding._maps import cell_rectangles
 
 #: Box colours (RGB), best box first.
 BOX_COLOURS = ((255, 255, 255), (255, 220, 0), (0, 230, 255), (255, 120, 255))
@@ -80,28 +80,33 @@ def draw_boxes(
 def kept_mask_overlay(
     image: np.ndarray,
     kept: np.ndarray | torch.Tensor,
-    frame: tuple[float, float, float, float],
+    frame: Frame,
     *,
     dim: float = 0.25,
     outline: bool = True,
 ) -> np.ndarray:
     """Darken the pixels of pruned grid cells and outline the kept ones.
 
-    ``kept [rows, cols]`` bool is one view's grid; ``frame`` the ``(y0, x0, height, width)``
-    pixel region that grid spans (``grounding._maps.view_frame``). Pixels of a pruned cell are
-    scaled by ``dim``; pixels outside the frame stay as they are.
+    ``kept [rows, cols]`` bool is one view's grid; ``frame`` the
+    :class:`~vlm_focus.geometry.Frame` ``(x0, y0, width, height)`` that grid spans in the image's
+    pixels (``vlm_focus.geometry.model_frames``). Pixels of a pruned cell are scaled by ``dim``;
+    pixels outside the frame stay as they are.
     """
+    if not isinstance(frame, Frame):
+        raise TypeError(
+            f"frame must be a vlm_focus.geometry.Frame(x0, y0, width, height), got {frame!r}"
+        )
     out = _check_image(image).copy()
     kept_t = torch.as_tensor(np.asarray(kept, dtype=bool))
     if kept_t.dim() != 2:
         raise ValueError(f"kept must be a [rows, cols] bool grid, got {list(kept_t.shape)}")
     height, width = out.shape[:2]
-    rects = cell_rectangles(tuple(kept_t.shape), frame).round().long()  # [rows, cols, 4]
+    rects = frame.cells(tuple(kept_t.shape)).round().long()  # [rows, cols, 4] x_lo y_lo x_hi y_hi
     pruned = np.zeros((height, width), dtype=bool)
     boxes = []
     for r in range(kept_t.shape[0]):
         for c in range(kept_t.shape[1]):
-            y_lo, x_lo, y_hi, x_hi = (int(v) for v in rects[r, c])
+            x_lo, y_lo, x_hi, y_hi = (int(v) for v in rects[r, c])
             y_lo, y_hi = max(0, y_lo), min(height, y_hi)
             x_lo, x_hi = max(0, x_lo), min(width, x_hi)
             if y_hi <= y_lo or x_hi <= x_lo:

@@ -15,9 +15,11 @@ What one request computes, all on the model the app loaded once:
 3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
    adapter's layout to grid cells, drawn over the image;
 4. attention maps from one teacher-forced pass over prompt + pruned answer on the unpruned model
-   (``grounding.heatmap``'s TAG maps): one for the prompt's content words, one per object word of
-   the answer, each with boxes (``grounding.boxes``) and their region score (the MTLA share of the
-   map's attention inside the box, ``grounding.box_share``).
+   (a ``grounding.GroundingPass``, TAG maps): one for the prompt's content words, one per object
+   word of the answer (its ``mentions()``), each with boxes (``grounding.boxes``) and their region
+   score (the MTLA share of the map's attention inside the box, ``grounding.box_share``). The
+   maps and the kept-token mask sit on the image through ``vlm_focus.geometry``, from the
+   processor's own settings.
 """
 
 from __future__ import annotations
@@ -41,21 +43,8 @@ from torch import nn
 import vlm_focus as vf
 
 from .. import hallucination as hal
-from ..grounding import GENERIC_PROMPT, Box, box_share, boxes
-from ..grounding._describe import STOP_WORDS, _mentions
-from ..grounding._maps import (
-    HeatMap,
-    _tokenizer_of,
-    _weights,
-    extend_with_answer,
-    head_weights,
-    maps_from_values,
-    probe_forward,
-    query_mask,
-    token_attention,
-    view_frame,
-    view_geometries,
-)
+from ..geometry import Frame, as_size, model_frames
+from ..grounding import GENERIC_PROMPT, Box, GroundingPass, HeatMap, box_share, boxes
 from ..loading import build_inputs, decode_new_tokens
 from ..model_adapters import ImageLayout, get_adapter, supported_models
 from ..timing import median_seconds, prefill_fn
@@ -376,12 +365,10 @@ def _compute(
     answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
 
     image = np.asarray(picture, dtype=np.uint8)
-    size = (image.shape[0], image.shape[1])
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
-    geometry = _pixel_geometry(processor, layout)
+    frames = model_frames(model, layout, as_size(picture), processor=processor)
     kept = trace.kept[0].to(layout.positions.device)
-    geometries = view_geometries(model, len(layout.grids), geometry)
-    grid, frame = kept_grid(layout, kept, size, geometries)
+    grid, frame = kept_grid(layout, kept, frames)
     kept_overlay = kept_mask_overlay(image, grid, frame)
 
     prompt_len = inputs["input_ids"].shape[1]
@@ -390,11 +377,11 @@ def _compute(
         tokens = processor.tokenizer.convert_ids_to_tokens(pruned_seq[0, prompt_len:].tolist())
         panels = []
         for step in trace.fixations[:MAX_FIXATION_STEPS]:
-            grid, frame = kept_grid(layout, step[0], size, geometries)
+            grid, frame = kept_grid(layout, step[0], frames)
             panels.append(kept_mask_overlay(image, grid, frame, dim=0.35))
         strip = frame_strip(panels, [str(t) for t in tokens[1 : len(panels) + 1]])
     prompt_map, object_maps = _ground(
-        model, processor, inputs, prompt, pruned_seq[:1, prompt_len:], image, geometry
+        model, processor, inputs, prompt, pruned_seq[:1, prompt_len:], image
     )
     notices = []
     if prompt_map is None:
@@ -432,29 +419,12 @@ def prefill_seconds(
     return statistics.median(unpruned), statistics.median(pruned)
 
 
-def _pixel_geometry(processor: Any, layout: ImageLayout) -> str | None:
-    """How a single-view grid sits on the original image, read from the processor that made it
-    (``do_pad``: padded to a square; ``do_center_crop``: centre crop); ``None`` leaves it to
-    the adapter's per-view default."""
-    image_processor = getattr(processor, "image_processor", None)
-    if len(layout.grids) != 1 or image_processor is None:
-        return None
-    if getattr(image_processor, "do_pad", False):
-        return "pad"
-    if getattr(image_processor, "do_center_crop", False):
-        return "crop"
-    return None
-
-
 def kept_grid(
-    layout: ImageLayout,
-    kept: torch.Tensor,
-    image_size: tuple[int, int],
-    geometries: Sequence[str],
-) -> tuple[np.ndarray, tuple[float, float, float, float]]:
+    layout: ImageLayout, kept: torch.Tensor, frames: Sequence[Frame]
+) -> tuple[np.ndarray, Frame]:
     """``[rows, cols]`` bool of the image's finest view (True = token kept) and that view's
-    pixel frame (``geometries``: one per view). ``kept`` are original sequence positions
-    (``trace.kept[row]``)."""
+    :class:`~vlm_focus.geometry.Frame` (``frames``: one per view, from
+    ``vlm_focus.geometry``). ``kept`` are original sequence positions (``trace.kept[row]``)."""
     view = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
     rows, cols = layout.grids[view]
     survived = torch.isin(layout.positions, kept.to(layout.positions.device))
@@ -462,45 +432,14 @@ def kept_grid(
     sel = (cells[:, 0] == view) & (cells[:, 1] >= 0)
     grid = torch.zeros(rows, cols, dtype=torch.bool)
     grid[cells[sel, 1].cpu(), cells[sel, 2].cpu()] = survived[sel].cpu()
-    return grid.numpy(), view_frame(image_size, geometries[view])
-
-
-def _content(tok: Any, ids: list[int]) -> list[bool]:
-    """Per token: does it decode to a word that can name something (not a stop word)?"""
-    out = []
-    for t in ids:
-        word = tok.decode([t]).strip().lower()
-        out.append(len(word) > 2 and word.replace("_", "").isalpha() and word not in STOP_WORDS)
-    return out
-
-
-def _prompt_query(
-    tok: Any, input_ids: torch.Tensor, text: torch.Tensor, prompt: str
-) -> tuple[torch.Tensor, str] | None:
-    """``[1, S]`` bool query over the prompt's content words (or all of its text) and a label.
-
-    The prompt is looked up among the text tokens after the image (chat-template words such as
-    the assistant tag are left out when it is found)."""
-    try:
-        where = query_mask(input_ids, prompt, where=text, tokenizer=tok)
-    except ValueError:
-        where = text.clone()
-    ids = input_ids[0].tolist()
-    content = torch.tensor(_content(tok, ids), device=input_ids.device)
-    query = where & content[None]
-    if bool(query.any()):
-        label_ids = [ids[i] for i in torch.nonzero(query[0]).flatten().tolist()]
-        return query, tok.decode(label_ids, skip_special_tokens=True).strip()
-    if bool(where.any()):
-        return where, prompt  # no content word: the whole prompt is the query
-    return None
+    return grid.numpy(), frames[view]
 
 
 def _boxes(heat: HeatMap, max_boxes: int) -> list[Box]:
     """``grounding.boxes`` of the map; above ``BOX_SIDE`` pixels it runs on the map resized to
     ``BOX_SIDE`` (area interpolation) and the boxes are scaled back, since its smoothing kernel
     grows with the image's pixels per grid cell."""
-    height, width = heat.image_size
+    width, height = heat.size
     scale = BOX_SIDE / max(height, width)
     if scale >= 1:
         return boxes(heat, max_boxes=max_boxes)
@@ -524,41 +463,11 @@ def _ground(
     prompt: str,
     answer: torch.Tensor,
     image: np.ndarray,
-    geometry: str | None,
 ) -> tuple[GroundedMap | None, list[GroundedMap]]:
     """Prompt and answer-object maps from one teacher-forced pass over prompt + answer."""
-    tok = _tokenizer_of(processor)
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if pad is not None:
-        stop.add(pad)
-    tokens = answer[0].tolist()
-    n = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
-    answer = answer[:, :n]
-    prompt_len = inputs["input_ids"].shape[1]
-    full, is_answer = extend_with_answer(inputs, answer)
-    input_ids = full["input_ids"]
-    valid = full["attention_mask"].bool()
-    visual = get_adapter(model).visual_mask(model, input_ids)
-    index = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    last_visual = torch.where(visual, index, -1).amax(1, keepdim=True)
-    text = valid & ~visual & ~is_answer & (index > last_visual)
-    found = _prompt_query(tok, input_ids, text, prompt)
-    mentions = _mentions(answer[0].tolist(), tok, None) if n else []
-    rows = is_answer.clone()
-    if found is not None:
-        rows |= found[0]
-    if not bool(rows.any()):
-        return None, []
-    probed = probe_forward(model, full, rows, None)
-    weights = head_weights(None, probed.layers, probed.n_heads)
-    size = (image.shape[0], image.shape[1])
+    gp = GroundingPass(model, inputs, processor=processor, images=[image], answer=answer)
 
-    def grounded(query: torch.Tensor, phrase: str, max_boxes: int) -> GroundedMap:
-        per_head = token_attention(probed, _weights(probed, query), per_head=True)
-        values = [[(x * weights[..., None]).sum((0, 1)) for x in row] for row in per_head]
-        heat: HeatMap = maps_from_values(model, probed, values, size, geometry)[0][0]
+    def grounded(heat: HeatMap, phrase: str, max_boxes: int) -> GroundedMap:
         found_boxes = _boxes(heat, max_boxes)
         scores = [box_share(heat, b) for b in found_boxes]
         labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
@@ -566,12 +475,23 @@ def _ground(
         overlay = draw_boxes(heat_overlay(image, heat.pixels), found_boxes, labels)
         return GroundedMap(phrase, overlay, found_boxes, scores, heat)
 
-    prompt_map = grounded(found[0], found[1], MAX_BOXES) if found is not None else None
-    object_maps = []
-    for phrase, idx in mentions:
-        query = torch.zeros_like(is_answer)
-        query[0, [prompt_len + i for i in idx]] = True
-        object_maps.append(grounded(query, phrase, 1))
+    # the prompt's content words inside the user's question (not the chat template's words);
+    # without any, the question as a whole, or the whole instruction
+    words = gp.mentions(source="prompt", within=prompt)[0]
+    prompt_map = None
+    if words:
+        ids = [int(gp.inputs["input_ids"][0, p]) for m in words for p in m.positions]
+        tok = getattr(processor, "tokenizer", processor)
+        label = tok.decode(ids, skip_special_tokens=True).strip()
+        prompt_map = grounded(gp.map(words), label, MAX_BOXES)
+    else:
+        for query in (prompt, None):
+            try:
+                prompt_map = grounded(gp.map(query, source="prompt"), prompt, MAX_BOXES)
+                break
+            except ValueError:
+                continue
+    object_maps = [grounded(gp.map(m), m.text, 1) for m in gp.mentions(source="answer")[0]]
     return prompt_map, object_maps
 
 

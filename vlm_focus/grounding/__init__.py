@@ -1,31 +1,46 @@
 """Grounding from a VLM's own attention: maps, points, boxes, region scores, localization heads.
 
-    from vlm_focus import grounding
-    maps = grounding.heatmap(model, inputs, "red_circle", tokenizer=processor)
-    x, y = grounding.point(maps[0][0])
-    best = grounding.boxes(maps[0][0])[0]            # Box(x, y, w, h, score) in image pixels
-    grounding.region_score(model, inputs, best.xywh, "red_circle", tokenizer=processor)
+    import vlm_focus as vf
+    found = vf.ground(model, processor, image, "red_circle")   # one call, the image's pixels
+    found.point, found.boxes[0], found.map.pixels
 
+    from vlm_focus import grounding
+    gp = grounding.GroundingPass(model, inputs, processor=processor, images=[image])
+    heat = gp.map("red_circle")                     # HeatMap: .grid cells, .pixels [H, W]
+    x, y = gp.point("red_circle")                   # peak in image pixels
+    best = gp.boxes("red_circle")[0]                # Box(x, y, w, h, score) in image pixels
+    gp.region_score("red_circle", best)             # MTLA share, one per batch row
+
+One forward pass serves every phrase of the prompt and of a generated ``answer=``. Where the
+grid cells sit in the photo comes from :mod:`vlm_focus.geometry`, which reads the processor's own
+settings; pass ``images=`` (or ``sizes=``) where the inputs do not carry the original size.
 Everything runs under SDPA: attention rows are recomputed from each layer's q/k through hooks.
 """
 
 from ._boxes import Box, boxes, iou, point
 from ._describe import Described, GroundedPhrase, describe_and_ground
 from ._heads import LocalizationHeads, load_heads, save_heads, select_localization_heads
-from ._maps import GENERIC_PROMPT, GEOMETRIES, HeatMap, heatmap
-from ._region import box_share, region_score
+from ._maps import GENERIC_PROMPT, GEOMETRIES, HeatMap
+from ._pass import Grounding, GroundingPass, Mention, ground, heatmap, region_score
+from ._region import box_share
+from ._words import STOP_WORDS
 
 __all__ = [
     "GENERIC_PROMPT",
     "GEOMETRIES",
+    "STOP_WORDS",
     "Box",
     "Described",
     "GroundedPhrase",
+    "Grounding",
+    "GroundingPass",
     "HeatMap",
     "LocalizationHeads",
+    "Mention",
     "box_share",
     "boxes",
     "describe_and_ground",
+    "ground",
     "heatmap",
     "iou",
     "load_heads",

@@ -1,10 +1,12 @@
-"""Points and boxes from attention maps: Gaussian smoothing, a threshold, connected components."""
+"""Points and boxes from attention maps: Gaussian smoothing, a threshold, connected components.
+
+OpenCV is imported on first use, so that ``import vlm_focus`` stays fast.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cv2
 import numpy as np
 import torch
 
@@ -28,13 +30,15 @@ class Box:
         return [self.x, self.y, self.w, self.h]
 
 
-def _pixels(source: MapLike) -> tuple[np.ndarray, float]:
-    """(``[H, W]`` float64 map, default smoothing sigma in pixels)."""
+def _pixels(source: MapLike) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """(``[H, W]`` float64 map, default smoothing sigma in pixels, ``[H, W]`` bool support or
+    ``None`` for all of it)."""
     if isinstance(source, HeatMap):
+        (width, height), _ = source.require_pixels()
         rows, cols = source.grid.shape
-        height, width = source.image_size
         cell = min(height / rows, width / cols)
-        return source.pixels.numpy().astype(np.float64), 0.5 * cell
+        pixels = source.pixels.numpy().astype(np.float64)
+        return pixels, 0.5 * cell, source.support.numpy()
     if isinstance(source, torch.Tensor):
         source = source.detach().cpu().double().numpy()
     if not isinstance(source, np.ndarray):
@@ -43,26 +47,37 @@ def _pixels(source: MapLike) -> tuple[np.ndarray, float]:
         raise ValueError(f"a map must be 2-D [H, W], got shape {list(source.shape)}")
     if not np.isfinite(source).all():
         raise ValueError("the map holds NaN or infinite values")
-    return source.astype(np.float64), 1.0
+    return source.astype(np.float64), 1.0, None
 
 
-def smooth(pixels: np.ndarray, sigma: float) -> np.ndarray:
-    """Gaussian smoothing (``cv2.GaussianBlur``, kernel ``2*ceil(3 sigma)+1``); 0 = none."""
+def smooth(pixels: np.ndarray, sigma: float, support: np.ndarray | None = None) -> np.ndarray:
+    """Gaussian smoothing restricted to ``support`` (default: every pixel), by normalised
+    convolution: ``G * (m s) / G * s`` on the support ``s`` and 0 off it (``G``:
+    ``cv2.GaussianBlur``, kernel ``2*ceil(3 sigma)+1``, zeros beyond the border). A pixel near
+    the edge of what the encoder saw averages only seen pixels, wherever that edge lies in the
+    image (the image's border, or a centre crop's side). ``sigma = 0``: none."""
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
+    mask = np.ones(pixels.shape) if support is None else support.astype(np.float64)
     if sigma == 0:
-        return pixels
+        return pixels * mask
+    import cv2
+
     size = 2 * int(np.ceil(3 * sigma)) + 1
-    return cv2.GaussianBlur(pixels, (size, size), sigmaX=sigma, sigmaY=sigma)
+    blur = dict(ksize=(size, size), sigmaX=sigma, sigmaY=sigma, borderType=cv2.BORDER_CONSTANT)
+    weight = cv2.GaussianBlur(mask, **blur)
+    out = cv2.GaussianBlur(pixels * mask, **blur)
+    return np.where(mask > 0, out / np.maximum(weight, 1e-12), 0.0)
 
 
 def point(source: MapLike, *, sigma: float | None = None) -> tuple[float, float]:
-    """The map's peak ``(x, y)`` in image pixels (centre of the maximal pixel after smoothing).
+    """The map's peak ``(x, y)`` in image pixels (centre of the maximal pixel after smoothing;
+    default sigma: half a grid cell for a :class:`HeatMap`, 1 pixel for an array).
 
     Pointing game: a hit when this point lies inside a box of the queried object.
     """
-    pixels, default = _pixels(source)
-    smoothed = smooth(pixels, default if sigma is None else sigma)
+    pixels, default, support = _pixels(source)
+    smoothed = smooth(pixels, default if sigma is None else sigma, support)
     row, col = np.unravel_index(int(np.argmax(smoothed)), smoothed.shape)
     return float(col) + 0.5, float(row) + 0.5
 
@@ -77,26 +92,31 @@ def boxes(
 ) -> list[Box]:
     """Boxes around the map's high-attention blobs, best first.
 
-    The map is smoothed (Gaussian, ``sigma`` pixels; default half a grid cell for a
-    :class:`HeatMap`), scaled to ``[0, 1]`` by its maximum and thresholded: a float ``t`` in
-    ``(0, 1)`` keeps pixels ``>= t * max`` (relative), ``"otsu"`` picks Otsu's threshold on the
-    8-bit map. Each 8-connected component (``cv2.connectedComponentsWithStats``) of at least
+    The map is smoothed (:func:`smooth`, Gaussian, ``sigma`` pixels; default half a grid cell
+    for a :class:`HeatMap`, over the pixels its grids cover), scaled to ``[0, 1]`` by its
+    maximum and thresholded: a float ``t`` in ``(0, 1)`` keeps pixels ``>= t * max``
+    (relative), ``"otsu"`` picks Otsu's threshold on the 8-bit map's covered pixels. Each
+    8-connected component (``cv2.connectedComponentsWithStats``) of at least
     ``min_area`` pixels gives a box ``[x, y, w, h]`` scored by the map's mass inside the
     component, ``score = sum_{p in component} map[p]`` (unsmoothed map).
     """
-    pixels, default = _pixels(source)
+    pixels, default, support = _pixels(source)
     if max_boxes is not None and (not isinstance(max_boxes, int) or max_boxes < 1):
         raise ValueError(f"max_boxes must be a positive int or None, got {max_boxes!r}")
-    smoothed = smooth(pixels, default if sigma is None else sigma)
+    smoothed = smooth(pixels, default if sigma is None else sigma, support)
     peak = float(smoothed.max())
     if peak <= 0:
         return []
     scaled = np.clip(smoothed / peak, 0.0, 1.0)
+    import cv2
+
     if isinstance(threshold, str):
         if threshold != "otsu":
             raise ValueError(f"threshold={threshold!r}: use 'otsu' or a float in (0, 1)")
         image = np.round(scaled * 255).astype(np.uint8)
-        _, binary = cv2.threshold(image, 0, 1, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+        seen = image if support is None else image[support]  # Otsu over the seen pixels only
+        level, _ = cv2.threshold(seen.reshape(-1, 1), 0, 1, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+        binary = (image > level).astype(np.uint8)
     else:
         if not 0 < float(threshold) < 1:
             raise ValueError(f"a relative threshold must lie in (0, 1), got {threshold}")

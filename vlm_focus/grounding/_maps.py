@@ -1,4 +1,5 @@
-"""Attention maps from query tokens to each image's grid, in grid cells and in image pixels (TAG).
+"""Attention maps from query tokens to each image's grid, in grid cells and in image pixels (TAG):
+the pieces :class:`~vlm_focus.grounding.GroundingPass` is built from.
 
 One teacher-forced forward pass computes everything: the prompt (plus, for generated tokens, the
 answer appended to it) runs once through the unmodified model, and an attention probe recomputes
@@ -7,44 +8,29 @@ A generated answer is read this way rather than during ``generate()``: the rows 
 the decode steps computed (same tokens, same causal prefix), and one batched pass serves every
 phrase of the answer.
 
-Geometry. A view's grid spans a *frame* of the original image (``y0, x0, height, width`` in
-pixels) that depends on the preprocessing (``geometry``):
-
-* ``"resize"``: the image was resized (squashed) to the grid: the frame is the whole image
-  (LLaVA-NeXT's base view and unpadded anyres view, Qwen's merged dynamic grid);
-* ``"crop"``: shortest side resized, then a centred square crop (CLIP's image processor and
-  transformers' ``LlavaImageProcessor`` with ``do_pad=False``): the frame is the central
-  ``min(H, W)`` square;
-* ``"pad"``: padded to a square first (LLaVA-1.5's reference ``expand2square``; the views an
-  adapter lists in ``square_padded_views``): the frame is the centred ``max(H, W)`` square,
-  partly outside the image.
-
-The default is per view from the adapter (``"pad"`` for ``square_padded_views``, ``"resize"``
-otherwise); pass ``geometry=`` to match the processor actually used. Square images (the
-organism's 192 x 192 scenes) are unaffected.
-
-Cell ``(r, c)`` of a ``rows x cols`` view covers ``[y0 + r*height/rows, y0 + (r+1)*height/rows)``
-by ``[x0 + c*width/cols, ...)``. The pixel map is the attention *density* (mass per pixel),
-bilinearly interpolated between cell centres and summed over views, so it integrates to the
-mass the grid cells hold.
+Where each view's grid sits in the original image is :mod:`vlm_focus.geometry`'s job
+(:func:`~vlm_focus.geometry.model_frames`). The pixel map is the attention *density* (mass per
+pixel), bilinearly interpolated between cell centres and summed over views, so it integrates to
+the mass the grid cells hold.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._probe import AttentionProbe, Prefill, Rows, check_layers
+from ..geometry import RULES, Frame, Size, coverage, unknown_size_message, upsample
 from ..model_adapters import ImageLayout, get_adapter
 
-GEOMETRIES = ("resize", "crop", "pad")
 GENERIC_PROMPT = "Write a general description of the image."
+GEOMETRIES = RULES  # the placement rules ``geometry=`` accepts (vlm_focus.geometry.RULES)
 
 HeadSpec = Any  # LocalizationHeads | Mapping[int, Sequence[int]] | None
 Query = str | Sequence[int] | torch.Tensor | None
@@ -59,27 +45,65 @@ class HeatMap:
             anyres composite; Qwen: the merged grid, summed over frames of a video).
         views: every view's ``[rows, cols]`` map (LLaVA-NeXT: base grid, then anyres grid; a
             video: one per frame, see :attr:`frame_maps`).
-        pixels: ``[H, W]`` attention density in original image pixels.
-        image_size: ``(H, W)`` of ``pixels``.
-        frames: per view, the ``(y0, x0, height, width)`` pixel frame its grid spans.
+        size: the original image's :class:`~vlm_focus.geometry.Size` ``(width, height)``, or
+            ``None`` when it is unknown (then only the grid maps are available).
+        frames: per view, the :class:`~vlm_focus.geometry.Frame` its grid spans in original
+            pixels (``None`` with the size).
         other: mass on the image's tokens without a cell (newline, CLS tokens).
         row, image: batch row and image index within the row.
+        pixels: ``[height, width]`` attention density in original image pixels (computed on
+            first use; raises when the size is unknown).
     """
 
     grid: torch.Tensor
     views: list[torch.Tensor]
-    pixels: torch.Tensor
-    image_size: tuple[int, int]
-    frames: list[tuple[float, float, float, float]]
+    size: Size | None
+    frames: list[Frame] | None
     other: float = 0.0
     row: int = 0
     image: int = 0
     layout: ImageLayout | None = field(default=None, repr=False)
+    model_type: str | None = field(default=None, repr=False)
+    _pixels: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def mass(self) -> float:
         """Total attention mass on the image's grid cells."""
         return float(sum(v.sum() for v in self.views))
+
+    def require_pixels(self) -> tuple[Size, list[Frame]]:
+        """``(size, frames)``; ``ValueError`` saying what to pass when the size is unknown."""
+        if self.size is None or self.frames is None:
+            raise ValueError(unknown_size_message(self.model_type, self.row, self.image))
+        return self.size, self.frames
+
+    @property
+    def pixels(self) -> torch.Tensor:
+        if self._pixels is None:
+            size, frames = self.require_pixels()
+            pixels = torch.zeros(size.height, size.width)
+            for grid, frame in zip(self.views, frames, strict=True):
+                pixels += upsample(grid, size, frame)
+            self._pixels = pixels
+        return self._pixels
+
+    @property
+    def support(self) -> torch.Tensor:
+        """``[height, width]`` bool: the pixels some view's grid covers (the encoder saw)."""
+        size, frames = self.require_pixels()
+        return coverage(size, frames)
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """Deprecated: ``(height, width)``; use :attr:`size` (``Size(width, height)``)."""
+        warnings.warn(
+            "HeatMap.image_size (height, width) is deprecated: use HeatMap.size, a "
+            "Size(width, height)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        size, _ = self.require_pixels()
+        return size.height, size.width
 
     @property
     def frame_maps(self) -> list[HeatMap]:
@@ -87,25 +111,97 @@ class HeatMap:
         upsampled on its own); an image gives ``[self]``."""
         if self.layout is None or self.layout.kind != "video":
             return [self]
+        frames = self.frames or [None] * len(self.views)
         return [
             HeatMap(
                 view,
                 [view],
-                upsample(view, self.image_size, frame),
-                self.image_size,
-                [frame],
+                self.size,
+                None if frame is None else [frame],
                 0.0,
                 self.row,
                 self.image,
                 self.layout,
+                self.model_type,
             )
-            for view, frame in zip(self.views, self.frames, strict=True)
+            for view, frame in zip(self.views, frames, strict=True)
         ]
 
 
-# --- inputs and query rows ------------------------------------------------------------------
-def _tokenizer_of(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "tokenizer", tokenizer)
+def build_map(
+    values: torch.Tensor,
+    layout: ImageLayout,
+    size: Size | None,
+    frames: Sequence[Frame] | None,
+    row: int = 0,
+    image: int = 0,
+    model_type: str | None = None,
+) -> HeatMap:
+    """Scatter per-token values ``[n]`` of one image onto its views (grid cells); the pixel map
+    follows from ``size`` and the views' ``frames`` (:mod:`vlm_focus.geometry`)."""
+    values = values.detach().float().cpu()
+    cells = layout.cells.cpu()
+    views = []
+    has_cell = cells[:, 1] >= 0
+    for v, (rows, cols) in enumerate(layout.grids):
+        grid = torch.zeros(rows, cols)
+        sel = has_cell & (cells[:, 0] == v)
+        grid.index_put_((cells[sel, 1], cells[sel, 2]), values[sel], accumulate=True)
+        views.append(grid)
+    if frames is not None and len(frames) != len(views):
+        raise ValueError(f"{len(frames)} frames for {len(views)} views")
+    shapes = {tuple(g.shape) for g in views}
+    if len(shapes) == 1:
+        finest = torch.stack(views).sum(0)  # frames of a video share one grid
+    else:
+        finest = max(views, key=lambda g: g.numel())
+    other = float(values[~has_cell].sum())
+    frames = None if frames is None or size is None else list(frames)
+    return HeatMap(finest, views, size if frames else None, frames, other, row, image, layout,
+                   model_type)  # fmt: skip
+
+
+# --- inputs, answers and query rows ---------------------------------------------------------
+def tokenizer_of(processor: Any) -> Any:
+    """The tokenizer inside a processor (or the tokenizer itself)."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def processor_argument(processor: Any, tokenizer: Any, owner: str) -> Any:
+    """``processor``, or the deprecated ``tokenizer=`` in its place (with a warning)."""
+    if tokenizer is not None:
+        warnings.warn(
+            f"{owner}(tokenizer=...) is deprecated: pass processor= (the processor, which also "
+            "gives the image geometry)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if processor is None:
+            return tokenizer
+    return processor
+
+
+def answer_mask(model: nn.Module, answer: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the generated tokens of each row before its first end-of-sequence or
+    padding token (the generation config's ``eos_token_id`` and ``pad_token_id``, the model
+    config's ``pad_token_id``). The one rule for trimming an answer."""
+    generation = getattr(model, "generation_config", None)
+    config = getattr(model, "config", None)
+    stop: set[int] = set()
+    for value in (
+        getattr(generation, "eos_token_id", None),
+        getattr(generation, "pad_token_id", None),
+        getattr(config, "pad_token_id", None),
+        getattr(getattr(config, "text_config", None), "pad_token_id", None),
+    ):
+        if isinstance(value, int):
+            stop.add(value)
+        elif isinstance(value, Sequence):
+            stop.update(int(v) for v in value)
+    if not stop:
+        return torch.ones_like(answer, dtype=torch.bool)
+    hit = torch.isin(answer, torch.tensor(sorted(stop), device=answer.device))
+    return hit.long().cumsum(1) == 0
 
 
 def extend_with_answer(
@@ -159,18 +255,31 @@ def _find_span(row: list[int], span: list[int], allowed: list[bool]) -> int | No
     return None
 
 
+def phrase_spans(phrase: str, tokenizer: Any) -> list[list[int]]:
+    """The token-id spans a phrase may appear as (as written, and after a space)."""
+    tok = tokenizer_of(tokenizer)
+    spans: list[list[int]] = []
+    for text in (phrase, " " + phrase):
+        ids = list(tok.encode(text, add_special_tokens=False))
+        if ids and ids not in spans:
+            spans.append(ids)
+    return spans
+
+
 def query_mask(
     input_ids: torch.Tensor,
     query: Query,
     *,
     where: torch.Tensor,
     tokenizer: Any = None,
+    source: str = "prompt",
 ) -> torch.Tensor:
     """``[B, S]`` bool: the query tokens of each row.
 
     ``query`` is a phrase (``str``, tokenised with ``tokenizer``), a token-id span, a ``[B, S]``
-    bool mask or ``[B, Tq]`` positions. Phrases and spans are searched in ``where`` (the prompt's
-    text, or the answer), last occurrence first; a row without it raises ``ValueError``.
+    bool mask or ``[B, Tq]`` positions. Phrases and spans are searched in ``where`` (``source``
+    names it in messages: the prompt's text, or the answer), last occurrence first; a row
+    without it raises ``ValueError``.
     """
     batch, seq = input_ids.shape
     if isinstance(query, torch.Tensor):
@@ -194,13 +303,8 @@ def query_mask(
         if not query.strip():
             raise ValueError("query phrase is empty")
         if tokenizer is None:
-            raise ValueError("a phrase query needs tokenizer= (the processor or its tokenizer)")
-        tok = _tokenizer_of(tokenizer)
-        candidates = []
-        for text in (query, " " + query):
-            ids = list(tok.encode(text, add_special_tokens=False))
-            if ids and ids not in candidates:
-                candidates.append(ids)
+            raise ValueError("a phrase query needs processor= (the processor or its tokenizer)")
+        candidates = phrase_spans(query, tokenizer)
     elif isinstance(query, Sequence) and query and all(isinstance(t, int) for t in query):
         candidates = [list(query)]
     else:
@@ -218,11 +322,57 @@ def query_mask(
                 mask[b, start : start + len(span)] = True
                 break
         else:
-            raise ValueError(
-                f"query {query!r} (tokens {candidates}) not found in row {b} of the "
-                f"{'answer' if bool(where[b].any()) else 'prompt'}"
-            )
+            raise ValueError(_not_found(query, candidates, b, source, tokenizer))
     return mask
+
+
+def _not_found(query: Any, candidates: list[list[int]], row: int, source: str, tok: Any) -> str:
+    unk = getattr(tokenizer_of(tok), "unk_token_id", None) if tok is not None else None
+    if unk is not None and all(unk in span for span in candidates):
+        name = getattr(tokenizer_of(tok), "unk_token", "<unk>")
+        return (
+            f"query {query!r} tokenises to the unknown token {name!r} (id {unk}): the "
+            f"tokenizer does not know (part of) it, so it cannot be found in the {source}; "
+            "use the words the prompt spells (the tokens the model saw)"
+        )
+    return f"query {query!r} (tokens {candidates}) not found in row {row} of the {source}"
+
+
+def text_tokens(model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """``[B, S]`` bool: valid tokens that are not visual."""
+    input_ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    return valid & ~get_adapter(model).visual_mask(model, input_ids)
+
+
+def instruction(
+    model: nn.Module, inputs: Mapping[str, Any], *, require: bool = True
+) -> torch.Tensor:
+    """``[B, S]`` bool: the valid text tokens after each row's last visual token (``require``:
+    a row without any raises)."""
+    input_ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    visual = get_adapter(model).visual_mask(model, input_ids) & valid
+    out = Prefill(input_ids, valid, visual, {}).text_after_image()
+    if require and bool((out.sum(1) == 0).any()):
+        raise ValueError("a row has no text after its image to use as the query")
+    return out
+
+
+def _rows_and_weights(
+    model: nn.Module, inputs: Mapping[str, Any], query: Query, answer: Any, tokenizer: Any
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """The forward inputs and ``[B, S]`` bool query tokens of a prompt (default: the
+    instruction); used by localization-head selection."""
+    if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+        raise TypeError("inputs must be the processor's output mapping with input_ids")
+    inputs = dict(inputs)
+    if query is None:
+        return inputs, instruction(model, inputs)
+    where = text_tokens(model, inputs)
+    return inputs, query_mask(inputs["input_ids"], query, where=where, tokenizer=tokenizer)
 
 
 # --- running the probe ----------------------------------------------------------------------
@@ -258,16 +408,21 @@ def probe_forward(
     return _Probed(probe.records, prefill, layout, layers, n_heads)
 
 
+def head_pairs(heads: HeadSpec) -> list[tuple[int, int]]:
+    """``(layer, head)`` pairs of localization heads or a ``{layer: [heads]}`` mapping."""
+    pairs = getattr(heads, "heads", heads)
+    if isinstance(pairs, Mapping):
+        return [(int(layer), int(h)) for layer, hs in pairs.items() for h in hs]
+    return [(int(layer), int(h)) for layer, h in pairs]
+
+
 def head_weights(heads: HeadSpec, layers: list[int], n_heads: int) -> torch.Tensor:
     """``[len(layers), n_heads]`` weights that average over the selected (layer, head) pairs."""
     weights = torch.zeros(len(layers), n_heads)
     if heads is None:
         weights[:] = 1.0
     else:
-        pairs = getattr(heads, "heads", heads)
-        if isinstance(pairs, Mapping):
-            pairs = [(layer, h) for layer, hs in pairs.items() for h in hs]
-        for layer, head in pairs:
+        for layer, head in head_pairs(heads):
             if layer not in layers:
                 raise ValueError(f"head ({layer}, {head}): layer {layer} was not probed ({layers})")
             if not 0 <= head < n_heads:
@@ -276,6 +431,13 @@ def head_weights(heads: HeadSpec, layers: list[int], n_heads: int) -> torch.Tens
         if weights.sum() == 0:
             raise ValueError("no heads selected")
     return weights / weights.sum()
+
+
+def _weights(probed: _Probed, query: torch.Tensor) -> torch.Tensor:
+    """Per recorded query row, ``1 / n`` on the row's query tokens (mean over the query)."""
+    rec = probed.records[0]
+    picked = query.gather(1, rec.positions) & rec.mask
+    return picked.float() / picked.sum(1, keepdim=True).clamp(min=1)
 
 
 def token_attention(
@@ -305,288 +467,23 @@ def token_attention(
     return out
 
 
-# --- geometry -------------------------------------------------------------------------------
-def view_frame(image_size: tuple[int, int], geometry: str) -> tuple[float, float, float, float]:
-    """``(y0, x0, height, width)``: the pixel region of the original image a view's grid spans."""
-    if geometry not in GEOMETRIES:
-        raise ValueError(f"geometry={geometry!r}; allowed: {GEOMETRIES}")
-    height, width = image_size
-    if geometry == "resize":
-        return 0.0, 0.0, float(height), float(width)
-    side = float(min(height, width) if geometry == "crop" else max(height, width))
-    return (height - side) / 2, (width - side) / 2, side, side
-
-
-def cell_rectangles(
-    grid: tuple[int, int], frame: tuple[float, float, float, float]
-) -> torch.Tensor:
-    """``[rows, cols, 4]`` pixel rectangles ``(y_lo, x_lo, y_hi, x_hi)`` of a view's cells."""
-    rows, cols = grid
-    y0, x0, height, width = frame
-    ys = y0 + torch.arange(rows + 1, dtype=torch.float64) * height / rows
-    xs = x0 + torch.arange(cols + 1, dtype=torch.float64) * width / cols
-    lo_y, hi_y = ys[:-1, None].expand(rows, cols), ys[1:, None].expand(rows, cols)
-    lo_x, hi_x = xs[None, :-1].expand(rows, cols), xs[None, 1:].expand(rows, cols)
-    return torch.stack([lo_y, lo_x, hi_y, hi_x], dim=-1)
-
-
-def upsample(
-    grid_map: torch.Tensor, image_size: tuple[int, int], frame: tuple[float, float, float, float]
-) -> torch.Tensor:
-    """Density ``[H, W]`` of a ``[rows, cols]`` mass map: bilinear between cell centres (edge
-    cells held constant to the frame border), divided by the cell area, 0 outside the frame."""
-    height, width = image_size
-    rows, cols = grid_map.shape
-    y0, x0, fh, fw = frame
-    ys = (torch.arange(height, dtype=torch.float32) + 0.5 - y0) / fh  # frame units in [0, 1]
-    xs = (torch.arange(width, dtype=torch.float32) + 0.5 - x0) / fw
-    sample_at = torch.empty(1, height, width, 2)
-    sample_at[..., 0] = (xs * 2 - 1)[None, :]  # x in [-1, 1]
-    sample_at[..., 1] = (ys * 2 - 1)[:, None]  # y in [-1, 1]
-    src = grid_map.float()[None, None]
-    values = F.grid_sample(
-        src, sample_at, mode="bilinear", padding_mode="border", align_corners=False
-    )[0, 0]
-    values = values / ((fh / rows) * (fw / cols))
-    y_in = (ys >= 0) & (ys <= 1)
-    x_in = (xs >= 0) & (xs <= 1)
-    if not (bool(y_in.all()) and bool(x_in.all())):
-        values = values * (y_in[:, None] & x_in[None, :])
-    return values
-
-
-def _geometry(model: nn.Module, geometry: str | None) -> str | None:
-    """A checked explicit geometry, or None: per view from the adapter (its
-    ``square_padded_views`` are ``"pad"``, the others ``"resize"``)."""
-    if geometry is not None and geometry not in GEOMETRIES:
-        raise ValueError(f"geometry={geometry!r}; allowed: {GEOMETRIES}")
-    return geometry
-
-
-def view_geometries(model: nn.Module, n_views: int, geometry: str | None) -> list[str]:
-    if geometry is not None:
-        return [geometry] * n_views
-    padded = getattr(get_adapter(model), "square_padded_views", ())
-    return ["pad" if v in padded else "resize" for v in range(n_views)]
-
-
-def _image_size(
-    model: nn.Module, layout: ImageLayout, image_size: Any, row: int, image: int
-) -> tuple[int, int]:
-    """The original size of one image: the layout's when known, else the caller's, else the
-    processed size (grid cells x the vision tower's pixels per cell)."""
-    if layout.image_size is not None:
-        return int(layout.image_size[0]), int(layout.image_size[1])
-    if image_size is not None:
-        size = image_size
-        if isinstance(size, Sequence) and size and isinstance(size[0], Sequence):
-            size = size[row] if isinstance(size[row][0], int) else size[row][image]
-        if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
-            raise ValueError(f"image_size must be (height, width) in pixels, got {image_size!r}")
-        return int(size[0]), int(size[1])
-    vision = model.config.vision_config
-    per_cell = int(vision.patch_size) * int(getattr(vision, "spatial_merge_size", 1) or 1)
-    rows, cols = max(layout.grids, key=lambda g: g[0] * g[1])
-    return rows * per_cell, cols * per_cell
-
-
-def build_map(
-    values: torch.Tensor,
-    layout: ImageLayout,
-    image_size: tuple[int, int],
-    geometry: str | Sequence[str],
-    row: int = 0,
-    image: int = 0,
-) -> HeatMap:
-    """Scatter per-token values ``[n]`` of one image onto its views and into pixels
-    (``geometry``: one for every view, or one per view)."""
-    values = values.detach().float().cpu()
-    cells = layout.cells
-    views = []
-    has_cell = cells[:, 1] >= 0
-    for v, (rows, cols) in enumerate(layout.grids):
-        grid = torch.zeros(rows, cols)
-        sel = has_cell & (cells[:, 0] == v)
-        grid.index_put_((cells[sel, 1], cells[sel, 2]), values[sel], accumulate=True)
-        views.append(grid)
-    geometries = [geometry] * len(views) if isinstance(geometry, str) else list(geometry)
-    frames = [view_frame(image_size, g) for g in geometries]
-    pixels = torch.zeros(image_size)
-    for grid, frame in zip(views, frames, strict=True):
-        pixels += upsample(grid, image_size, frame)
-    shapes = {tuple(g.shape) for g in views}
-    if len(shapes) == 1:
-        finest = torch.stack(views).sum(0)  # frames of a video share one grid
-    else:
-        finest = max(views, key=lambda g: g.numel())
-    other = float(values[~has_cell].sum())
-    return HeatMap(finest, views, pixels, image_size, frames, other, row, image, layout)
-
-
-# --- public --------------------------------------------------------------------------------
-def _rows_and_weights(
-    model: nn.Module,
-    inputs: Mapping[str, Any],
-    query: Query,
-    answer: torch.Tensor | None,
-    tokenizer: Any,
-) -> tuple[dict[str, Any], torch.Tensor]:
-    """The forward inputs (answer appended) and ``[B, S]`` bool query tokens."""
-    if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
-        raise TypeError("inputs must be the processor's output mapping with input_ids")
-    adapter = get_adapter(model)
-    if answer is not None:
-        pad = getattr(model.config, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(getattr(model.config, "text_config", None), "pad_token_id", None)
-        answer_mask = None if pad is None else answer != pad
-        inputs, where = extend_with_answer(inputs, answer, answer_mask)
-    else:
-        input_ids = inputs["input_ids"]
-        mask = inputs.get("attention_mask")
-        valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
-        where = valid & ~adapter.visual_mask(model, input_ids)
-        inputs = dict(inputs)
-    if query is None:
-        if answer is not None:
-            return inputs, where
-        query = _instruction(model, inputs)
-    return inputs, query_mask(inputs["input_ids"], query, where=where, tokenizer=tokenizer)
-
-
-def _instruction(model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
-    """``[B, S]`` bool: the valid text tokens after each row's last visual token."""
-    input_ids = inputs["input_ids"]
-    mask = inputs.get("attention_mask")
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
-    prefill = Prefill(
-        input_ids, valid, get_adapter(model).visual_mask(model, input_ids) & valid, {}
-    )
-    out = prefill.text_after_image()
-    if bool((out.sum(1) == 0).any()):
-        raise ValueError("a row has no text after its image to use as the query")
-    return out
-
-
-def _weights(probed: _Probed, query: torch.Tensor) -> torch.Tensor:
-    """Per recorded query row, ``1 / n`` on the row's query tokens (mean over the query)."""
-    rec = probed.records[0]
-    picked = query.gather(1, rec.positions) & rec.mask
-    return picked.float() / picked.sum(1, keepdim=True).clamp(min=1)
-
-
-def heatmap(
-    model: nn.Module,
-    inputs: Mapping[str, Any],
-    query: Query = None,
-    *,
-    answer: torch.Tensor | None = None,
-    tokenizer: Any = None,
-    layers: Sequence[int] | None = None,
-    heads: HeadSpec = None,
-    relative_to: Mapping[str, Any] | None = None,
-    image_size: Any = None,
-    geometry: str | None = None,
-) -> list[list[HeatMap]]:
-    """Attention maps of a query span over each image (TAG-style attention grounding).
-
-    For query tokens ``T``, selected (layer, head) pairs ``P`` and an image's visual tokens ``v``::
-
-        map[v] = 1/|P| sum_{(l,h) in P} 1/|T| sum_{t in T} A^{l,h}[t, v]
-        A^{l,h}[t, :] = softmax_s(q_t^{l,h} . k_s^{l,h} / sqrt(d))   (causal, padding masked)
-
-    scattered to the token's grid cell. With ``relative_to`` (the same image under a generic
-    prompt such as ``"Write a general description of the image."``) the map is divided by the
-    generic prompt's map (its instruction tokens as the query), ``map / (generic + eps)`` with
-    ``eps = 0.05 * mean(generic)``, which removes prompt-independent sinks.
-
-    Args:
-        model: a supported VLM (SDPA, eager or flash).
-        inputs: the processor's output (``input_ids``, ``attention_mask``, pixels, grids).
-        query: a phrase of the prompt (``str``, needs ``tokenizer``), a token-id span, a
-            ``[B, S]`` bool mask or ``[B, Tq]`` positions. Default: the answer's tokens when
-            ``answer`` is given, else the instruction (text after the image).
-        answer: generated tokens ``[B, T]`` (``generate()`` output after the prompt); they are
-            appended and read in one teacher-forced pass; a phrase is then searched in the answer.
-        layers: decoder layers to average (default: all; ``heads`` implies its own layers).
-        heads: localization heads (:func:`select_localization_heads`) or ``{layer: [heads]}``.
-        image_size: ``(H, W)`` or one per row/image, used when the layout does not know it.
-        geometry: ``"resize"``, ``"crop"`` or ``"pad"`` for every view; default per view from
-            the model adapter (``square_padded_views`` -> ``"pad"``, else ``"resize"``). Pass
-            ``"crop"`` for a processor that resizes the short side and centre-crops (CLIP's
-            default, ``do_pad=False``).
-
-    Returns:
-        per batch row, one :class:`HeatMap` per image.
-    """
-    geometry = _geometry(model, geometry)
-    if heads is not None and layers is None:
-        layers = sorted({layer for layer, _ in _pairs(heads)})
-    full, query_tokens = _rows_and_weights(model, inputs, query, answer, tokenizer)
-    probed = probe_forward(model, full, query_tokens, layers)
-    weights = head_weights(heads, probed.layers, probed.n_heads)
-    values = _reduce(
-        token_attention(probed, _weights(probed, query_tokens), per_head=True), weights
-    )
-    if relative_to is not None:
-        generic = relative_maps(model, relative_to, probed.layers, weights)
-        values = _relative(values, generic)
-    return maps_from_values(model, probed, values, image_size, geometry)
-
-
-def _pairs(heads: HeadSpec) -> list[tuple[int, int]]:
-    pairs = getattr(heads, "heads", heads)
-    if isinstance(pairs, Mapping):
-        return [(int(layer), int(h)) for layer, hs in pairs.items() for h in hs]
-    return [(int(layer), int(h)) for layer, h in pairs]
-
-
-def _reduce(per_head: list[list[torch.Tensor]], weights: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Weighted sum over (layer, head) of ``[L, H, n]`` -> ``[n]``."""
-    return [[(x * weights.to(x.device)[..., None]).sum((0, 1)) for x in row] for row in per_head]
-
-
-def relative_maps(
-    model: nn.Module, generic_inputs: Mapping[str, Any], layers: list[int], weights: torch.Tensor
-) -> list[list[torch.Tensor]]:
-    """Per-token maps of the generic prompt (its instruction tokens as the query)."""
-    full, query_tokens = _rows_and_weights(model, generic_inputs, None, None, None)
-    probed = probe_forward(model, full, query_tokens, layers)
-    per_head = token_attention(probed, _weights(probed, query_tokens), per_head=True)
-    return _reduce(per_head, weights)
-
-
-def _relative(
-    values: list[list[torch.Tensor]], generic: list[list[torch.Tensor]]
-) -> list[list[torch.Tensor]]:
-    if len(values) != len(generic) or any(
-        len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True))
-        for a, b in zip(values, generic, strict=True)
-    ):
-        raise ValueError(
-            "relative_to must hold the same images (same rows, same visual tokens) as inputs"
-        )
-    out = []
-    for row, grow in zip(values, generic, strict=True):
-        out.append([v / (g + 0.05 * g.mean() + 1e-12) for v, g in zip(row, grow, strict=True)])
-    return out
-
-
-def maps_from_values(
-    model: nn.Module,
-    probed: _Probed,
-    values: list[list[torch.Tensor]],
-    image_size: Any,
-    geometry: str | None,
-) -> list[list[HeatMap]]:
-    out = []
-    for b, (row_values, row_layouts) in enumerate(zip(values, probed.layout, strict=True)):
-        row = []
-        for i, (v, layout) in enumerate(zip(row_values, row_layouts, strict=True)):
-            size = _image_size(model, layout, image_size, b, i)
-            geometries = view_geometries(model, len(layout.grids), geometry)
-            row.append(build_map(v, layout, size, geometries, b, i))
-        out.append(row)
+def image_rows(probed: _Probed, weights: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per row and image, ``[Tq, n]``: each recorded query row's attention to the image's
+    tokens, averaged over the (layer, head) pairs with ``weights [L, H]``."""
+    by_layer = {r.layer: r for r in probed.records}
+    out: list[list[torch.Tensor]] = []
+    for b, images in enumerate(probed.layout):
+        row_images = []
+        for image in images:
+            total = None
+            for li, layer in enumerate(probed.layers):
+                probs = by_layer[layer].probs[b]  # [H, Tq, L]
+                positions = image.positions.to(probs.device)
+                w = weights[li].to(probs.device, probs.dtype)  # [H]
+                part = torch.einsum("h,htn->tn", w, probs[:, :, positions].float())  # [Tq, n]
+                total = part if total is None else total + part
+            row_images.append(total.cpu())
+        out.append(row_images)
     return out
 
 

@@ -1,18 +1,23 @@
 """What the pruning machinery needs to know about one VLM family, declared as data.
 
-An adapter names where the decoder stack lives, which token ids mark visual tokens, whether RoPE is
-1-D or multimodal (M-RoPE), and how to lay each image's tokens out on its 2-D grid. It never
-copies model code: the layout functions read ``input_ids``, the config and the processor outputs.
+An adapter names where the decoder stack lives, which token ids mark visual tokens, how to lay
+each image's tokens out on its 2-D grid, and how decode calls are positioned (1-D RoPE or
+M-RoPE). Where the grids sit in the photo is :mod:`vlm_focus.geometry`'s job; an adapter only
+gives its fallback for when no processor is at hand. It never copies model code: the layout
+functions read ``input_ids``, the config and the processor outputs.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..geometry import Size
 
 
 @dataclass
@@ -23,13 +28,15 @@ class ImageLayout:
     ``(view, row, col)``: view 0 is the base image (or the first video frame), view 1 an anyres
     high-resolution composite or the next frame. Tokens with no grid cell (LLaVA-NeXT row
     newlines, a CLS token) have ``row = col = -1``. ``grids[v]`` is ``(rows, cols)`` of view ``v``.
+    ``image_size`` is the original :class:`~vlm_focus.geometry.Size` (width, height) when the
+    inputs carry it (LLaVA-NeXT's and LLaVA-OneVision's ``image_sizes``), else ``None``.
     """
 
     positions: torch.Tensor  # [n] int64, ascending
     cells: torch.Tensor  # [n, 3] int64: view, row, col
     grids: list[tuple[int, int]]
     kind: str = "image"  # "image" or "video"
-    image_size: tuple[int, int] | None = None  # (height, width) in pixels when known
+    image_size: Size | None = None  # original (width, height) in pixels when known
     #: ``[n, 2]`` (crop, patch): the vision-encoder crop (0 = base image) and the patch index
     #: inside that crop each token comes from, ``-1`` where none (newlines, merged patches).
     patches: torch.Tensor | None = None
@@ -38,6 +45,15 @@ class ImageLayout:
     def __post_init__(self) -> None:
         if self.positions.shape[0] != self.cells.shape[0]:
             raise ValueError("positions and cells must describe the same number of tokens")
+        if self.image_size is not None and not isinstance(self.image_size, Size):
+            warnings.warn(
+                "ImageLayout(image_size=(height, width)) is deprecated: pass a "
+                "vlm_focus.geometry.Size(width, height)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            height, width = (int(v) for v in self.image_size)
+            self.image_size = Size(width, height)
 
 
 def text_positions(
@@ -59,11 +75,9 @@ class ModelAdapter:
         model_type: the ``config.model_type`` this adapter serves.
         language_model: dotted path from the wrapped model to the text decoder (``.layers`` and
             ``.rotary_emb`` hang under it).
-        layers, attention, input_norm, rotary: attribute names inside the decoder.
+        layers, attention, input_norm: attribute names inside the decoder.
         image_token_attrs / video_token_attrs: config attributes holding the token ids, first
             one present wins.
-        rope: ``"1d"`` or ``"mrope"``; with M-RoPE the model folds 3-D positions into cos/sin
-            itself, so pruning only has to keep each kept token's original cos/sin.
         layout: ``layout(model, input_ids, inputs) -> [[ImageLayout per image] per row]``.
         required_with_images: forward inputs that must accompany images (clear error if absent).
         layout_inputs: image inputs the layout needs (``image_sizes``, ``image_grid_thw``).
@@ -73,8 +87,13 @@ class ModelAdapter:
             token whose attention scores patches (CLIP); ``None`` where there is no CLS.
         vision_attention, vision_norm: attribute names inside one vision encoder layer.
         feature_layer_attr: config attribute naming the hidden-state index the LLM reads.
-        square_padded_views: views whose image the reference processor pads to a square
-            (LLaVA-1.5's ``expand2square``) before resizing.
+        fallback_geometry: how the views' grids sit on the image when no processor is given
+            (:func:`vlm_focus.geometry.view_frames`): one rule of
+            :data:`vlm_focus.geometry.RULES` per view (the last repeats), keyed by the number
+            of views an image has, ``0`` for any other count. A guess about the processor:
+            with ``processor=`` its own settings decide.
+        aspect_grids: the grid's rows and columns follow the image's aspect ratio (dynamic
+            resolution), so a size with width and height swapped can be caught.
         qk_norms: attribute names of the per-head RMSNorms the attention applies to q and k
             before RoPE (Qwen3), or ``None``.
         sequence_hooks: ``(model, tokens_after) -> hook handles`` for decoder inputs laid out on
@@ -89,8 +108,6 @@ class ModelAdapter:
     layers: str = "layers"
     attention: str = "self_attn"
     input_norm: str = "input_layernorm"
-    rotary: str = "rotary_emb"
-    rope: str = "1d"
     image_token_attrs: tuple[str, ...] = ("image_token_id", "image_token_index")
     video_token_attrs: tuple[str, ...] = ()
     pixel_inputs: tuple[str, ...] = ("pixel_values",)
@@ -102,14 +119,16 @@ class ModelAdapter:
     vision_attention: str = "self_attn"
     vision_norm: str = "layer_norm1"
     feature_layer_attr: str = "vision_feature_layer"
-    square_padded_views: tuple[int, ...] = ()
+    fallback_geometry: Mapping[int, tuple[str, ...]] = field(
+        default_factory=lambda: {0: ("resize",)}
+    )
+    aspect_grids: bool = False
     #: ``(model, positions [B, T], attention_mask [B, L] | None) -> position_ids`` for decode
     #: calls the engine must position itself (pruning before layer 0 leaves every cache short):
     #: the ids the model would give with its unpruned cache, whose length ``positions`` counts on.
     decode_positions: Callable[..., torch.Tensor] = text_positions
     qk_norms: tuple[str, str] | None = None
     sequence_hooks: Callable[[nn.Module, Callable[[int], torch.Tensor | None]], list] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     # --- resolution helpers -------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:

@@ -47,5 +47,9 @@ LLAVA = ModelAdapter(
     model_type="llava",
     layout=llava_layout,
     vision_layers="model.vision_tower.encoder.layers",
-    square_padded_views=(0,),
+    # Without a processor: CLIP-style shortest-side resize and centre crop, what
+    # CLIPImageProcessor and LlavaImageProcessor do by default (llava-hf's checkpoints and the
+    # embedded organism). LLaVA-1.5's original expand2square, LlavaImageProcessor(do_pad=True),
+    # pads instead; pass processor= and its settings decide.
+    fallback_geometry={0: ("crop",)},
 )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..geometry import Size
 from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
 
 
@@ -93,7 +94,7 @@ def llava_next_layout(
         chunks = chunk_positions(positions, [c.shape[0] for c, _ in cells], f"row {b}")
         layouts.append(
             [
-                ImageLayout(p, c, grids, image_size=(s[0], s[1]), patches=pt, n_crops=n)
+                ImageLayout(p, c, grids, image_size=Size(s[1], s[0]), patches=pt, n_crops=n)
                 for p, (c, grids), s, (pt, n) in zip(chunks, cells, row_sizes, patches, strict=True)
             ]
         )
@@ -111,4 +112,7 @@ LLAVA_NEXT = ModelAdapter(
     layout=llava_next_layout,
     layout_inputs=("image_sizes",),
     vision_layers="model.vision_tower.encoder.layers",
+    # Base view: the whole image squashed to the encoder's square; the unpadded anyres grid
+    # spans the whole image (up to a fraction of a token).
+    fallback_geometry={0: ("resize",)},
 )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..geometry import Size
 from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
 from .llava_next import anyres_canvas
 
@@ -137,7 +138,7 @@ def onevision_layout(
                     chunk,
                     cells,
                     grids,
-                    image_size=(size[0], size[1]),
+                    image_size=Size(size[1], size[0]),  # image_sizes are (height, width)
                     patches=patches,
                     n_crops=crops,
                 )
@@ -164,4 +165,7 @@ LLAVA_ONEVISION = ModelAdapter(
     layout_inputs=("image_sizes", "batch_num_images", "pixel_values_videos"),
     encoders=("get_image_features", "get_video_features"),
     vision_layers="model.vision_tower.encoder.layers",
+    # A tiled image: base view squashed, anyres grid over the whole image; an untiled one (a
+    # prompt with several images) is padded to a square first.
+    fallback_geometry={0: ("resize",), 1: ("pad",)},
 )

@@ -95,7 +95,6 @@ def mrope_decode_positions(
 QWEN2_VL = ModelAdapter(
     model_type="qwen2_vl",
     layout=qwen_layout,
-    rope="mrope",
     decode_positions=mrope_decode_positions,
     video_token_attrs=("video_token_id",),
     pixel_inputs=("pixel_values", "pixel_values_videos"),
@@ -103,6 +102,9 @@ QWEN2_VL = ModelAdapter(
     required_with_images=("mm_token_type_ids",),
     layout_inputs=("image_grid_thw", "video_grid_thw"),
     encoders=("get_image_features", "get_video_features"),
+    # Dynamic resolution: the whole image squashed to a grid that keeps its aspect ratio.
+    fallback_geometry={0: ("resize",)},
+    aspect_grids=True,
 )
 # Qwen2.5-VL lays out and positions visual tokens exactly as Qwen2-VL does.
 QWEN2_5_VL = dataclasses.replace(QWEN2_VL, model_type="qwen2_5_vl")

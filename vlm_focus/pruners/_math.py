@@ -1,5 +1,6 @@
-"""Pure selection math on plain tensors: trend fitting, pad-to-square geometry, outliers,
-budget splits, grid resampling and max-min diversity.
+"""Pure selection math on plain tensors: trend fitting, outliers, budget splits, grid
+resampling and max-min diversity. Image geometry (which cells are padding) lives in
+:mod:`vlm_focus.geometry`.
 
 The pruner classes glue these to a :class:`~vlm_focus.pruners.StageContext`; tests call them
 directly on constructed inputs whose right answer is known.
@@ -114,26 +115,18 @@ def bin_order(n: int, bins: int | None = None) -> torch.Tensor:
 
 
 # --- pad-to-square geometry ----------------------------------------------------------------------
-def _overlap_1d(lo: float, hi: float, n: int) -> torch.Tensor:
-    """Share of each of ``n`` equal cells of ``[0, 1]`` covered by ``[lo, hi]``."""
-    edges = torch.arange(n + 1, dtype=torch.float64) / n
-    cover = torch.minimum(edges[1:], torch.tensor(hi)) - torch.maximum(edges[:-1], torch.tensor(lo))
-    return (cover.clamp(min=0.0) * n).float()
-
-
 def content_fraction(image_size: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
-    """``[rows, cols]`` share of each grid cell covered by the original image after centred
-    pad-to-square (LLaVA-1.5's ``expand2square``: paste at ``((m - w) // 2, (m - h) // 2)`` on an
-    ``m = max(h, w)`` square, then resize to the encoder's square input). 0 = pure padding."""
+    """``[rows, cols]`` share of each grid cell covered by an ``image_size = (height, width)``
+    image after centred pad-to-square (LLaVA-1.5's ``expand2square``). The old call form of
+    :func:`vlm_focus.geometry.content_fraction`, which takes any frame."""
+    from ..geometry import Size, rule_frame
+    from ..geometry import content_fraction as fraction
+
     height, width = (int(v) for v in image_size)
     if height <= 0 or width <= 0:
         raise ValueError(f"image_size={image_size!r} must be positive (height, width)")
-    rows, cols = grid
-    side = max(height, width)
-    top, left = (side - height) // 2, (side - width) // 2
-    fy = _overlap_1d(top / side, (top + height) / side, rows)
-    fx = _overlap_1d(left / side, (left + width) / side, cols)
-    return fy[:, None] * fx[None, :]
+    size = Size(width, height)
+    return fraction(rule_frame(size, "pad"), grid, size)
 
 
 # --- sinks ---------------------------------------------------------------------------------------

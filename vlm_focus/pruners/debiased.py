@@ -3,15 +3,17 @@ tokens in the scores of any attention-based pruner."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..geometry import Frame, Size, as_size, content_fraction, view_frames
 from ..model_adapters import ModelAdapter
 from ._common import ImageTokens, fill_cellless, image_tokens
-from ._math import TRENDS, content_fraction, fit_trend, ratio_outliers
+from ._math import TRENDS, fit_trend, ratio_outliers
 from .base import Pruner, Selection, StageContext
 
 AXES = ("sequence", "row")
@@ -41,11 +43,18 @@ class DebiasedOptions:
     )
     pad_to_square: bool | None = field(
         default=None,
-        metadata={"help": "whether images were padded to a square (None: the adapter's default)"},
+        metadata={
+            "help": "whether images were padded to a square (None: the adapter's fallback "
+            "geometry; LLaVA's is a centre crop, which pads nothing)"
+        },
     )
     image_sizes: list | tuple | None = field(
         default=None,
-        metadata={"help": "(height, width) per image in batch order when the layout lacks it"},
+        metadata={
+            "help": "original size per image in batch order when the layout lacks it: PIL "
+            "images, Size(width, height) or {'width', 'height'}; (height, width) pairs are "
+            "deprecated"
+        },
     )
     sinks: bool = field(default=True, metadata={"help": "down-weight sink tokens"})
     sink_by: str = field(
@@ -79,12 +88,33 @@ class DebiasedOptions:
         if not isinstance(self.sink_weight, (int, float)) or not 0 <= self.sink_weight <= 1:
             raise ValueError(f"sink_weight={self.sink_weight!r} must lie in [0, 1]")
         if self.image_sizes is not None:
+            self.image_sizes = _sizes(self.image_sizes)
+
+
+def _sizes(values: Any) -> list[dict[str, int]]:
+    """``{"width", "height"}`` per image (serialisable, unambiguous) from images, sizes or
+    mappings; bare ``(height, width)`` pairs still work, with a ``DeprecationWarning``."""
+    if not isinstance(values, list | tuple) or isinstance(values, Size):
+        raise ValueError(f"image_sizes={values!r} must list one size per image")
+    out, legacy = [], False
+    for v in values:
+        if isinstance(v, list | tuple) and not isinstance(v, Size):
             try:
-                self.image_sizes = [(int(h), int(w)) for h, w in self.image_sizes]
+                height, width = (int(x) for x in v)
             except (TypeError, ValueError) as err:
                 raise ValueError(
-                    f"image_sizes={self.image_sizes!r} must list (height, width) per image"
+                    f"image_sizes={values!r} must list Size(width, height) per image"
                 ) from err
+            v, legacy = {"width": width, "height": height}, True
+        out.append(as_size(v, name="image_sizes")._asdict())
+    if legacy:
+        warnings.warn(
+            "debiased image_sizes as (height, width) pairs is deprecated: pass the PIL images "
+            "or Size(width=..., height=...)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+    return out
 
 
 def trend_positions(tokens: ImageTokens, axis: str) -> torch.Tensor:
@@ -97,16 +127,26 @@ def trend_positions(tokens: ImageTokens, axis: str) -> torch.Tensor:
     return rows + offsets.cumsum(0)[tokens.cells[:, 0].clamp(min=0)]
 
 
-def padding_weights(tokens: ImageTokens, size: tuple[int, int], views: tuple[int, ...]):
-    """Per token, the share of its cell covered by the image (1 outside ``views``)."""
+def padding_weights(tokens: ImageTokens, size: Size, frames: list[Frame]) -> torch.Tensor:
+    """Per token, the share of its cell's area that the ``size`` image covers, its view's grid
+    spanning ``frames[view]`` (:func:`vlm_focus.geometry.content_fraction`): 0 for pure
+    padding, 1 inside the image and for tokens without a cell."""
     weights = torch.ones(tokens.cells.shape[0])
-    for view in views:
-        if view >= len(tokens.layout.grids):
-            continue
-        fraction = content_fraction(size, tokens.layout.grids[view])
+    for view, frame in enumerate(frames):
+        fraction = content_fraction(frame, tokens.layout.grids[view], size)
         here = (tokens.cells[:, 0] == view) & (tokens.cells[:, 1] >= 0)
         weights[here] = fraction[tokens.cells[here, 1], tokens.cells[here, 2]]
     return weights
+
+
+def _frames(layout: Any, size: Size, pad: bool | None, adapter: ModelAdapter) -> list[Frame]:
+    """The views' frames: the base view padded to a square (``pad``), the whole image (not
+    padded), or the adapter's fallback geometry (``None``)."""
+    if pad is None:
+        table = adapter.fallback_geometry
+        rules = table.get(len(layout.grids), table.get(0, ("resize",)))
+        return view_frames(layout, size, fallback=rules)
+    return view_frames(layout, size, fallback=("pad", "resize") if pad else ("resize",))
 
 
 def debias_image(
@@ -138,10 +178,11 @@ class DebiasedPruner(Pruner):
     at run time on the current input (``exp``: ``log score = a + b x`` robust least squares;
     ``monotone``: isotonic fit of per-row / per-bin medians), against ``x`` = the token's 1-D
     order in the image or its image row, so recency no longer favours the lower image rows;
-    it is rescaled to keep the image's mass. ``m_s`` suppresses sinks: pad-to-square padding
-    patches get the share of their cell the original image covers (0 for pure padding; from
-    the image size and the processor geometry), and sink tokens — peak |activation| or
-    attention score above ``sink_ratio`` times the image median — get ``sink_weight``.
+    it is rescaled to keep the image's mass. ``m_s`` suppresses sinks: padding patches get the
+    share of their cell the original image covers (0 for pure padding; from the image size and
+    :mod:`vlm_focus.geometry`: ``pad_to_square``, else the adapter's fallback), and sink
+    tokens — peak |activation| or attention score above ``sink_ratio`` times the image
+    median — get ``sink_weight``.
     ``positional``, ``padding`` and ``sinks`` switch each fix.
 
     Example::
@@ -174,8 +215,6 @@ class DebiasedPruner(Pruner):
         opts = self.options
         raw = self.base.select(ctx, n_keep).scores.float().cpu()
         out = raw.clone()
-        pad = opts.pad_to_square
-        views = ctx.adapter.square_padded_views if pad is None else ((0,) if pad else ())
         peak = ctx.hidden.detach().abs().amax(-1).float().cpu()  # [B, S] massive activations
         for row in image_tokens(ctx):
             for tokens in row:
@@ -190,9 +229,10 @@ class DebiasedPruner(Pruner):
                         raise ValueError(
                             f"image_sizes lists {len(opts.image_sizes)} images; the batch has more"
                         )
-                    size = opts.image_sizes[tokens.image]
-                if opts.padding and views and size is not None:
-                    suppress = suppress * padding_weights(tokens, size, views)
+                    size = Size(**opts.image_sizes[tokens.image])
+                if opts.padding and size is not None:
+                    frames = _frames(tokens.layout, size, opts.pad_to_square, ctx.adapter)
+                    suppress = suppress * padding_weights(tokens, size, frames)
                 if opts.sinks:
                     sink = torch.zeros(local.numel(), dtype=torch.bool)
                     if opts.sink_by in ("activation", "both"):

@@ -1,0 +1,564 @@
+"""One probed forward pass, read many ways: maps, points, boxes, region scores and mentions.
+
+    from vlm_focus import grounding
+    gp = grounding.GroundingPass(model, inputs, processor=processor, images=[image])
+    heat = gp.map("red_circle")           # HeatMap: .grid (cells), .pixels (original pixels)
+    x, y = gp.point("red_circle")         # peak, in the image's pixels
+    best = gp.boxes("red_circle")[0]      # Box(x, y, w, h, score)
+    gp.region_score("red_circle", best)   # MTLA share in [0, 1], one per row
+
+:func:`heatmap`, :func:`region_score`, :func:`describe_and_ground` and :func:`ground` are thin
+wrappers over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..geometry import (
+    RULES,
+    Frame,
+    Size,
+    as_sizes,
+    check_size,
+    image_processor_of,
+    layout_sizes,
+    legacy_sizes,
+    view_frames,
+)
+from ..model_adapters import get_adapter
+from ._boxes import Box, boxes, point
+from ._maps import (
+    HeadSpec,
+    HeatMap,
+    Query,
+    answer_mask,
+    build_map,
+    extend_with_answer,
+    head_pairs,
+    head_weights,
+    image_rows,
+    instruction,
+    probe_forward,
+    processor_argument,
+    query_mask,
+    text_tokens,
+    tokenizer_of,
+)
+from ._region import box_share
+from ._words import find_mentions
+
+SOURCES = ("prompt", "answer")
+
+
+@dataclass(frozen=True)
+class Mention:
+    """A mention of something in one row: its text, its sequence positions in the pass's input
+    (prompt + answer) and whether it lies in the ``"prompt"`` or the ``"answer"``."""
+
+    text: str
+    positions: tuple[int, ...]
+    row: int
+    source: str
+
+
+MentionQuery = Mention | Sequence[Mention]
+
+
+class GroundingPass:
+    """One teacher-forced forward over the prompt (plus ``answer``) whose attention rows give
+    maps for any phrase of it (TAG), points, boxes, MTLA region scores and object mentions.
+
+    For query tokens ``T``, selected (layer, head) pairs ``P`` and an image's visual tokens ``v``::
+
+        map[v] = 1/|P| sum_{(l,h) in P} 1/|T| sum_{t in T} A^{l,h}[t, v]
+        A^{l,h}[t, :] = softmax_s(q_t^{l,h} . k_s^{l,h} / sqrt(d))   (causal, padding masked)
+
+    scattered to the token's grid cell and, through :mod:`vlm_focus.geometry`, into the original
+    image's pixels. With ``relative_to`` (the same image under a generic prompt such as
+    :data:`GENERIC_PROMPT`) every map is divided by the generic prompt's instruction map,
+    ``map / (generic + eps)`` with ``eps = 0.05 * mean(generic)``, which removes
+    prompt-independent sinks.
+
+    Args:
+        model: a supported VLM (SDPA, eager or flash).
+        inputs: the processor's output (``input_ids``, ``attention_mask``, pixels, grids).
+        processor: the processor that made ``inputs``: its tokenizer finds phrases and its image
+            processor's settings place the grids on the image. A bare tokenizer works for
+            phrases; the geometry then falls back to the model adapter's rule.
+        images: the PIL images given to the processor (one for every image, one per image in
+            batch order, or one list per row); their sizes are the pixel frame of the maps.
+        sizes: instead of ``images``: :class:`~vlm_focus.geometry.Size` values (or
+            ``{"width", "height"}`` mappings), in the same forms.
+        answer: generated tokens ``[B, T]`` (``generate()`` output after the prompt), trimmed at
+            each row's first end-of-sequence or padding token, appended and read in the same
+            pass.
+        layers: decoder layers to average (default: all; ``heads`` implies its own layers).
+        heads: localization heads (:func:`select_localization_heads`) or ``{layer: [heads]}``.
+        rows: which tokens may be queried later (a query as in :meth:`map`); default every text
+            token of the prompt and the answer. Fewer rows use less memory.
+        relative_to: processor outputs of the same images under a generic prompt.
+        geometry: one of :data:`vlm_focus.geometry.RULES` for every view, overriding the
+            processor's settings.
+        tokenizer: deprecated, the old name of ``processor``.
+        image_size: deprecated ``(height, width)`` (one, per row or per row per image).
+
+    LLaVA-NeXT and LLaVA-OneVision inputs carry each image's size (``image_sizes``); for the
+    others pass ``images`` (or ``sizes``) to get pixels. Without them the grid maps work and
+    anything in pixels raises, saying what to pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Mapping[str, Any],
+        *,
+        processor: Any = None,
+        images: Any = None,
+        sizes: Any = None,
+        answer: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+        heads: HeadSpec = None,
+        rows: Query | MentionQuery = None,
+        relative_to: Mapping[str, Any] | None = None,
+        geometry: str | None = None,
+        tokenizer: Any = None,
+        image_size: Any = None,
+    ) -> None:
+        processor = processor_argument(processor, tokenizer, "GroundingPass")
+        if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+            raise TypeError("inputs must be the processor's output mapping with input_ids")
+        if geometry is not None and geometry not in RULES:
+            raise ValueError(f"geometry={geometry!r}; allowed: {RULES} or None (the processor's)")
+        if images is not None and sizes is not None:
+            raise ValueError("pass images= or sizes=, not both")
+        given = as_sizes(images, name="images") if images is not None else None
+        if sizes is not None:
+            given = as_sizes(sizes, name="sizes")
+        legacy = legacy_sizes(image_size)
+        if given is None:
+            given = legacy
+        if heads is not None and layers is None:
+            layers = sorted({layer for layer, _ in head_pairs(heads)})
+        self.model = model
+        self.processor = processor
+        self.geometry = geometry
+        self.adapter = get_adapter(model)
+        device = next(model.parameters()).device
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        self.prompt_length = int(inputs["input_ids"].shape[1])
+        if answer is not None:
+            keep = answer_mask(model, answer.to(device))
+            full, is_answer = extend_with_answer(inputs, answer, keep)
+        else:
+            full = dict(inputs)
+            is_answer = torch.zeros_like(full["input_ids"], dtype=torch.bool)
+        self.inputs = full
+        self.is_answer = is_answer  # [B, S] the answer's kept tokens
+        self.has_answer = answer is not None
+        self.prompt_text = text_tokens(model, full) & ~is_answer  # [B, S]
+        self._instruction = instruction(model, full, require=False) & ~is_answer
+        record = self.prompt_text | is_answer if rows is None else self._resolve(rows, None)
+        probed = probe_forward(model, full, record, layers)
+        self.layers = probed.layers
+        self.weights = head_weights(heads, probed.layers, probed.n_heads)  # [L, H]
+        self.layouts = probed.layout
+        self._slabs = image_rows(probed, self.weights)  # per row, image: [Tq, n]
+        self._positions = probed.records[0].positions.cpu()  # [B, Tq]
+        self._recorded = probed.records[0].mask.cpu()  # [B, Tq]
+        self.sizes: list[list[Size | None]] = layout_sizes(self.layouts, given)
+        self.frames: list[list[list[Frame] | None]] = [
+            [self._frames(layout, size, b, i) for i, (layout, size) in enumerate(zip(row, srow))]
+            for b, (row, srow) in enumerate(zip(self.layouts, self.sizes, strict=True))
+        ]
+        self._generic = None
+        if relative_to is not None:
+            generic = GroundingPass(model, relative_to, layers=self.layers, heads=heads, rows=None)
+            values = generic._values(generic._instruction, range(len(generic.layouts)))
+            if len(values) != len(self.layouts) or any(
+                len(a) != len(b) or any(g.shape[0] != s.shape[1] for g, s in zip(a, b))
+                for a, b in zip(values, self._slabs, strict=True)
+            ):
+                raise ValueError(
+                    "relative_to must hold the same images (same rows, same visual tokens) as "
+                    "inputs"
+                )
+            self._generic = values
+
+    # --- geometry -----------------------------------------------------------------------------
+    def _frames(self, layout: Any, size: Size | None, row: int, image: int) -> list[Frame] | None:
+        if size is None:
+            return None
+        check_size(
+            layout,
+            size,
+            image_processor=image_processor_of(self.processor),
+            aspect=self.adapter.aspect_grids,
+            where=f"row {row}, image {image}: ",
+        )
+        table = self.adapter.fallback_geometry
+        fallback = table.get(len(layout.grids), table.get(0, ("resize",)))
+        return view_frames(
+            layout, size, processor=self.processor, rule=self.geometry, fallback=fallback
+        )
+
+    # --- queries ------------------------------------------------------------------------------
+    def _source(self, source: str | None) -> str:
+        if source is None:
+            return "answer" if self.has_answer else "prompt"
+        if source not in SOURCES:
+            raise ValueError(f"source={source!r}; allowed: {SOURCES}")
+        if source == "answer" and not self.has_answer:
+            raise ValueError("source='answer' needs answer= (the generated tokens)")
+        return source
+
+    def _resolve(
+        self, query: Query | MentionQuery, source: str | None, only: int | None = None
+    ) -> torch.Tensor:
+        """``[B, S]`` bool query tokens (only row ``only`` filled when given)."""
+        ids = self.inputs["input_ids"]
+        if isinstance(query, Mention) or (
+            isinstance(query, Sequence) and query and all(isinstance(m, Mention) for m in query)
+        ):
+            mentions = [query] if isinstance(query, Mention) else list(query)
+            mask = torch.zeros_like(ids, dtype=torch.bool)
+            for m in mentions:
+                mask[m.row, list(m.positions)] = True
+            return mask
+        source = self._source(source)
+        where = self.is_answer if source == "answer" else self.prompt_text
+        if query is None:
+            mask = self.is_answer if source == "answer" else self._instruction
+            rows = range(ids.shape[0]) if only is None else [only]
+            if any(not bool(mask[b].any()) for b in rows):
+                raise ValueError(f"a row has no {source} tokens to use as the query")
+            return mask if only is None else _only(mask, only)
+        if isinstance(query, torch.Tensor):
+            return query_mask(ids, query, where=where, source=source)
+        name = "answer" if source == "answer" else "prompt's text"
+        tok = tokenizer_of(self.processor) if self.processor is not None else None
+        if only is None:
+            return query_mask(ids, query, where=where, tokenizer=tok, source=name)
+        part = query_mask(ids[only : only + 1], query, where=where[only : only + 1],
+                          tokenizer=tok, source=name)  # fmt: skip
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[only] = part[0]
+        return mask
+
+    def _values(self, query: torch.Tensor, rows: Sequence[int] | range) -> list[list[torch.Tensor]]:
+        """Per row in ``rows`` and image, ``[n]``: the mean attention of the row's query
+        tokens (divided by the generic map with ``relative_to``)."""
+        query = query.cpu()
+        out = []
+        for b in rows:
+            picked = query[b].gather(0, self._positions[b]) & self._recorded[b]  # [Tq]
+            wanted = int(query[b].sum())
+            if int(picked.sum()) != wanted:
+                missing = sorted(set(torch.nonzero(query[b]).flatten().tolist())
+                                 - set(self._positions[b][self._recorded[b]].tolist()))  # fmt: skip
+                raise ValueError(
+                    f"row {b}: query positions {missing} were not recorded by this pass "
+                    "(pass rows= covering them, or leave rows=None)"
+                )
+            if wanted == 0:
+                raise ValueError(f"row {b} has no query tokens")
+            w = picked.float() / wanted
+            values = [w @ slab for slab in self._slabs[b]]  # [n] per image
+            if self._generic is not None:
+                values = [v / (g + 0.05 * g.mean() + 1e-12)
+                          for v, g in zip(values, self._generic[b], strict=True)]  # fmt: skip
+            out.append(values)
+        return out
+
+    def _heat(self, values: torch.Tensor, b: int, i: int) -> HeatMap:
+        return build_map(values, self.layouts[b][i], self.sizes[b][i], self.frames[b][i], b, i,
+                         self.adapter.model_type)  # fmt: skip
+
+    # --- maps ---------------------------------------------------------------------------------
+    def maps(
+        self, query: Query | MentionQuery = None, *, source: str | None = None
+    ) -> list[list[HeatMap]]:
+        """Per batch row, one :class:`HeatMap` per image, for a query in every row.
+
+        ``query``: a phrase (``str``), a token-id span, a ``[B, S]`` bool mask or ``[B, Tq]``
+        positions, or :class:`Mention` values; default the answer's tokens when the pass has
+        an answer, else the instruction (the text after the image). Phrases are searched in
+        ``source`` (``"answer"`` when there is one, else ``"prompt"``), last occurrence first.
+        """
+        mask = self._resolve(query, source)
+        values = self._values(mask, range(mask.shape[0]))
+        return [[self._heat(v, b, i) for i, v in enumerate(row)] for b, row in enumerate(values)]
+
+    def map(
+        self,
+        query: Query | MentionQuery = None,
+        *,
+        row: int = 0,
+        image: int = 0,
+        source: str | None = None,
+    ) -> HeatMap:
+        """The :class:`HeatMap` of one row's image for a query (as in :meth:`maps`; a phrase
+        need only be in this row). :class:`Mention` queries use their own row."""
+        if isinstance(query, Mention):
+            row = query.row
+        elif isinstance(query, Sequence) and query and all(isinstance(m, Mention) for m in query):
+            rows = {m.row for m in query}
+            if len(rows) != 1:
+                raise ValueError(f"mentions of one map must share a row, got rows {sorted(rows)}")
+            row = rows.pop()
+        self._check_index(row, image)
+        mask = self._resolve(query, source, only=row)
+        return self._heat(self._values(mask, [row])[0][image], row, image)
+
+    def _check_index(self, row: int, image: int) -> None:
+        if not 0 <= row < len(self.layouts):
+            raise ValueError(f"row={row}: the batch has {len(self.layouts)} rows")
+        if not 0 <= image < len(self.layouts[row]):
+            raise ValueError(
+                f"image={image}, but row {row} holds {len(self.layouts[row])} image(s)"
+            )
+
+    def point(
+        self,
+        query: Query | MentionQuery = None,
+        *,
+        row: int = 0,
+        image: int = 0,
+        source: str | None = None,
+        sigma: float | None = None,
+    ) -> tuple[float, float]:
+        """The map's peak ``(x, y)`` in original image pixels (:func:`point`)."""
+        return point(self.map(query, row=row, image=image, source=source), sigma=sigma)
+
+    def boxes(
+        self,
+        query: Query | MentionQuery = None,
+        *,
+        row: int = 0,
+        image: int = 0,
+        source: str | None = None,
+        **options: Any,
+    ) -> list[Box]:
+        """Boxes ``[x, y, w, h]`` in original image pixels around the map's blobs, best first
+        (:func:`boxes`; ``options`` are its ``threshold``, ``sigma``, ``max_boxes``,
+        ``min_area``)."""
+        return boxes(self.map(query, row=row, image=image, source=source), **options)
+
+    def region_score(
+        self,
+        query: Query | MentionQuery,
+        box: Any,
+        *,
+        image: int = 0,
+        source: str | None = None,
+    ) -> torch.Tensor:
+        """MTLA region score of ``box`` (``[x, y, w, h]`` in original pixels, one for every row
+        or one per row): the share of the query's image attention inside it, ``[B]``.
+
+        For the query tokens ``T``, cells ``c`` with attention ``a_t(c)`` and the share ``w_c``
+        of cell ``c``'s area that the box covers::
+
+            score = sum_{t in T} sum_c w_c a_t(c)  /  sum_{t in T} sum_c a_t(c)
+        """
+        maps = self.maps(query, source=source)
+        batch = len(maps)
+        per_row = (
+            isinstance(box, torch.Tensor)
+            and box.dim() == 2
+            or (isinstance(box, Sequence) and len(box) > 0 and isinstance(box[0], Sequence | Box))
+        )
+        if per_row and len(box) != batch:
+            raise ValueError(f"got {len(box)} boxes for {batch} rows")
+        scores = []
+        for b, row in enumerate(maps):
+            self._check_index(b, image)
+            scores.append(box_share(row[image], box[b] if per_row else box))
+        return torch.tensor(scores)
+
+    # --- answers and mentions -----------------------------------------------------------------
+    def answer_ids(self, row: int = 0) -> torch.Tensor:
+        """Row ``row``'s answer tokens, trimmed at its first end-of-sequence or padding token."""
+        return self.inputs["input_ids"][row][self.is_answer[row]]
+
+    def answer_text(self, row: int = 0) -> str:
+        """Row ``row``'s trimmed answer, decoded (special tokens skipped)."""
+        tok = tokenizer_of(self.processor)
+        return tok.decode(self.answer_ids(row).tolist(), skip_special_tokens=True)
+
+    def mentions(
+        self,
+        *,
+        source: str | None = None,
+        objects: Sequence[str] | None = None,
+        within: str | None = None,
+    ) -> list[list[Mention]]:
+        """Per row, the mentions of the answer (or of the prompt's instruction, the text after
+        the image): each ``objects`` name's spans, or, without a vocabulary, every token that
+        decodes to a content word (longer than two letters, not a stop word).
+
+        ``within`` narrows the search to a phrase's last occurrence (for example the user's
+        question inside the chat template); where it is not found, the whole source is used.
+        """
+        if self.processor is None:
+            raise ValueError("mentions need processor= (to decode tokens)")
+        source = self._source(source)
+        region = self.is_answer if source == "answer" else self._instruction
+        ids = self.inputs["input_ids"]
+        out = []
+        for b in range(ids.shape[0]):
+            where = region[b]
+            if within is not None:
+                try:
+                    where = where & self._resolve(within, source, only=b)[b]
+                except ValueError:
+                    pass  # not found: the whole source
+            positions = torch.nonzero(where).flatten().tolist()
+            found = find_mentions(ids[b, positions].tolist(), self.processor, objects)
+            out.append(
+                [Mention(text, tuple(positions[i] for i in idx), b, source) for text, idx in found]
+            )
+        return out
+
+
+def _only(mask: torch.Tensor, row: int) -> torch.Tensor:
+    out = torch.zeros_like(mask)
+    out[row] = mask[row]
+    return out
+
+
+# --- the wrappers -----------------------------------------------------------------------------
+def heatmap(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    query: Query = None,
+    *,
+    answer: torch.Tensor | None = None,
+    processor: Any = None,
+    images: Any = None,
+    sizes: Any = None,
+    layers: Sequence[int] | None = None,
+    heads: HeadSpec = None,
+    relative_to: Mapping[str, Any] | None = None,
+    geometry: str | None = None,
+    tokenizer: Any = None,
+    image_size: Any = None,
+) -> list[list[HeatMap]]:
+    """Attention maps of a query over each image (TAG): ``GroundingPass(...).maps(query)``,
+    recording only the query's rows. Arguments as in :class:`GroundingPass` and
+    :meth:`GroundingPass.maps`.
+
+    Returns:
+        per batch row, one :class:`HeatMap` per image.
+    """
+    processor = processor_argument(processor, tokenizer, "heatmap")
+    gp = GroundingPass(
+        model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
+        layers=layers, heads=heads, rows=query, relative_to=relative_to, geometry=geometry,
+        image_size=image_size,
+    )  # fmt: skip
+    return gp.maps(query)
+
+
+def region_score(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    box: Any,
+    query: Query = None,
+    *,
+    answer: torch.Tensor | None = None,
+    processor: Any = None,
+    images: Any = None,
+    sizes: Any = None,
+    image: int = 0,
+    layers: Sequence[int] | None = None,
+    heads: HeadSpec = None,
+    geometry: str | None = None,
+    tokenizer: Any = None,
+    tokens: Query = None,
+    image_size: Any = None,
+) -> torch.Tensor:
+    """Grounding confidence of a box: the share of a prediction's image attention inside it
+    (MTLA), :meth:`GroundingPass.region_score`.
+
+    The prediction's tokens ``T`` (all of them, summed; not one token) are ``query`` (as in
+    :func:`heatmap`; default the whole ``answer``, or the instruction). The score lies in
+    ``[0, 1]``, does not depend on the order of the tokens, and compares boxes the model writes
+    in text as well as boxes from :func:`boxes`. ``box`` is ``[x, y, w, h]`` in original image
+    pixels (one for all rows, or one per row); ``image`` is which image of each row it refers
+    to. ``tokens=`` is the deprecated name of ``query``.
+
+    Returns:
+        ``[B]`` float scores.
+    """
+    if tokens is not None:
+        import warnings
+
+        warnings.warn(
+            "region_score(tokens=...) is deprecated: pass query= (as in heatmap)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if query is None:
+            query = tokens
+    processor = processor_argument(processor, tokenizer, "region_score")
+    gp = GroundingPass(
+        model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
+        layers=layers, heads=heads, rows=query, geometry=geometry, image_size=image_size,
+    )  # fmt: skip
+    return gp.region_score(query, box, image=image)
+
+
+@dataclass
+class Grounding:
+    """:func:`ground`'s answer: the phrase's map, its peak and its boxes, in the image's pixels."""
+
+    phrase: str
+    map: HeatMap
+    point: tuple[float, float]
+    boxes: list[Box]
+    scores: list[float]  # region score (MTLA share of the map inside each box)
+
+
+def ground(
+    model: nn.Module,
+    processor: Any,
+    image: Any,
+    phrase: str,
+    *,
+    prompt: str | None = None,
+    layers: Sequence[int] | None = None,
+    heads: HeadSpec = None,
+    max_boxes: int | None = None,
+    threshold: float | str = "otsu",
+) -> Grounding:
+    """Where ``phrase`` is in ``image``: the attention map of its tokens, its peak and boxes,
+    all in ``image``'s own pixels.
+
+    The image (a PIL image, a path or an ``[H, W, 3]`` uint8 array) and ``prompt`` (default
+    ``"Is there a {phrase} in the image?"``; it must contain ``phrase``) go through the model's
+    chat template and ``processor``; one :class:`GroundingPass` reads the phrase's rows, with
+    the processor's geometry and the image's size.
+    """
+    from ..loading import build_inputs, load_image  # the processor's chat format
+
+    if not isinstance(phrase, str) or not phrase.strip():
+        raise ValueError(f"phrase must be a non-empty string, got {phrase!r}")
+    prompt = f"Is there a {phrase} in the image?" if prompt is None else prompt
+    if phrase not in prompt:
+        raise ValueError(f"prompt {prompt!r} does not contain the phrase {phrase!r}")
+    if hasattr(image, "ndim") and hasattr(image, "shape"):
+        from PIL import Image
+
+        image = Image.fromarray(image)
+    picture = load_image(image)
+    inputs = build_inputs(processor, picture, prompt)
+    gp = GroundingPass(model, inputs, processor=processor, images=[picture], layers=layers,
+                       heads=heads, rows=phrase)  # fmt: skip
+    heat = gp.map(phrase, source="prompt")
+    found = boxes(heat, threshold=threshold, max_boxes=max_boxes)
+    return Grounding(phrase, heat, point(heat), found, [box_share(heat, b) for b in found])
