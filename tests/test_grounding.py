@@ -611,3 +611,36 @@ def test_import_vlm_focus_loads_neither_opencv_nor_a_modeling_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_readme_grounding_example_gives_the_pixels_of_a_non_square_photo(tmp_path):
+    from pathlib import Path
+
+    from PIL import Image
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Grounding and hallucination mitigation") :]
+    code = section[section.index("```python") + len("```python") : section.index("```\n", 10)]
+    code = code[: code.index("with hallucination.")]  # the grounding part
+    sample = "vlm_focus/assets/samples/scene_9000001.png"
+    assert sample in code
+    square = Image.open(Path(__file__).parents[1] / sample).convert("RGB")
+    wide = Image.new("RGB", (square.width * 3 // 2, square.height), square.getpixel((0, 0)))
+    left = (wide.width - square.width) // 2
+    wide.paste(square, (left, 0))
+    wide.save(tmp_path / "wide.png")
+    runs = {}
+    for name, path in (
+        ("square", Path(__file__).parents[1] / sample),
+        ("wide", tmp_path / "wide.png"),
+    ):
+        scope: dict = {}
+        exec(compile(code.replace(sample, str(path)), "README.md", "exec"), scope)
+        runs[name] = scope
+    sq, wd = runs["square"], runs["wide"]
+    assert wd["heat"].size == Size(wide.width, wide.height)
+    assert wd["heat"].frames == [Frame(float(left), 0.0, square.width, square.height)]
+    assert wd["x"] == pytest.approx(sq["x"] + left) and wd["y"] == pytest.approx(sq["y"])
+    assert wd["found"].point == pytest.approx((sq["found"].point[0] + left, sq["found"].point[1]))
+    assert wd["best"].x == pytest.approx(sq["best"].x + left) and wd["best"].w == sq["best"].w
+    assert float(wd["conf"][0]) == pytest.approx(float(sq["conf"][0]), abs=1e-6)
