@@ -37,6 +37,7 @@ from PIL import Image
 
 from vlm_focus import grounding as G
 from vlm_focus import hallucination as H
+from vlm_focus.geometry import Size
 from vlm_focus.organism.data import negative_category
 from vlm_focus.organism.pope import (
     SPLITS,
@@ -220,8 +221,9 @@ def run_grounding(model, processor, scenes, heads, batch: int) -> dict:
             ]
         )  # [B, 1] the category token
         maps = {}
+        sizes = [Size(s.size, s.size) for s in scenes_b]  # the scenes' own pixels
         for name, v in variants.items():
-            kwargs = {"layers": v.get("layers"), "heads": v.get("heads")}
+            kwargs = {"layers": v.get("layers"), "heads": v.get("heads"), "sizes": sizes}
             if v.get("relative"):
                 kwargs["relative_to"] = generic
             query = last if v.get("last") else cat_pos
@@ -295,8 +297,8 @@ def run_captions(model, processor, scenes, batch: int, layers: list[int] | None)
         chunk = scenes[sl]
         inputs = make_inputs(processor, chunk, [CAPTION_PROMPT] * len(chunk))
         described = G.describe_and_ground(
-            model, inputs, tokenizer=processor, objects=CATEGORIES, max_new_tokens=40,
-            layers=layers,
+            model, inputs, processor=processor, objects=CATEGORIES, max_new_tokens=40,
+            layers=layers, sizes=[Size(s.size, s.size) for s in chunk],
         )  # fmt: skip
         for scene, d in zip(chunk, described, strict=True):
             for phrase in d.phrases:
@@ -542,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         args.images, args.pope_images, args.calibration, args.caption_images = 6, 3, 4, 4
     out.mkdir(parents=True, exist_ok=True)
     heads = G.select_localization_heads(
-        model, calibration_set(processor, args.calibration), top_k=3, tokenizer=processor
+        model, calibration_set(processor, args.calibration), top_k=3, processor=processor
     )
     G.save_heads(heads, out / "grounding_heads_organism.json")
     grounding = run_grounding(model, processor, heldout_scenes(args.images), heads, args.batch)

@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from ..model_adapters import get_adapter
-from ._maps import Query, _rows_and_weights, _weights, entropy, probe_forward, token_attention
+from ._maps import (
+    Query,
+    _rows_and_weights,
+    _weights,
+    entropy,
+    probe_forward,
+    processor_argument,
+    token_attention,
+)
 
 
 @dataclass
@@ -78,8 +86,9 @@ def select_localization_heads(
     calibration: Iterable[Mapping[str, Any] | tuple[Mapping[str, Any], Query]],
     *,
     top_k: int = 3,
-    tokenizer: Any = None,
+    processor: Any = None,
     layers: Sequence[int] | None = None,
+    tokenizer: Any = None,
 ) -> LocalizationHeads:
     """Pick localization heads on a calibration set.
 
@@ -87,11 +96,14 @@ def select_localization_heads(
         calibration: processor outputs, or ``(inputs, query)`` pairs (query as in
             :func:`heatmap`; default the instruction tokens).
         top_k: heads to keep after the elbow cut, lowest spatial entropy first.
+        processor: the processor (or its tokenizer) for phrase queries; ``tokenizer=`` is its
+            deprecated name.
 
     For head ``(l, h)``, image mass ``m = mean_samples sum_{v visual} a_{l,h}(v)`` (query rows
     averaged) and spatial entropy ``H = mean_samples -sum_c p_c log p_c`` of its map normalised
     to ``p``. Heads are ranked by ``m``, cut at the elbow, and sorted by ``H``.
     """
+    processor = processor_argument(processor, tokenizer, "select_localization_heads")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     adapter = get_adapter(model)
@@ -100,7 +112,7 @@ def select_localization_heads(
     count = 0
     for item in calibration:
         inputs, query = item if isinstance(item, tuple) else (item, None)
-        full, query_tokens = _rows_and_weights(model, inputs, query, None, tokenizer)
+        full, query_tokens = _rows_and_weights(model, inputs, query, None, processor)
         probed = probe_forward(model, full, query_tokens, layers)
         per_head = token_attention(probed, _weights(probed, query_tokens), per_head=True)
         for row in per_head:
