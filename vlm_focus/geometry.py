@@ -378,8 +378,9 @@ def _resize_and_crop(chain: _Chain, ip: Any) -> None:
     if _get(ip, "do_resize"):
         chain.resize(*_resized(*chain.hw, ip.size))
     crop = _get(ip, "crop_size")
-    if _get(ip, "do_center_crop") and crop is not None:
-        chain.centre_crop(int(_get(crop, "height")), int(_get(crop, "width")), _torch_backend(ip))
+    height, width = _get(crop, "height"), _get(crop, "width")
+    if _get(ip, "do_center_crop") and height and width:
+        chain.centre_crop(int(height), int(width), _torch_backend(ip))
 
 
 def _is_anyres(ip: Any) -> bool:
