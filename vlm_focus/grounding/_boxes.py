@@ -30,15 +30,26 @@ class Box:
         return [self.x, self.y, self.w, self.h]
 
 
-def _pixels(source: MapLike) -> tuple[np.ndarray, float, np.ndarray | None]:
-    """(``[H, W]`` float64 map, default smoothing sigma in pixels, ``[H, W]`` bool support or
-    ``None`` for all of it)."""
+Region = tuple[slice, slice]
+
+
+def _pixels(source: MapLike) -> tuple[np.ndarray, float, Region | None]:
+    """(``[H, W]`` float64 map, default smoothing sigma in pixels, the ``(rows, cols)`` slices
+    of the rectangle the map's grids cover, or ``None`` for all of it)."""
     if isinstance(source, HeatMap):
         (width, height), _ = source.require_pixels()
         rows, cols = source.grid.shape
         cell = min(height / rows, width / cols)
         pixels = source.pixels.numpy().astype(np.float64)
-        return pixels, 0.5 * cell, source.support.numpy()
+        seen_rows = np.flatnonzero(source.support.any(1).numpy())
+        seen_cols = np.flatnonzero(source.support.any(0).numpy())
+        if seen_rows.size == 0:
+            return pixels, 0.5 * cell, None
+        region = (
+            slice(int(seen_rows[0]), int(seen_rows[-1]) + 1),
+            slice(int(seen_cols[0]), int(seen_cols[-1]) + 1),
+        )
+        return pixels, 0.5 * cell, region
     if isinstance(source, torch.Tensor):
         source = source.detach().cpu().double().numpy()
     if not isinstance(source, np.ndarray):
@@ -50,24 +61,23 @@ def _pixels(source: MapLike) -> tuple[np.ndarray, float, np.ndarray | None]:
     return source.astype(np.float64), 1.0, None
 
 
-def smooth(pixels: np.ndarray, sigma: float, support: np.ndarray | None = None) -> np.ndarray:
-    """Gaussian smoothing restricted to ``support`` (default: every pixel), by normalised
-    convolution: ``G * (m s) / G * s`` on the support ``s`` and 0 off it (``G``:
-    ``cv2.GaussianBlur``, kernel ``2*ceil(3 sigma)+1``, zeros beyond the border). A pixel near
-    the edge of what the encoder saw averages only seen pixels, wherever that edge lies in the
-    image (the image's border, or a centre crop's side). ``sigma = 0``: none."""
+def smooth(pixels: np.ndarray, sigma: float, region: Region | None = None) -> np.ndarray:
+    """Gaussian smoothing (``cv2.GaussianBlur``, kernel ``2*ceil(3 sigma)+1``, mirrored at the
+    border) of ``region`` (default: the whole map; 0 outside it). For a :class:`HeatMap` the
+    region is the rectangle its grids cover, so a scene padded to another aspect ratio and
+    centre-cropped back smooths exactly as the scene itself. ``sigma = 0``: none."""
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
-    mask = np.ones(pixels.shape) if support is None else support.astype(np.float64)
+    if region is not None:
+        out = np.zeros_like(pixels)
+        out[region] = smooth(pixels[region], sigma)
+        return out
     if sigma == 0:
-        return pixels * mask
+        return pixels
     import cv2
 
     size = 2 * int(np.ceil(3 * sigma)) + 1
-    blur = dict(ksize=(size, size), sigmaX=sigma, sigmaY=sigma, borderType=cv2.BORDER_CONSTANT)
-    weight = cv2.GaussianBlur(mask, **blur)
-    out = cv2.GaussianBlur(pixels * mask, **blur)
-    return np.where(mask > 0, out / np.maximum(weight, 1e-12), 0.0)
+    return cv2.GaussianBlur(pixels, (size, size), sigmaX=sigma, sigmaY=sigma)
 
 
 def point(source: MapLike, *, sigma: float | None = None) -> tuple[float, float]:
@@ -76,8 +86,8 @@ def point(source: MapLike, *, sigma: float | None = None) -> tuple[float, float]
 
     Pointing game: a hit when this point lies inside a box of the queried object.
     """
-    pixels, default, support = _pixels(source)
-    smoothed = smooth(pixels, default if sigma is None else sigma, support)
+    pixels, default, region = _pixels(source)
+    smoothed = smooth(pixels, default if sigma is None else sigma, region)
     row, col = np.unravel_index(int(np.argmax(smoothed)), smoothed.shape)
     return float(col) + 0.5, float(row) + 0.5
 
@@ -93,17 +103,17 @@ def boxes(
     """Boxes around the map's high-attention blobs, best first.
 
     The map is smoothed (:func:`smooth`, Gaussian, ``sigma`` pixels; default half a grid cell
-    for a :class:`HeatMap`, over the pixels its grids cover), scaled to ``[0, 1]`` by its
+    for a :class:`HeatMap`, over the rectangle its grids cover), scaled to ``[0, 1]`` by its
     maximum and thresholded: a float ``t`` in ``(0, 1)`` keeps pixels ``>= t * max``
     (relative), ``"otsu"`` picks Otsu's threshold on the 8-bit map's covered pixels. Each
     8-connected component (``cv2.connectedComponentsWithStats``) of at least
     ``min_area`` pixels gives a box ``[x, y, w, h]`` scored by the map's mass inside the
     component, ``score = sum_{p in component} map[p]`` (unsmoothed map).
     """
-    pixels, default, support = _pixels(source)
+    pixels, default, region = _pixels(source)
     if max_boxes is not None and (not isinstance(max_boxes, int) or max_boxes < 1):
         raise ValueError(f"max_boxes must be a positive int or None, got {max_boxes!r}")
-    smoothed = smooth(pixels, default if sigma is None else sigma, support)
+    smoothed = smooth(pixels, default if sigma is None else sigma, region)
     peak = float(smoothed.max())
     if peak <= 0:
         return []
@@ -114,7 +124,7 @@ def boxes(
         if threshold != "otsu":
             raise ValueError(f"threshold={threshold!r}: use 'otsu' or a float in (0, 1)")
         image = np.round(scaled * 255).astype(np.uint8)
-        seen = image if support is None else image[support]  # Otsu over the seen pixels only
+        seen = image if region is None else image[region]  # Otsu over the covered pixels
         level, _ = cv2.threshold(seen.reshape(-1, 1), 0, 1, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
         binary = (image > level).astype(np.uint8)
     else:
