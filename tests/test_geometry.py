@@ -20,12 +20,13 @@ from transformers import (
     LlavaOnevisionImageProcessor,
     Qwen2VLImageProcessor,
 )
+from transformers.image_processing_utils import select_best_resolution
 
 from vlm_focus import geometry as geo
 from vlm_focus.geometry import Frame, Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import _image_cells
+from vlm_focus.model_adapters.llava_next import _image_cells, anyres_canvas
 from vlm_focus.model_adapters.llava_onevision import _anyres_tokens
 
 PATCH = 8  # encoder pixels per token side (anyres and dynamic resolution)
@@ -55,6 +56,25 @@ def _peak(canvas: np.ndarray, rows: int, cols: int) -> tuple[int, int]:
     cells = canvas.mean(0).reshape(rows, h // rows, cols, w // cols).mean((1, 3))
     r, col = np.unravel_index(int(cells.argmax()), cells.shape)
     return int(r), int(col)
+
+
+def _composite_cell(pixels: np.ndarray, size: Size, model, grid) -> tuple[int, int]:
+    """The brightest cell of the anyres crops in the composite ``grid``: the crops stitched
+    row-major on the resolution transformers' own ``select_best_resolution`` picks, minus the
+    rows or columns the model's ``unpad_image`` drops (the adapter's ``anyres_canvas``), scaled
+    to ``grid`` (LLaVA-OneVision's downscale)."""
+    best_h, best_w = select_best_resolution(
+        (size.height, size.width), model.config.image_grid_pinpoints
+    )
+    ch, cw = best_h // 32, best_w // 32
+    crops = pixels[1 : 1 + ch * cw].reshape(ch, cw, 3, 32, 32)
+    canvas = crops.transpose(2, 0, 3, 1, 4).reshape(3, ch * 32, cw * 32)
+    r, c = _peak(canvas, ch * SIDE, cw * SIDE)
+    kept = anyres_canvas(model, [size.height, size.width])[0]  # [2, h, w] padded-grid (row, col)
+    top, left = int(kept[0].min()), int(kept[1].min())
+    h, w = kept.shape[1:]
+    rows, cols = grid
+    return int((r - top) * rows / h), int((c - left) * cols / w)
 
 
 def _single(rows: int, cols: int) -> ImageLayout:
@@ -127,16 +147,9 @@ def test_llava_next_anyres_base_and_composite_views(shape):
         frames = geo.view_frames(layout, size, processor=ip)
         # base view: patch 0
         _assert_within_a_cell(frames[0], grids[0], _peak(pixels[0], SIDE, SIDE), x, y)
-        # composite: the crops stitched row-major on the best resolution, then unpadded
-        best_h, best_w = geo.best_resolution(size, PINPOINTS)
-        ch, cw = best_h // 32, best_w // 32
-        crops = pixels[1 : 1 + ch * cw].reshape(ch, cw, 3, 32, 32)
-        canvas = crops.transpose(2, 0, 3, 1, 4).reshape(3, ch * 32, cw * 32)
-        r, c = _peak(canvas, ch * SIDE, cw * SIDE)
-        h, w = grids[1]
-        r -= (ch * SIDE - h) // 2
-        c -= (cw * SIDE - w) // 2
-        _assert_within_a_cell(frames[1], grids[1], (r, c), x, y)
+        _assert_within_a_cell(
+            frames[1], grids[1], _composite_cell(pixels, size, model, grids[1]), x, y
+        )
 
 
 @pytest.mark.parametrize("shape", SIZES)
@@ -159,24 +172,12 @@ def test_llava_onevision_anyres_and_untiled_views(shape):
         layout = ImageLayout(torch.arange(cells.shape[0]), cells, grids, image_size=size)
         frames = geo.view_frames(layout, size, processor=ip)
         _assert_within_a_cell(frames[0], grids[0], _peak(pixels[0], SIDE, SIDE), x, y)
-        best_h, best_w = geo.best_resolution(size, OV_PINPOINTS)
-        ch, cw = best_h // 32, best_w // 32
-        crops = pixels[1 : 1 + ch * cw].reshape(ch, cw, 3, 32, 32)
-        canvas = crops.transpose(2, 0, 3, 1, 4).reshape(3, ch * 32, cw * 32)
-        r, c = _peak(canvas, ch * SIDE, cw * SIDE)
-        full_h, full_w = ch * SIDE, cw * SIDE  # unpadded extent, then the model's downscale
-        if size.width / size.height > full_w / full_h:
-            kept = int(round(size.height * full_w / size.width, 7))
-            pad, unpadded = (full_h - kept) // 2, (full_h - 2 * ((full_h - kept) // 2), full_w)
-            r -= pad
-        else:
-            kept = int(round(size.width * full_h / size.height, 7))
-            pad, unpadded = (full_w - kept) // 2, (full_h, full_w - 2 * ((full_w - kept) // 2))
-            c -= pad
         out_h, out_w = grids[1]
-        assert out_h * out_w < unpadded[0] * unpadded[1]  # downscaled
-        cell = (int(r * out_h / unpadded[0]), int(c * out_w / unpadded[1]))
-        _assert_within_a_cell(frames[1], grids[1], cell, x, y)
+        kept = anyres_canvas(model, [size.height, size.width])[0]
+        assert out_h * out_w < kept.shape[1] * kept.shape[2]  # downscaled
+        _assert_within_a_cell(
+            frames[1], grids[1], _composite_cell(pixels, size, model, grids[1]), x, y
+        )
         # a prompt with several images: not tiled, padded to a square, one view
         untiled = ip(images=[[_image(size, x, y), _image(size, x, y)]], return_tensors="np")
         single = untiled["pixel_values"][0, 0]
