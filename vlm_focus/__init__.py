@@ -9,7 +9,6 @@ for Hugging Face vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL
     found = vf.ground(model, processor, image, "red circle")  # map, point, boxes in its pixels
 """
 
-from . import grounding, hallucination
 from .api import FocusHandle, wrap
 from .config import FocusConfig
 from .model_adapters import ModelAdapter, register_adapter, supported_models
@@ -20,15 +19,16 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``vf.ground`` (grounding's one-call convenience) and ``vf.geometry``, imported on use."""
+    """Subpackages and ``vf.ground`` are imported on first use, so ``import vlm_focus`` stays
+    fast (``transformers`` and ``cv2`` load only when a feature needs them)."""
+    if name in ("grounding", "hallucination", "geometry", "zoom"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     if name == "ground":
         from .grounding import ground
 
         return ground
-    if name == "geometry":
-        from . import geometry
-
-        return geometry
     raise AttributeError(f"module 'vlm_focus' has no attribute {name!r}")
 
 

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from ._calls import CACHE_KEYS, CallTracker, cache_length, cache_of
 from ._fixation import FixedView, StepFixation
@@ -316,7 +315,7 @@ class FocusEngine:
             full_len=seq,
             drops=drops,
             visual_counts=counts,
-            inputs={k: v for k, v in prefill.inputs.items() if not isinstance(v, Cache)},
+            inputs={k: v for k, v in prefill.inputs.items() if k not in CACHE_KEYS},
             trace=trace,
             current=torch.arange(seq, device=input_ids.device).expand(batch, seq),
             frames=(
@@ -340,7 +339,7 @@ class FocusEngine:
             trace.fixation = self.state.fixation
         self.last_trace = trace
 
-    def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Cache) -> dict:
+    def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Any) -> dict:
         """With K = 0 every cache is short, so a decode step without ``position_ids`` would be
         positioned from the short cache: supply the original positions (full prompt + step)."""
         if kwargs.get("position_ids") is not None:
