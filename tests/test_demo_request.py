@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from transformers import LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration
 
+import vlm_focus as vf
 from vlm_focus import grounding
 from vlm_focus import hallucination as hal
 from vlm_focus.demo import request as req
@@ -194,13 +195,14 @@ def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
 @pytest.mark.parametrize(
     "mitigation", ["attention_reweight", "visual_beam", "instruction_contrast"]
 )
-def test_mitigated_answer_equals_the_mitigation_used_directly(tiny, scene, mitigation):
+def test_mitigated_answer_equals_the_mitigation_on_the_pruned_model(tiny, scene, mitigation):
     model, processor = tiny
     result = run(tiny, scene, mitigation=mitigation, max_new_tokens=5)
     assert result.ok, result.message
     inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
     kw = dict(max_new_tokens=5, do_sample=False)
-    with torch.inference_mode():
+    pruning = dict(pruner="fastv", keep=0.25, layer=1)  # run()'s options: mitigated while pruned
+    with torch.inference_mode(), vf.wrap(model, **pruning):
         if mitigation == "attention_reweight":
             with hal.attention_reweight(model, strength=1.0):
                 out = model.generate(**inputs, **kw)

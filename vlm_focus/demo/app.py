@@ -258,7 +258,7 @@ def build_app(
                 with gr.Row():
                     unpruned = gr.Textbox(label="Answer (unpruned)", elem_id="answer-unpruned")
                     mitigated = gr.Textbox(
-                        label="Answer (unpruned, with the mitigation)", elem_id="answer-mitigated"
+                        label="Answer (pruned, with the mitigation)", elem_id="answer-mitigated"
                     )
                 stats = gr.Markdown(elem_id="stats")
                 with gr.Row():

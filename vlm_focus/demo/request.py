@@ -8,8 +8,8 @@ and a message meant for the user.
 What one request computes, all on the model the app loaded once:
 
 1. the answer of the pruned model (``vf.wrap(model, pruner, keep, layer)``) and of the unpruned
-   one, greedy; with a mitigation, also the unpruned model's answer under it (mitigations hook
-   every decoder layer, pruning slices the layers from ``layer`` on: they are shown apart);
+   one, greedy; with a mitigation (by its name in ``hallucination``'s registry, with the
+   registry's parameters), also the pruned model's answer under it;
 2. prefill time of the same input, unpruned and pruned, measured in this request, alternately
    (medians of ``repeats`` each, :func:`prefill_seconds`), and their ratio;
 3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
@@ -44,7 +44,7 @@ import vlm_focus as vf
 
 from .. import hallucination as hal
 from ..geometry import Frame, as_size, model_frames
-from ..grounding import GENERIC_PROMPT, Box, GroundingPass, HeatMap, box_share, boxes
+from ..grounding import Box, GroundingPass, HeatMap, box_share, boxes
 from ..loading import build_inputs, decode_new_tokens
 from ..model_adapters import ImageLayout, get_adapter, supported_models
 from ..timing import median_seconds, prefill_fn
@@ -52,7 +52,7 @@ from .overlays import draw_boxes, frame_strip, heat_overlay, kept_mask_overlay
 
 logger = logging.getLogger(__name__)
 
-MITIGATIONS = ("none", "attention_reweight", "visual_beam", "instruction_contrast")
+MITIGATIONS = hal.mitigation_choices()
 #: Longest image side the demo feeds the model; larger images are downscaled (with a notice).
 MAX_SIDE = 1344
 #: Images with more pixels than this are refused before decoding (decompression bombs).
@@ -97,7 +97,7 @@ class DemoResult:
     image: np.ndarray | None = None  # [H, W, 3] uint8: the image the model saw
     answer: str = ""  # answer of the pruned model
     answer_unpruned: str = ""
-    answer_mitigated: str = ""  # unpruned model under the mitigation ("" without one)
+    answer_mitigated: str = ""  # pruned model under the mitigation ("" without one)
     mitigation: str = "none"
     prompt_map: GroundedMap | None = None
     object_maps: list[GroundedMap] = field(default_factory=list)
@@ -284,8 +284,10 @@ def run_request(
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
             inputs = _to_model(model, build_inputs(processor, picture, prompt))
             generic = None
-            if mitigation == "instruction_contrast":
-                generic = _to_model(model, build_inputs(processor, picture, GENERIC_PROMPT))
+            contrast = None if mitigation == "none" else hal.get_mitigation(mitigation)
+            if contrast is not None and contrast.generic_prompt is not None:
+                generic = build_inputs(processor, picture, contrast.generic_prompt)
+                generic = _to_model(model, generic)
             result = _compute(
                 model, processor, picture, prompt, inputs, generic, pruner, keep, layer, mitigation,
                 max_new_tokens, repeats,
@@ -325,16 +327,8 @@ def _generate(
     """Greedy ``generate()`` under the chosen mitigation; returns the full sequences."""
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False)
     with torch.inference_mode():
-        if mitigation == "attention_reweight":
-            with hal.attention_reweight(model, strength=1.0):
-                return model.generate(**inputs, **kwargs)
-        if mitigation == "visual_beam":
-            with hal.visual_beam(model, weight=1.0) as proc:
-                return model.generate(**inputs, **kwargs, num_beams=3, logits_processor=[proc])
-        if mitigation == "instruction_contrast":
-            with hal.instruction_contrast(model, inputs, generic) as proc:
-                return model.generate(**inputs, **kwargs, logits_processor=[proc])
-        return model.generate(**inputs, **kwargs)
+        with hal.mitigate(model, mitigation, inputs, generic_inputs=generic) as active:
+            return model.generate(**inputs, **kwargs, **active.generate_kwargs())
 
 
 def _compute(
@@ -354,11 +348,11 @@ def _compute(
     full_seq = _generate(model, inputs, None, "none", max_new_tokens)
     answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
     answer_mitigated = ""
-    if mitigation != "none":
-        mitigated = _generate(model, inputs, generic, mitigation, max_new_tokens)
-        answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
     options = dict(pruner=pruner, keep=keep, layer=layer)
     with vf.wrap(model, **options) as handle:
+        if mitigation != "none":  # mitigations read and steer the pruned model's attention
+            mitigated = _generate(model, inputs, generic, mitigation, max_new_tokens)
+            answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
         pruned_seq = _generate(model, inputs, None, "none", max_new_tokens)
         trace = handle.last_trace
     t_full, t_pruned = prefill_seconds(model, inputs, options, repeats)
