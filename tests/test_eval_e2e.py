@@ -186,8 +186,14 @@ def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
     assert summary["mitigation_parameters"] == {"strength": 1.0, "layers": None, "ratio": 0.25}
     with pytest.warns(DeprecationWarning, match="'reweight' is deprecated"):  # the earlier name
         assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 0
-    assert main([*args, "--mitigate", "visual_beam", "--pruner", "fastv"]) == 2
-    assert "run them without pruning" in capsys.readouterr().err
+    # mitigations run on a pruned model too; only guided and fixation pruning refuse them
+    pruned = [*args, "--mitigate", "attention_reweight", "--pruner", "fastv", "--keep", "0.5",
+              "--layer", "1"]  # fmt: skip
+    assert main([*pruned, "--max-new-tokens", "2"]) == 0
+    summary = json.loads((folder / "fastv-k0.5-l1-attention_reweight.json").read_text())
+    assert summary["mitigate"] == "attention_reweight" and summary["n"] == 2
+    assert main([*args, "--mitigate", "visual_beam", "--pruner", "fixation", "--layer", "1"]) == 2
+    assert "does not combine with --pruner fixation" in capsys.readouterr().err
 
 
 def test_killed_pope_run_resumes_to_the_uninterrupted_result(setup, tmp_path, monkeypatch):

@@ -188,7 +188,7 @@ def test_entry_point_registers_the_model():
         ({"mitigate": "visual_beam"}, "mitigate='visual_beam'"),
         ({"mitigate": "nothing"}, "mitigate='nothing'"),
         ({"strength": 2.0}, "strength set without mitigate="),
-        ({"mitigate": "reweight", "pruner": "fastv"}, "run them without pruning"),
+        ({"mitigate": "reweight", "pruner": "fixation"}, "does not combine with pruner"),
         ({"mitigate": "reweight", "mitigate_layers": "0:9"}, "mitigate_layers: layer 9"),
         ({"pruner": "fastv", "layer": 9}, "layer: layer 9 is out of range"),
         ({"pruner": "guided"}, "guide=PATH"),

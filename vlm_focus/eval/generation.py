@@ -53,10 +53,12 @@ class Setting:
         self.mitigate = hal.mitigation_name(self.mitigate)
         if self.pruner is not None:
             self.keep = parse_keep(self.keep)
-        if self.pruned and self.mitigate != "none":
+        if self.pruned and self.mitigate != "none" and self.pruner in ("guided", "fixation"):
+            # the mitigations run on any pruned model, but guided pruning drives generate()
+            # itself and fixation attends to new visual columns at every decoding step
             raise ValueError(
-                f"--mitigate {self.mitigate} with --pruner {self.pruner}: the mitigations read "
-                "attention over the full sequence at every layer; run them without pruning"
+                f"--mitigate {self.mitigate} does not combine with --pruner {self.pruner}; "
+                "use another pruner, or no mitigation"
             )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

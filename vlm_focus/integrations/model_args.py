@@ -179,10 +179,11 @@ def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
                 pruner_cls.Options(**extra)  # the pruner's own value checks
             except (TypeError, ValueError) as err:
                 raise ValueError(f"pruner {config.pruner!r}: {err}") from err
-    if wrap and mitigate is not None:
+    if wrap and mitigate is not None and config.pruner in ("guided", "fixation"):
         raise ValueError(
-            f"mitigate={mitigate!r} with pruning ({', '.join(sorted(wrap))}): the mitigations read "
-            "attention over the full sequence at every layer; run them without pruning"
+            f"mitigate={mitigate!r} does not combine with pruner {config.pruner!r} (guided "
+            "pruning drives generation itself, fixation picks new visual keys at every step); "
+            "use another pruner, or no mitigation"
         )
     return FocusArgs(wrap=wrap, guide=guide, mitigate=mitigate, mitigate_options=mitigate_options)
 
