@@ -4,8 +4,9 @@
 
 Each case is ``{"prompt", "request": {mm_processor_kwargs} | null}``; all cases go to one
 ``LLM.generate`` call (one batch). Writes the greedy tokens and prompt token ids per case, the
-kept sets the pruning model recorded (if any), and whether the plugin module was loaded. Never
-imports vlm_focus itself: vLLM finds the plugin through its entry point.
+kept sets the pruning model recorded (if any), and whether the plugin module was loaded before
+this script imported anything of vlm_focus (it imports only ``recorded_kept``, after the run):
+vLLM finds the plugin through its entry point.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ import sys
 from pathlib import Path
 
 MAX_NEW_TOKENS = 12
-
-
-def _kept(model) -> list[dict]:
-    return [{"n": n, "kept": kept.tolist()} for n, kept in getattr(model, "last_kept", [])]
 
 
 def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None = None) -> None:
@@ -45,14 +42,17 @@ def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None =
         requests.append(request)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(requests, params, use_tqdm=False)
-    (kept,) = llm.apply_model(_kept)
+    plugin_loaded = "vlm_focus.integrations.vllm" in sys.modules  # by vLLM, not by this script
+    from vlm_focus.integrations.vllm import recorded_kept  # by reference, for the worker
+
+    (kept,) = llm.apply_model(recorded_kept)
     result = {
         "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "prompt_token_ids": list(o.prompt_token_ids)}
             for o in outputs
         ],
         "kept": kept,
-        "plugin_loaded": "vlm_focus.integrations.vllm" in sys.modules,
+        "plugin_loaded": plugin_loaded,
     }
     Path(out_path).write_text(json.dumps(result))
 

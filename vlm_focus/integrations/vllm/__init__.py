@@ -110,6 +110,13 @@ def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
     }
 
 
+def recorded_kept(model: Any) -> list[dict[str, Any]]:
+    """The kept cells a pruning model recorded for its most recent images, oldest first:
+    ``[{"n": cells in the image, "kept": kept cell indices (raster order)}]`` (``[]`` for any
+    other model). For ``LLM.apply_model(recorded_kept)``, which runs it in each worker."""
+    return [{"n": n, "kept": kept.tolist()} for n, kept in getattr(model, "last_kept", ())]
+
+
 def register() -> None:
     """Entry point of ``vllm.general_plugins``: registers the pruning classes by import path
     (nothing heavy is imported until vLLM builds such a model). Safe to call repeatedly."""
@@ -128,5 +135,6 @@ __all__ = [
     "ServeOptions",
     "check_request",
     "hf_overrides",
+    "recorded_kept",
     "register",
 ]

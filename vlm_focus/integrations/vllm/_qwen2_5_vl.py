@@ -12,20 +12,22 @@ Qwen2.5-VL class that changes one thing:
   its ``(t, h, w)`` cell appended as position channels;
 - M-RoPE: ``get_mrope_input_positions`` lays out the pruned prompt with the text positions of
   the unpruned one (an image advances the position by ``max(t, rows, cols)`` however many of its
-  tokens are kept), and ``recompute_mrope_positions`` (vLLM's hook for models that prune their
-  multimodal embeddings) writes each kept token's original position from its channels and
-  strips them, before the LLM runs.
+  tokens are kept) and gives every image token the image's base position; ``embed_input_ids``
+  strips the cell channels off the embeddings it scatters into the batch and keeps them, and
+  ``forward`` adds each kept token's ``(t, h, w)`` cell to its base position before the LLM
+  runs, which gives it its original position.
 
-vLLM calls that hook only while its multimodal-pruning switch is on, and the switch is its
-``video_pruning_rate`` (EVS). The model therefore turns it on in its own worker's config when it
-is built; videos are refused (their tokens would need positions from ``second_per_grid_ts``
-and EVS would prune them too), as is a server started with ``--video-pruning-rate``.
+vLLM's own hook for this (``SupportsMultiModalPruning.recompute_mrope_positions``, used by EVS)
+is only called while its video-pruning switch is on, and vLLM's CPU model runner never calls it;
+the position fix above needs neither. Videos are refused (their tokens would need positions from
+``second_per_grid_ts``), as are ``--video-pruning-rate`` (EVS) and pipeline parallelism (later
+stages would not see the cells).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from vllm.model_executor.models.qwen2_5_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement
+from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from . import CONFIG_KEY, ServeOptions, check_request
 from ._scores import PRUNERS, keep_count, select
@@ -148,15 +151,18 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vlm_focus = _options(self.config)
-        mm_config = self.multimodal_config
-        if mm_config.is_multimodal_pruning_enabled():
+        if self.multimodal_config.is_multimodal_pruning_enabled():
             raise ValueError(
                 "--video-pruning-rate (EVS) cannot be combined with vlm_focus's pruning "
                 "architecture; " + _NO_VIDEO
             )
-        # vLLM's runner reads positions back from pruned embeddings only under this switch.
-        mm_config.video_pruning_rate = 0.5
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "vlm_focus's pruning architecture does not run with pipeline parallelism"
+            )
         self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
+        # (flattened token indices, [n, 3] cells) of the image tokens of the step being run
+        self._step_cells: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- the LLM's input: kept embeddings with their cells -----------------------------------
     def embed_multimodal(self, **kwargs: object):
@@ -203,9 +209,8 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
     # --- M-RoPE --------------------------------------------------------------------------------
     def get_mrope_input_positions(self, input_tokens, mm_features):
         """Positions ``[3, N]`` of the pruned prompt and the decode delta: text keeps the
-        positions of the unpruned prompt; an image's tokens get provisional positions that
-        :meth:`recompute_mrope_positions` replaces with their cells' once the image is
-        encoded."""
+        positions of the unpruned prompt; every token of an image gets the image's base
+        position in all three sections, to which :meth:`forward` adds the token's cell."""
         merge = self.config.vision_config.spatial_merge_size
         pieces, start, next_pos = [], 0, 0
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
@@ -225,44 +230,35 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
         end = next_pos + tail
         return positions, end - len(input_tokens)
 
-    def recompute_mrope_positions(
-        self,
-        input_ids,
-        multimodal_embeddings: Sequence[torch.Tensor],
-        mrope_positions: torch.Tensor,
-        num_computed_tokens: int,
-    ):
-        """Write the original positions of the kept image tokens in this prefill chunk.
-
-        ``multimodal_embeddings`` are the chunk's slices of image outputs, in prompt order; the
-        first may start inside its image (chunked prefill). An image's placeholders are one run
-        of image tokens, and the token before the run (``<|vision_start|>``) holds the text
-        position the image's cells are offset from."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long).cpu()
-        n = ids.numel()
-        positions = mrope_positions.clone()
-        media = ids == self.config.image_token_id
-        edges = torch.diff(media.long(), prepend=torch.zeros(1, dtype=torch.long))
-        starts = torch.nonzero(edges == 1).flatten().tolist()
-        ends = torch.nonzero(
-            torch.diff(media.long(), append=torch.zeros(1, dtype=torch.long)) == -1
+    def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
+        """vLLM's embedding merge, after taking the cell channels off the image embeddings
+        (kept for :meth:`forward`, which runs next on the same flattened batch)."""
+        self._step_cells = None
+        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0:
+            cells = torch.cat(
+                [decode_cells(mm[:, -POSITION_CHANNELS:]) for mm in multimodal_embeddings]
+            )  # [n_mm, 3], in placeholder order
+            where = torch.nonzero(is_multimodal).flatten()
+            if where.numel() != cells.shape[0]:
+                raise RuntimeError(f"{cells.shape[0]} image embeddings for {where.numel()} slots")
+            self._step_cells = (where, cells.to(where.device))
+            multimodal_embeddings = [
+                copy_mm_embedding_modality(mm, mm[:, :-POSITION_CHANNELS])
+                for mm in multimodal_embeddings
+            ]
+        return super().embed_input_ids(
+            input_ids, multimodal_embeddings, is_multimodal=is_multimodal
         )
-        ends = (ends.flatten() + 1).tolist()
-        runs = [(s, e) for s, e in zip(starts, ends, strict=True) if e > num_computed_tokens]
-        cleaned = []
-        for k, emb in enumerate(multimodal_embeddings):
-            run_start, _ = runs[k]
-            first = max(num_computed_tokens, run_start) if k == 0 else run_start
-            cells = decode_cells(emb[:, -POSITION_CHANNELS:].cpu())  # [m, 3]
-            base = int(positions[0, run_start - 1]) + 1 if run_start > 0 else 0
-            where = slice(first, first + emb.shape[0])
-            positions[:, where] = (cells.T + base).to(positions.dtype).to(positions.device)
-            cleaned.append(emb[:, :-POSITION_CHANNELS])
-        if n and not bool(media[-1]):
-            delta = int(positions[0, -1]) + 1 - n
-        else:  # a prompt ending in an image: its full extent, as the provisional layout had
-            delta = int(max(int(mrope_positions.max()), int(positions.max()))) + 1 - n
-        return cleaned, positions, delta
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+        """vLLM's forward, with each kept image token at its original M-RoPE position: its
+        image's base position (from :meth:`get_mrope_input_positions`) plus its cell."""
+        if self._step_cells is not None:
+            where, cells = self._step_cells
+            self._step_cells = None
+            positions = positions.clone()  # [3, T]; the runner's buffer stays as it was
+            positions[:, where] += cells.T.to(positions.dtype)
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
 
 
 def _per_item(value: object, n: int) -> list[int]:
