@@ -189,3 +189,22 @@ def test_visual_beam_on_a_pruned_model_equals_the_masked_reference():
     torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
     for a, b in zip(history, ref_history, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_grounding_on_a_pruned_model_equals_the_masked_reference():
+    from vlm_focus import grounding as G
+
+    model = make_model("qwen2_vl")
+    inputs = make_inputs("qwen2_vl", model, batch=2)
+    layers = model.model.language_model.layers
+    with torch.no_grad(), _wrap(model, 2) as handle:
+        answer = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        answer = answer[:, inputs["input_ids"].shape[1] :]
+        pruned = G.GroundingPass(model, inputs, answer=answer)
+        trace = handle.last_trace  # the teacher-forced pass (prompt + answer) prunes anew
+    with torch.no_grad(), masked_reference(model, layers, trace):
+        reference = G.GroundingPass(model, inputs, answer=answer)
+    for b in range(2):
+        torch.testing.assert_close(
+            pruned.map(row=b).grid, reference.map(row=b).grid, atol=ATOL, rtol=0
+        )
