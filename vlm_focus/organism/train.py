@@ -124,10 +124,10 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
 
 def deep_recipe(scale: float = 1.0) -> Recipe:
     """Recipe of the deep model: the same three stages, with two-hop questions in place of the
-    relations and captions, and the two-hop circuit losses. The step budgets bind: they take
-    about 56 minutes on 2 unshared cores (the default's throughput); the minute budgets only stop a
-    run on a machine shared with other work, which gets fewer steps per minute."""
-    minutes, steps = (9.0, 24.0, 50.0), (4000, 1400, 3400)  # stage 1 as the default's
+    relations and captions, and the two-hop circuit losses. The minute budgets add up to 58, so
+    the whole run fits in an hour on 2 cores; a stage that reaches its step budget first ends
+    early."""
+    minutes, steps = (9.0, 15.0, 34.0), (4000, 1400, 3400)  # stage 1 as the default's
     m = [max(x * scale, 0.05) for x in minutes]
     s = [max(int(x * scale), 2) for x in steps]
     relation, hop, balance = 1.0, 1.0, 0.5
