@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import _masking, masked_reference
+from test_hallucination import _generate
 from tiny_models import make_inputs, make_model
 
 import vlm_focus as vf
@@ -19,21 +20,6 @@ from vlm_focus import hallucination as H
 from vlm_focus._probe import AttentionProbe
 
 ATOL = 2e-5
-
-
-def _generate(model, inputs, steps=4, **kwargs):
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_scores=True,
-            **kwargs,
-        )
-    scores = torch.stack(out.scores, 1)
-    return out.sequences, scores.masked_fill(torch.isinf(scores), 0.0)
 
 
 def _pruned_trace(model, inputs, layer):
