@@ -59,16 +59,9 @@ def test_spread_rank_is_a_permutation_that_starts_at_the_centre():
     assert int(rank.argmin()) == 1 * 6 + 2
 
 
-def test_share_budget_water_fills_and_sums_exactly():
-    counts = _scores.share_budget(torch.tensor([10.0, 1.0, 1.0]), torch.tensor([3, 8, 8]), 9)
-    assert counts.tolist() == [3, 3, 3]  # the heavy region is capped at its size
-    counts = _scores.share_budget(torch.tensor([0.0, 5.0]), torch.tensor([4, 4]), 1, minimum=1)
-    assert counts.tolist() == [0, 1]  # floors beyond the total: most mass first
-
-
 def test_keep_count_rounds_like_focus_config():
     assert _scores.keep_count(0.25, 48) == 12
     assert _scores.keep_count(0.01, 48) == 1
     assert _scores.keep_count(100, 48) == 48
-    with pytest.raises(ValueError, match="ratio"):
+    with pytest.raises(ValueError, match="keep=1.5"):
         _scores.keep_count(1.5, 48)

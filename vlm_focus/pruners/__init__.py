@@ -27,8 +27,9 @@ import sys
 from typing import Any
 
 from .._options import OptionInfo, options, options_markdown
+from ._math import split_budget
 from .base import NoOptions, Pruner, Selection, StageContext, apply_rope
-from .baselines import PoolPruner, RandomPruner, TemporalPruner
+from .baselines import PoolPruner, RandomPruner, TemporalPruner, spread_order
 from .debiased import DebiasedPruner
 from .diverse import DiversePruner
 from .fastv import FastVPruner
@@ -50,6 +51,8 @@ __all__ = [
     "pruner_options_markdown",
     "pruners",
     "register_pruner",
+    "split_budget",
+    "spread_order",
 ]
 
 _PRUNERS: dict[str, type[Pruner]] = {}

@@ -37,7 +37,7 @@ class RandomPruner(Pruner):
 
 
 @lru_cache(maxsize=64)
-def _spread_order(rows: int, cols: int) -> torch.Tensor:
+def spread_order(rows: int, cols: int) -> torch.Tensor:
     """Rank of each cell of a ``rows x cols`` grid in greedy farthest-point order, so that the
     first ``n`` cells of the order are spread evenly over the grid for every ``n``."""
     r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
@@ -70,7 +70,7 @@ class PoolPruner(Pruner):
                 for view, (rows, cols) in enumerate(image.grids):
                     in_view = (image.cells[:, 0] == view) & (image.cells[:, 1] >= 0)
                     cells = image.cells[in_view]
-                    order = _spread_order(rows, cols)[cells[:, 1] * cols + cells[:, 2]]
+                    order = spread_order(rows, cols)[cells[:, 1] * cols + cells[:, 2]]
                     rank[in_view] = 1.0 - (order.float() + 0.5) / max(1, cells.shape[0])
                 # Map this image's original positions to the current (maybe pruned) sequence.
                 where = torch.searchsorted(positions[b], image.positions)
@@ -117,7 +117,7 @@ class TemporalPruner(Pruner):
                 for view, (rows, cols) in enumerate(tokens.layout.grids):
                     here = (views == view) & (tokens.cells[:, 1] >= 0)
                     cells = tokens.cells[here]
-                    order = _spread_order(rows, cols)[cells[:, 1] * cols + cells[:, 2]]
+                    order = spread_order(rows, cols)[cells[:, 1] * cols + cells[:, 2]]
                     spatial[here] = 1.0 - (order.float() + 0.5) / max(1, rows * cols)
                 # Frame rank dominates; inside a frame, spatially uniform cells first.
                 value = (n_views - frame_rank[frame]).float() + spatial
@@ -129,7 +129,7 @@ class TemporalPruner(Pruner):
     ) -> torch.Tensor:
         """``[n_frames]`` rank of each frame, 0 = kept first (ties go to the earlier frame)."""
         if self.options.mode == "uniform":
-            return _spread_order(1, n_frames)
+            return spread_order(1, n_frames)
         feats = torch.stack(
             [
                 hidden[local[frame == f].to(hidden.device)].mean(0)

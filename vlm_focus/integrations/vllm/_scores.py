@@ -21,41 +21,23 @@ from functools import lru_cache
 
 import torch
 
+from ...config import keep_count as config_keep_count
+from ...config import parse_keep
+from ...pruners import split_budget, spread_order
+
 PRUNERS = ("pool", "pyramid")
 
 
 def keep_count(keep: float | int, n_visual: int) -> int:
-    """Tokens an image of ``n_visual`` tokens keeps: ``round(keep * n)`` clipped to ``[1, n]``
-    for a ratio, or the count itself (clipped to ``n``) for an int."""
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
-        raise ValueError(f"keep={keep!r} must be a ratio in (0, 1] or an int count >= 1")
-    if isinstance(keep, float):
-        if not 0.0 < keep <= 1.0:
-            raise ValueError(f"keep={keep!r}: a ratio must lie in (0, 1]")
-        return max(1, min(n_visual, round(keep * n_visual)))
-    if keep < 1:
-        raise ValueError(f"keep={keep!r}: a count must be >= 1")
-    return min(keep, n_visual)
+    """Tokens an image of ``n_visual`` tokens keeps, by ``keep``'s one rule
+    (:func:`vlm_focus.config.parse_keep`); a count above the image's tokens keeps them all."""
+    keep = parse_keep(keep)
+    return min(keep, n_visual) if isinstance(keep, int) else config_keep_count(keep, n_visual)
 
 
-@lru_cache(maxsize=128)
-def spread_rank(rows: int, cols: int) -> torch.Tensor:
-    """``[rows * cols]``: the step at which each cell (raster order) is taken by greedy
-    farthest-point sampling. Cell ``(r, c)`` sits at ``(r + 0.5, c + 0.5)``; the first pick is
-    the cell nearest ``(rows / 2, cols / 2)``, each next pick the cell farthest (squared
-    Euclidean) from all picks so far; ties go to the lower raster index."""
-    ys = torch.arange(rows, dtype=torch.float32).repeat_interleave(cols) + 0.5  # [n]
-    xs = torch.arange(cols, dtype=torch.float32).repeat(rows) + 0.5  # [n]
-    n = rows * cols
-    taken_at = torch.empty(n, dtype=torch.long)
-    nearest = torch.full((n,), float("inf"))  # squared distance to the closest pick
-    pick = int(((ys - rows / 2) ** 2 + (xs - cols / 2) ** 2).argmin())
-    for step in range(n):
-        taken_at[pick] = step
-        nearest = torch.minimum(nearest, (ys - ys[pick]) ** 2 + (xs - xs[pick]) ** 2)
-        nearest[pick] = -1.0
-        pick = int(nearest.argmax())
-    return taken_at
+#: ``[rows * cols]`` step at which each cell is taken by the ``pool`` pruner's farthest-point
+#: order (cached: vLLM asks for the same grids again and again).
+spread_rank = lru_cache(maxsize=128)(spread_order)
 
 
 def pool_keep(rows: int, cols: int, n_keep: int) -> torch.Tensor:
@@ -74,57 +56,6 @@ def region_of_cells(rows: int, cols: int, tiles: int) -> torch.Tensor:
     return torch.unique(ids, return_inverse=True)[1]
 
 
-def share_budget(
-    mass: torch.Tensor, sizes: torch.Tensor, total: int, minimum: int = 1
-) -> torch.Tensor:
-    """Integer budget per region, ``counts.sum() == total`` and ``counts <= sizes``.
-
-    Each region first gets ``min(minimum, size)`` (when those floors exceed ``total``, the
-    regions with the most mass get theirs first). The rest is shared in proportion to ``mass``
-    with water-filling: a region whose share would pass its free room gets exactly its room and
-    the remainder is re-shared among the others. Fractional shares are rounded by largest
-    remainder (ties: larger mass, then lower index)."""
-    mass = mass.double().clamp(min=0.0)
-    sizes = sizes.long()
-    if not 0 <= total <= int(sizes.sum()):
-        raise ValueError(f"total={total} must lie in [0, {int(sizes.sum())}]")
-    floors = torch.minimum(sizes, torch.full_like(sizes, minimum))
-    if int(floors.sum()) > total:
-        counts = torch.zeros_like(sizes)
-        left = total
-        for i in sorted(range(sizes.numel()), key=lambda i: (-float(mass[i]), i)):
-            give = min(int(floors[i]), left)
-            counts[i] = give
-            left -= give
-        return counts
-    room = (sizes - floors).double()
-    rest = float(total - int(floors.sum()))
-    share = torch.zeros_like(room)
-    open_ = room > 0
-    weight = mass if float(mass.sum()) > 0 else sizes.double()
-    while rest > 1e-9 and bool(open_.any()):
-        w = weight * open_
-        if float(w.sum()) <= 0:
-            w = room * open_
-        part = rest * w / w.sum()
-        full = open_ & (share + part >= room)
-        if bool(full.any()):
-            rest -= float((room - share)[full].sum())
-            share[full] = room[full]
-            open_ &= ~full
-        else:
-            share += part
-            rest = 0.0
-    whole = share.floor()
-    missing = total - int(floors.sum()) - int(whole.sum())
-    frac = share - whole
-    order = sorted(range(share.numel()), key=lambda i: (-float(frac[i]), -float(mass[i]), i))
-    counts = floors + whole.long()
-    for i in order[:missing]:
-        counts[i] += 1
-    return counts
-
-
 def pyramid_keep(
     saliency: torch.Tensor,
     rows: int,
@@ -136,9 +67,9 @@ def pyramid_keep(
 ) -> torch.Tensor:
     """PTP's bottom-up selection on one grid: ``saliency [rows * cols]`` (raster order).
 
-    Region ``r`` (a tile) gets ``n_r`` tokens from :func:`share_budget` with its saliency mass
-    ``S_r = sum b``; inside the region the ``n_r`` tokens of largest ``b / S_r`` survive (ties:
-    the lower index)."""
+    Region ``r`` (a tile) gets ``n_r`` tokens from :func:`~vlm_focus.pruners.split_budget`
+    with its saliency mass ``S_r = sum b``; inside the region the ``n_r`` tokens of largest
+    ``b / S_r`` survive (ties: the lower index)."""
     saliency = saliency.detach().float().cpu()
     if saliency.numel() != rows * cols:
         raise ValueError(f"saliency has {saliency.numel()} values for a {rows}x{cols} grid")
@@ -146,7 +77,7 @@ def pyramid_keep(
     n_regions = int(region.max()) + 1
     sizes = torch.bincount(region, minlength=n_regions)
     mass = torch.zeros(n_regions, dtype=torch.float64).index_add_(0, region, saliency.double())
-    budget = share_budget(mass, sizes, n_keep, min_per_region)
+    budget = split_budget(mass, sizes, n_keep, min_per_region)
     picks = []
     for r in range(n_regions):
         members = torch.nonzero(region == r).flatten()
