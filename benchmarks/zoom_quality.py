@@ -147,12 +147,19 @@ def plain_confidences(model, processor, images, rows, batch: int, statistic: str
 
 
 # --- evaluation ------------------------------------------------------------------------------
-def run_method(model, processor, images, rows, batch: int, **options) -> list[zoom.ZoomAnswer]:
-    out: list[zoom.ZoomAnswer] = []
-    focus = [r["category"] for r in rows]
-    for part in batches(len(rows), batch):
-        out += zoom.look_closer(model, processor, images[part], [r["text"] for r in rows[part]],
-                                focus=focus[part], max_new_tokens=4, **options)  # fmt: skip
+def run_methods(
+    model, processor, images, rows, batch: int, methods: dict, desc: str
+) -> dict[str, list[zoom.ZoomAnswer]]:
+    """Every method on every batch, the methods interleaved batch by batch (their order
+    rotating), so that a changing load on the machine hits all of them alike."""
+    out: dict[str, list[zoom.ZoomAnswer]] = {name: [] for name in methods}
+    names = list(methods)
+    for k, part in enumerate(tqdm(batches(len(rows), batch), desc=desc)):
+        questions = [r["text"] for r in rows[part]]
+        focus = [r["category"] for r in rows[part]]
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            out[name] += zoom.look_closer(model, processor, images[part], questions, focus=focus,
+                                          max_new_tokens=4, **methods[name])  # fmt: skip
     return out
 
 
@@ -294,7 +301,8 @@ def write_markdown(path: Path, report: dict) -> None:
         "in the chat template, greedy, answers parsed by the POPE rule. normal = the 192 x 192 "
         f"scenes (native size); high-res = the same scenes placed whole on a {r['canvas']} x "
         f"{r['canvas']} canvas (shrunk {r['canvas'] / 192:g}x in the model's view). Batch "
-        f"{r['batch']}; latency = wall time per question, batch time divided evenly.",
+        f"{r['batch']}; latency = wall time per question, batch time divided evenly; the methods "
+        "run interleaved batch by batch, so that the machine's changing load hits all alike.",
         "",
         f"Calibration: {r['n_calibration_scenes']} scenes from seed {CALIBRATION_SEED:,} "
         f"({r['calibration']['n_questions']} questions per set). Zoom settings: "
@@ -452,11 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     zoom.look_closer(model, processor, warm, [r["text"] for r in rows[: len(warm)]], **common)
     for which in ("normal", "high-res"):
         images = images_of(data, which)
-        results[which], raw[which] = {}, {}
-        for name, options in tqdm(methods.items(), desc=which):
-            found = run_method(model, processor, images, rows, args.batch, **{**common, **options})
-            raw[which][name] = found
-            results[which][name] = summarise(found, rows, data, which)
+        settings = {name: {**common, **options} for name, options in methods.items()}
+        raw[which] = run_methods(model, processor, images, rows, args.batch, settings, which)
+        results[which] = {
+            name: summarise(found, rows, data, which) for name, found in raw[which].items()
+        }
     # consistency: adaptive = plain where not routed, always-zoom where zoomed
     mismatches = 0
     for which in raw:
