@@ -307,8 +307,8 @@ def test_unsupported_model(tiny, scene):
     ("options", "message"),
     [
         (dict(pruner="nope"), "Unknown pruner 'nope'; choose one of "),
-        (dict(keep=0.0), "keep=0.0: use a ratio in (0, 1] or a whole count >= 1."),
-        (dict(keep=1.5), "keep=1.5: use a ratio in (0, 1] or a whole count >= 1."),
+        (dict(keep=0.0), "keep=0.0: a ratio must lie in (0, 1]; a count is an int >= 2."),
+        (dict(keep=1.5), "keep=1.5: a ratio must lie in (0, 1]; a count is an int >= 2."),
         (dict(layer=2), "layer=2: this model prunes at a layer in [0, 2)."),
         (dict(layer=-1), "layer=-1: this model prunes at a layer in [0, 2)."),
         (dict(mitigation="magic"), "Unknown mitigation 'magic'; choose one of none, "),

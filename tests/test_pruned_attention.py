@@ -68,10 +68,10 @@ def test_vas_on_a_pruned_model_equals_the_masked_reference():
     layers = model.model.language_model.layers
     trace = _pruned_trace(model, inputs, 2)
     with _wrap(model, 2):
-        pruned = H.vas(model, inputs, query="text")
+        pruned = H.vas(model, inputs, query_rows="text")
     with masked_reference(model, layers, trace):
-        reference = H.vas(model, inputs, query="text")
-    unpruned = H.vas(model, inputs, query="text")
+        reference = H.vas(model, inputs, query_rows="text")
+    unpruned = H.vas(model, inputs, query_rows="text")
     torch.testing.assert_close(pruned.per_head, reference.per_head, atol=ATOL, rtol=0)
     assert not torch.allclose(pruned.per_layer[:, 2:], unpruned.per_layer[:, 2:], atol=1e-4)
     torch.testing.assert_close(

@@ -52,14 +52,14 @@ def sample_scenes(n: int = N_SAMPLES) -> dict[str, np.ndarray]:
     ships none)."""
     from PIL import Image
 
-    from ..organism import sample_scene_paths
+    from ..asset_paths import sample_scene_paths
 
     out: dict[str, np.ndarray] = {}
     for path in sample_scene_paths()[:n]:
         with Image.open(path) as opened:
             out[path.stem] = np.asarray(opened.convert("RGB"))
     if not out:
-        from ..organism.scenes import heldout_scenes
+        from .._scenes import heldout_scenes
 
         for scene in heldout_scenes(n):
             out[f"scene-{scene.seed}"] = scene.image()
@@ -104,7 +104,7 @@ class Served:
         """The model's hub id or folder; the embedded models by their own name."""
         from pathlib import Path
 
-        from ..organism import default_model_path, guide_model_path
+        from ..asset_paths import default_model_path, guide_model_path
 
         config = getattr(self.model, "config", None)
         name = getattr(config, "_name_or_path", "") or type(self.model).__name__

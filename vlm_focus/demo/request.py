@@ -43,6 +43,7 @@ from torch import nn
 import vlm_focus as vf
 
 from .. import hallucination as hal
+from ..config import parse_keep
 from ..geometry import Frame, as_size, model_frames
 from ..grounding import Box, GroundingPass, HeatMap, box_share, boxes
 from ..loading import build_inputs, decode_new_tokens
@@ -239,10 +240,10 @@ def check_options(model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigati
         ) from None
     if pruner not in vf.pruners():
         raise DemoInputError(f"Unknown pruner {pruner!r}; choose one of {', '.join(vf.pruners())}.")
-    if isinstance(keep, bool) or not isinstance(keep, int | float):
-        raise DemoInputError(f"keep must be a number, got {keep!r}.")
-    if not (0 < keep <= 1 or (keep > 1 and float(keep).is_integer())):
-        raise DemoInputError(f"keep={keep}: use a ratio in (0, 1] or a whole count >= 1.")
+    try:
+        parse_keep(keep)  # the one rule of keep, as in vf.wrap and every command
+    except ValueError as err:
+        raise DemoInputError(f"{err}.") from None
     n_layers = len(adapter.decoder_layers(model))
     if isinstance(layer, float) and layer.is_integer():
         layer = int(layer)

@@ -4,7 +4,7 @@
     with hal.attention_reweight(model, strength=1.0, layers=[0, 1]):
         model.generate(**inputs)
     with hal.visual_beam(model, weight=2.0) as proc:
-        model.generate(**inputs, num_beams=4, logits_processor=[proc])
+        model.generate(**inputs, num_beams=3, logits_processor=[proc])
     with hal.instruction_contrast(model, inputs, generic_inputs) as proc:
         model.generate(**inputs, logits_processor=[proc])
     hal.vas(model, inputs).overall

@@ -77,6 +77,6 @@ def visual_beam(
     the log-likelihood plus the image attention mass its tokens paid. Usage::
 
         with visual_beam(model, weight=2.0) as proc:
-            model.generate(**inputs, num_beams=4, logits_processor=[proc])
+            model.generate(**inputs, num_beams=3, logits_processor=[proc])
     """
     return VisualBeam(model, weight, layers)

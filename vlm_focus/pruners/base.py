@@ -79,7 +79,7 @@ class StageContext:
         ``last``: the final prompt token. ``text``: every valid token after the row's last
         visual token, equally weighted (rows with fewer such tokens get zero-weight filler).
         """
-        query = query or self.config.query
+        query = query or self.config.query_rows
         batch, seq = self.visual.shape
         if query == "last":
             rows = torch.full((batch, 1), seq - 1, device=self.hidden.device)
@@ -89,8 +89,9 @@ class StageContext:
         fewest, tq = torch.stack([n_text.min(), n_text.max()]).tolist()  # one host read
         if fewest == 0:
             raise ValueError(
-                "query='text' scores visual tokens with the instruction after the image, but a "
-                "prompt has no text after its image; add an instruction, or use query='last'"
+                "query_rows='text' scores visual tokens with the instruction after the image, but "
+                "a prompt has no text after its image; add an instruction, or use "
+                "query_rows='last'"
             )
         rows = torch.arange(seq - tq, seq, device=self.hidden.device).expand(batch, tq)
         selected = is_text.gather(1, rows)
