@@ -1,5 +1,5 @@
 """Evaluations: POPE (object-presence yes/no), COCO attention grounding (box AP, pointing game,
-hallucination AUROC) and CHAIR (caption hallucination), with the protocols of PROTOCOLS.md.
+hallucination AUROC) and CHAIR (caption hallucination), with the protocols of docs/protocols.md.
 
 Command line: ``vlm-focus eval pope|coco|chair`` (see :mod:`vlm_focus.eval.cli`). Runs are
 resumable JSONL logs (:mod:`vlm_focus.eval.runner`) and shard across ``accelerate launch``

@@ -1,7 +1,7 @@
 """CHAIR (Rohrbach et al., 2018): object hallucination in captions; the protocol and its
 metrics (the runner is :mod:`vlm_focus.eval.chair_run`, ``vlm-focus eval chair``).
 
-Rules (PROTOCOLS.md):
+Rules (docs/protocols.md):
 
 - a caption's object mentions are found by lower-casing, splitting into words (``_`` stays inside a
   word, so ``red_circle`` is one word), then scanning left to right: a two-word name ("hot dog",

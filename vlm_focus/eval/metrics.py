@@ -1,7 +1,7 @@
 """Metric functions: POPE yes/no parsing and scores, AUROC, pointing game, COCO box AP.
 
-The POPE parsing rule and the metric definitions follow the POPE/LLaVA evaluation (see the
-project's PROTOCOLS.md): yes is the positive class and the yes-ratio is the share of PREDICTED
+The POPE parsing rule and the metric definitions follow the POPE/LLaVA evaluation (see
+docs/protocols.md): yes is the positive class and the yes-ratio is the share of PREDICTED
 yes (not of labels).
 """
 

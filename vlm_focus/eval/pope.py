@@ -1,6 +1,6 @@
 """POPE: question files built from any COCO-format instances file, and the yes/no run.
 
-Question building follows POPE (Li et al., 2023) as summarised in PROTOCOLS.md:
+Question building follows POPE (Li et al., 2023) as summarised in docs/protocols.md:
 
 - images with at least ``per_image`` annotated object categories; ``n_images`` of them (all when
   fewer, else a seeded sample), the same images and the same positives in every split;

@@ -2,8 +2,8 @@
 
 Data only; :mod:`vlm_focus.eval.chair` reads it. Each category lists the words or two-word
 phrases that mention it, in singular form (mentions are singularised before lookup, and two-word
-names are matched before single words, as PROTOCOLS.md's CHAIR rules ask). Categories of other
-sets (the organism's ``red_circle`` etc.) are named by their own name only.
+names are matched before single words, as the CHAIR rules of docs/protocols.md ask).
+Categories of other sets (the organism's ``red_circle`` etc.) are named by their own name only.
 """
 
 from __future__ import annotations
