@@ -148,18 +148,20 @@ def plain_confidences(model, processor, images, rows, batch: int, statistic: str
 
 # --- evaluation ------------------------------------------------------------------------------
 def run_methods(
-    model, processor, images, rows, batch: int, methods: dict, desc: str
-) -> dict[str, list[zoom.ZoomAnswer]]:
-    """Every method on every batch, the methods interleaved batch by batch (their order
-    rotating), so that a changing load on the machine hits all of them alike."""
-    out: dict[str, list[zoom.ZoomAnswer]] = {name: [] for name in methods}
-    names = list(methods)
-    for k, part in enumerate(tqdm(batches(len(rows), batch), desc=desc)):
+    model, processor, images: dict, rows, batch: int, methods: dict
+) -> dict[str, dict[str, list[zoom.ZoomAnswer]]]:
+    """Every method on every set and batch, interleaved batch by batch (the order of the
+    (set, method) pairs rotating), so that a changing load on the machine hits all alike."""
+    pairs = [(which, name) for which in images for name in methods]
+    out: dict = {which: {name: [] for name in methods} for which in images}
+    for k, part in enumerate(tqdm(batches(len(rows), batch), desc="test batches")):
         questions = [r["text"] for r in rows[part]]
         focus = [r["category"] for r in rows[part]]
-        for name in names[k % len(names) :] + names[: k % len(names)]:
-            out[name] += zoom.look_closer(model, processor, images[part], questions, focus=focus,
-                                          max_new_tokens=4, **methods[name])  # fmt: skip
+        for which, name in pairs[k % len(pairs) :] + pairs[: k % len(pairs)]:
+            out[which][name] += zoom.look_closer(
+                model, processor, images[which][part], questions, focus=focus, max_new_tokens=4,
+                **methods[name],
+            )  # fmt: skip
     return out
 
 
@@ -195,6 +197,10 @@ def summarise(found: list[zoom.ZoomAnswer], rows, data, which: str) -> dict:
         "yes_ratio": m["yes_ratio"],
         "unparseable": sum(not parse_yes_no(f.answer)[1] for f in found),
         "mean_latency_ms": 1000 * float(np.mean([f.seconds["total"] for f in found])),
+        "phase_ms": {
+            phase: 1000 * float(np.mean([f.seconds[phase] for f in found]))
+            for phase in ("plain", "map", "reask")
+        },
         "routed": sum(f.routed for f in found) / n,
         "zoomed": sum(f.zoomed for f in found) / n,
         "positives_zoomed": n_pos_zoomed,
@@ -301,8 +307,9 @@ def write_markdown(path: Path, report: dict) -> None:
         "in the chat template, greedy, answers parsed by the POPE rule. normal = the 192 x 192 "
         f"scenes (native size); high-res = the same scenes placed whole on a {r['canvas']} x "
         f"{r['canvas']} canvas (shrunk {r['canvas'] / 192:g}x in the model's view). Batch "
-        f"{r['batch']}; latency = wall time per question, batch time divided evenly; the methods "
-        "run interleaved batch by batch, so that the machine's changing load hits all alike.",
+        f"{r['batch']}; latency = wall time per question, batch time divided evenly; every "
+        "(set, method) pair runs interleaved batch by batch, so that the shared machine's "
+        "changing load hits all alike (mean per phase: plain pass / map / re-ask in the JSON).",
         "",
         f"Calibration: {r['n_calibration_scenes']} scenes from seed {CALIBRATION_SEED:,} "
         f"({r['calibration']['n_questions']} questions per set). Zoom settings: "
@@ -455,15 +462,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, cal in thresholds.items():
         methods[f"adaptive, {name}"] = dict(route="adaptive", threshold=cal.threshold)
     results: dict = {}
-    raw: dict = {}
     warm = images_of(data, "high")[: min(4, len(rows))]
     zoom.look_closer(model, processor, warm, [r["text"] for r in rows[: len(warm)]], **common)
-    for which in ("normal", "high-res"):
-        images = images_of(data, which)
-        settings = {name: {**common, **options} for name, options in methods.items()}
-        raw[which] = run_methods(model, processor, images, rows, args.batch, settings, which)
+    settings = {name: {**common, **options} for name, options in methods.items()}
+    images = {"normal": images_of(data, "normal"), "high-res": images_of(data, "high")}
+    raw = run_methods(model, processor, images, rows, args.batch, settings)
+    for which, found_by in raw.items():
         results[which] = {
-            name: summarise(found, rows, data, which) for name, found in raw[which].items()
+            name: summarise(found, rows, data, which) for name, found in found_by.items()
         }
     # consistency: adaptive = plain where not routed, always-zoom where zoomed
     mismatches = 0
