@@ -15,6 +15,7 @@ from tiny_models import make_model
 
 from vlm_focus._select import keep_mask as engine_keep_mask
 from vlm_focus.config import FocusConfig, keep_count
+from vlm_focus.geometry import Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
 from vlm_focus.model_adapters.llava_next import _image_cells, _image_patches
@@ -39,7 +40,7 @@ def _image(draw, start: int) -> ImageLayout:
     cells, grids = _image_cells(_NEXT, size, anyres=True)
     patches, n_crops = _image_patches(_NEXT, size, anyres=True)
     positions = torch.arange(start, start + cells.shape[0])
-    return ImageLayout(positions, cells, grids, image_size=tuple(size), patches=patches,
+    return ImageLayout(positions, cells, grids, image_size=Size(size[1], size[0]), patches=patches,
                        n_crops=n_crops)  # fmt: skip
 
 
