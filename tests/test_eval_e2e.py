@@ -206,11 +206,11 @@ def test_killed_pope_run_resumes_to_the_uninterrupted_result(setup, tmp_path, mo
     original = generation.Generator.__call__
     calls = []
 
-    def dying(self, images, prompts):
+    def dying(self, images, prompts, **kwargs):
         if len(calls) == 2:
             raise KeyboardInterrupt  # killed while answering the third batch
         calls.append(len(prompts))
-        return original(self, images, prompts)
+        return original(self, images, prompts, **kwargs)
 
     monkeypatch.setattr(generation.Generator, "__call__", dying)
     with pytest.raises(KeyboardInterrupt):
@@ -227,3 +227,112 @@ def test_killed_pope_run_resumes_to_the_uninterrupted_result(setup, tmp_path, mo
 
     whole, resumed = answers(tmp_path / "whole"), answers(tmp_path / "killed")
     assert len(whole) == 10 and resumed == whole
+
+
+def test_pope_zoom_records_its_options_and_keeps_settings_apart(setup, tmp_path):
+    from vlm_focus import zoom
+
+    _, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "2"]
+    args += ["--max-new-tokens", "2"]
+    assert main([*args, "--zoom", "always", "--zoom-layers", "0", "1"]) == 0
+    assert main(args) == 0
+    root = tmp_path / "pope" / "eval0--model"
+    folder = root / "random"
+    stored = json.loads((folder / "unpruned-zoom_always-zl0.1.config.json").read_text())
+    options = zoom.ZoomOptions(route="always", layers=[0, 1], max_new_tokens=2).to_json()
+    assert stored["zoom"] == "always" and stored["zoom_options"] == options
+    plain = json.loads((folder / "unpruned.config.json").read_text())
+    assert not any(k.startswith("zoom") for k in plain)  # earlier unzoomed logs still resume
+    records = read_jsonl(folder / "unpruned-zoom_always-zl0.1.jsonl")
+    assert len(records) == 2
+    for r in records:
+        assert r["routed"] is True and r["plain_answer"] is None and r["confidence"] is None
+        assert {"plain", "map", "reask", "total"} == set(r["zoom_s"])
+        assert r["generate_s"] > 0 and isinstance(r["crops"], list)
+    summary = json.loads((folder / "unpruned-zoom_always-zl0.1.json").read_text())
+    assert summary["zoom"] == "always" and summary["routed"] == 1.0
+    table = {r["setting"]: r for r in csv.DictReader(open(root / "table.csv"))}
+    assert set(table) == {"unpruned", "unpruned-zoom_always-zl0.1"}
+    assert table["unpruned"]["zoom"] == "never" and table["unpruned-zoom_always-zl0.1"]["routed"]
+    assert "unpruned-zoom_always-zl0.1" in (root / "table.md").read_text()
+
+
+def test_pope_adaptive_zoom_routes_by_threshold_and_calibration(setup, tmp_path):
+    from vlm_focus import zoom
+
+    _, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "2"]
+    args += ["--max-new-tokens", "2", "--zoom", "adaptive"]
+    folder = tmp_path / "pope" / "eval0--model" / "random"
+    assert main([*args, "--zoom-threshold", "0"]) == 0  # threshold 0 routes nothing
+    nothing = read_jsonl(folder / "unpruned-zoom_adaptive-t0.jsonl")
+    assert [r["routed"] for r in nothing] == [False, False]
+    assert all(r["answer"] == r["plain_answer"] and 0 < r["confidence"] <= 1 for r in nothing)
+    cal = zoom.calibrate([0.2, 0.4, 0.9], [True, True, False], recall=0.5)
+    cal.save(tmp_path / "cal.json")
+    assert main([*args, "--zoom-calibration", str(tmp_path / "cal.json")]) == 0
+    tag = f"unpruned-zoom_adaptive-t{cal.threshold:.6g}"
+    stored = json.loads((folder / f"{tag}.config.json").read_text())
+    assert stored["zoom_options"]["threshold"] == cal.threshold
+    assert stored["zoom_calibration"] == str(tmp_path / "cal.json")
+    routed = [r["routed"] for r in read_jsonl(folder / f"{tag}.jsonl")]
+    assert routed == [r["confidence"] < cal.threshold for r in read_jsonl(folder / f"{tag}.jsonl")]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--zoom", "adaptive"], "needs exactly one of zoom_threshold"),
+        (["--zoom", "adaptive", "--zoom-threshold", "1.5"], "zoom_threshold=1.5 must be"),
+        (["--zoom", "adaptive", "--zoom-threshold", "-0.1"], "zoom_threshold=-0.1 must be"),
+        (["--zoom", "always", "--zoom-threshold", "0.5"], "zoom_threshold only apply"),
+        (["--zoom-layers", "0"], "zoom_layers only applies"),
+        (["--zoom", "adaptive", "--zoom-calibration", "missing.json"], "zoom_calibration file"),
+        (["--zoom", "always", "--mitigate", "visual_beam"], "does not combine with --mitigate"),
+        (["--zoom", "always", "--pruner", "guided"], "does not combine with --pruner guided"),
+    ],
+)
+def test_pope_zoom_bad_options_are_named(setup, tmp_path, capsys, extra, message):
+    _, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "2"]
+    assert main([*args, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_killed_zoom_run_resumes_to_the_uninterrupted_result(setup, tmp_path, monkeypatch):
+    from vlm_focus.eval import generation
+
+    _, common = setup
+    args = ["pope", *common, "--split", "popular", "--limit", "4", "--batch-size", "2"]
+    args += ["--max-new-tokens", "2", "--zoom", "always"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    original = generation.Generator.__call__
+
+    def dying(self, images, prompts, **kwargs):
+        if dying.calls == 1:
+            raise KeyboardInterrupt  # killed while answering the second batch
+        dying.calls += 1
+        return original(self, images, prompts, **kwargs)
+
+    dying.calls = 0
+    monkeypatch.setattr(generation.Generator, "__call__", dying)
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(tmp_path / "killed")])
+    monkeypatch.setattr(generation.Generator, "__call__", original)
+    assert main([*args, "--out", str(tmp_path / "killed")]) == 0
+    # a different zoom setting is not resumed into this log
+    with pytest.raises(ValueError, match="another configuration"):
+        from vlm_focus.eval.runner import check_config
+
+        path = tmp_path / "killed" / "pope" / "eval0--model" / "popular"
+        stored = json.loads((path / "unpruned-zoom_always.config.json").read_text())
+        check_config(path / "unpruned-zoom_always.jsonl", {**stored, "zoom": "adaptive"})
+
+    def answers(root):
+        path = root / "pope" / "eval0--model" / "popular" / "unpruned-zoom_always.jsonl"
+        timing = {"prefill_s", "generate_s", "zoom_s"}
+        return [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]
+
+    whole, resumed = answers(tmp_path / "whole"), answers(tmp_path / "killed")
+    assert len(whole) == 4 and resumed == whole

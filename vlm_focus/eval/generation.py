@@ -1,5 +1,6 @@
 """Batched greedy generation for the evaluations: optional pruning (``vf.wrap``), an optional
-mitigation from ``vlm_focus.hallucination``, and per-batch timing of prefill and decoding."""
+mitigation from ``vlm_focus.hallucination`` or an optional attention-guided zoom
+(:func:`vlm_focus.zoom.look_closer`), and per-batch timing of prefill and decoding."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import torch
 from transformers import LogitsProcessor
 
 from .. import hallucination as hal
-from ..config import FocusConfig, keeps_everything, parse_keep
+from .. import zoom as zm
+from ..config import FocusConfig, keep_count, keeps_everything, parse_keep
 from ..loading import build_inputs, load_image
 from ..model_adapters import get_adapter
 
 MITIGATIONS = hal.mitigation_choices()  # "none" and the registry's names
+ZOOMS = ("never", "always", "adaptive")
 
 
 class _PrefillClock(LogitsProcessor):
@@ -38,7 +41,10 @@ class Setting:
 
     The pruning fields mean what they mean in :class:`~vlm_focus.FocusConfig` (and default to
     its defaults); ``mitigate`` is a name of :func:`vlm_focus.hallucination.mitigations`, run
-    with the registry's default parameters."""
+    with the registry's default parameters. ``zoom`` (``never``, ``always`` or ``adaptive``
+    below ``zoom_threshold``) answers through :func:`vlm_focus.zoom.look_closer`, with the map
+    of ``zoom_layers`` (default all); ``zoom_calibration`` only records where the threshold
+    came from."""
 
     pruner: str | None = None
     keep: float | int = FocusConfig.keep
@@ -48,9 +54,30 @@ class Setting:
     budget: str = FocusConfig.budget
     mitigate: str = "none"
     max_new_tokens: int = 16
+    zoom: str = "never"
+    zoom_threshold: float | None = None
+    zoom_layers: list[int] | None = None
+    zoom_calibration: str | None = None
 
     def __post_init__(self) -> None:
         self.mitigate = hal.mitigation_name(self.mitigate)
+        if self.zoom not in ZOOMS:
+            raise ValueError(f"zoom={self.zoom!r}; allowed: {', '.join(ZOOMS)}")
+        if self.zoom == "never":
+            if self.zoom_threshold is not None or self.zoom_layers is not None:
+                raise ValueError("zoom_threshold and zoom_layers only apply with a zoom")
+        else:
+            self.zoom_options()  # ZoomOptions checks the threshold (adaptive needs one, in [0, 1])
+            if self.mitigate != "none":
+                raise ValueError(
+                    f"--zoom {self.zoom} does not combine with --mitigate {self.mitigate}: the "
+                    "mitigations steer one generate() call, the zoom makes two; use one of them"
+                )
+            if self.pruned and self.pruner in ("guided", "fixation"):
+                raise ValueError(
+                    f"--zoom {self.zoom} does not combine with --pruner {self.pruner} (it drives "
+                    "or follows decoding itself); use another pruner, or no zoom"
+                )
         if self.pruner is not None:
             self.keep = parse_keep(self.keep)
         if self.pruned and self.mitigate != "none" and self.pruner in ("guided", "fixation"):
@@ -85,7 +112,29 @@ class Setting:
                 value = getattr(self, name)
                 if value != getattr(FocusConfig, name):
                     tag += f"-{short}{value}"
-        return tag if self.mitigate == "none" else f"{tag}-{self.mitigate}"
+        if self.mitigate != "none":
+            tag += f"-{self.mitigate}"
+        if self.zoom != "never":
+            tag += f"-zoom_{self.zoom}"
+            if self.zoom == "adaptive":
+                tag += f"-t{self.zoom_threshold:.6g}"
+            if self.zoom_layers is not None:
+                tag += "-zl" + ".".join(str(v) for v in self.zoom_layers)
+        return tag
+
+    @property
+    def zooms(self) -> bool:
+        return self.zoom != "never"
+
+    def zoom_options(self) -> zm.ZoomOptions:
+        """The :class:`~vlm_focus.zoom.ZoomOptions` of this setting (the zoom's defaults
+        otherwise)."""
+        return zm.ZoomOptions(
+            route=self.zoom if self.zoom != "never" else "always",
+            threshold=self.zoom_threshold,
+            layers=self.zoom_layers,
+            max_new_tokens=self.max_new_tokens,
+        )
 
     def describe(self) -> dict[str, Any]:
         if self.mitigate == "none":
@@ -95,6 +144,14 @@ class Setting:
             mitigation = hal.get_mitigation(self.mitigate).describe()
             mitigation.pop("mitigation")
             beams = mitigation.get("num_beams", 1)
+        # an unzoomed setting records no zoom keys, so its earlier logs still resume
+        zoom = {}
+        if self.zooms:
+            zoom = {
+                "zoom": self.zoom,
+                "zoom_options": self.zoom_options().to_json(),
+                "zoom_calibration": self.zoom_calibration,
+            }
         return {
             "pruner": self.pruner if self.pruned else None,
             "keep": self.keep if self.pruned else 1.0,
@@ -106,6 +163,7 @@ class Setting:
             "mitigation_parameters": mitigation,
             "decoding": f"{'beam search' if beams > 1 else 'greedy'}, num_beams={beams}, "
             f"do_sample=False, max_new_tokens={self.max_new_tokens}",
+            **zoom,
         }
 
 
@@ -158,9 +216,18 @@ class Generator:
             )
         return counts
 
-    def __call__(self, images: list, prompts: list[str]) -> tuple[list[str], list[dict]]:
+    def __call__(
+        self, images: list, prompts: list[str], focus: list[str | None] | None = None
+    ) -> tuple[list[str], list[dict]]:
         """Answers and per-row facts: visual tokens kept/total, new tokens, and the batch's
-        prefill and generate seconds divided evenly over its rows."""
+        prefill and generate seconds divided evenly over its rows.
+
+        With a zoom, ``focus`` is each row's phrase whose attention picks the crop (POPE: the
+        queried category; default the question's content words), and each row also records
+        ``routed``, ``zoomed``, ``confidence``, ``plain_answer``, ``crops`` (``[x, y, w, h]``
+        in the image's pixels) and ``zoom_s`` (the seconds of each phase); ``prefill_s`` is
+        then the first ``generate()`` call's prefill and ``generate_s`` the row's share of
+        every pass."""
         s = self.setting
         inputs = self.inputs(images, prompts)
         n_visual = self.visual_counts(inputs)
@@ -187,12 +254,17 @@ class Generator:
             try:
                 self.sync()
                 start = time.perf_counter()
-                sequences = self._generate(inputs, images, prompts, gen, handle)
+                if s.zooms:
+                    found = self._zoom(images, prompts, focus, clock)
+                else:
+                    sequences = self._generate(inputs, images, prompts, gen, handle)
                 self.sync()
                 total = time.perf_counter() - start
             finally:
                 if handle is not None:
                     handle.remove()
+        if s.zooms:
+            return self._zoom_rows(found, n_visual, clock, start, total)
         texts = self.decode(inputs, sequences)
         kept = handle.last_trace.n_kept if handle is not None else n_visual
         prefill = (clock.first or start + total) - start
@@ -208,6 +280,49 @@ class Generator:
             }
             for b in range(batch)
         ]
+        return texts, rows
+
+    def _zoom(self, images, prompts, focus, clock) -> list:
+        """:func:`vlm_focus.zoom.look_closer` on the batch (inside the pruning handle, if any:
+        both passes then run pruned)."""
+        found = zm.look_closer(
+            self.model,
+            self.processor,
+            [load_image(i) for i in images],
+            list(prompts),
+            focus=focus,
+            config=self.setting.zoom_options(),
+            generate_kwargs={"logits_processor": [clock]},
+        )
+        return found
+
+    def _zoom_rows(self, found, n_visual, clock, start, total) -> tuple[list[str], list[dict]]:
+        s = self.setting
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        batch = len(found)
+        prefill = (clock.first or start + total) - start
+        texts, rows = [], []
+        for b, f in enumerate(found):
+            texts.append(f.answer.strip())
+            record = f.to_json()
+            rows.append(
+                {
+                    # the plain view's visual tokens by keep's rule (a crop adds its own)
+                    "visual_kept": keep_count(s.keep, n_visual[b]) if s.pruned else n_visual[b],
+                    "visual_total": int(n_visual[b]),
+                    # the answer's tokens (the zoomed passes' sequences are not kept)
+                    "new_tokens": len(tokenizer(f.answer, add_special_tokens=False).input_ids),
+                    "prefill_s": prefill / batch,
+                    "generate_s": total / batch,
+                    "routed": f.routed,
+                    "zoomed": f.zoomed,
+                    "confidence": f.confidence,
+                    "plain_answer": f.plain_answer,
+                    "zoom_mode": f.mode,
+                    "crops": record["crops"],
+                    "zoom_s": record["seconds"],
+                }
+            )
         return texts, rows
 
     def _generate(self, inputs, images, prompts, gen, handle) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 from ..config import keeps_everything, parse_keep
 from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
 from .data import resolve_set, split_missing
-from .generation import Generator, Setting
+from .generation import ZOOMS, Generator, Setting
 from .metrics import PARSE_RULE, parse_yes_no
 from .pope import (
     LLAVA_SUFFIX,
@@ -30,8 +30,9 @@ from .runner import process_state, run_items
 from .tables import write_table
 
 TABLE_COLUMNS = (
-    "split", "setting", "pruner", "keep", "mitigate", "n", "accuracy", "precision", "recall", "f1",
-    "yes_ratio", "unparseable", "visual_kept", "visual_total", "prefill_ms", "tokens_per_s",
+    "split", "setting", "pruner", "keep", "mitigate", "zoom", "routed", "n", "accuracy",
+    "precision", "recall", "f1", "yes_ratio", "unparseable", "visual_kept", "visual_total",
+    "prefill_ms", "tokens_per_s",
 )  # fmt: skip
 
 
@@ -74,8 +75,42 @@ class PopeConfig(PruneOptions):
         },
     )
 
+    zoom: str = field(
+        default="never",
+        metadata={
+            "help": "look closer (vlm_focus.zoom.look_closer): never, always, or adaptive "
+            "(only when the plain answer's first-token confidence is below --zoom-threshold)",
+            "choices": ZOOMS,
+        },
+    )
+    zoom_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "--zoom adaptive: zoom when the confidence is below it, in [0, 1]",
+            "default_text": "from --zoom-calibration",
+        },
+    )
+    zoom_calibration: Path | None = field(
+        default=None,
+        metadata={
+            "help": "--zoom adaptive: a zoom.Calibration JSON (python -m vlm_focus.zoom "
+            "calibrate --out PATH) whose threshold to use",
+            "default_text": "none",
+        },
+    )
+    zoom_layers: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "decoder layers whose attention map picks the crop",
+            "default_text": "all",
+            "parse": int,
+            "nargs": "+",
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_zoom()
         if self.questions is not None:
             self.questions = [Path(q) for q in self.questions]
         if self.n_images < 1:
@@ -85,6 +120,50 @@ class PopeConfig(PruneOptions):
 
     def _sweeps(self) -> bool:
         return self.sweep is not None
+
+    def _check_zoom(self) -> None:
+        from ..zoom import Calibration
+
+        if self.zoom not in ZOOMS:
+            raise ValueError(f"zoom={self.zoom!r}; allowed: {', '.join(ZOOMS)}")
+        if self.zoom_calibration is not None:
+            self.zoom_calibration = Path(self.zoom_calibration)
+        if self.zoom != "adaptive":
+            given = [n for n in ("zoom_threshold", "zoom_calibration") if getattr(self, n)]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only apply with zoom='adaptive' (--zoom adaptive), "
+                    f"not zoom={self.zoom!r}"
+                )
+        if self.zoom == "never" and self.zoom_layers is not None:
+            raise ValueError("zoom_layers only applies with a zoom (--zoom always|adaptive)")
+        if self.zoom_layers is not None:
+            if not self.zoom_layers or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.zoom_layers
+            ):
+                raise ValueError(f"zoom_layers={self.zoom_layers!r} must be ints >= 0")
+        if self.zoom != "adaptive":
+            return
+        if (self.zoom_threshold is None) == (self.zoom_calibration is None):
+            raise ValueError(
+                "zoom='adaptive' needs exactly one of zoom_threshold (--zoom-threshold, a number "
+                "in [0, 1]) and zoom_calibration (--zoom-calibration PATH, from python -m "
+                "vlm_focus.zoom calibrate)"
+            )
+        if self.zoom_calibration is not None:
+            if not self.zoom_calibration.is_file():
+                raise FileNotFoundError(f"zoom_calibration file not found: {self.zoom_calibration}")
+            try:
+                self.zoom_threshold = float(Calibration.load(self.zoom_calibration).threshold)
+            except (ValueError, TypeError, KeyError) as err:
+                raise ValueError(
+                    f"zoom_calibration={str(self.zoom_calibration)!r} is not a zoom.Calibration "
+                    f"JSON ({err})"
+                ) from err
+        t = self.zoom_threshold
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 1.0:
+            raise ValueError(f"zoom_threshold={t!r} must be a number in [0, 1]")
+        self.zoom_threshold = float(t)
 
 
 def parse_sweep(config: PopeConfig) -> list[Setting]:
@@ -98,6 +177,10 @@ def parse_sweep(config: PopeConfig) -> list[Setting]:
         budget=config.budget,
         mitigate=config.mitigate,
         max_new_tokens=config.max_new_tokens,
+        zoom=config.zoom,
+        zoom_threshold=config.zoom_threshold,
+        zoom_layers=config.zoom_layers,
+        zoom_calibration=None if config.zoom_calibration is None else str(config.zoom_calibration),
     )
     if config.sweep is None:
         if config.pruner is None:
@@ -229,7 +312,12 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
 
         def process(batch: list[dict], generator=generator) -> list[dict]:
             images = [r["image_path"] for r in batch]
-            texts, facts = generator(images, [r["text"] + suffix for r in batch])
+            prompts = [r["text"] + suffix for r in batch]
+            if generator.setting.zooms:  # the crop follows the queried object's attention
+                focus = [r.get("category") for r in batch]
+                texts, facts = generator(images, prompts, focus=focus)
+            else:
+                texts, facts = generator(images, prompts)
             out = []
             for r, text, fact in zip(batch, texts, facts, strict=True):
                 pred, parseable = parse_yes_no(text)
@@ -270,6 +358,7 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
             "setting": setting.tag,
             **setting.describe(),
             **summarise(records),
+            **_zoom_summary(setting, records),
             "n_missing_images": len(missing),
             "model": config.model_name,
             "prompt_suffix": suffix,
@@ -282,6 +371,20 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
         summaries.append(summary)
         _print(summary)
     return summaries
+
+
+def _zoom_summary(setting: Setting, records: list[dict]) -> dict[str, Any]:
+    """``zoom`` and, with one, the shares of questions routed and zoomed, and the mean seconds
+    per question of every phase."""
+    out: dict[str, Any] = {"zoom": setting.zoom}
+    if not setting.zooms or not records:
+        return out
+    n = len(records)
+    out["routed"] = sum(bool(r["routed"]) for r in records) / n
+    out["zoomed"] = sum(bool(r["zoomed"]) for r in records) / n
+    phases = records[0]["zoom_s"].keys()
+    out["zoom_ms"] = {k: 1e3 * sum(r["zoom_s"][k] for r in records) / n for k in phases}
+    return out
 
 
 class _Folder:
