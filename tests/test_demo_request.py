@@ -428,3 +428,37 @@ def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene):
     assert (result.kept_overlay[:, :left] == wide[:, :left]).all()  # outside the encoder's view
     for box in result.prompt_map.boxes:
         assert left - 1 <= box.x and box.x + box.w <= left + IMAGE_SIZE + 1
+
+
+# --- look closer ----------------------------------------------------------------------------
+def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene):
+    from vlm_focus import zoom
+
+    model, processor = tiny
+    big = cv2.resize(scene, (768, 576), interpolation=cv2.INTER_NEAREST)  # larger than the view
+    result = run(tiny, big, zoom=True, max_new_tokens=6)
+    assert result.ok, result.message
+    with vf.wrap(model, pruner="fastv", keep=0.25, layer=1):
+        found = zoom.look_closer(model, processor, Image.fromarray(big), QUESTION,
+                                 route="always", max_new_tokens=6)  # fmt: skip
+    assert found.zoomed and result.zoomed
+    assert result.answer_zoomed == found.answer
+    assert result.zoom_crops == found.crops
+    assert not any("nothing to crop" in n for n in result.notices)
+    # the crop is drawn on the zoom's own map: its edge pixels take the first box colour
+    crop = found.crops[0]
+    base = heat_overlay(big, found.map.pixels)
+    box = Box(crop.x, crop.y, crop.width, crop.height, 1.0)
+    np.testing.assert_array_equal(result.zoom_overlay, draw_boxes(base, [box], ["zoom #1"]))
+    assert result.answer == run(tiny, big, max_new_tokens=6).answer  # the plain pruned answer
+
+
+def test_zoom_on_a_small_image_says_there_is_nothing_to_crop(tiny, scene):
+    result = run(tiny, scene, zoom=True, max_new_tokens=6)
+    assert result.ok, result.message
+    assert not result.zoomed and result.answer_zoomed == result.answer
+    side = IMAGE_SIZE
+    assert any(f"({side}x{side} px)" in n and "nothing to crop" in n for n in result.notices)
+    np.testing.assert_array_equal(result.zoom_overlay, scene)  # no map read, no box drawn
+    plain = run(tiny, scene)
+    assert plain.answer_zoomed == "" and plain.zoom_overlay is None

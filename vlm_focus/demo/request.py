@@ -19,7 +19,12 @@ What one request computes, all on the model the app loaded once:
    word of the answer (its ``mentions()``), each with boxes (``grounding.boxes``) and their region
    score (the MTLA share of the map's attention inside the box, ``grounding.box_share``). The
    maps and the kept-token mask sit on the image through ``vlm_focus.geometry``, from the
-   processor's own settings.
+   processor's own settings;
+5. with ``zoom=True``, the pruned model looks closer (:func:`vlm_focus.zoom.look_closer`,
+   ``route="always"``, inside the same ``vf.wrap``): the answer with the crop of the prompt's
+   attention, next to the plain pruned answer, and the crop box drawn on its map. An image no
+   larger than the model's view has nothing to crop (the organism's 192-px scenes): a notice
+   says so, and the zoomed answer is the plain one.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch import nn
 import vlm_focus as vf
 
 from .. import hallucination as hal
+from .. import zoom as zm
 from ..config import parse_keep
 from ..geometry import Frame, as_size, model_frames
 from ..grounding import Box, GroundingPass, HeatMap, box_share, boxes
@@ -110,6 +116,13 @@ class DemoResult:
     prefill_ms_unpruned: float = 0.0
     prefill_ms_pruned: float = 0.0
     seconds: float = 0.0
+    #: ``zoom=True``: the pruned model's answer with the crop (``""`` without the zoom), whether
+    #: a crop was asked about at all, the crops (``zoom.CropBox``, image pixels) and the map
+    #: they came from with the crops drawn on it
+    answer_zoomed: str = ""
+    zoomed: bool = False
+    zoom_crops: list = field(default_factory=list)
+    zoom_overlay: np.ndarray | None = None  # [H, W, 3] uint8
 
     @property
     def heatmap(self) -> np.ndarray | None:
@@ -269,8 +282,10 @@ def run_request(
     max_new_tokens: int = 24,
     max_side: int = MAX_SIDE,
     repeats: int = 5,
+    zoom: bool = False,
 ) -> DemoResult:
-    """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to.
+    """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to;
+    with ``zoom``, also the pruned model's answer when it looks closer (module docstring, 5).
 
     Never raises for bad input or a failing model call: see :class:`DemoResult`.
     """
@@ -291,7 +306,7 @@ def run_request(
                 generic = _to_model(model, generic)
             result = _compute(
                 model, processor, picture, prompt, inputs, generic, pruner, keep, layer, mitigation,
-                max_new_tokens, repeats,
+                max_new_tokens, repeats, bool(zoom),
             )  # fmt: skip
         result.notices = notices + result.notices
     except DemoInputError as err:
@@ -345,6 +360,7 @@ def _compute(
     mitigation: str,
     max_new_tokens: int,
     repeats: int,
+    zoom: bool = False,
 ) -> DemoResult:
     full_seq = _generate(model, inputs, None, "none", max_new_tokens)
     answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
@@ -356,6 +372,10 @@ def _compute(
             answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
         pruned_seq = _generate(model, inputs, None, "none", max_new_tokens)
         trace = handle.last_trace
+        found = None
+        if zoom:  # prune the full view, zoom on a second pass: both under the same wrap
+            found = zm.look_closer(model, processor, picture, prompt, route="always",
+                                   max_new_tokens=max_new_tokens)  # fmt: skip
     t_full, t_pruned = prefill_seconds(model, inputs, options, repeats)
     answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
 
@@ -381,6 +401,7 @@ def _compute(
     notices = []
     if prompt_map is None:
         notices.append("The prompt has no words to map onto the image.")
+    zoomed = _zoom_view(found, image, processor, notices)
     return DemoResult(
         ok=True,
         notices=notices,
@@ -397,7 +418,33 @@ def _compute(
         n_visual=int(layout.positions.numel()),
         prefill_ms_unpruned=t_full * 1e3,
         prefill_ms_pruned=t_pruned * 1e3,
+        **zoomed,
     )
+
+
+def _zoom_view(
+    found: zm.ZoomAnswer | None, image: np.ndarray, processor: Any, notices: list[str]
+) -> dict[str, Any]:
+    """The :class:`DemoResult` fields of a zoom (none without one); a notice when the image is
+    too small to crop."""
+    if found is None:
+        return {}
+    height, width = image.shape[:2]
+    if not found.zoomed:
+        notices.append(
+            f"Look closer: the image ({width}x{height} px) is no larger than the model's view "
+            f"({zm.native_side(processor)} px), so there is nothing to crop; the zoomed answer "
+            "is the plain one."
+        )
+    crops = [Box(c.x, c.y, c.width, c.height, 1.0) for c in found.crops if found.zoomed]
+    base = image if found.map is None else heat_overlay(image, found.map.pixels)
+    labels = [f"zoom #{i + 1}" for i in range(len(crops))]
+    return {
+        "answer_zoomed": found.answer,
+        "zoomed": found.zoomed,
+        "zoom_crops": list(found.crops),
+        "zoom_overlay": draw_boxes(base, crops, labels),
+    }
 
 
 def prefill_seconds(
