@@ -91,7 +91,20 @@ def test_bad_queue_options(capsys):
 
 def test_outputs_of_a_failure_and_a_success():
     failed = app.outputs_of(DemoResult(ok=False, message="No image."))
-    assert failed == ("**Could not answer.** No image.", "", "", "", "", None, None, [], [], None)
+    assert failed == (
+        "**Could not answer.** No image.",
+        "",
+        "",
+        "",
+        "",
+        None,
+        None,
+        [],
+        [],
+        None,
+        "",
+        None,
+    )
     image = np.zeros((8, 8, 3), np.uint8)
     m = GroundedMap("red_circle", image + 1, [Box(1, 2, 3, 4, 0.5)], [0.75])
     ok = DemoResult(
@@ -110,8 +123,9 @@ def test_outputs_of_a_failure_and_a_success():
         seconds=1.25,
     )
     outputs = app.outputs_of(ok)
-    status, answer, unpruned, mitigated, stats, heat, kept, gallery, table, fixation = outputs
+    status, answer, unpruned, mitigated, stats, heat, kept, gallery, table, fixation = outputs[:10]
     assert fixation is None  # a prefill pruner: no per-step fixation
+    assert outputs[10:] == ("", None)  # no zoom asked for
     assert status == "Done in 1.2 s. Downscaled."
     assert (answer, unpruned, mitigated) == ("yes", "no", "")
     assert stats == (
@@ -191,3 +205,12 @@ def test_embedded_models_are_named_as_such():
     assert app.Served(model, None).name == "organism-guide (embedded)"
     model.config._name_or_path = "llava-hf/llava-1.5-7b-hf"
     assert app.Served(model, None).name == "llava-hf/llava-1.5-7b-hf"
+
+
+def test_outputs_of_a_zoom_come_last():
+    image = np.zeros((8, 8, 3), np.uint8)
+    ok = DemoResult(ok=True, image=image, answer="no", answer_zoomed="yes", zoomed=True,
+                    zoom_overlay=image + 3)  # fmt: skip
+    outputs = app.outputs_of(ok)
+    assert len(outputs) == 12 and outputs[1] == "no"
+    assert outputs[10] == "yes" and (outputs[11] == 3).all()

@@ -164,13 +164,13 @@ def test_five_concurrent_requests_all_succeed(server):
 
     def ask(keep: float):
         return client.predict(
-            handle_file(str(sample)), QUESTION, "fastv", keep, 2, "none", api_name="/answer"
+            handle_file(str(sample)), QUESTION, "fastv", keep, 2, "none", False, api_name="/answer"
         )
 
     with ThreadPoolExecutor(max_workers=5) as pool:
         results = list(pool.map(ask, keeps))
     assert len(results) == 5
-    for keep, (status, answer, unpruned, _, stats, heat, kept, _, table, fixation) in zip(
+    for keep, (status, answer, unpruned, _, stats, heat, kept, _, table, fixation, *_) in zip(
         keeps, results, strict=True
     ):
         assert fixation["value"] is None  # fastv prunes in prefill: no per-step strip

@@ -157,7 +157,7 @@ def outputs_of(result: DemoResult) -> tuple:
     """The page's output values for one result (same order as the output components)."""
     if not result.ok:
         status = f"**Could not answer.** {result.message}"
-        return (status, "", "", "", "", None, None, [], [], None)
+        return (status, "", "", "", "", None, None, [], [], None, "", None)
     notes = " ".join(result.notices)
     status = f"Done in {result.seconds:.1f} s." + (f" {notes}" if notes else "")
     stats = f"**{result.kept_text}**  \n{result.timing_text}"
@@ -175,6 +175,8 @@ def outputs_of(result: DemoResult) -> tuple:
         gallery,
         result.box_rows(),
         result.fixation_strip,
+        result.answer_zoomed,
+        result.zoom_overlay,
     )
 
 
@@ -243,6 +245,7 @@ def build_app(
                 layer = gr.Slider(
                     0, max(n_layers - 1, 0), value=default_layer, step=1, label="Prune at layer"
                 )
+                zoom = gr.Checkbox(value=False, label="Look closer (zoom)", elem_id="zoom")
                 run = gr.Button("Run", variant="primary", elem_id="run")
                 with gr.Accordion("Model", open=False, visible=model_panel):
                     model_path = gr.Textbox(
@@ -298,11 +301,23 @@ def build_app(
                     interactive=False,
                     elem_id="boxes",
                 )
+                zoomed = gr.Textbox(label="Answer (zoomed)", elem_id="answer-zoomed", visible=False)
+                zoom_map = gr.Image(
+                    label="Look closer: the crop on the prompt's attention",
+                    format="png",
+                    interactive=False,
+                    elem_id="zoom-map",
+                    height=320,
+                    visible=False,
+                )
 
         def pick(choice: str | None):
             return samples.get(choice) if choice else gr.skip()
 
-        def respond(image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value):
+        def respond(
+            image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value,
+            zoom_value=False,
+        ):  # fmt: skip
             model_now, processor_now = served.pair
             result = run_request(
                 model_now,
@@ -315,12 +330,16 @@ def build_app(
                 mit_value,
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
+                zoom=bool(zoom_value),
             )
             if not result.ok:
                 gr.Warning(result.message)
             values = list(outputs_of(result))
             values[7] = gr.update(value=values[7], visible=bool(values[7]))  # object maps
             values[9] = gr.update(value=values[9], visible=values[9] is not None)  # fixation
+            shown = bool(zoom_value) and result.ok
+            values[10] = gr.update(value=values[10], visible=shown)  # zoomed answer
+            values[11] = gr.update(value=values[11], visible=shown)  # zoom overlay
             return tuple(values)
 
         def switch(path: str):
@@ -338,7 +357,7 @@ def build_app(
         sample.change(pick, inputs=[sample], outputs=[image], api_name=False)
         run.click(
             respond,
-            inputs=[image, prompt, pruner, keep, layer, mitigation],
+            inputs=[image, prompt, pruner, keep, layer, mitigation, zoom],
             outputs=[
                 status,
                 answer,
@@ -350,6 +369,8 @@ def build_app(
                 objects,
                 table,
                 fixation,
+                zoomed,
+                zoom_map,
             ],
             api_name="answer",
         )
