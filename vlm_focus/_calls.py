@@ -69,8 +69,6 @@ class CallState:
     valid: torch.Tensor  # [B, past + T] bool, keys that are not padding
     past: int
     inputs: dict[str, Any]
-    has_images: bool
-    cache: Any = None
 
 
 @dataclass
@@ -149,11 +147,10 @@ class CallTracker:
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache = cache_of(kwargs)
-        has_images = bool(kwargs.get("mm_encoder_outputs")) or any(
+        self.has_images = bool(kwargs.get("mm_encoder_outputs")) or any(
             kwargs.get(k) is not None for k in self.adapter.pixel_inputs
         )
         self.problem = None
-        self.has_images = has_images
         if input_ids is None:
             self.call = None
             self.problem = "input_ids (not inputs_embeds)"
@@ -177,7 +174,7 @@ class CallTracker:
                 self.call = None
                 self.problem = f"an attention_mask as long as the call ({new} tokens)"
                 return
-        self.call = CallState(input_ids, valid, past, kwargs, has_images, cache)
+        self.call = CallState(input_ids, valid, past, kwargs)
         self.step = self.step + 1 if stored > 0 else 0
         if stored == 0:
             recorded = self._encoder.take()

@@ -150,10 +150,7 @@ class FocusEngine:
         # The shared tracker reads each call first; the engine's hooks run before any probe's
         # or bias's on the same module (prepend), so those see the pruned layer inputs.
         self.tracker = CallTracker.acquire(self.model, self.adapter)
-        if self.tracker.engine is not None:
-            self.tracker.release()
-            raise ValueError("this model is already wrapped; call handle.remove() first")
-        self.tracker.engine = self
+        self.tracker.engine = self  # wrap() refuses a model that is already wrapped
         self._hooks.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
         if self.first_layer == 0:
             decoder = self.adapter.decoder(self.model)
@@ -167,7 +164,7 @@ class FocusEngine:
                 )
             )
         if self.adapter.sequence_hooks is not None:  # e.g. Qwen3-VL's DeepStack
-            self._hooks.extend(self.adapter.sequence_hooks(self.model, self._tokens_after))
+            self._hooks.extend(self.adapter.sequence_hooks(self.model, self.prompt_positions))
         self._hooks.extend(self.pruner.attach(self.model, self.adapter))  # e.g. vision tower
         if self.config.warm_kernels and self.pruner.attention_based:
             self._warm_kernels()
@@ -204,10 +201,13 @@ class FocusEngine:
 
     # --- what each layer holds, for the probes and biases ----------------------------------------
     def prompt_positions(self, index: int) -> torch.Tensor | None:
-        """``[B, S']`` original positions of the prompt tokens layer ``index`` holds in the
-        current prefill, or ``None`` when it holds them all (before the first stage, or no
-        pruned prefill is current)."""
-        return self._tokens_after(index)
+        """``[B, S']`` original positions of the prompt tokens layer ``index`` holds (and
+        outputs) in the current prefill, or ``None`` when it holds them all (before the first
+        stage, or no pruned prefill is current)."""
+        state = self.state
+        if state is None or index < self.first_layer:
+            return None
+        return state.per_layer.get(index)
 
     def fixating(self) -> bool:
         return self.state is not None and self.state.fixation is not None
@@ -224,14 +224,6 @@ class FocusEngine:
             has = torch.zeros_like(state.visual).scatter(1, held.to(state.visual.device), True)
             out[index] = state.visual & ~has
         return out
-
-    def _tokens_after(self, index: int) -> torch.Tensor | None:
-        """``[B, S']`` original positions of the tokens decoder layer ``index`` outputs in the
-        current prefill; ``None`` while the full sequence is present."""
-        state = self.state
-        if state is None or index < self.first_layer:
-            return None
-        return state.per_layer.get(index)
 
     # --- top-level hook: one layout per prefill -----------------------------------------------
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -253,7 +245,7 @@ class FocusEngine:
                 raise ValueError(f"vlm_focus needs {tracker.problem} to prune images")
             self.state = None
             return args, kwargs
-        if call.has_images:
+        if tracker.has_images:
             self._start_prefill(call, cache, kwargs)
             return args, kwargs
         state = self.state

@@ -81,9 +81,8 @@ def pyramid_keep(
     picks = []
     for r in range(n_regions):
         members = torch.nonzero(region == r).flatten()
-        values = saliency[members]
-        normed = values / values.sum().clamp(min=1e-12)
-        order = torch.sort(normed, descending=True, stable=True).indices
+        # b / S_r orders a region's tokens as b does (S_r > 0 is one constant per region)
+        order = torch.sort(saliency[members], descending=True, stable=True).indices
         picks.append(members[order[: int(budget[r])]])
     return torch.sort(torch.cat(picks)).values
 
