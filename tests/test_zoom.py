@@ -6,6 +6,7 @@ the zoom on a pruned model, and the high-resolution organism scenes' exact boxes
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from vlm_focus import geometry as geo
 from vlm_focus import zoom
 from vlm_focus.geometry import Size
 from vlm_focus.grounding import HeatMap
+from vlm_focus.model_adapters import get_adapter
 from vlm_focus.zoom import CropBox
 
 QUESTION = "Is there a red_circle in the image?"
@@ -232,7 +234,7 @@ def test_native_side_reads_the_processor():
     assert zoom.native_side(_processor("qwen2_vl")) == 32  # sqrt(max_pixels)
     assert zoom.native_side(CLIPImageProcessorPil(size={"height": 48, "width": 64},
                                                   do_center_crop=False)) == 48  # fmt: skip
-    with pytest.raises(ValueError, match="min_size='view' needs the processor"):
+    with pytest.raises(ValueError, match="native_side needs the processor"):
         zoom.native_side(None)
 
 
@@ -271,8 +273,10 @@ def test_reask_builds_the_processors_multi_image_inputs(kind, mode, monkeypatch)
 def test_default_modes_come_from_the_model_type():
     assert zoom.default_mode(make_model("llava")) == "crop"
     assert zoom.default_mode(make_model("qwen2_vl")) == "both"
-    assert set(zoom.DEFAULT_MODES.values()) <= set(zoom.MODES)
-    assert set(zoom.DEFAULT_MODES) == set(vf.supported_models())
+    both = {"llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+    for model_type in vf.supported_models():  # the adapters' multi_image_views decide
+        adapter = get_adapter(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+        assert zoom.mode_for(adapter) == ("both" if model_type in both else "crop"), model_type
 
 
 @pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])

@@ -638,6 +638,49 @@ def box_cover(frame: Frame, grid: tuple[int, int], box: Sequence[float]) -> torc
     return dx * dy / area
 
 
+def frame_aspect(frame: Frame) -> float:
+    """``width / height`` of a view's frame: the shape a crop needs to fill that view exactly
+    (1 for a CLIP-style centre crop or a pad to a square; the image's own for a plain resize or
+    dynamic resolution)."""
+    return float(frame.width) / float(frame.height)
+
+
+def native_side(processor: Any) -> int:
+    """The side, in pixels, of the largest square the image processor shows without shrinking
+    it: a crop at least this large reaches the vision encoder at no more than 1:1 scale.
+
+    Read from the processor's settings: ``crop_size`` after a centre crop, else ``size``
+    (``shortest_edge``, or the smaller of ``height``/``width``); anyres
+    (``image_grid_pinpoints``): the largest pinpoint's ``sqrt(h * w)``; dynamic resolution
+    (``merge_size`` and ``patch_size``): ``sqrt(max_pixels)``.
+    """
+    ip = image_processor_of(processor)
+    if ip is None:
+        raise ValueError(
+            "native_side needs the processor: its image processor's settings give the "
+            "encoder's input size"
+        )
+
+    size = getattr(ip, "size", None)
+    if _get(ip, "merge_size") is not None and _get(ip, "patch_size") is not None:
+        high = _get(size, "longest_edge") or _get(ip, "max_pixels")
+        if high:
+            return max(1, int(math.isqrt(int(high))))
+    pinpoints = getattr(ip, "image_grid_pinpoints", None)
+    if pinpoints:
+        return max(int(math.isqrt(int(h) * int(w))) for h, w in pinpoints)
+    crop = getattr(ip, "crop_size", None)
+    if getattr(ip, "do_center_crop", False) and crop is not None:
+        return int(min(_get(crop, "height"), _get(crop, "width")))
+    if _get(size, "shortest_edge"):
+        return int(_get(size, "shortest_edge"))
+    if _get(size, "height") and _get(size, "width"):
+        return int(min(_get(size, "height"), _get(size, "width")))
+    raise ValueError(
+        f"cannot read the encoder's input size from {type(ip).__name__} (size={size!r})"
+    )
+
+
 __all__ = [
     "RULES",
     "Frame",
@@ -647,11 +690,13 @@ __all__ = [
     "best_resolution",
     "box_cover",
     "check_size",
+    "frame_aspect",
     "content_fraction",
     "coverage",
     "image_processor_of",
     "layout_sizes",
     "model_frames",
+    "native_side",
     "processor_frames",
     "rule_frame",
     "smart_resize_grid",

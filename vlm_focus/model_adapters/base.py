@@ -94,6 +94,10 @@ class ModelAdapter:
             with ``processor=`` its own settings decide.
         aspect_grids: the grid's rows and columns follow the image's aspect ratio (dynamic
             resolution), so a size with width and height swapped can be caught.
+        multi_image_views: the family was trained on conversations with several images, so it
+            can relate an image to a crop of it in one prompt (the zoom's ``"both"`` re-ask).
+            Families trained on one image per conversation answer a crop alone better, though
+            their processors accept several images.
         qk_norms: attribute names of the per-head RMSNorms the attention applies to q and k
             before RoPE (Qwen3), or ``None``.
         sequence_hooks: ``(model, tokens_after) -> hook handles`` for decoder inputs laid out on
@@ -123,6 +127,7 @@ class ModelAdapter:
         default_factory=lambda: {0: ("resize",)}
     )
     aspect_grids: bool = False
+    multi_image_views: bool = False
     #: ``(model, positions [B, T], attention_mask [B, L] | None) -> position_ids`` for decode
     #: calls the engine must position itself (pruning before layer 0 leaves every cache short):
     #: the ids the model would give with its unpruned cache, whose length ``positions`` counts on.

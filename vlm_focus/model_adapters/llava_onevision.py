@@ -158,6 +158,7 @@ def onevision_layout(
 
 LLAVA_ONEVISION = ModelAdapter(
     model_type="llava_onevision",
+    multi_image_views=True,
     layout=onevision_layout,
     image_token_attrs=("image_token_id", "image_token_index"),
     video_token_attrs=("video_token_id", "video_token_index"),

@@ -94,6 +94,7 @@ def mrope_decode_positions(
 
 QWEN2_VL = ModelAdapter(
     model_type="qwen2_vl",
+    multi_image_views=True,
     layout=qwen_layout,
     decode_positions=mrope_decode_positions,
     video_token_attrs=("video_token_id",),

@@ -20,10 +20,11 @@ held-out questions (LazyMCoT).
     python -m vlm_focus.zoom calibrate --questions pope_random.jsonl --image-dir DIR --out cal.json
 
 The crop-box rules are pure functions on :mod:`vlm_focus.geometry` sizes (:func:`crop_box`);
-the default re-ask per model type is :data:`DEFAULT_MODES`.
+the default re-ask per model type comes from its adapter (:func:`default_mode`).
 """
 
-from ._crop import CropBox, crop_box, frame_aspect, native_side, union_box
+from ..geometry import frame_aspect, native_side
+from ._crop import CropBox, crop_box, union_box
 from ._look import (
     ANCHORS,
     ASPECTS,
@@ -37,13 +38,12 @@ from ._look import (
     look_closer,
     reask,
 )
-from ._reask import DEFAULT_MODES, MODES, chat_text, default_mode, multi_image_inputs
+from ._reask import MODES, chat_text, default_mode, mode_for, multi_image_inputs
 from ._routing import STATISTICS, Calibration, calibrate, first_token_confidence, route
 
 __all__ = [
     "ANCHORS",
     "ASPECTS",
-    "DEFAULT_MODES",
     "MODES",
     "ROUTES",
     "STATISTICS",
@@ -62,6 +62,7 @@ __all__ = [
     "first_token_confidence",
     "frame_aspect",
     "look_closer",
+    "mode_for",
     "multi_image_inputs",
     "native_side",
     "reask",

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..geometry import Frame, Size, as_size, image_processor_of
+from ..geometry import Size, as_size
 
 
 class CropBox(NamedTuple):
@@ -134,54 +134,3 @@ def union_box(boxes: Sequence[Any]) -> list[float]:
     x1 = max(p[0] + p[2] for p in parts)
     y1 = max(p[1] + p[3] for p in parts)
     return [x0, y0, x1 - x0, y1 - y0]
-
-
-def frame_aspect(frame: Frame) -> float:
-    """``width / height`` of a view's frame: the shape a crop needs to fill that view exactly
-    (1 for a CLIP-style centre crop or a pad to a square; the image's own for a plain resize or
-    dynamic resolution)."""
-    return float(frame.width) / float(frame.height)
-
-
-def native_side(processor: Any) -> int:
-    """The side, in pixels, of the largest square the image processor shows without shrinking
-    it: a crop at least this large reaches the vision encoder at no more than 1:1 scale.
-
-    Read from the processor's settings: ``crop_size`` after a centre crop, else ``size``
-    (``shortest_edge``, or the smaller of ``height``/``width``); anyres
-    (``image_grid_pinpoints``): the largest pinpoint's ``sqrt(h * w)``; dynamic resolution
-    (``merge_size`` and ``patch_size``): ``sqrt(max_pixels)``.
-    """
-    ip = image_processor_of(processor)
-    if ip is None:
-        raise ValueError(
-            "min_size='view' needs the processor (its image processor's settings give the "
-            "encoder's input size); pass min_size in pixels instead"
-        )
-
-    def get(settings: Any, key: str) -> Any:
-        if settings is None:
-            return None
-        if isinstance(settings, dict):
-            return settings.get(key)
-        return getattr(settings, key, None)
-
-    size = getattr(ip, "size", None)
-    if get(ip, "merge_size") is not None and get(ip, "patch_size") is not None:
-        high = get(size, "longest_edge") or get(ip, "max_pixels")
-        if high:
-            return max(1, int(math.isqrt(int(high))))
-    pinpoints = getattr(ip, "image_grid_pinpoints", None)
-    if pinpoints:
-        return max(int(math.isqrt(int(h) * int(w))) for h, w in pinpoints)
-    crop = getattr(ip, "crop_size", None)
-    if getattr(ip, "do_center_crop", False) and crop is not None:
-        return int(min(get(crop, "height"), get(crop, "width")))
-    if get(size, "shortest_edge"):
-        return int(get(size, "shortest_edge"))
-    if get(size, "height") and get(size, "width"):
-        return int(min(get(size, "height"), get(size, "width")))
-    raise ValueError(
-        f"min_size='view': cannot read the input size from {type(ip).__name__} (size={size!r}); "
-        "pass min_size in pixels"
-    )

@@ -16,7 +16,7 @@ The steps, per batch of questions (each row one image and one question):
    peak, grown into crops by :func:`crop_box` (margin, minimum size, the aspect of the model's
    view, clipped to the image);
 4. re-ask: the question again with the image and the crops (``"both"``) or the crops alone
-   (``"crop"``); the default per model type is :data:`DEFAULT_MODES`. A crop that is the whole
+   (``"crop"``); the default per model type is ``zoom.default_mode``. A crop that is the whole
    image shows nothing new: such a row keeps its plain answer (or is asked plainly). Where the
    smallest allowed crop already covers the image (with ``min_size="view"``: an image the
    processor does not shrink) no map is read at all.
@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..geometry import Size, as_size
+from ..geometry import Size, as_size, frame_aspect, native_side
 from ..grounding import Box, GroundingPass, HeatMap, Mention, boxes, point
 from ..loading import build_inputs, decode_new_tokens, load_image
-from ._crop import CropBox, crop_box, frame_aspect, native_side, union_box
+from ._crop import CropBox, crop_box, union_box
 from ._reask import MODES, multi_image_inputs, reask_images, resolve_mode
 from ._routing import (
     STATISTICS,
@@ -86,7 +86,7 @@ class ZoomOptions:
         metadata={
             "help": "re-ask with the image and its crops (both) or the crops alone (crop)",
             "choices": MODES,
-            "default_text": "the model type's default (zoom.DEFAULT_MODES)",
+            "default_text": "the model type's default (zoom.default_mode)",
         },
     )
     regions: int = field(
@@ -238,7 +238,10 @@ class ZoomAnswer:
 def _min_side(options: ZoomOptions, size: Size, processor: Any) -> float:
     m = options.min_size
     if m == "view":
-        return float(native_side(processor))
+        try:
+            return float(native_side(processor))
+        except ValueError as error:
+            raise ValueError(f"min_size='view': {error}; pass min_size in pixels") from None
     if isinstance(m, float):
         return m * min(size.width, size.height)
     return float(m)

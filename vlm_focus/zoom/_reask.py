@@ -1,11 +1,11 @@
 """The re-ask: the question again, with the original image and the crops (``"both"``, a
 multi-image prompt) or with the crops alone (``"crop"``).
 
-Default mode per ``config.model_type``: ``"both"`` for the families trained on multi-image
-conversations (LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), ``"crop"`` for those trained on
-one image per conversation (LLaVA-1.5 and the embedded organisms, LLaVA-NeXT): their processors
-accept several images, but the models were never taught to relate two views. A model type
-without an entry here gets ``"crop"``, which every single-image VLM can answer.
+The default mode comes from the model's adapter (``ModelAdapter.multi_image_views``): ``"both"``
+for the families trained on multi-image conversations (LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL), ``"crop"`` for those trained on one image per conversation (LLaVA-1.5 and the embedded
+organisms, LLaVA-NeXT): their processors accept several images, but the models were never taught
+to relate two views. ``"crop"`` is what every single-image VLM can answer.
 """
 
 from __future__ import annotations
@@ -16,24 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model_adapters import get_adapter
+from ..model_adapters import ModelAdapter, get_adapter
 
 MODES = ("both", "crop")
-#: Which re-ask each model type answers best by default (see the module docstring).
-DEFAULT_MODES: dict[str, str] = {
-    "llava": "crop",
-    "llava_next": "crop",
-    "llava_onevision": "both",
-    "qwen2_vl": "both",
-    "qwen2_5_vl": "both",
-    "qwen3_vl": "both",
-    "qwen3_vl_moe": "both",
-}
+
+
+def mode_for(adapter: ModelAdapter) -> str:
+    """``"both"`` where the family relates several images in one prompt, else ``"crop"``."""
+    return "both" if adapter.multi_image_views else "crop"
 
 
 def default_mode(model: nn.Module) -> str:
-    """The documented default re-ask mode of ``model``'s type (``"crop"`` when unlisted)."""
-    return DEFAULT_MODES.get(get_adapter(model).model_type, "crop")
+    """The default re-ask mode of ``model``'s type (from its adapter's ``multi_image_views``)."""
+    return mode_for(get_adapter(model))
 
 
 def resolve_mode(model: nn.Module, mode: str | None) -> str:
