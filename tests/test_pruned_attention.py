@@ -187,10 +187,40 @@ def test_grounding_on_a_pruned_model_equals_the_masked_reference():
         answer = model.generate(**inputs, max_new_tokens=3, do_sample=False)
         answer = answer[:, inputs["input_ids"].shape[1] :]
         pruned = G.GroundingPass(model, inputs, answer=answer)
-        trace = handle.last_trace  # the teacher-forced pass (prompt + answer) prunes anew
+        trace = handle.last_trace  # the pass scores with the prompt rows, as generate() did
     with torch.no_grad(), masked_reference(model, layers, trace):
         reference = G.GroundingPass(model, inputs, answer=answer)
     for b in range(2):
         torch.testing.assert_close(
             pruned.map(row=b).grid, reference.map(row=b).grid, atol=ATOL, rtol=0
         )
+
+
+@pytest.mark.parametrize(
+    "kind, pruner, layer, keep",
+    [
+        ("llava", "fastv", 2, 0.25),
+        ("qwen2_vl", "text", 2, 0.25),
+        ("llava", "pyramid", (1, 2), (0.5, 0.25)),
+    ],
+)
+def test_grounding_a_generated_answer_keeps_the_generations_visual_tokens(
+    kind, pruner, layer, keep
+):
+    """Over prompt + answer, the pruner scores with the prompt's rows (as the prefill did), so
+    the map is read from the tokens the answer was generated from."""
+    from vlm_focus import grounding as G
+
+    model = make_model(kind)
+    inputs = make_inputs(kind, model, batch=2)
+    with torch.no_grad(), vf.wrap(model, pruner=pruner, layer=layer, keep=keep) as handle:
+        answer = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        generated = handle.last_trace
+        G.GroundingPass(model, inputs, answer=answer[:, inputs["input_ids"].shape[1] :])
+        grounded = handle.last_trace
+    assert len(grounded.stages) == len(generated.stages) >= 1
+    for ours, theirs in zip(grounded.stages, generated.stages, strict=True):
+        for a, b in zip(ours.kept, theirs.kept, strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(ours.scores, theirs.scores, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

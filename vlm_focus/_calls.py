@@ -88,6 +88,8 @@ class CallTracker:
     problem: str | None = None
     engine: Any = None  # the pruning engine attached to this model, if any
     has_images: bool = False  # the current call brings images (pixels or encoder outputs)
+    #: prompt tokens before a teacher-forced continuation (see :meth:`scoring_prompt`), or None
+    prompt_end: int | None = None
     users: int = 0
     _hook: Any = None
     _encoder: EncoderInputs | None = None
@@ -126,6 +128,18 @@ class CallTracker:
     def fixating(self) -> bool:
         """True while a decode-time pruner chooses the keys of each decoding step."""
         return self.engine is not None and self.engine.fixating()
+
+    @contextlib.contextmanager
+    def scoring_prompt(self, length: int):
+        """Calls inside carry a teacher-forced continuation after their first ``length`` tokens
+        (a grounding pass over prompt + answer). Pruners then score with the prompt's rows
+        only, as in the generation's prefill: causal attention makes those rows identical, so
+        the pass keeps the visual tokens that the generation kept."""
+        saved, self.prompt_end = self.prompt_end, int(length)
+        try:
+            yield self
+        finally:
+            self.prompt_end = saved
 
     @contextlib.contextmanager
     def isolated(self):

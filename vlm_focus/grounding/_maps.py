@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -392,15 +393,22 @@ def probe_forward(
     inputs: Mapping[str, Any],
     rows: torch.Tensor,
     layers: Sequence[int] | None,
+    prompt_end: int | None = None,
 ) -> _Probed:
-    """One forward pass recording the attention rows ``rows [B, S]`` at ``layers``."""
+    """One forward pass recording the attention rows ``rows [B, S]`` at ``layers``.
+
+    ``prompt_end``: the inputs are a prompt of that many tokens plus a teacher-forced answer;
+    on a pruned model the pruner then scores with the prompt's rows, as generation did.
+    """
     adapter = get_adapter(model)
     n_layers = len(adapter.decoder_layers(model))
     layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
     inputs = dict(inputs)
     inputs.pop("labels", None)
     with torch.no_grad(), AttentionProbe(model, layers, rows=rows) as probe:
-        model(**inputs, use_cache=False)
+        scoring = probe.tracker.scoring_prompt(prompt_end) if prompt_end else nullcontext()
+        with scoring:
+            model(**inputs, use_cache=False)
         prefill = probe.prefill
     layout = prefill.layout(model, adapter)
     attn = getattr(adapter.decoder_layers(model)[layers[0]], adapter.attention)

@@ -164,7 +164,8 @@ class GroundingPass:
         self.prompt_text = text_tokens(model, full) & ~is_answer  # [B, S]
         self._instruction = instruction(model, full, require=False) & ~is_answer
         record = self.prompt_text | is_answer if rows is None else self._resolve(rows, None)
-        probed = probe_forward(model, full, record, layers)
+        prompt_end = self.prompt_length if answer is not None else None
+        probed = probe_forward(model, full, record, layers, prompt_end)
         self.layers = probed.layers
         self.weights = head_weights(heads, probed.layers, probed.n_heads)  # [L, H]
         self.layouts = probed.layout

@@ -68,6 +68,9 @@ class StageContext:
     inputs: dict[str, Any]
     #: per row, the number of current visual tokens, known on the host (``None``: count them)
     visual_counts: list[int] | None = None
+    #: original positions from here on are a teacher-forced continuation of the prompt (an
+    #: answer), never scoring rows; ``None``: the sequence is the prompt
+    prompt_end: int | None = None
 
     @property
     def attention(self) -> nn.Module:
@@ -76,15 +79,23 @@ class StageContext:
     def query_rows(self, query: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Local indices ``[B, Tq]`` of the scoring rows and their weights ``[B, Tq]``.
 
-        ``last``: the final prompt token. ``text``: every valid token after the row's last
-        visual token, equally weighted (rows with fewer such tokens get zero-weight filler).
+        ``last``: the final prompt token. ``text``: every valid prompt token after the row's
+        last visual token, equally weighted (rows with fewer such tokens get zero-weight
+        filler). Tokens from ``prompt_end`` on are never scoring rows.
         """
         query = query or self.config.query_rows
         batch, seq = self.visual.shape
+        device = self.hidden.device
+        valid = self.valid
+        if self.prompt_end is None:
+            stop = torch.full((batch, 1), seq, device=device)
+        else:  # the prompt's current tokens come first: positions ascend in every row
+            in_prompt = self.positions.to(device) < self.prompt_end
+            stop = in_prompt.sum(1, keepdim=True)
+            valid = valid & in_prompt
         if query == "last":
-            rows = torch.full((batch, 1), seq - 1, device=self.hidden.device)
-            return rows, torch.ones(batch, 1, device=self.hidden.device)
-        is_text = text_after_image(self.visual, self.valid)
+            return stop - 1, torch.ones(batch, 1, device=device)
+        is_text = text_after_image(self.visual, valid)
         n_text = is_text.sum(1)
         fewest, tq = torch.stack([n_text.min(), n_text.max()]).tolist()  # one host read
         if fewest == 0:
@@ -93,7 +104,7 @@ class StageContext:
                 "a prompt has no text after its image; add an instruction, or use "
                 "query_rows='last'"
             )
-        rows = torch.arange(seq - tq, seq, device=self.hidden.device).expand(batch, tq)
+        rows = stop - tq + torch.arange(tq, device=device)  # [B, tq]: the prompt's last tq
         selected = is_text.gather(1, rows)
         weights = selected.float() / n_text.clamp(min=1)[:, None]
         return rows, weights
