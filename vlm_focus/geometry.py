@@ -1,8 +1,8 @@
 """Image geometry: where each view's grid cells sit in the original image, in pixels.
 
 This module is the one place that maps grid cells to original pixels. Grounding maps, boxes and
-region scores, COCO evaluation, the demo's overlays and the debiased pruner's padding weights all
-call it.
+region scores, COCO evaluation, the demo's overlays, the debiased pruner's padding weights and
+the zoom's crops all call it; it also reads the encoder's input side (:func:`native_side`).
 
 Coordinates are ``(x, y)`` throughout, and sizes are named: :class:`Size` is
 ``(width, height)``, as PIL's ``image.size`` is. A view's grid spans a :class:`Frame`, the
