@@ -62,6 +62,18 @@ def deep_bars(m: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def steps_run(folder: Path) -> dict[str, int]:
+    """The last logged step of each stage in ``folder/train_log.jsonl`` (empty without it)."""
+    log = folder / "train_log.jsonl"
+    steps: dict[str, int] = {}
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            if "stage" in record and "step" in record:
+                steps[record["stage"]] = max(steps.get(record["stage"], 0), int(record["step"]))
+    return steps
+
+
 def deep_model_card(m: dict, folder: Path) -> str:
     """Markdown card of organism-deep: what it is, the two-hop family, recipe, bars, diagnostics."""
     cfg = json.loads((folder / "config.json").read_text())
@@ -113,8 +125,7 @@ def deep_model_card(m: dict, folder: Path) -> str:
         "`Where is the red_circle?`. No relation (`Is the A left of the B?`) or caption turns.",
         "",
         "## Recipe (`vlm-focus organism train --model deep`)",
-        "1. Dense vision pretraining of the tower (as for the other organisms), then frozen (the shipped model "
-        "reuses organism-default's, the same stage; see the notes).",
+        "1. Dense vision pretraining of the tower (as for the other organisms), then frozen.",
         f"2. Category-last curriculum, 6-8 packed questions per image ({mix_cl}); the answer follows the question.",
         f"3. Standard chat template, one turn per image ({mix}); "
         f"{100 * chat.get('cat_last_share', 0):.0f}% of the rows stay in the packed form; the copy head "
@@ -130,10 +141,14 @@ def deep_model_card(m: dict, folder: Path) -> str:
         "model is a plain `LlavaForConditionalGeneration`.",
         "- Budgets per stage (wall-clock minutes, learning rate): "
         + ", ".join(f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items())
-        + ". AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process (the shipped "
-        "model's chat stage: one thread, see the notes). Layers are counted from 0: pruning at K = 2 prunes "
+        + ". AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process. Layers are counted from 0: pruning at K = 2 prunes "
         "before layer 2, so it reaches the hop-2 read.",
         training_time(summary) + ".",
+        "- Steps run (of the step budget): "
+        + ", ".join(
+            f"{n} {ran:,} of {stages[n]['steps']:,}" for n, ran in steps_run(folder).items()
+        )
+        + "; a stage that reaches its minute budget first ends early.",
         "",
         "![learning curves](learning_curves.png)",
         "",
