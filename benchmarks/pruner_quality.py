@@ -138,13 +138,16 @@ def plot(
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = sorted({r["pruner"] for r in results if r["pruner"] != "none"})
-    for name in names:
+    colours = plt.get_cmap("tab20").colors  # one colour per line: up to 20 pruners
+    for i, name in enumerate(names):
         ys = [
             100 * next(r["retention"] for r in results if r["pruner"] == name and r["keep"] == k)
             for k in keeps
         ]
-        style = "--" if name in ("random", "pool") else (":" if "x3" in name else "-")
-        ax.plot(keeps, ys, style, marker="o", label=name)
+        # dashed: the attention-free baselines; dotted: multi-stage schedules ("pyramid x3")
+        baseline = name in ("random", "pool", "temporal")
+        style = "--" if baseline else (":" if " x" in name else "-")
+        ax.plot(keeps, ys, style, marker="o", label=name, color=colours[(2 * i) % 20 + i // 10])
     ax.axhline(100, color="grey", lw=0.8)
     ax.axhline(99, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
