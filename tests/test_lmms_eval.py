@@ -358,3 +358,19 @@ def test_batches_map_each_row_back_to_its_request(monkeypatch):
     assert all(c.output_tokens == 1 for c in counts)
     lm.remove()
     assert not hasattr(lm.delegate.model, "_vlm_focus_handle")
+
+
+def test_the_harness_takes_its_mitigations_and_names_from_the_registry(monkeypatch):
+    from vlm_focus import hallucination as hal
+    from vlm_focus.integrations import model_args
+
+    assert model_args.harness_mitigations() == ["attention_reweight"]
+    assert "num_beams" in model_args.harness_limit(hal.get_mitigation("visual_beam"))
+    with pytest.warns(DeprecationWarning, match="mitigation 'reweight' is deprecated"):
+        focus, _ = split_model_args({"mitigate": "reweight"})
+    assert focus.mitigate == "attention_reweight"
+    assert split_model_args({"mitigate": "none"})[0].mitigate is None
+    monkeypatch.setattr(hal.registry, "_MITIGATIONS", dict(hal.registry._MITIGATIONS))
+    extra = hal.Mitigation("gentle_reweight", hal.attention_reweight, {"strength": 0.5})
+    hal.register_mitigation(extra)  # a new hook-only mitigation runs in the harness too
+    assert split_model_args({"mitigate": "gentle_reweight"})[0].mitigate == "gentle_reweight"

@@ -24,7 +24,6 @@ request's batch, divided evenly over its rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -152,7 +151,8 @@ class VlmFocus(lmms):
             options.update(guide=self.guide, guide_inputs=self._guide_inputs)
         self.handle = wrap(model, **options) if self.focus.pruned else None
         if self.focus.mitigate is not None:
-            self._mitigation()  # checks the options against the model (its layer count)
+            with self._mitigation():  # checks the options against the model (its layer count)
+                pass
         self._hooks = [
             model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after, with_kwargs=True),
@@ -320,11 +320,10 @@ class VlmFocus(lmms):
         return {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
 
     def _mitigation(self) -> Any:
-        if self.focus.mitigate == "attention_reweight":
-            return hallucination.attention_reweight(
-                self.delegate.model, **self.focus.mitigate_options
-            )
-        return contextlib.nullcontext()
+        """The registry's mitigation (its defaults, the model arguments overriding), or none."""
+        return hallucination.mitigate(
+            self.delegate.model, self.focus.mitigate, **self.focus.mitigate_options
+        )
 
     def _log_summary(self) -> None:
         facts = [f for f in self._facts.values() if f.get("total")]

@@ -26,20 +26,29 @@ from pathlib import Path
 from typing import Any
 
 from ..config import FocusConfig
+from ..hallucination import Mitigation, get_mitigation, mitigation_name, mitigations
 from ..pruners import get_pruner, pruners
 
 FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
-MITIGATIONS = ("attention_reweight",)
-MITIGATION_ALIASES = {"reweight": "attention_reweight", "none": None}
+#: attention_reweight's parameters as model arguments (the harness splits on commas)
 MITIGATION_OPTIONS = ("strength", "mitigate_layers", "mitigate_ratio")
-# Mitigations that need their own generate() arguments (a logits processor, a second prompt):
-# a harness's model class calls generate() itself, so they cannot run through it.
-UNSUPPORTED_MITIGATIONS = {
-    "visual_beam": "it needs num_beams and its logits processor in generate()",
-    "beam": "it needs num_beams and its logits processor in generate()",
-    "instruction_contrast": "it needs a second, generic prompt per request",
-    "contrast": "it needs a second, generic prompt per request",
-}
+
+
+def harness_limit(mitigation: Mitigation) -> str | None:
+    """Why ``mitigation`` cannot run inside a harness's model class, or ``None``: the harness
+    calls ``generate()`` itself, so a method that needs its own ``generate()`` arguments (a
+    logits processor, a beam width) or a second prompt per request cannot run through it."""
+    if mitigation.generic_prompt is not None:
+        return "it needs a second, generic prompt per request"
+    if mitigation.processor or mitigation.generate:
+        extra = "".join(f"{k} and " for k in mitigation.generate)
+        return f"it needs {extra}its logits processor in generate()"
+    return None
+
+
+def harness_mitigations() -> list[str]:
+    """The registered mitigations a harness's model class can run."""
+    return [n for n in mitigations() if harness_limit(get_mitigation(n)) is None]
 
 
 def pruner_option_names() -> dict[str, list[str]]:
@@ -211,17 +220,22 @@ def _stages(key: str, value: Any) -> Any:
 
 
 def _mitigation(value: Any) -> str | None:
+    """The registry name ``mitigate=`` stands for (earlier names warn), or ``None``."""
     if value is None:
         return None
-    name = MITIGATION_ALIASES.get(value, value) if isinstance(value, str) else value
-    if name is None or name in MITIGATIONS:
-        return name
-    if name in UNSUPPORTED_MITIGATIONS:
+    try:
+        name = mitigation_name(value)
+    except ValueError as error:
+        raise ValueError(f"mitigate={value!r}: {error}") from None
+    if name == "none":
+        return None
+    why = harness_limit(get_mitigation(name))
+    if why is not None:
         raise ValueError(
-            f"mitigate={value!r} cannot run inside a harness's model class: "
-            f"{UNSUPPORTED_MITIGATIONS[name]}; allowed here: {', '.join(MITIGATIONS)}"
+            f"mitigate={value!r} cannot run inside a harness's model class: {why}; allowed "
+            f"here: {', '.join(harness_mitigations())}"
         )
-    raise ValueError(f"mitigate={value!r} is unknown; allowed: {', '.join(MITIGATIONS)}")
+    return name
 
 
 def _mitigation_options(mitigate: str | None, options: dict[str, Any]) -> dict[str, Any]:
