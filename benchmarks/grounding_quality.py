@@ -336,23 +336,15 @@ def run_pope(model, processor, n_images: int, batch: int, methods: list[str]) ->
                 chunk = rows[sl]
                 scenes_b = [scenes[r["image_id"]] for r in chunk]
                 inputs = make_inputs(processor, scenes_b, [r["text"] + POPE_SUFFIX for r in chunk])
-                with torch.no_grad():
-                    if method == "greedy":
-                        out = model.generate(**inputs, **gen)
-                    elif method == "attention_reweight":
-                        with H.attention_reweight(model, strength=1.0, layers=[0], ratio=0.25):
-                            out = model.generate(**inputs, **gen)
-                    elif method == "visual_beam":
-                        with H.visual_beam(model, weight=1.0) as proc:
-                            out = model.generate(
-                                **inputs, num_beams=3, logits_processor=[proc], **gen
-                            )
-                    elif method == "instruction_contrast":
-                        generic = make_inputs(processor, scenes_b, [CAPTION_PROMPT] * len(chunk))
-                        with H.instruction_contrast(model, inputs, generic) as proc:
-                            out = model.generate(**inputs, logits_processor=[proc], **gen)
-                    else:
-                        raise ValueError(method)
+                # Every mitigation runs as `vlm-focus eval --mitigate` runs it: by its registry
+                # name, with the registry's defaults.
+                generic = None
+                if method != "greedy" and H.get_mitigation(method).generic_prompt is not None:
+                    prompt = H.get_mitigation(method).generic_prompt
+                    generic = make_inputs(processor, scenes_b, [prompt] * len(chunk))
+                name = "none" if method == "greedy" else method
+                with torch.no_grad(), H.mitigate(model, name, inputs, generic_inputs=generic) as m:
+                    out = model.generate(**inputs, **m.generate_kwargs(), **gen)
                 texts = processor.batch_decode(
                     out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
                 )
@@ -498,11 +490,18 @@ def write_report(report: dict, out: Path) -> None:
                 f"{m['yes_ratio']:.3f} | {m['f1'] - base['f1']:+.3f} | "
                 f"{m['yes_ratio'] - base['yes_ratio']:+.3f} | {m['unparsed']} |"
             )
+    settings = []
+    for method in by_method:
+        if method != "greedy":
+            m = H.get_mitigation(method)
+            params = {**m.defaults, **m.generate}
+            text = ", ".join(f"{k}={'all' if v is None else v}" for k, v in params.items())
+            if m.generic_prompt is not None:
+                text += f", generic prompt `{m.generic_prompt}`"
+            settings.append(f"{method}: {text}")
     lines += [
         "",
-        "Settings: attention_reweight strength 1.0 at layer 0, top 25% relevant tokens; "
-        "visual_beam weight 1.0, 3 beams; instruction_contrast alpha 1.0, beta 0.1, 50% "
-        f"irrelevant tokens, generic prompt `{CAPTION_PROMPT}`.",
+        "Settings (the registry's defaults, `hal.mitigate`): " + "; ".join(settings) + ".",
         "",
         "![quality](grounding_quality.png)",
         "",
