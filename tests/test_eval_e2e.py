@@ -258,6 +258,24 @@ def test_pope_zoom_records_its_options_and_keeps_settings_apart(setup, tmp_path)
     assert "unpruned-zoom_always-zl0.1" in (root / "table.md").read_text()
 
 
+def test_pope_zooms_into_the_written_high_resolution_set(tmp_path):
+    """The 576-pixel set of `python -m vlm_focus.organism.highres write` runs through eval pope,
+    and there the embedded model's crops are smaller than the image."""
+    from vlm_focus.organism.highres import write_highres
+
+    data = write_highres(tmp_path / "hr", n=2)
+    args = ["pope", "--images", str(data), "--threads", "1"]
+    args += ["--instances", str(data / "instances.json"), "--out", str(tmp_path / "out")]
+    args += ["--questions", str(data / "pope_random.jsonl"), "--limit", "2"]
+    assert main([*args, "--max-new-tokens", "2", "--zoom", "always"]) == 0
+    (folder,) = (tmp_path / "out" / "pope").glob("*/random")
+    records = read_jsonl(folder / "unpruned-zoom_always.jsonl")
+    assert len(records) == 2
+    for r in records:
+        (crop,) = r["crops"]
+        assert r["zoomed"] and crop[2] < 576 and crop[3] < 576
+
+
 def test_pope_adaptive_zoom_routes_by_threshold_and_calibration(setup, tmp_path):
     from vlm_focus import zoom
 
