@@ -224,3 +224,26 @@ def test_grounding_a_generated_answer_keeps_the_generations_visual_tokens(
             assert torch.equal(a, b)
         for a, b in zip(ours.scores, theirs.scores, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_guide_built_from_the_inputs_reads_the_prompt_in_a_grounding_pass():
+    from vlm_focus import grounding as G
+
+    model = make_model("llava")
+    inputs = make_inputs("llava", model, batch=2)
+    seen = []
+
+    def guide_inputs(large):  # the guide shares the large model's config, so its inputs fit
+        seen.append(large["input_ids"].shape[1])
+        ids, mask = large["input_ids"], large["attention_mask"]
+        return dict(input_ids=ids, attention_mask=mask, pixel_values=inputs["pixel_values"])
+
+    options = dict(guide=make_model("llava", seed=3), guide_inputs=guide_inputs)
+    with torch.no_grad(), vf.wrap(model, pruner="guided", keep=0.25, layer=2, **options) as handle:
+        answer = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        generated = handle.last_trace
+        G.GroundingPass(model, inputs, answer=answer[:, inputs["input_ids"].shape[1] :])
+        grounded = handle.last_trace
+    assert seen == [inputs["input_ids"].shape[1]] * 2
+    for a, b in zip(grounded.kept, generated.kept, strict=True):
+        assert torch.equal(a, b)

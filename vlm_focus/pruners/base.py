@@ -76,6 +76,22 @@ class StageContext:
     def attention(self) -> nn.Module:
         return getattr(self.decoder_layer, self.adapter.attention)
 
+    def prompt_inputs(self) -> dict[str, Any]:
+        """The prefill's forward inputs without the teacher-forced continuation: every
+        ``[B, S]`` integer input (ids, mask, token types) cut at ``prompt_end``."""
+        inputs = dict(self.inputs)
+        ids = inputs.get("input_ids")
+        if self.prompt_end is None or not isinstance(ids, torch.Tensor):
+            return inputs
+        for key, value in inputs.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape == ids.shape
+                and not value.is_floating_point()
+            ):
+                inputs[key] = value[:, : self.prompt_end]
+        return inputs
+
     def query_rows(self, query: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Local indices ``[B, Tq]`` of the scoring rows and their weights ``[B, Tq]``.
 

@@ -290,7 +290,8 @@ class GuidedPruner(Pruner):
                     "guided pruning has no guide inputs: pass guide_inputs= to wrap() or use "
                     "guided_generate(handle, inputs, guide_inputs)"
                 )
-            inputs = source(dict(ctx.inputs)) if callable(source) else source
+            # a pass over prompt + answer (grounding) hands the guide the prompt, as generate() did
+            inputs = source(ctx.prompt_inputs()) if callable(source) else source
             result = self.run_guide(inputs)
         self._current = result
         return result
