@@ -26,7 +26,9 @@ class GuidedOptions:
         default=None,
         metadata={
             "help": "the guide's processor outputs for the same images and prompt (a dict), or "
-            "a callable(large_inputs: dict) -> dict; guided_generate() can pass them per call"
+            "a callable(large_inputs: dict) -> dict, given the large model's forward inputs for "
+            "the prompt (inside generate() without pixel_values: the images are encoded first); "
+            "guided_generate() can pass them per call"
         },
     )
     with_answer: bool = field(
