@@ -338,11 +338,11 @@ def run_pope(model, processor, n_images: int, batch: int, methods: list[str]) ->
                 inputs = make_inputs(processor, scenes_b, [r["text"] + POPE_SUFFIX for r in chunk])
                 # Every mitigation runs as `vlm-focus eval --mitigate` runs it: by its registry
                 # name, with the registry's defaults.
-                generic = None
-                if method != "greedy" and H.get_mitigation(method).generic_prompt is not None:
-                    prompt = H.get_mitigation(method).generic_prompt
-                    generic = make_inputs(processor, scenes_b, [prompt] * len(chunk))
                 name = "none" if method == "greedy" else method
+                prompt = None if name == "none" else H.get_mitigation(name).generic_prompt
+                generic = None
+                if prompt is not None:
+                    generic = make_inputs(processor, scenes_b, [prompt] * len(chunk))
                 with torch.no_grad(), H.mitigate(model, name, inputs, generic_inputs=generic) as m:
                     out = model.generate(**inputs, **m.generate_kwargs(), **gen)
                 texts = processor.batch_decode(

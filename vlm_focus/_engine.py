@@ -66,7 +66,6 @@ class _Prefill:
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (pruner="fixation")
-    prompt_end: int | None = None  # a teacher-forced continuation starts here (no scoring rows)
 
 
 def _gather_seq(
@@ -316,7 +315,6 @@ class FocusEngine:
                 if self.config.budget == "frame"
                 else None
             ),
-            prompt_end=self.tracker.prompt_end,
         )
         if self.pruner.decode_time:
             options = self.pruner.options
@@ -550,7 +548,7 @@ class FocusEngine:
             layout=state.layout,
             inputs=state.inputs,
             visual_counts=counts,
-            prompt_end=state.prompt_end,
+            prompt_end=self.tracker.prompt_end,  # set for the whole forward of a grounding pass
         )
         watch = state.trace.stopwatch
         start = watch.start(device)
