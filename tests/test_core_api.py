@@ -107,6 +107,18 @@ def test_text_only_call_passes_through_unpruned():
     assert out.shape == (1, 8)
 
 
+def test_last_trace_describes_the_latest_call():
+    model = make_model("llava")
+    inputs = make_inputs("llava", model)
+    with vf.wrap(model, keep=0.25, layer=1) as handle:
+        _logits(model, inputs)
+        assert handle.last_trace.n_kept == [4]
+        _logits(model, {"input_ids": torch.tensor([[1, 5, 6, 7, 8]])})
+        assert handle.last_trace is None  # not the image call's 4 kept tokens
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        assert handle.last_trace.n_kept == [4]  # decoding steps keep their prefill's trace
+
+
 def test_wrapping_twice_raises_until_removed():
     model = make_model("llava")
     handle = vf.wrap(model)

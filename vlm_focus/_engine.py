@@ -243,7 +243,7 @@ class FocusEngine:
         if call is None:
             if tracker.has_images:
                 raise ValueError(f"vlm_focus needs {tracker.problem} to prune images")
-            self.state = None
+            self._pass_through(True)
             return args, kwargs
         if tracker.has_images:
             self._start_prefill(call, cache, kwargs)
@@ -258,8 +258,17 @@ class FocusEngine:
                 if self.first_layer == 0:
                     kwargs = self._fill_decode_inputs(kwargs, call.input_ids, cache)
                 return args, kwargs
-        self.state = None  # a text-only call passes through unpruned
+        # a text-only call passes through unpruned; a new prompt (empty cache) is the latest call
+        self._pass_through(cache_length(cache) == 0)
         return args, kwargs
+
+    def _pass_through(self, new_prompt: bool) -> None:
+        """A call without images: nothing is pruned. After a new prompt (empty cache)
+        ``last_trace`` is ``None``, as before any image call, rather than still describing an
+        earlier call's prefill; a step on an existing cache leaves it as it is."""
+        self.state = None
+        if new_prompt:
+            self.last_trace = None
 
     def _start_prefill(self, call: Any, cache: Any, kwargs: dict) -> None:
         if cache_length(cache) > 0:
