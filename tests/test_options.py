@@ -18,14 +18,16 @@ import torch
 import vlm_focus as vf
 from vlm_focus import cli
 from vlm_focus._options import cli_fields, default_of, flag, help_text, options
-from vlm_focus.config import FocusConfig, LoadOptions, parse_keep
+from vlm_focus.config import FocusConfig, LoadOptions, parse_keep, read_keep
 from vlm_focus.eval import cli as eval_cli
 from vlm_focus.eval.chair_run import ChairConfig
 from vlm_focus.eval.coco_run import CocoConfig
 from vlm_focus.eval.common import model_tag
+from vlm_focus.eval.generation import Setting
 from vlm_focus.eval.pope_run import PopeConfig
 from vlm_focus.eval.runner import read_jsonl
 from vlm_focus.model_adapters import get_adapter
+from vlm_focus.timing import NOTHING_PRUNED
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 FOCUS = cli_fields(FocusConfig)  # pruner, keep, layer, query_rows, reduce, budget
@@ -105,6 +107,8 @@ def test_each_option_has_one_default_and_one_parsing_across_entry_points(name):
         parsed[entry] = getattr(parse(argv), name)
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     typed = sample if sample is True else f.metadata.get("parse", str)(sample)
+    if name == "keep":
+        typed = read_keep(typed)  # the API takes numbers; command lines read text
     api = getattr(cls(**{name: typed}), name)
     assert len(parsed) >= 2 and set(map(repr, parsed.values())) == {repr(api)}, parsed
 
@@ -171,7 +175,6 @@ KEEP_CASES = [
     (2.5, None, "keep=2.5: a ratio must lie in (0, 1]; a count is an int >= 2"),
     (0, None, "keep=0: a count must be >= 2 (a ratio is a float in (0, 1])"),
     (-1, None, "keep=-1: a count must be >= 2"),
-    ("0.25", 0.25, None),
     (np.float32(0.5), 0.5, None),
     (np.int64(8), 8, None),
     (17, 17, None),  # a count: checked against the input's visual tokens when it runs
@@ -207,6 +210,24 @@ def test_keep_reads_the_same_in_the_api_and_every_command_line(value, expected, 
             assert got is None and error.startswith(message), (where, error)
 
 
+def test_the_api_refuses_keep_as_text_which_the_command_lines_read():
+    for value in ["0.5", "64"]:
+        with pytest.raises(ValueError, match=f"keep='{value}' has type str; keep takes"):
+            FocusConfig(keep=value)
+        with pytest.raises(ValueError, match="has type str"):
+            vf.wrap(_tiny(), keep=value)
+    assert (read_keep("0.5"), read_keep("64"), read_keep(" 1.0 ")) == (0.5, 64, 1.0)
+    assert cli.parse(["run", "--keep", "64"]).keep == 64
+
+
+def test_a_schedule_whose_keeps_grow_is_refused():
+    for keep in [(0.125, 0.25, 0.5), (0.25, 0.25), (16, 32)]:
+        with pytest.raises(ValueError, match="each stage must keep less than the stage before"):
+            FocusConfig(keep=keep, layer=tuple(range(len(keep))))
+    assert FocusConfig(keep=(0.5, 0.25), layer=(1, 2)).keep == (0.5, 0.25)
+    assert FocusConfig(keep=(32, 16), layer=(1, 2)).keep == (32, 16)
+
+
 def test_keep_of_a_wrong_type_names_the_type():
     for value, kind in [(True, "bool"), (torch.tensor(0.5), "Tensor"), (None, "NoneType")]:
         with pytest.raises(ValueError, match=f"has type {kind}; keep takes a float ratio"):
@@ -230,8 +251,10 @@ def test_a_count_above_the_visual_count_fails_alike_in_the_api_and_run(setup, ca
 
 
 def test_eval_pruning_options_without_a_pruner_are_an_error(capsys):
-    with pytest.raises(ValueError, match=r"keep=0\.25 only apply with a pruner, and none was"):
+    with pytest.raises(ValueError, match=r"keep=0\.25 only applies with a pruner, and none was"):
         eval_cli.parse(["pope", "--keep", "0.25"])
+    with pytest.raises(ValueError, match="pruner_option='base=text' only applies with a pruner"):
+        eval_cli.parse(["pope", "--pruner-option", "base=text"])
     with pytest.raises(ValueError, match="layer=1, query_rows='text' only apply with a pruner"):
         PopeConfig(layer=1, query_rows="text")
     assert eval_cli.main(["chair", "--query-rows", "text"]) == 2
@@ -319,10 +342,61 @@ def test_bench_prints_paired_ratios_with_their_spread_and_count(setup, capsys):
     assert "each keep timed in 3 pairs alternating with the unpruned model" in out
     rows = [line for line in out.splitlines() if line.startswith("keep=")]
     assert len(rows) == 2 and rows[1].startswith("keep=0.5   kept    8/16")
-    for row in rows:
-        low, high = map(float, re.search(r"min-max (\S+)-(\S+)  3 pairs", row).groups())
-        ratio = float(re.search(r"speed-up +(\S+)x", row)[1])
-        assert low <= ratio <= high
+    assert rows[0].endswith(f"kept   16/16   {NOTHING_PRUNED}")
+    base, pruned, ratio, low, high = map(
+        float,
+        re.search(
+            r"prefill (\S+) ms unpruned -> (\S+) ms pruned: (\S+)x \(median of 3 alternating "
+            r"pairs, min-max (\S+)-(\S+)\)",
+            rows[1],
+        ).groups(),
+    )
+    assert low <= ratio <= high
+    assert ratio == pytest.approx(base / pruned, abs=0.06)  # the shown times give the ratio
+
+
+def test_the_timing_shown_is_the_pair_its_ratio_comes_from():
+    from vlm_focus.timing import PairedTiming, prefill_report
+
+    # medians of each side taken apart (92.1 ms vs 35.7 ms) would disagree with the pairs
+    timing = PairedTiming([0.0921, 0.030, 0.100], [0.0357, 0.040, 0.030])
+    assert timing.ratio == pytest.approx(0.0921 / 0.0357)
+    assert (timing.base_seconds, timing.other_seconds) == (0.0921, 0.0357)
+    assert prefill_report(timing, 36, 144).startswith(
+        "prefill 92.1 ms unpruned -> 35.7 ms pruned: 2.58x (median of 3 alternating pairs, "
+        "min-max 0.75-3.33)"
+    )
+    assert prefill_report(timing, 144, 144) == NOTHING_PRUNED
+
+
+def test_run_with_nothing_pruned_says_so_instead_of_a_speed_up(setup, capsys):
+    root, _, image = setup
+    argv = ["run", "--model", str(root / "model"), "--image", str(image), "--keep", "1.0"]
+    argv += ["--layer", "1"]
+    assert cli.main([*argv, "--max-new-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"timing    {NOTHING_PRUNED}" in out and "x (median" not in out
+
+
+def test_pruner_options_on_the_command_lines(setup, capsys):
+    root, _, image = setup
+    argv = ["run", "--model", str(root / "model"), "--image", str(image), "--layer", "1"]
+    argv += ["--pruner", "debiased", "--pruner-option", "base=text", "--pruner-option"]
+    argv += ["positional=false", "--json", "--max-new-tokens", "1", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["options"] == {"base": "text", "positional": False}
+    assert cli.main(["run", "--pruner", "debiased", "--pruner-option", "bse=text"]) == 2
+    assert "pruner 'debiased' has no option 'bse'; it takes: base," in capsys.readouterr().err
+    bench = cli.parse(["bench", "--pruner", "pyramid", "--pruner-option", "alpha=0.3,tiles=3"])
+    assert bench.focus().options == {"alpha": 0.3, "tiles": 3}
+    pope = eval_cli.parse(["pope", "--pruner", "random", "--pruner-option", "seed=3"])
+    setting = Setting.from_options(pope)
+    assert setting.options == {"seed": 3} and setting.tag == "random-k0.25-l2-seed_3"
+    with pytest.raises(ValueError, match="positional='maybe' must be true or false"):
+        cli.parse(["run", "--pruner", "debiased", "--pruner-option", "positional=maybe"])
+    with pytest.raises(ValueError, match="takes a Python object"):
+        cli.parse(["run", "--pruner", "guided", "--pruner-option", "guide=x"])
 
 
 def test_paired_timing_flags_a_wide_spread():
@@ -426,3 +500,31 @@ def test_no_warning_leaks_from_the_defaults():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cli.parse(["run"]), eval_cli.parse(["pope"]), FocusConfig()
+
+
+# --- a first run: an unreachable hub, a missing plotting library ---------------------------------
+def test_an_unreachable_hub_is_one_line(monkeypatch, capsys):
+    from huggingface_hub import HfApi
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(HfApi, "model_info", unreachable)
+    assert cli.main(["run", "--model", "some-org/some-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlm-focus run: error: model 'some-org/some-model' is not a local ")
+    assert "the hub cannot be reached" in err and "\n" not in err and "Traceback" not in err
+    assert cli.main(["run", "--model", str(Path(__file__).parent)]) == 2
+    assert "is a folder without config.json" in capsys.readouterr().err
+
+
+def test_a_plot_without_matplotlib_is_a_notice_not_a_failure(setup, tmp_path, monkeypatch, capsys):
+    import sys
+
+    _, common = setup[:2]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--limit", "2"]
+    args += ["--max-new-tokens", "2", "--pruner", "random", "--keep", "0.5", "--layer", "1"]
+    assert eval_cli.main(args) == 0
+    assert "plot skipped: matplotlib is not installed" in capsys.readouterr().err
+    assert list((tmp_path / "pope").rglob("table.md"))

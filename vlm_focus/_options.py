@@ -5,11 +5,13 @@ where needed:
 
 - ``choices``: the allowed values;
 - ``parse``: how the command line's text becomes a value when the field's type does not say
-  (``str`` leaves the text to the dataclass's own check, e.g. ``keep``);
+  (``str`` leaves the text to the command's config to read, e.g. ``keep`` with
+  :func:`vlm_focus.config.read_keep`);
 - ``default_text``: what ``--help`` shows for the default (for a default of ``None`` that stands
   for something, e.g. "the embedded model");
 - ``aliases``: earlier flag spellings, still accepted with a deprecation warning;
-- ``nargs``, ``metavar``: as in argparse; ``cli=False``: not on the command line.
+- ``nargs``, ``metavar``: as in argparse; ``append``: the flag may be given several times, its
+  values collected in a list; ``cli=False``: not on the command line.
 
 :func:`add_options` turns the fields into argparse options whose help ends with the default,
 and :func:`parse_config` builds the dataclass from what was given, so every default comes from
@@ -136,7 +138,8 @@ def add_options(
                     f"{cls.__name__}.{f.name} ({type_name}) needs metadata 'parse' to be a "
                     "command-line option"
                 )
-            kwargs.update(type=parse, action=_Store, deprecated=tuple(meta.get("aliases", ())))
+            action = _Append if meta.get("append") else _Store
+            kwargs.update(type=parse, action=action, deprecated=tuple(meta.get("aliases", ())))
             for key in ("choices", "nargs", "metavar"):
                 if key in meta:
                     kwargs[key] = meta[key]
@@ -197,6 +200,14 @@ class _Store(argparse.Action):
                 stacklevel=2,
             )
         setattr(namespace, self.dest, values)
+
+
+class _Append(_Store):
+    """``append``: a flag given several times collects its values in a list."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        collected = list(getattr(namespace, self.dest, None) or [])
+        super().__call__(parser, namespace, [*collected, values], option_string)
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ._options import add_options, inherit, parse_config, show_deprecations
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
-from .config import FocusConfig, LoadOptions, parse_keep
+from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
 
 
 @dataclass
@@ -38,6 +38,7 @@ class InputOptions(LoadOptions):
     query_rows: str = inherit(FocusConfig, "query_rows")
     reduce: str = inherit(FocusConfig, "reduce")
     budget: str = inherit(FocusConfig, "budget")
+    pruner_option: list[str] = pruner_option_field()
     repeats: int = field(
         default=5,
         metadata={"help": "timed pairs of alternating unpruned and pruned prefills"},
@@ -52,7 +53,12 @@ class InputOptions(LoadOptions):
             )
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats={self.repeats!r} must be an int >= 1")
-        self.keep = self.focus().keep  # FocusConfig's checks, keep's one rule
+        self.keep = read_keep(self.keep)  # keep's one rule, as the command line gives it
+        from .pruners import get_pruner, read_pruner_options
+
+        get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
+        self.options = read_pruner_options(self.pruner, self.pruner_option)
+        self.focus()  # FocusConfig's checks
 
     def focus(self, keep: Any = None) -> FocusConfig:
         """The :class:`~vlm_focus.FocusConfig` of these options (with another ``keep``)."""
@@ -63,6 +69,7 @@ class InputOptions(LoadOptions):
             query_rows=self.query_rows,
             reduce=self.reduce,
             budget=self.budget,
+            options=self.options,
         )
 
 
@@ -88,7 +95,7 @@ class BenchConfig(InputOptions):
         self.keep_values()
 
     def keep_values(self) -> list[float | int]:
-        values = [parse_keep(k) for k in self.keeps.split(",") if k.strip()]
+        values = [read_keep(k) for k in self.keeps.split(",") if k.strip()]
         if not values:
             raise ValueError(f"keeps={self.keeps!r} names no keep value")
         return values
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(COMMANDS[args.command][0], args)
         return _run(config) if args.command == "run" else _bench(config)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError) as err:  # bad input, a missing file or model
         print(f"vlm-focus {args.command}: error: {err}", file=sys.stderr)
         return 2
 
@@ -204,7 +211,7 @@ def _run(config: RunConfig) -> int:
     import vlm_focus as vf
 
     from .loading import decode_new_tokens
-    from .timing import paired_seconds, prefill_fn
+    from .timing import paired_seconds, prefill_fn, prefill_report
 
     model, processor, inputs, image, prompt, device = _load(config)
     focus = config.focus()
@@ -213,28 +220,34 @@ def _run(config: RunConfig) -> int:
         full = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
         with vf.wrap(model, focus) as handle:
             pruned = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
-        timing = paired_seconds(
-            prefill_fn(model, inputs), lambda: vf.wrap(model, focus), repeats=config.repeats
-        )
-    trace = handle.last_trace
+        trace = handle.last_trace
+        timing = None
+        if trace.n_kept[0] < trace.n_visual[0]:  # timing two identical runs measures noise
+            timing = paired_seconds(
+                prefill_fn(model, inputs), lambda: vf.wrap(model, focus), repeats=config.repeats
+            )
     report = {
         "model": model.config.model_type,
         "image": image,
         "prompt": prompt,
         "answer_unpruned": full,
         "answer_pruned": pruned,
-        **{k: v for k, v in focus.to_dict().items() if k not in ("options", "warm_kernels")},
+        **{k: v for k, v in focus.to_dict().items() if k != "warm_kernels"},
         "visual_kept": trace.n_kept[0],
         "visual_total": trace.n_visual[0],
-        "prefill_ms_unpruned": round(timing.base_median * 1e3, 2),
-        "prefill_ms_pruned": round(timing.other_median * 1e3, 2),
-        "prefill_speedup": round(timing.ratio, 2),
-        "prefill_speedup_min": round(timing.low, 2),
-        "prefill_speedup_max": round(timing.high, 2),
-        "timing_pairs": timing.runs,
-        "timing_trusted": timing.trusted,
+        "pruned": timing is not None,
         "device": device,
     }
+    if timing is not None:
+        report.update(
+            prefill_ms_unpruned=round(timing.base_seconds * 1e3, 2),
+            prefill_ms_pruned=round(timing.other_seconds * 1e3, 2),
+            prefill_speedup=round(timing.ratio, 2),
+            prefill_speedup_min=round(timing.low, 2),
+            prefill_speedup_max=round(timing.high, 2),
+            timing_pairs=timing.runs,
+            timing_trusted=timing.trusted,
+        )
     if config.json:
         print(json.dumps(report))
         return 0
@@ -243,11 +256,8 @@ def _run(config: RunConfig) -> int:
     print(f"unpruned  {full}")
     print(f"pruned    {pruned}   ({_setting(focus)})")
     print(f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}")
-    print(
-        f"prefill   {report['prefill_ms_unpruned']} ms -> {report['prefill_ms_pruned']} ms, "
-        f"speed-up {timing.summary()}, {device}"
-    )
-    if timing.warning():
+    print(f"timing    {prefill_report(timing, trace.n_kept[0], trace.n_visual[0])}, {device}")
+    if timing is not None and timing.warning():
         print(f"warning   {timing.warning()}")
     return 0
 
@@ -255,30 +265,28 @@ def _run(config: RunConfig) -> int:
 def _bench(config: BenchConfig) -> int:
     import vlm_focus as vf
 
-    from .timing import paired_seconds, prefill_fn
+    from .timing import paired_seconds, prefill_fn, prefill_report
 
     model, _, inputs, _, _, device = _load(config)
     print(
         f"prefill, {_setting(config.focus(), keep=False)}, {device}: each keep timed in "
-        f"{config.repeats} pairs alternating with the unpruned model; speed-up = median of the "
-        "paired ratios (min-max)"
+        f"{config.repeats} pairs alternating with the unpruned model; the times shown are the "
+        "median pair's, and the speed-up is their ratio (min-max over all pairs)"
     )
     doubtful = []
     for keep in config.keep_values():
         focus = config.focus(keep)
         with vf.wrap(model, focus) as handle:
             prefill_fn(model, inputs)()
-        timing = paired_seconds(
-            prefill_fn(model, inputs), lambda f=focus: vf.wrap(model, f), repeats=config.repeats
-        )
         trace = handle.last_trace
-        print(
-            f"keep={keep:<5} kept {trace.n_kept[0]:>4}/{trace.n_visual[0]:<4} "
-            f"prefill {timing.other_median * 1e3:8.2f} ms vs {timing.base_median * 1e3:8.2f} ms "
-            f"unpruned  speed-up {timing.ratio:5.2f}x  min-max {timing.low:.2f}-{timing.high:.2f}"
-            f"  {timing.runs} pairs" + ("" if timing.trusted else "  (spread too wide to trust)")
-        )
-        if not timing.trusted:
+        kept, total = trace.n_kept[0], trace.n_visual[0]
+        timing = None
+        if kept < total:
+            timing = paired_seconds(
+                prefill_fn(model, inputs), lambda f=focus: vf.wrap(model, f), repeats=config.repeats
+            )
+        print(f"keep={keep!s:<5} kept {kept:>4}/{total:<4} {prefill_report(timing, kept, total)}")
+        if timing is not None and not timing.trusted:
             doubtful.append((keep, timing.warning()))
     for keep, why in doubtful:
         print(f"warning: keep={keep}: {why}")
@@ -288,6 +296,7 @@ def _bench(config: BenchConfig) -> int:
 def _setting(focus: FocusConfig, *, keep: bool = True) -> str:
     parts = [focus.pruner] + ([f"keep={focus.keep}"] if keep else [])
     parts += [f"layer={focus.layer}", f"query_rows={focus.query_rows}", f"reduce={focus.reduce}"]
+    parts += [f"{name}={value}" for name, value in sorted(focus.options.items())]
     return ", ".join(parts)
 
 

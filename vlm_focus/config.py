@@ -35,27 +35,15 @@ def parse_keep(value: Any) -> float | int:
     - an int is a count ``>= 2`` of visual tokens kept per row (a count above an input's visual
       tokens raises when that input runs); ``1`` is refused as ambiguous: pass ``1.0`` to keep
       every token;
-    - text, as the command line gives it, is an int when it is a whole number written without a
-      point or exponent (``"64"``), else a float (``"0.25"``, ``"1.0"``);
     - numpy (and other ``numbers``) scalars count as the Python int or float they hold.
 
-    Anything else raises ``ValueError`` naming the value (as read), its type and the rule, so the
-    API and the command line give the same message for the same input.
+    Text is refused here (the API takes numbers); the command lines read theirs with
+    :func:`read_keep`. Anything else raises ``ValueError`` naming the value, its type and the
+    rule, so the API and the command line give the same message for the same number.
     """
-    if isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"[+-]?\d+", text):
-            value = int(text)
-        else:
-            try:
-                value = float(text)
-            except ValueError:
-                raise ValueError(
-                    f"keep={value!r} is not a number; keep takes {KEEP_RULE}"
-                ) from None
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"keep={value!r} has type {type(value).__name__}; keep takes {KEEP_RULE}")
-    elif isinstance(value, numbers.Integral):
+    if isinstance(value, numbers.Integral):
         value = int(value)
     else:
         value = float(value)
@@ -70,6 +58,22 @@ def parse_keep(value: Any) -> float | int:
     if value < 2:
         raise ValueError(f"keep={value!r}: a count must be >= 2 (a ratio is a float in (0, 1])")
     return value
+
+
+def read_keep(value: Any) -> float | int:
+    """``keep`` as a command line (or a form field) gives it: text is an int when it is a whole
+    number written without a point or exponent (``"64"``), else a float (``"0.25"``,
+    ``"1.0"``); then :func:`parse_keep`'s rule. Numbers pass straight to :func:`parse_keep`."""
+    if not isinstance(value, str):
+        return parse_keep(value)
+    text = value.strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        return parse_keep(int(text))
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"keep={value!r} is not a number; keep takes {KEEP_RULE}") from None
+    return parse_keep(number)
 
 
 def keeps_everything(keep: Any) -> bool:
@@ -181,6 +185,7 @@ class FocusConfig:
         if list(layers) != sorted(set(layers)):
             raise ValueError(f"layer={self.layer!r}: stage layers must be strictly increasing")
         keeps = tuple(parse_keep(k) for k in keeps)
+        _check_schedule(keeps)
         self.keep = keeps if isinstance(self.keep, (tuple, list)) else keeps[0]
         if self.query_rows not in QUERY_ROWS:
             raise ValueError(f"query_rows={self.query_rows!r} is not one of {QUERY_ROWS}")
@@ -209,6 +214,18 @@ class FocusConfig:
         return asdict(self)
 
 
+def _check_schedule(keeps: tuple[float | int, ...]) -> None:
+    """Each stage prunes what the one before kept, so its keep must be smaller: a stage that
+    keeps as much or more would silently do nothing. Ratios compare with ratios and counts with
+    counts here (how a ratio compares with a count depends on the input)."""
+    for before, after in zip(keeps, keeps[1:]):
+        if isinstance(before, float) == isinstance(after, float) and after >= before:
+            raise ValueError(
+                f"keep={keeps!r}: each stage must keep less than the stage before it "
+                f"({after!r} after {before!r}); a later stage prunes what the earlier one kept"
+            )
+
+
 def _whole(value: Any) -> Any:
     """A numpy integer as a Python int (other values unchanged, for the checks to name)."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -223,6 +240,23 @@ def keep_count(keep: float | int, n_visual: int) -> int:
     if keep > n_visual:
         raise ValueError(f"keep={keep} is more than the {n_visual} visual tokens of this input")
     return keep
+
+
+def pruner_option_field() -> Any:
+    """The command lines' and the demo's one way to give a pruner its own options
+    (``--pruner-option base=text``, repeatable), read by
+    :func:`vlm_focus.pruners.read_pruner_options` against the chosen pruner's options."""
+    return field(
+        default_factory=list,
+        metadata={
+            "help": "an option of the chosen pruner as NAME=VALUE (e.g. base=text), repeatable; "
+            "`vlm-focus pruners` lists each pruner's options",
+            "parse": str,
+            "append": True,
+            "metavar": "NAME=VALUE",
+            "default_text": "the pruner's defaults",
+        },
+    )
 
 
 @dataclass

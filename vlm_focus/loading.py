@@ -12,6 +12,8 @@ from .asset_paths import EMBEDDED, default_model_path, is_embedded
 from .model_adapters import get_adapter
 
 DEFAULT_MODEL = EMBEDDED
+#: Seconds to wait for the hub before saying it cannot be reached.
+HUB_TIMEOUT = 10.0
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -46,10 +48,10 @@ def load_model(
 
     Raises ``ValueError`` for a model type without an adapter (before loading any weights).
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = resolve_model_path(model)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = _config(path, trust_remote_code)
     get_adapter(_ConfigHolder(config))  # unsupported model types fail here, named
     vlm = AutoModelForImageTextToText.from_pretrained(
         path,
@@ -60,6 +62,47 @@ def load_model(
     )
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     return vlm.to(device).eval(), processor
+
+
+class ModelNotFoundError(OSError):
+    """A model that is neither a local folder, nor in the Hugging Face cache, nor reachable on
+    the hub: one line that says which and what to pass instead."""
+
+
+def _config(path: str, trust_remote_code: bool) -> Any:
+    """The model's config: from a local folder, else the Hugging Face cache, else the hub. An
+    unreachable hub is asked once, with a short timeout, instead of retrying for half a
+    minute, and gives a :class:`ModelNotFoundError`."""
+    from transformers import AutoConfig
+
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder without config.json: not a model folder")
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except OSError:
+        pass  # not in the cache: ask the hub
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    where = f"model {path!r} is not a local folder and not in the Hugging Face cache"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{where}, and HF_HUB_OFFLINE is set")
+    try:
+        HfApi().model_info(path, timeout=HUB_TIMEOUT)
+    except HFValidationError:
+        raise ModelNotFoundError(f"no model folder {path!r}, and it is not a hub id") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"{where}, and the hub has no such model") from None
+    except Exception as err:  # the hub's client raises its HTTP library's own errors
+        raise ModelNotFoundError(
+            f"{where}, and the hub cannot be reached ({type(err).__name__}: {err}); pass a "
+            "local model folder (or leave --model out for the embedded model)"
+        ) from None
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 class _ConfigHolder:

@@ -1,8 +1,10 @@
 """Prefill timing for pruned-vs-unpruned ratios measured in one run (CPU or CUDA).
 
 :func:`paired_seconds` alternates the two runs (unpruned, pruned, pruned, unpruned, ...) so that
-load and clock drift hit both alike, and reports the median of the per-pair ratios with their
-spread (min-max) and the pair count: a ratio whose spread is wide is not to be trusted.
+load and clock drift hit both alike. The reported ratio is the median pair's, and the times
+shown are that pair's, so that they agree with the ratio; the spread (min-max) of all pairs and
+their count come with it: a ratio whose spread is wide is not to be trusted.
+:func:`prefill_report` is the one wording of it for every command and the demo.
 """
 
 from __future__ import annotations
@@ -56,9 +58,26 @@ class PairedTiming:
         return [b / o for b, o in zip(self.base, self.other, strict=True)]
 
     @property
+    def median_pair(self) -> int:
+        """Index of the pair whose ratio is the median (the lower middle one for an even
+        count): the pair that every reported number comes from."""
+        order = sorted(range(self.runs), key=lambda i: self.ratios[i])
+        return order[(self.runs - 1) // 2]
+
+    @property
     def ratio(self) -> float:
-        """Median of the paired ratios."""
-        return statistics.median(self.ratios)
+        """The median pair's ratio, ``base / other``."""
+        return self.ratios[self.median_pair]
+
+    @property
+    def base_seconds(self) -> float:
+        """The median pair's ``base`` seconds (``base_seconds / other_seconds == ratio``)."""
+        return self.base[self.median_pair]
+
+    @property
+    def other_seconds(self) -> float:
+        """The median pair's ``other`` seconds."""
+        return self.other[self.median_pair]
 
     @property
     def low(self) -> float:
@@ -78,19 +97,21 @@ class PairedTiming:
         """At least 3 pairs, and a spread within :data:`TRUSTED_SPREAD`."""
         return self.runs >= 3 and self.spread <= TRUSTED_SPREAD
 
-    @property
-    def base_median(self) -> float:
-        return statistics.median(self.base)
-
-    @property
-    def other_median(self) -> float:
-        return statistics.median(self.other)
-
     def summary(self) -> str:
         """E.g. ``1.68x (min-max 1.60-1.75 over 5 alternating pairs)``."""
         return (
             f"{self.ratio:.2f}x (min-max {self.low:.2f}-{self.high:.2f} over {self.runs} "
             "alternating pairs)"
+        )
+
+    def report(self) -> str:
+        """The one timing line of every command and the demo: the median pair's times, their
+        ratio and the pairs' spread, e.g. ``92.1 ms unpruned -> 35.7 ms pruned: 2.58x (median
+        of 5 alternating pairs, min-max 2.41-2.66)``."""
+        return (
+            f"{self.base_seconds * 1e3:.1f} ms unpruned -> {self.other_seconds * 1e3:.1f} ms "
+            f"pruned: {self.ratio:.2f}x (median of {self.runs} alternating pairs, min-max "
+            f"{self.low:.2f}-{self.high:.2f})"
         )
 
     def warning(self) -> str | None:
@@ -102,7 +123,7 @@ class PairedTiming:
         return (
             f"the paired ratios spread by {100 * self.spread:.0f}% of their median (more than "
             f"{100 * TRUSTED_SPREAD:.0f}%): the machine is busy or the runs too short to trust "
-            "this ratio; rerun on a quiet machine or with more --repeats"
+            "this ratio; rerun on a quiet machine or with more repeats"
         )
 
     def to_dict(self) -> dict[str, float | int | bool]:
@@ -155,6 +176,17 @@ def paired_seconds(
             pruned.append(timed(other))
             base.append(timed(None))
     return PairedTiming(base, pruned)
+
+
+NOTHING_PRUNED = "nothing pruned: every visual token kept, no speed-up to measure"
+
+
+def prefill_report(timing: PairedTiming | None, n_kept: int, n_visual: int) -> str:
+    """``prefill <times and ratio>``, or that nothing was pruned (``timing`` is then not
+    needed: a ratio of two identical runs only measures noise)."""
+    if n_kept >= n_visual or timing is None:
+        return NOTHING_PRUNED
+    return f"prefill {timing.report()}"
 
 
 def prefill_fn(model: torch.nn.Module, inputs: dict) -> Callable[[], object]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._options import default_of, inherit, show
 from ..asset_paths import guide_model_path, is_embedded
-from ..config import FocusConfig, LoadOptions, keeps_everything, parse_keep
+from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
 from ..hallucination import mitigation_choices, mitigation_name
 
 ON_MISSING = ("skip", "stop")
@@ -110,6 +110,7 @@ class PruneOptions(EvalOptions):
     query_rows: str | None = _focus("query_rows")
     reduce: str | None = _focus("reduce")
     budget: str | None = _focus("budget")
+    pruner_option: list[str] = pruner_option_field()
     mitigate: str = field(
         default="none",
         metadata={
@@ -129,13 +130,15 @@ class PruneOptions(EvalOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.keep is not None:
-            self.keep = parse_keep(self.keep)
-        given = [n for n in PRUNE_FIELDS if getattr(self, n) is not None]
+            self.keep = read_keep(self.keep)
+        given = [f"{n}={getattr(self, n)!r}" for n in PRUNE_FIELDS if getattr(self, n) is not None]
+        given += [f"pruner_option={o!r}" for o in self.pruner_option]
         if given and self.pruner is None and not self._sweeps():
-            listed = ", ".join(f"{n}={getattr(self, n)!r}" for n in given)
+            verb = "applies" if len(given) == 1 else "apply"
             raise ValueError(
-                f"{listed} only apply with a pruner, and none was chosen (without one the model "
-                "runs unpruned): pass pruner (--pruner NAME, e.g. fastv) or leave them out"
+                f"{', '.join(given)} only {verb} with a pruner, and none was chosen (without one "
+                "the model runs unpruned): pass pruner (--pruner NAME, e.g. fastv) or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
             )
         if self.pruner is not None or self._sweeps():  # unpruned: the options stay None
             defaults = FocusConfig()
@@ -147,6 +150,7 @@ class PruneOptions(EvalOptions):
             from ..pruners import get_pruner
 
             get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
+            self.options = self.pruner_options(self.pruner)
             # the one check of every pruning option (keep's rule, choices, layer >= 0)
             checked = FocusConfig(pruner=self.pruner, **{n: getattr(self, n) for n in PRUNE_FIELDS})
             self.keep = checked.keep
@@ -155,6 +159,12 @@ class PruneOptions(EvalOptions):
 
     def _sweeps(self) -> bool:
         return False
+
+    def pruner_options(self, pruner: str) -> dict[str, Any]:
+        """``pruner``'s own options from ``--pruner-option NAME=VALUE``."""
+        from ..pruners import read_pruner_options
+
+        return read_pruner_options(pruner, self.pruner_option)
 
     @property
     def pruned(self) -> bool:

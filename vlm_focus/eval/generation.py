@@ -4,8 +4,9 @@ mitigation from ``vlm_focus.hallucination`` or an optional attention-guided zoom
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from transformers import LogitsProcessor
 
 from .. import hallucination as hal
 from .. import zoom as zm
-from ..config import FocusConfig, keep_count, keeps_everything, parse_keep
+from ..config import FocusConfig, keep_count, keeps_everything, read_keep
 from ..loading import build_inputs, load_image
 from ..model_adapters import get_adapter
 
@@ -52,6 +53,7 @@ class Setting:
     query_rows: str = FocusConfig.query_rows
     reduce: str = FocusConfig.reduce
     budget: str = FocusConfig.budget
+    options: dict[str, Any] = field(default_factory=dict)  # the pruner's own options
     mitigate: str = "none"
     max_new_tokens: int = 16
     zoom: str = "never"
@@ -79,7 +81,7 @@ class Setting:
                     "or follows decoding itself); use another pruner, or no zoom"
                 )
         if self.pruner is not None:
-            self.keep = parse_keep(self.keep)
+            self.keep = read_keep(self.keep)
         if self.pruned and self.mitigate != "none" and self.pruner in ("guided", "fixation"):
             # the mitigations run on any pruned model, but guided pruning drives generate()
             # itself and fixation attends to new visual columns at every decoding step
@@ -95,6 +97,8 @@ class Setting:
         """The setting of a command's options (a :class:`~vlm_focus.eval.common.PruneOptions`)."""
         names = ("pruner", "keep", "layer", "query_rows", "reduce", "budget", "mitigate")
         values = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
+        if options.pruner is not None:
+            values["options"] = options.pruner_options(options.pruner)
         return cls(**{**values, **overrides})
 
     @property
@@ -112,6 +116,8 @@ class Setting:
                 value = getattr(self, name)
                 if value != getattr(FocusConfig, name):
                     tag += f"-{short}{value}"
+            for name, value in sorted(self.options.items()):
+                tag += "-" + re.sub(r"[^A-Za-z0-9._]+", "_", f"{name}_{value}").strip("_")
         if self.mitigate != "none":
             tag += f"-{self.mitigate}"
         if self.zoom != "never":
@@ -144,10 +150,13 @@ class Setting:
             mitigation = hal.get_mitigation(self.mitigate).describe()
             mitigation.pop("mitigation")
             beams = mitigation.get("num_beams", 1)
-        # an unzoomed setting records no zoom keys, so its earlier logs still resume
-        zoom = {}
+        # an unzoomed setting records no zoom keys (and one without pruner options no options
+        # key), so its earlier logs still resume
+        extra: dict[str, Any] = {}
+        if self.pruned and self.options:
+            extra["pruner_options"] = dict(self.options)
         if self.zooms:
-            zoom = {
+            extra |= {
                 "zoom": self.zoom,
                 "zoom_options": self.zoom_options().to_json(),
                 "zoom_calibration": self.zoom_calibration,
@@ -163,7 +172,7 @@ class Setting:
             "mitigation_parameters": mitigation,
             "decoding": f"{'beam search' if beams > 1 else 'greedy'}, num_beams={beams}, "
             f"do_sample=False, max_new_tokens={self.max_new_tokens}",
-            **zoom,
+            **extra,
         }
 
 
@@ -240,7 +249,9 @@ class Generator:
             if s.pruned:
                 import vlm_focus as vf
 
-                options = {"guide": self.guide} if s.pruner == "guided" else {}
+                options = dict(s.options)
+                if s.pruner == "guided":
+                    options["guide"] = self.guide
                 handle = vf.wrap(
                     self.model,
                     pruner=s.pruner,

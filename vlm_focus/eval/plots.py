@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+#: What to install for the plots (``eval`` and ``demo`` carry matplotlib).
+PLOT_EXTRA = "pip install 'vlm-focus[eval]' (or matplotlib)"
 
 
+def _optional(draw: Callable[..., Path]) -> Callable[..., Path | None]:
+    """A plot is a by-product of finished work: without matplotlib it is skipped with a
+    one-line notice on stderr (and ``None`` returned) instead of failing the command."""
+
+    @functools.wraps(draw)
+    def drawn(*args: Any, **kwargs: Any) -> Path | None:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            print(f"plot skipped: matplotlib is not installed; {PLOT_EXTRA}", file=sys.stderr)
+            return None
+        return draw(*args, **kwargs)
+
+    return drawn
+
+
+@_optional
 def retention_plot(summaries: Sequence[dict], path: str | Path, metric: str = "f1") -> Path:
     """POPE ``metric`` against the share of visual tokens kept, one line per pruner and one
     panel per split; the unpruned run is the point at keep = 1 shared by every line."""
@@ -46,6 +69,7 @@ def retention_plot(summaries: Sequence[dict], path: str | Path, metric: str = "f
     return path
 
 
+@_optional
 def grounding_examples(
     records: Sequence[dict],
     truth: dict,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import keeps_everything, parse_keep
+from ..config import keeps_everything, read_keep
 from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
 from .data import resolve_set, split_missing
 from .generation import ZOOMS, Generator, Setting
@@ -185,13 +185,14 @@ def parse_sweep(config: PopeConfig) -> list[Setting]:
     if config.sweep is None:
         if config.pruner is None:
             return [Setting(**common)]
-        return [Setting(pruner=config.pruner, keep=config.keep, **common)]
+        options = config.pruner_options(config.pruner)
+        return [Setting(pruner=config.pruner, keep=config.keep, options=options, **common)]
     name, _, values = config.sweep.partition("=")
     if name.strip() != "keep" or not values:
         raise ValueError(
             f"sweep={config.sweep!r}: expected keep=v1,v2,... (e.g. keep=1.0,0.5,0.25)"
         )
-    keeps = [parse_keep(v) for v in values.split(",") if v.strip()]
+    keeps = [read_keep(v) for v in values.split(",") if v.strip()]
     if config.pruners in (None, ""):
         names = [config.pruner or "fastv"]
     elif config.pruners == "all":
@@ -202,9 +203,13 @@ def parse_sweep(config: PopeConfig) -> list[Setting]:
     for n in names:
         if n not in known:
             raise ValueError(f"unknown pruner {n!r}; registered: {', '.join(sorted(known))}")
+    options = {n: config.pruner_options(n) for n in names}  # each pruner checks its own
     settings = [Setting(**common)]
     settings += [
-        Setting(pruner=n, keep=k, **common) for n in names for k in keeps if not keeps_everything(k)
+        Setting(pruner=n, keep=k, options=options[n], **common)
+        for n in names
+        for k in keeps
+        if not keeps_everything(k)
     ]
     return settings
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ...config import KEEP_RULE
 from ._scores import PRUNERS, keep_count
 
 #: Key of the plugin's settings inside the model's Hugging Face config (``--hf-overrides``).
@@ -55,7 +56,7 @@ class ServeOptions:
 
     pruner: str = field(default="pyramid", metadata={"help": f"pre-LLM score: one of {PRUNERS}"})
     keep: float | int = field(
-        default=0.25, metadata={"help": "tokens each image keeps: ratio in (0, 1] or count >= 1"}
+        default=0.25, metadata={"help": f"tokens each image keeps: {KEEP_RULE}"}
     )
     tiles: int = field(default=2, metadata={"help": "pyramid: regions per side of the grid"})
     min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})

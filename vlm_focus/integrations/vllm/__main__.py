@@ -16,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ...config import KEEP_RULE, read_keep
 from . import ARCHITECTURES, ServeOptions, hf_overrides
 
 
@@ -39,15 +40,13 @@ def serve_command(argv: list[str]) -> list[str]:
     )
     parser.add_argument("model", help="model path or id (as for vllm serve)")
     parser.add_argument("--pruner", default=defaults.pruner, help="pool or pyramid")
-    parser.add_argument(
-        "--keep", default=str(defaults.keep), help="per image: ratio in (0, 1] or a count"
-    )
+    parser.add_argument("--keep", default=str(defaults.keep), help=f"per image: {KEEP_RULE}")
     parser.add_argument("--tiles", type=int, default=defaults.tiles)
     parser.add_argument("--min-per-region", type=int, default=defaults.min_per_region)
     parser.add_argument("--model-type", default=None, help=f"one of {sorted(ARCHITECTURES)}")
     parser.add_argument("--print", action="store_true", help="print the vllm command only")
     args, rest = parser.parse_known_args(argv)
-    keep = float(args.keep) if any(c in args.keep for c in ".eE") else int(args.keep)
+    keep = read_keep(args.keep)  # keep's one reading, as on every command line
     overrides = hf_overrides(
         args.model_type or _model_type(args.model),
         pruner=args.pruner,
