@@ -1,0 +1,38 @@
+"""The README's Python examples run as pasted: every ```python block, each in a fresh namespace
+from the repository root, except those marked as not run (they need the hub or a GPU)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_RUN = "<!-- readme-example: not run"
+
+
+def readme_examples() -> list[tuple[int, str]]:
+    """``(line, code)`` of every runnable Python block of the README."""
+    text = (ROOT / "README.md").read_text()
+    out = []
+    for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
+        before = text[: match.start()].rstrip().rsplit("\n", 1)[-1]
+        if not before.startswith(NOT_RUN):
+            out.append((text[: match.start()].count("\n") + 1, match.group(1)))
+    return out
+
+
+def test_the_readme_has_runnable_examples_and_marks_the_others():
+    text = (ROOT / "README.md").read_text()
+    assert len(EXAMPLES) >= 3
+    assert text.count(NOT_RUN) == text.count("```python") - len(EXAMPLES)
+
+
+EXAMPLES = readme_examples()
+
+
+@pytest.mark.parametrize("line, code", EXAMPLES, ids=[f"README.md:{line}" for line, _ in EXAMPLES])
+def test_a_readme_example_runs_as_pasted(line, code, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
