@@ -616,6 +616,28 @@ def coverage(size: Size, frames: Sequence[Frame]) -> torch.Tensor:
     return seen
 
 
+def seen_region(size: Size, frames: Sequence[Frame]) -> tuple[Frame, float]:
+    """The part of a ``size`` image the vision encoder saw through ``frames``: the bounding
+    rectangle, in whole pixels, of :func:`coverage` (``Frame(0, 0, 0, 0)`` when it covers
+    nothing), and the share of the image's pixels covered, ``|coverage| / (width * height)``.
+    A CLIP-style centre crop of a wide photo gives the central square and a share below 1."""
+    seen = coverage(size, frames)
+    rows = torch.nonzero(seen.any(1)).flatten()
+    cols = torch.nonzero(seen.any(0)).flatten()
+    share = float(seen.double().mean())
+    if rows.numel() == 0:
+        return Frame(0.0, 0.0, 0.0, 0.0), share
+    x0, y0 = float(cols[0]), float(rows[0])
+    return Frame(x0, y0, float(cols[-1]) + 1 - x0, float(rows[-1]) + 1 - y0), share
+
+
+def describe_seen(size: Size, region: Frame, share: float) -> str:
+    """``"x 96-288, y 0-192 of the 384x192 image (50%)"``: a seen region, in words."""
+    width, height = as_size(size)
+    x0, y0, w, h = (round(v) for v in region)
+    return f"x {x0}-{x0 + w}, y {y0}-{y0 + h} of the {width}x{height} image ({100 * share:.0f}%)"
+
+
 def content_fraction(frame: Frame, grid: tuple[int, int], size: Size) -> torch.Tensor:
     """``[rows, cols]`` share of each cell's area that the ``size`` image covers, for a grid
     spanning ``frame``: 1 inside the image, 0 for pure padding (a padded frame reaches outside
@@ -692,6 +714,7 @@ __all__ = [
     "check_size",
     "content_fraction",
     "coverage",
+    "describe_seen",
     "frame_aspect",
     "image_processor_of",
     "layout_sizes",
@@ -699,6 +722,7 @@ __all__ = [
     "native_side",
     "processor_frames",
     "rule_frame",
+    "seen_region",
     "smart_resize_grid",
     "upsample",
     "view_frames",

@@ -18,14 +18,35 @@ Everything runs under SDPA: attention rows are recomputed from each layer's q/k 
 """
 
 from ._boxes import Box, boxes, iou, point
+from ._defaults import (
+    CONFIG_KEY,
+    LAYER_SHARE,
+    PRESENCE_THRESHOLD,
+    default_layers,
+    presence_threshold,
+    rule_layers,
+)
 from ._describe import Described, GroundedPhrase, describe_and_ground
 from ._heads import LocalizationHeads, load_heads, save_heads, select_localization_heads
 from ._maps import GENERIC_PROMPT, GEOMETRIES, HeatMap
-from ._pass import Grounding, GroundingPass, Mention, ground, heatmap, region_score
+from ._pass import (
+    Grounding,
+    GroundingPass,
+    Mention,
+    UnseenRegionWarning,
+    ground,
+    heatmap,
+    region_score,
+)
+from ._presence import PRESENCE_PROMPT, presence
 from ._region import box_share
 from ._words import STOP_WORDS
 
 __all__ = [
+    "CONFIG_KEY",
+    "LAYER_SHARE",
+    "PRESENCE_PROMPT",
+    "PRESENCE_THRESHOLD",
     "GENERIC_PROMPT",
     "GEOMETRIES",
     "STOP_WORDS",
@@ -37,15 +58,20 @@ __all__ = [
     "HeatMap",
     "LocalizationHeads",
     "Mention",
+    "UnseenRegionWarning",
     "box_share",
     "boxes",
+    "default_layers",
     "describe_and_ground",
     "ground",
     "heatmap",
     "iou",
     "load_heads",
     "point",
+    "presence",
+    "presence_threshold",
     "region_score",
+    "rule_layers",
     "save_heads",
     "select_localization_heads",
 ]

@@ -41,15 +41,10 @@ def _pixels(source: MapLike) -> tuple[np.ndarray, float, Region | None]:
         rows, cols = source.grid.shape
         cell = min(height / rows, width / cols)
         pixels = source.pixels.numpy().astype(np.float64)
-        seen_rows = np.flatnonzero(source.support.any(1).numpy())
-        seen_cols = np.flatnonzero(source.support.any(0).numpy())
-        if seen_rows.size == 0:
+        x0, y0, w, h = (int(v) for v in source.seen)  # whole pixels
+        if w == 0 or h == 0:
             return pixels, 0.5 * cell, None
-        region = (
-            slice(int(seen_rows[0]), int(seen_rows[-1]) + 1),
-            slice(int(seen_cols[0]), int(seen_cols[-1]) + 1),
-        )
-        return pixels, 0.5 * cell, region
+        return pixels, 0.5 * cell, (slice(y0, y0 + h), slice(x0, x0 + w))
     if isinstance(source, torch.Tensor):
         source = source.detach().cpu().double().numpy()
     if not isinstance(source, np.ndarray):

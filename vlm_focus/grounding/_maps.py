@@ -27,7 +27,15 @@ import torch
 from torch import nn
 
 from .._probe import AttentionProbe, Prefill, Rows, check_layers
-from ..geometry import RULES, Frame, Size, coverage, unknown_size_message, upsample
+from ..geometry import (
+    RULES,
+    Frame,
+    Size,
+    coverage,
+    seen_region,
+    unknown_size_message,
+    upsample,
+)
 from ..model_adapters import ImageLayout, get_adapter
 
 GENERIC_PROMPT = "Write a general description of the image."
@@ -93,6 +101,20 @@ class HeatMap:
         """``[height, width]`` bool: the pixels some view's grid covers (the encoder saw)."""
         size, frames = self.require_pixels()
         return coverage(size, frames)
+
+    @property
+    def seen(self) -> Frame:
+        """The part of the image the model saw, in image pixels: the bounding rectangle of
+        :attr:`support` (:func:`vlm_focus.geometry.seen_region`). Outside it the map is 0 and
+        no box can reach: a CLIP-style centre crop of a wide photo leaves its sides out."""
+        size, frames = self.require_pixels()
+        return seen_region(size, frames)[0]
+
+    @property
+    def seen_share(self) -> float:
+        """Share of the image's pixels the model saw (1.0 for the whole image)."""
+        size, frames = self.require_pixels()
+        return seen_region(size, frames)[1]
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -386,6 +408,7 @@ class _Probed:
     layout: list[list[ImageLayout]]
     layers: list[int]
     n_heads: int
+    logits: torch.Tensor | None = None  # [B, V] next-token logits after the last input token
 
 
 def probe_forward(
@@ -408,12 +431,14 @@ def probe_forward(
     with torch.no_grad(), AttentionProbe(model, layers, rows=rows) as probe:
         scoring = probe.tracker.scoring_prompt(prompt_end) if prompt_end else nullcontext()
         with scoring:
-            model(**inputs, use_cache=False)
+            out = model(**inputs, use_cache=False)
         prefill = probe.prefill
+    logits = getattr(out, "logits", None)
+    logits = None if logits is None else logits[:, -1].float().cpu()
     layout = prefill.layout(model, adapter)
     attn = getattr(adapter.decoder_layers(model)[layers[0]], adapter.attention)
     n_heads = probe.records[0].probs.shape[1] if probe.records else attn.config.num_attention_heads
-    return _Probed(probe.records, prefill, layout, layers, n_heads)
+    return _Probed(probe.records, prefill, layout, layers, n_heads, logits)
 
 
 def head_pairs(heads: HeadSpec) -> list[tuple[int, int]]:

@@ -13,6 +13,7 @@ wrappers over it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +27,19 @@ from ..geometry import (
     Size,
     as_sizes,
     check_size,
+    describe_seen,
     image_processor_of,
     layout_sizes,
     legacy_sizes,
+    seen_region,
+    unknown_size_message,
     view_frames,
 )
 from ..model_adapters import get_adapter
 from ._boxes import Box, boxes, point
+from ._defaults import default_layers
+from ._defaults import presence_threshold as default_threshold
+from ._image import as_picture
 from ._maps import (
     HeadSpec,
     HeatMap,
@@ -50,10 +57,16 @@ from ._maps import (
     text_tokens,
     tokenizer_of,
 )
+from ._presence import PRESENCE_PROMPT, presence, presence_from_logits, unknown_phrase
 from ._region import box_share
 from ._words import find_mentions
 
 SOURCES = ("prompt", "answer")
+
+
+class UnseenRegionWarning(UserWarning):
+    """Grounding an image the model saw only part of (a centre crop of a wide photo): outside
+    :attr:`HeatMap.seen` the map is 0, and nothing there can be found."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,8 @@ class GroundingPass:
         answer: generated tokens ``[B, T]`` (``generate()`` output after the prompt), trimmed at
             each row's first end-of-sequence or padding token, appended and read in the same
             pass.
-        layers: decoder layers to average (default: all; ``heads`` implies its own layers).
+        layers: decoder layers to average (default: :func:`default_layers`, the model's
+            measured choice or the first quarter of its layers; ``heads`` implies its own).
         heads: localization heads (:func:`select_localization_heads`) or ``{layer: [heads]}``.
         rows: which tokens may be queried later (a query as in :meth:`map`); default every text
             token of the prompt and the answer. Fewer rows use less memory.
@@ -145,6 +159,8 @@ class GroundingPass:
             given = legacy
         if heads is not None and layers is None:
             layers = sorted({layer for layer, _ in head_pairs(heads)})
+        elif layers is None:
+            layers = default_layers(model)  # the model's measured choice, or the rule
         self.model = model
         self.processor = processor
         self.geometry = geometry
@@ -177,6 +193,9 @@ class GroundingPass:
             [self._frames(layout, size, b, i) for i, (layout, size) in enumerate(zip(row, srow))]
             for b, (row, srow) in enumerate(zip(self.layouts, self.sizes, strict=True))
         ]
+        #: ``[B, V]`` next-token logits after the last input token (``None`` with ``answer``)
+        self.next_logits = probed.logits if answer is None else None
+        self._warn_unseen()
         self._generic = None
         if relative_to is not None:
             generic = GroundingPass(model, relative_to, layers=self.layers, heads=heads, rows=None)
@@ -207,6 +226,35 @@ class GroundingPass:
         return view_frames(
             layout, size, processor=self.processor, rule=self.geometry, fallback=fallback
         )
+
+    def seen(self, row: int = 0, image: int = 0) -> Frame:
+        """The part of row ``row``'s image ``image`` the model saw, in its pixels
+        (:attr:`HeatMap.seen`); ``ValueError`` when the image's size is unknown."""
+        self._check_index(row, image)
+        size, frames = self.sizes[row][image], self.frames[row][image]
+        if size is None or frames is None:
+            raise ValueError(unknown_size_message(self.adapter.model_type, row, image))
+        return seen_region(size, frames)[0]
+
+    def _warn_unseen(self) -> None:
+        """One :class:`UnseenRegionWarning` naming every image the model saw only part of."""
+        parts = []
+        for b, (sizes, frames) in enumerate(zip(self.sizes, self.frames, strict=True)):
+            for i, (size, frame) in enumerate(zip(sizes, frames, strict=True)):
+                if size is None or frame is None:
+                    continue
+                region, share = seen_region(size, frame)
+                if share < 1.0:
+                    parts.append(f"row {b}, image {i}: {describe_seen(size, region, share)}")
+        if parts:
+            warnings.warn(
+                "the model saw only part of the image (its processor crops it): "
+                + "; ".join(parts)
+                + ". Maps are 0 and boxes cannot reach outside that region (HeatMap.seen); "
+                "pad the photo to the processor's aspect ratio to ground all of it",
+                UnseenRegionWarning,
+                stacklevel=3,
+            )
 
     # --- queries ------------------------------------------------------------------------------
     def _source(self, source: str | None) -> str:
@@ -497,8 +545,6 @@ def region_score(
         ``[B]`` float scores.
     """
     if tokens is not None:
-        import warnings
-
         warnings.warn(
             "region_score(tokens=...) is deprecated: pass query= (as in heatmap)",
             DeprecationWarning,
@@ -516,13 +562,34 @@ def region_score(
 
 @dataclass
 class Grounding:
-    """:func:`ground`'s answer: the phrase's map, its peak and its boxes, in the image's pixels."""
+    """:func:`ground`'s answer, in the image's pixels.
+
+    Attributes:
+        phrase: what was grounded.
+        map: the phrase's attention map (:class:`HeatMap`), also when the phrase is absent.
+        point: the map's peak ``(x, y)``; ``None`` when the phrase is not :attr:`present`
+            (the raw peak stays available as ``grounding.point(found.map)``).
+        boxes: boxes around the map's blobs, best first; empty when not :attr:`present`.
+        scores: region score (MTLA share of the map inside each box), one per box.
+        present: ``presence > threshold`` (:func:`presence_threshold`, chosen on calibration
+            scenes for the embedded models).
+        presence: the model's own ``P(yes)`` that the phrase is in the image (``_presence``);
+            0 for a phrase its tokenizer cannot spell.
+        seen: the part of the image the model saw (:attr:`HeatMap.seen`); a photo the processor
+            centre-crops loses its sides, and :func:`ground` warns
+            (:class:`UnseenRegionWarning`).
+        threshold: the presence threshold used.
+    """
 
     phrase: str
     map: HeatMap
-    point: tuple[float, float]
+    point: tuple[float, float] | None
     boxes: list[Box]
-    scores: list[float]  # region score (MTLA share of the map inside each box)
+    scores: list[float]
+    present: bool
+    presence: float
+    seen: Frame
+    threshold: float
 
 
 def ground(
@@ -536,30 +603,56 @@ def ground(
     heads: HeadSpec = None,
     max_boxes: int | None = None,
     threshold: float | str = "otsu",
+    presence_threshold: float | None = None,
 ) -> Grounding:
-    """Where ``phrase`` is in ``image``: the attention map of its tokens, its peak and boxes,
-    all in ``image``'s own pixels.
+    """Where ``phrase`` is in ``image``, and whether it is there at all: the attention map of
+    its tokens, its peak and boxes, all in ``image``'s own pixels, with a presence score.
 
-    The image (a PIL image, a path or an ``[H, W, 3]`` uint8 array) and ``prompt`` (default
-    ``"Is there a {phrase} in the image?"``; it must contain ``phrase``) go through the model's
-    chat template and ``processor``; one :class:`GroundingPass` reads the phrase's rows, with
-    the processor's geometry and the image's size.
+    The image (a PIL image, a path, or a numpy array or torch tensor: ``[H, W]``,
+    ``[H, W, C]`` or ``[C, H, W]``, uint8 or floats in ``[0, 1]`` or ``[0, 255]``) and
+    ``prompt`` (default :data:`PRESENCE_PROMPT`, ``"Is there a {phrase} in the image?"``; it
+    must contain ``phrase``) go through the model's chat template and ``processor``; one
+    :class:`GroundingPass` reads the phrase's rows, with the processor's geometry and the
+    image's size. ``layers`` defaults to :func:`default_layers` (the model's measured choice,
+    else the first quarter of its layers); ``threshold`` is :func:`boxes`' threshold.
+
+    Presence: ``presence = P(yes) / (P(yes) + P(no))`` for the presence question (read from the
+    same pass when ``prompt`` is that question, else from one more forward pass); the phrase is
+    present when ``presence > presence_threshold`` (default :func:`presence_threshold` of the
+    model). An absent phrase keeps its map but gets no point and no boxes.
     """
-    from ..loading import build_inputs, load_image  # the processor's chat format
+    from ..loading import build_inputs  # the processor's chat format
 
     if not isinstance(phrase, str) or not phrase.strip():
         raise ValueError(f"phrase must be a non-empty string, got {phrase!r}")
-    prompt = f"Is there a {phrase} in the image?" if prompt is None else prompt
+    question = PRESENCE_PROMPT.format(phrase=phrase)
+    prompt = question if prompt is None else prompt
     if phrase not in prompt:
         raise ValueError(f"prompt {prompt!r} does not contain the phrase {phrase!r}")
-    if hasattr(image, "ndim") and hasattr(image, "shape"):
-        from PIL import Image
-
-        image = Image.fromarray(image)
-    picture = load_image(image)
+    limit = default_threshold(model) if presence_threshold is None else presence_threshold
+    if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < 1:
+        raise ValueError(f"presence_threshold={presence_threshold!r} must be a number in [0, 1)")
+    picture = as_picture(image)
     inputs = build_inputs(processor, picture, prompt)
     gp = GroundingPass(model, inputs, processor=processor, images=[picture], layers=layers,
                        heads=heads, rows=phrase)  # fmt: skip
     heat = gp.map(phrase, source="prompt")
-    found = boxes(heat, threshold=threshold, max_boxes=max_boxes)
-    return Grounding(phrase, heat, point(heat), found, [box_share(heat, b) for b in found])
+    if unknown_phrase(phrase, processor):
+        score = 0.0  # the model never read the phrase: its answer is not about it
+    elif prompt == question and gp.next_logits is not None:
+        score = float(presence_from_logits(gp.next_logits, processor)[0])
+    else:
+        score = presence(model, processor, picture, [phrase])[0]
+    present = score > limit
+    found = boxes(heat, threshold=threshold, max_boxes=max_boxes) if present else []
+    return Grounding(
+        phrase,
+        heat,
+        point(heat) if present else None,
+        found,
+        [box_share(heat, b) for b in found],
+        present,
+        score,
+        heat.seen,
+        float(limit),
+    )
