@@ -134,7 +134,12 @@ def test_outputs_of_a_failure_and_a_success():
     )
     assert (heat == 1).all() and (kept == 2).all()
     assert [caption for _, caption in gallery] == ["red_circle: 0.75"]
-    assert table == [["red_circle", 1, 2, 3, 4, 0.75], ["red_circle", 1, 2, 3, 4, 0.75]]
+    assert table == [["red_circle", 1, 2, 3, 4, 0.75, ""], ["red_circle", 1, 2, 3, 4, 0.75, ""]]
+    absent = GroundedMap("blue_square", image, [], [], presence=0.012, present=False)
+    ok.object_maps = [absent]
+    _, _, _, _, _, _, _, gallery, table, *_ = app.outputs_of(ok)
+    assert [caption for _, caption in gallery] == ["blue_square: not found"]
+    assert table[1] == ["blue_square", None, None, None, None, None, "not found (0.012)"]
 
 
 def test_build_app_serves_the_model_and_names_the_endpoint():

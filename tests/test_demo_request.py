@@ -19,7 +19,7 @@ import vlm_focus as vf
 from vlm_focus import grounding
 from vlm_focus import hallucination as hal
 from vlm_focus.demo import request as req
-from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay
+from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay, shade_unseen
 from vlm_focus.geometry import Frame, Size, model_frames
 from vlm_focus.grounding import Box
 from vlm_focus.loading import build_inputs, decode_new_tokens
@@ -42,6 +42,18 @@ def tiny():
 @pytest.fixture(scope="module")
 def scene() -> np.ndarray:
     return heldout_scenes(1)[0].image()
+
+
+@pytest.fixture
+def always_present(monkeypatch):
+    """Every phrase counts as present (the random tiny model's P(yes) is arbitrary), so its
+    boxes are drawn."""
+    monkeypatch.setattr(req, "presence_threshold", lambda model: 0.0)
+
+
+@pytest.fixture
+def never_present(monkeypatch):
+    monkeypatch.setattr(req, "presence_threshold", lambda model: 1.0)
 
 
 def run(tiny, image, prompt=QUESTION, **kw):
@@ -107,7 +119,9 @@ def test_answers_equal_plain_generate_pruned_and_unpruned(tiny, scene):
     assert result.n_kept == handle.last_trace.n_kept[0]
 
 
-def test_prompt_map_is_the_heatmap_of_the_phrase_with_its_boxes_and_scores(tiny, scene):
+def test_prompt_map_is_the_heatmap_of_the_phrase_with_its_boxes_and_scores(
+    tiny, scene, always_present
+):
     model, processor = tiny
     result = run(tiny, scene)
     m = result.prompt_map
@@ -132,18 +146,24 @@ def test_prompt_map_is_the_heatmap_of_the_phrase_with_its_boxes_and_scores(tiny,
     assert rows[0][0] == "red_circle"
     assert rows[0][1:5] == [int(round(v)) for v in m.boxes[0].xywh]
     assert rows[0][5] == round(m.scores[0], 3)
+    presence = grounding.presence(model, processor, picture, ["red_circle"])[0]
+    assert m.present and m.presence == pytest.approx(presence, abs=1e-6)
+    assert rows[0][6] == f"{m.presence:.3f}"
     # the overlay is the colormap blend of this map, with the boxes drawn on top
     labels = [f"#{i + 1} {s:.2f}" for i, s in enumerate(m.scores)]
     expected = draw_boxes(heat_overlay(result.image, ref.pixels), m.boxes, labels)
     assert np.abs(m.overlay.astype(int) - expected.astype(int)).max() <= 1
 
 
-def test_each_object_word_of_the_answer_gets_a_map(tiny, scene):
+def test_each_object_word_of_the_answer_gets_a_map(tiny, scene, always_present):
     model, processor = tiny
     inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
     tok = processor.tokenizer
     answer = torch.tensor([tok.encode("yes , a blue_square .", add_special_tokens=False)])
-    prompt_map, object_maps = req._ground(model, processor, inputs, QUESTION, answer, scene)
+    whole = Frame(0, 0, IMAGE_SIZE, IMAGE_SIZE)
+    prompt_map, object_maps = req._ground(
+        model, processor, inputs, QUESTION, answer, Image.fromarray(scene), whole
+    )
     assert prompt_map.phrase == "red_circle"
     assert [m.phrase for m in object_maps] == ["blue_square"]
     obj = object_maps[0]
@@ -254,13 +274,16 @@ def test_non_image_and_corrupt_files(tiny, scene, tmp_path):
     assert not result.ok and result.message == "Image file not found: missing.png"
 
 
-def test_huge_image_is_downscaled_with_a_notice(tiny, scene):
+def test_huge_image_is_downscaled_with_a_notice(tiny, scene, always_present):
     big = cv2.resize(scene, (3000, 2000), interpolation=cv2.INTER_NEAREST)
-    result = run(tiny, big)
+    with pytest.warns(grounding.UnseenRegionWarning):
+        result = run(tiny, big)
     assert result.ok, result.message
     assert result.image.shape == (896, req.MAX_SIDE, 3)  # 3000 x 2000 -> 1344 x 896
     assert result.notices == [
-        "The image was 3000x2000 pixels; it was downscaled to 1344x896 for this demo."
+        "The image was 3000x2000 pixels; it was downscaled to 1344x896 for this demo.",
+        "The model saw only x 224-1120, y 0-896 of the 1344x896 image (67%): its processor "
+        "crops the photo, so the shaded part was never seen and nothing there can be found.",
     ]
     assert result.heatmap.shape == result.kept_overlay.shape == (896, 1344, 3)
     m = result.prompt_map
@@ -414,7 +437,23 @@ def test_kept_grid_on_multi_view_and_merged_grids(kind):
         assert grid.sum() == handle.last_trace.n_kept[0]
 
 
-def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene):
+def test_absent_phrases_show_not_found_and_no_box(tiny, scene, never_present):
+    result = run(tiny, scene, prompt="Is there a red_circle in the image?")
+    assert result.ok, result.message
+    m = result.prompt_map
+    assert m.present is False and m.boxes == [] and m.scores == []
+    assert m.caption == "red_circle: not found"
+    rows = result.box_rows()
+    assert rows[0] == ["red_circle", None, None, None, None, None, f"not found ({m.presence:.3f})"]
+    # the overlay is the map with the words, and no box outline
+    plain = heat_overlay(result.image, m.map.pixels)
+    band = m.overlay[:24].astype(int) - plain[:24].astype(int)
+    assert np.abs(band).max() > 50  # the label
+    np.testing.assert_array_equal(m.overlay[40:], plain[40:])
+    assert all(o.present is False and o.boxes == [] for o in result.object_maps)
+
+
+def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene, always_present):
     wide = np.full((IMAGE_SIZE, IMAGE_SIZE * 3 // 2, 3), 200, np.uint8)
     left = IMAGE_SIZE // 4
     wide[:, left : left + IMAGE_SIZE] = scene  # the scene in the middle, padded left and right
@@ -425,16 +464,25 @@ def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene):
     assert result.prompt_map.map.frames == [crop]  # the organism's processor centre-crops
     pixels = result.prompt_map.map.pixels
     assert float(pixels[:, :left].abs().sum()) == 0.0 and float(pixels[:, -left:].abs().sum()) == 0
-    assert (result.kept_overlay[:, :left] == wide[:, :left]).all()  # outside the encoder's view
+    assert result.prompt_map.map.seen == crop
+    # the part the processor crops away is shaded on every overlay, and a notice says so
+    for overlay in (result.kept_overlay, result.heatmap):
+        assert (overlay[:, :left] <= wide[:, :left]).all()
+        assert overlay[:, :left].mean() < 0.5 * wide[:, :left].mean()
+        assert overlay[:, -left:].mean() < 0.5 * wide[:, -left:].mean()
+    assert any(f"x {left}-{left + IMAGE_SIZE}, y 0-{IMAGE_SIZE}" in n for n in result.notices)
     for box in result.prompt_map.boxes:
         assert left - 1 <= box.x and box.x + box.w <= left + IMAGE_SIZE + 1
 
 
 # --- look closer ----------------------------------------------------------------------------
-def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene):
+def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene, monkeypatch):
     from vlm_focus import zoom
 
     model, processor = tiny
+    # both layers (the stored grounding default, read by the demo and the zoom alike): this
+    # random model's layer-0 map is too flat to crop
+    monkeypatch.setattr(model.config, "vlm_focus_grounding", {"layers": [0, 1]}, raising=False)
     big = cv2.resize(scene, (768, 576), interpolation=cv2.INTER_NEAREST)  # larger than the view
     result = run(tiny, big, zoom=True, max_new_tokens=6)
     assert result.ok, result.message
@@ -449,7 +497,9 @@ def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene):
     crop = found.crops[0]
     base = heat_overlay(big, found.map.pixels)
     box = Box(crop.x, crop.y, crop.width, crop.height, 1.0)
-    np.testing.assert_array_equal(result.zoom_overlay, draw_boxes(base, [box], ["zoom #1"]))
+    seen = Frame(96, 0, 576, 576)  # 768 x 576, centre-cropped: the sides are shaded
+    expected = shade_unseen(draw_boxes(base, [box], ["zoom #1"]), seen)
+    np.testing.assert_array_equal(result.zoom_overlay, expected)
     assert result.answer == run(tiny, big, max_new_tokens=6).answer  # the plain pruned answer
 
 
@@ -462,3 +512,26 @@ def test_zoom_on_a_small_image_says_there_is_nothing_to_crop(tiny, scene):
     np.testing.assert_array_equal(result.zoom_overlay, scene)  # no map read, no box drawn
     plain = run(tiny, scene)
     assert plain.answer_zoomed == "" and plain.zoom_overlay is None
+
+
+# --- the embedded organism on its bundled sample -------------------------------------------
+def test_the_sample_square_is_boxed_and_an_absent_circle_is_not_found():
+    """scene_9000001 holds a green_square at (92, 62, 33, 32) and no red_circle."""
+    from vlm_focus.loading import load_model
+
+    model, processor = load_model(dtype=torch.float32)
+    sample = next(p for p in sample_scene_paths() if p.stem == "scene_9000001")
+    found = req.run_request(model, processor, str(sample), "Is there a green_square in the image?",
+                            max_new_tokens=4, repeats=1)  # fmt: skip
+    assert found.ok, found.message
+    m = found.prompt_map
+    assert m.phrase == "green_square" and m.present and m.presence > 0.9
+    top = m.boxes[0]
+    cx, cy = top.x + top.w / 2, top.y + top.h / 2
+    assert 92 <= cx <= 125 and 62 <= cy <= 94, top  # the top box's centre lies on the square
+    assert found.box_rows()[0][:1] == ["green_square"]
+    absent = req.run_request(model, processor, str(sample), "Is there a red_circle in the image?",
+                             max_new_tokens=4, repeats=1)  # fmt: skip
+    assert absent.ok and absent.answer == "no"
+    assert absent.prompt_map.present is False and absent.prompt_map.boxes == []
+    assert absent.box_rows()[0][6].startswith("not found")

@@ -161,8 +161,7 @@ def outputs_of(result: DemoResult) -> tuple:
     notes = " ".join(result.notices)
     status = f"Done in {result.seconds:.1f} s." + (f" {notes}" if notes else "")
     stats = f"**{result.kept_text}**  \n{result.timing_text}"
-    gallery = [(m.overlay, f"{m.phrase}: {m.scores[0]:.2f}" if m.scores else m.phrase)
-               for m in result.object_maps]  # fmt: skip
+    gallery = [(m.overlay, m.caption) for m in result.object_maps]
     mitigated = result.answer_mitigated if result.mitigation != "none" else ""
     return (
         status,
@@ -296,8 +295,8 @@ def build_app(
                     visible=False,
                 )
                 table = gr.Dataframe(
-                    headers=["phrase", "x", "y", "w", "h", "region score"],
-                    label="Boxes (pixels) and region scores",
+                    headers=["phrase", "x", "y", "w", "h", "region score", "presence"],
+                    label="Boxes (pixels), region scores and presence (not found: no box)",
                     interactive=False,
                     elem_id="boxes",
                 )

@@ -141,3 +141,36 @@ def frame_strip(
         gap = np.full((height + 22, 4, 3), 255, dtype=np.uint8)
         tiles += [np.concatenate([tile, caption], axis=0), gap]
     return np.concatenate(tiles[:-1], axis=1)
+
+
+def shade_unseen(image: np.ndarray, seen: Frame, *, dim: float = 0.35) -> np.ndarray:
+    """Shade the pixels outside ``seen`` (the part of the photo the model saw,
+    ``vlm_focus.geometry.seen_region``): scaled by ``dim`` and hatched with grey diagonal lines
+    every 8 pixels, so that they differ from pruned cells (darkened, no hatching). A ``seen``
+    covering the whole image returns it unchanged."""
+    if not isinstance(seen, Frame):
+        raise TypeError(f"seen must be a vlm_focus.geometry.Frame, got {seen!r}")
+    out = _check_image(image).copy()
+    height, width = out.shape[:2]
+    x0, y0 = max(0, int(seen.x0)), max(0, int(seen.y0))
+    x1, y1 = min(width, int(seen.x0 + seen.width)), min(height, int(seen.y0 + seen.height))
+    outside = np.ones((height, width), dtype=bool)
+    outside[y0:y1, x0:x1] = False
+    if not outside.any():
+        return out
+    ys, xs = np.indices((height, width))
+    hatch = outside & ((xs + ys) % 8 == 0)
+    out[outside] = np.round(out[outside].astype(np.float64) * dim).astype(np.uint8)
+    out[hatch] = (150, 150, 150)
+    return out
+
+
+def label_overlay(image: np.ndarray, text: str) -> np.ndarray:
+    """``text`` in white on a black band across the image's top-left corner."""
+    out = _check_image(image).copy()
+    scale = max(0.35, min(out.shape[:2]) / 500)
+    (tw, th), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
+    cv2.rectangle(out, (0, 0), (tw + 4, th + base + 4), (0, 0, 0), -1)
+    cv2.putText(out, text, (2, th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale, (255, 255, 255), 1,
+                cv2.LINE_AA)  # fmt: skip
+    return out

@@ -15,11 +15,14 @@ What one request computes, all on the model the app loaded once:
 3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
    adapter's layout to grid cells, drawn over the image;
 4. attention maps from one teacher-forced pass over prompt + pruned answer on the unpruned model
-   (a ``grounding.GroundingPass``, TAG maps): one for the prompt's content words, one per object
-   word of the answer (its ``mentions()``), each with boxes (``grounding.boxes``) and their region
-   score (the MTLA share of the map's attention inside the box, ``grounding.box_share``). The
-   maps and the kept-token mask sit on the image through ``vlm_focus.geometry``, from the
-   processor's own settings;
+   (a ``grounding.GroundingPass`` at the model's default grounding layers, TAG maps): one for
+   the prompt's content words, one per object word of the answer (its ``mentions()``), each
+   with its presence score (``grounding.presence``, the model's own ``P(yes)``) and, when
+   present, boxes (``grounding.boxes``) and their region score (the MTLA share of the map's
+   attention inside the box, ``grounding.box_share``); an absent phrase shows "not found"
+   instead of a box. The maps and the kept-token mask sit on the image through
+   ``vlm_focus.geometry``, from the processor's own settings; the part of the photo the
+   processor crops away is shaded, with a notice;
 5. with ``zoom=True``, the pruned model looks closer (:func:`vlm_focus.zoom.look_closer`,
    ``route="always"``, inside the same ``vf.wrap``): the answer with the crop of the prompt's
    attention, next to the plain pruned answer, and the crop box drawn on its map. An image no
@@ -50,12 +53,28 @@ import vlm_focus as vf
 from .. import hallucination as hal
 from .. import zoom as zm
 from ..config import parse_keep
-from ..geometry import Frame, as_size, model_frames
-from ..grounding import Box, GroundingPass, HeatMap, box_share, boxes
+from ..geometry import Frame, as_size, describe_seen, model_frames, seen_region
+from ..grounding import (
+    Box,
+    GroundingPass,
+    HeatMap,
+    Mention,
+    box_share,
+    boxes,
+    presence,
+    presence_threshold,
+)
 from ..loading import build_inputs, decode_new_tokens
 from ..model_adapters import ImageLayout, get_adapter, supported_models
 from ..timing import median_seconds, prefill_fn
-from .overlays import draw_boxes, frame_strip, heat_overlay, kept_mask_overlay
+from .overlays import (
+    draw_boxes,
+    frame_strip,
+    heat_overlay,
+    kept_mask_overlay,
+    label_overlay,
+    shade_unseen,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +88,8 @@ MAX_BOXES = 3
 MAX_FIXATION_STEPS = 12  # decoding steps drawn in the fixation strip
 #: Boxes of larger maps are found on the map resized to this many pixels (longest side).
 BOX_SIDE = 384
+#: What the page shows for a phrase whose presence score is below the model's threshold.
+NOT_FOUND = "not found"
 
 #: wrap() and the attention probes hook the model instance, and a fast tokenizer refuses
 #: concurrent calls: one request uses the model and its processor at a time.
@@ -81,13 +102,28 @@ class DemoInputError(ValueError):
 
 @dataclass
 class GroundedMap:
-    """One attention map drawn on the image: the phrase, the overlay, its boxes and scores."""
+    """One attention map drawn on the image: the phrase, the overlay, its boxes and scores.
+
+    ``presence`` is the model's ``P(yes)`` that the phrase is in the image
+    (``grounding.presence``) and ``present`` whether it clears the model's threshold; an
+    absent phrase has no boxes and its overlay says "not found". Both are ``None`` for a map
+    that names no object (the whole prompt).
+    """
 
     phrase: str
     overlay: np.ndarray  # [H, W, 3] uint8
     boxes: list[Box]
     scores: list[float]  # region score (MTLA share of the map inside each box)
     map: HeatMap | None = field(default=None, repr=False)
+    presence: float | None = None
+    present: bool | None = None
+
+    @property
+    def caption(self) -> str:
+        """``"phrase: 0.42"`` (best box's region score), or ``"phrase: not found"``."""
+        if self.present is False:
+            return f"{self.phrase}: {NOT_FOUND}"
+        return f"{self.phrase}: {self.scores[0]:.2f}" if self.scores else self.phrase
 
 
 @dataclass
@@ -150,13 +186,18 @@ class DemoResult:
         )
 
     def box_rows(self) -> list[list[Any]]:
-        """Table rows ``[phrase, x, y, w, h, region score]``: the prompt map's boxes first."""
+        """Table rows ``[phrase, x, y, w, h, region score, presence]``, the prompt map's first:
+        one per box, or one ``[phrase, None x 5, "not found (p)"]`` for an absent phrase."""
         rows = []
         maps = ([self.prompt_map] if self.prompt_map else []) + self.object_maps
         for m in maps:
+            presence = "" if m.presence is None else f"{m.presence:.3f}"
+            if m.present is False:
+                rows.append([m.phrase, None, None, None, None, None, f"{NOT_FOUND} ({presence})"])
+                continue
             for box, score in zip(m.boxes, m.scores, strict=True):
                 xywh = [int(round(v)) for v in box.xywh]
-                rows.append([m.phrase, *xywh, round(score, 3)])
+                rows.append([m.phrase, *xywh, round(score, 3), presence])
         return rows
 
 
@@ -382,9 +423,10 @@ def _compute(
     image = np.asarray(picture, dtype=np.uint8)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
     frames = model_frames(model, layout, as_size(picture), processor=processor)
+    seen, seen_share = seen_region(as_size(picture), frames)  # what the processor kept
     kept = trace.kept[0].to(layout.positions.device)
     grid, frame = kept_grid(layout, kept, frames)
-    kept_overlay = kept_mask_overlay(image, grid, frame)
+    kept_overlay = shade_unseen(kept_mask_overlay(image, grid, frame), seen)
 
     prompt_len = inputs["input_ids"].shape[1]
     strip = None
@@ -393,15 +435,21 @@ def _compute(
         panels = []
         for step in trace.fixations[:MAX_FIXATION_STEPS]:
             grid, frame = kept_grid(layout, step[0], frames)
-            panels.append(kept_mask_overlay(image, grid, frame, dim=0.35))
+            panels.append(shade_unseen(kept_mask_overlay(image, grid, frame, dim=0.35), seen))
         strip = frame_strip(panels, [str(t) for t in tokens[1 : len(panels) + 1]])
     prompt_map, object_maps = _ground(
-        model, processor, inputs, prompt, pruned_seq[:1, prompt_len:], image
+        model, processor, inputs, prompt, pruned_seq[:1, prompt_len:], picture, seen
     )
     notices = []
+    if seen_share < 1.0:
+        notices.append(
+            f"The model saw only {describe_seen(as_size(picture), seen, seen_share)}: its "
+            "processor crops the photo, so the shaded part was never seen and nothing there "
+            "can be found."
+        )
     if prompt_map is None:
         notices.append("The prompt has no words to map onto the image.")
-    zoomed = _zoom_view(found, image, processor, notices)
+    zoomed = _zoom_view(found, image, processor, notices, seen)
     return DemoResult(
         ok=True,
         notices=notices,
@@ -423,7 +471,11 @@ def _compute(
 
 
 def _zoom_view(
-    found: zm.ZoomAnswer | None, image: np.ndarray, processor: Any, notices: list[str]
+    found: zm.ZoomAnswer | None,
+    image: np.ndarray,
+    processor: Any,
+    notices: list[str],
+    seen: Frame,
 ) -> dict[str, Any]:
     """The :class:`DemoResult` fields of a zoom (none without one); a notice when the image is
     too small to crop."""
@@ -443,7 +495,7 @@ def _zoom_view(
         "answer_zoomed": found.answer,
         "zoomed": found.zoomed,
         "zoom_crops": list(found.crops),
-        "zoom_overlay": draw_boxes(base, crops, labels),
+        "zoom_overlay": shade_unseen(draw_boxes(base, crops, labels), seen),
     }
 
 
@@ -504,36 +556,53 @@ def _ground(
     inputs: dict[str, Any],
     prompt: str,
     answer: torch.Tensor,
-    image: np.ndarray,
+    picture: Image.Image,
+    seen: Frame,
 ) -> tuple[GroundedMap | None, list[GroundedMap]]:
-    """Prompt and answer-object maps from one teacher-forced pass over prompt + answer."""
-    gp = GroundingPass(model, inputs, processor=processor, images=[image], answer=answer)
-
-    def grounded(heat: HeatMap, phrase: str, max_boxes: int) -> GroundedMap:
-        found_boxes = _boxes(heat, max_boxes)
-        scores = [box_share(heat, b) for b in found_boxes]
-        labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
-                  for i, s in enumerate(scores)]  # fmt: skip
-        overlay = draw_boxes(heat_overlay(image, heat.pixels), found_boxes, labels)
-        return GroundedMap(phrase, overlay, found_boxes, scores, heat)
-
-    # the prompt's content words inside the user's question (not the chat template's words);
-    # without any, the question as a whole, or the whole instruction
+    """Prompt and answer-object maps from one teacher-forced pass over prompt + answer (the
+    model's default grounding layers), each phrase with its presence score: an absent phrase
+    gets its map and "not found", no box. The part of the photo the model never saw is
+    shaded."""
+    image = np.asarray(picture, dtype=np.uint8)
+    gp = GroundingPass(model, inputs, processor=processor, images=[picture], answer=answer)
+    threshold = presence_threshold(model)
+    # the prompt's content words inside the user's question (not the chat template's words)
     words = gp.mentions(source="prompt", within=prompt)[0]
+    objects = gp.mentions(source="answer")[0]
+    phrases = sorted({m.text for m in words + objects})
+    scores = dict(zip(phrases, presence(model, processor, picture, phrases), strict=True))
+
+    def grounded(
+        heat: HeatMap, phrase: str, max_boxes: int, named: list[Mention] | None
+    ) -> GroundedMap:
+        # a map of several words is present when one of them is; no words: no presence
+        score = max(scores[m.text] for m in named) if named else None
+        present = None if score is None else score > threshold
+        base = shade_unseen(heat_overlay(image, heat.pixels), seen)
+        if present is False:
+            overlay = label_overlay(base, f"{phrase}: {NOT_FOUND} ({score:.2f})")
+            return GroundedMap(phrase, overlay, [], [], heat, score, present)
+        found_boxes = _boxes(heat, max_boxes)
+        box_scores = [box_share(heat, b) for b in found_boxes]
+        labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
+                  for i, s in enumerate(box_scores)]  # fmt: skip
+        overlay = draw_boxes(base, found_boxes, labels)
+        return GroundedMap(phrase, overlay, found_boxes, box_scores, heat, score, present)
+
     prompt_map = None
     if words:
         ids = [int(gp.inputs["input_ids"][0, p]) for m in words for p in m.positions]
         tok = getattr(processor, "tokenizer", processor)
         label = tok.decode(ids, skip_special_tokens=True).strip()
-        prompt_map = grounded(gp.map(words), label, MAX_BOXES)
-    else:
+        prompt_map = grounded(gp.map(words), label, MAX_BOXES, words)
+    else:  # without content words, the question as a whole, or the whole instruction
         for query in (prompt, None):
             try:
-                prompt_map = grounded(gp.map(query, source="prompt"), prompt, MAX_BOXES)
+                prompt_map = grounded(gp.map(query, source="prompt"), prompt, MAX_BOXES, None)
                 break
             except ValueError:
                 continue
-    object_maps = [grounded(gp.map(m), m.text, 1) for m in gp.mentions(source="answer")[0]]
+    object_maps = [grounded(gp.map(m), m.text, 1, [m]) for m in objects]
     return prompt_map, object_maps
 
 
@@ -542,6 +611,7 @@ __all__ = [
     "MAX_SIDE",
     "MITIGATIONS",
     "MODEL_LOCK",
+    "NOT_FOUND",
     "DemoInputError",
     "DemoResult",
     "GroundedMap",

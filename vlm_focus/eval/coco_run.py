@@ -82,7 +82,8 @@ class CocoConfig(EvalOptions):
         default=None,
         metadata={
             "help": "decoder layers whose maps are averaged, a comma list (e.g. 0)",
-            "default_text": "every layer (or the layers of --heads)",
+            "default_text": "the model's grounding default, grounding.default_layers (or the "
+            "layers of --heads)",
         },
     )
     heads: str | None = field(
@@ -113,7 +114,8 @@ class CocoConfig(EvalOptions):
 
     @property
     def setting(self) -> str:
-        """The map setting's folder name: ``all-layers``, ``layers0``, ``heads-<file>`` ..."""
+        """The map setting's folder name: ``default-layers``, ``layers0``, ``heads-<file>``
+        ..."""
         if self.heads is not None:
             if Path(self.heads).suffix == ".json":
                 tag = f"heads-{Path(self.heads).stem}"
@@ -123,7 +125,7 @@ class CocoConfig(EvalOptions):
             tag = ""
         if self.layers is not None:
             tag += ("-" if tag else "") + "layers" + "-".join(map(str, parse_layers(self.layers)))
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", tag or "all-layers")
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", tag or "default-layers")
 
 
 def map_heads(config: CocoConfig, model: Any) -> Any:
@@ -167,8 +169,13 @@ def run_coco(config: CocoConfig) -> dict | None:
     model, processor = load(config, state)
     generator = Generator(model, processor, Setting())
     truth = gt_boxes(cocoset.instances)
-    layers = None if config.layers is None else parse_layers(config.layers)
     heads = map_heads(config, model)
+    if config.layers is not None:
+        layers = parse_layers(config.layers)
+    elif heads is None:
+        layers = grounding.default_layers(model)  # the one default of every grounding call
+    else:
+        layers = None  # the heads' own layers
 
     def process(batch: list[dict]) -> list[dict]:
         out: dict[str, dict] = {}
@@ -219,7 +226,9 @@ def run_coco(config: CocoConfig) -> dict | None:
 
     root = config.out / "coco" / model_tag(config.model)
     folder = root / config.setting
-    map_layers = "every layer" if layers is None else ",".join(map(str, layers))
+    map_layers = "the heads' layers" if layers is None else ",".join(map(str, layers))
+    if config.layers is None and heads is None:
+        map_layers += " (grounding.default_layers)"
     map_heads_text = "every head" if config.heads is None else str(config.heads)
     records = run_items(
         rows,
