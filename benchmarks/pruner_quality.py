@@ -21,7 +21,17 @@ depth), keeping keep^(1/3), keep^(2/3) and keep of the visual tokens.
 
 Writes ``<name>.csv`` (one row per pruner, keep and split), ``<name>.md`` (the retention table),
 ``<name>.json`` (settings and summary) and ``<name>.png`` (retention against keep) under
-``--out``; ``--name`` defaults to ``pruner_quality``.
+``--out``; ``--name`` defaults to ``pruner_quality``. ``--query`` and ``--reduce`` default to
+``FocusConfig``'s; given several values, every pruner runs at every combination.
+
+``--defaults`` measures the choice of those two defaults: fastv, text and debiased at every
+``query_rows`` x ``reduce`` combination, random as the floor, keeps 0.25 and 0.11, at layer 0 on
+organism-default (POPE, ``--images`` scenes) and at layer 2 on organism-deep (two-hop,
+``--questions``). The combination with the highest accuracy averaged over those pruners, keeps
+and the two depths is written as ``best`` to ``pruning_defaults.json``, which
+``FocusConfig``'s defaults must equal (``tests/test_pruning_defaults.py``).
+
+    python benchmarks/pruner_quality.py --defaults --images 60 --questions 300 --threads 1
 """
 
 from __future__ import annotations
@@ -30,8 +40,10 @@ import argparse
 import csv
 import json
 import math
+import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +51,9 @@ from PIL import Image
 from tqdm import tqdm
 
 import vlm_focus as vf
-from vlm_focus.organism import default_model_path, guide_model_path
+from vlm_focus import FocusConfig
+from vlm_focus.config import QUERY_ROWS, REDUCTIONS
+from vlm_focus.organism import deep_model_path, default_model_path, guide_model_path
 from vlm_focus.organism.pope import (
     SPLITS,
     parse_yes_no,
@@ -111,13 +125,49 @@ def answer_all(
     return answers
 
 
+@dataclass
+class QuestionSet:
+    """Held-out questions of one task: ``rows`` per split, answered once per distinct
+    ``(image_id, question)`` key (``images`` and ``questions`` in key order)."""
+
+    task: str
+    scenes: list
+    rows: dict[str, list[dict]]
+    keys: list[tuple[int, str]]
+    images: list[Image.Image]
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self.rows)
+
+    @property
+    def questions(self) -> list[str]:
+        return [k[1] for k in self.keys]
+
+
+def question_set(task: str, n: int) -> QuestionSet:
+    """POPE's three splits on the first ``n`` eligible held-out scenes, or the first ``n``
+    held-out two-hop questions."""
+    if task == TWO_HOP:
+        from vlm_focus.organism.evaluate import two_hop_set
+
+        scenes, qas = two_hop_set(n)
+        rows = {TWO_HOP: [
+            {"image_id": sc.seed, "text": q.question, "label": q.answer}
+            for sc, q in zip(scenes, qas, strict=True)
+        ]}  # fmt: skip
+    else:
+        scenes = pope_eligible(n)
+        rows = {split: pope_questions(scenes, split) for split in SPLITS}
+    keys = sorted({(r["image_id"], r["text"]) for split in rows for r in rows[split]})
+    pictures = {s.seed: Image.fromarray(s.image()) for s in scenes}
+    return QuestionSet(task, scenes, rows, keys, [pictures[k[0]] for k in keys])
+
+
 def split_metrics(rows, answers_by_key) -> dict[str, dict]:
     out = {}
     if TWO_HOP in rows:  # open answers: the first generated word must equal the answer
-        hits = [
-            (answers_by_key[(r["image_id"], r["text"])].split() or [""])[0] == r["label"]
-            for r in rows[TWO_HOP]
-        ]
+        hits = correct(rows, answers_by_key)
         return {TWO_HOP: {"accuracy": sum(hits) / len(hits), "n": len(hits)}}
     for split in SPLITS:
         parsed = [parse_yes_no(answers_by_key[(r["image_id"], r["text"])]) for r in rows[split]]
@@ -125,6 +175,34 @@ def split_metrics(rows, answers_by_key) -> dict[str, dict]:
         metrics["unparseable"] = sum(not ok for _, ok in parsed)
         out[split] = metrics
     return out
+
+
+def correct(rows, answers_by_key) -> list[bool]:
+    """Whether each question (every split's rows in turn) was answered right: the first word
+    for two-hop answers, the POPE/LLaVA rule for yes/no ones."""
+    hits = []
+    for split, split_rows in rows.items():
+        for r in split_rows:
+            answer = answers_by_key[(r["image_id"], r["text"])]
+            if split == TWO_HOP:
+                hits.append((answer.split() or [""])[0] == r["label"])
+            else:
+                hits.append(parse_yes_no(answer)[0] == r["label"])
+    return hits
+
+
+def mean_accuracy(metrics: dict[str, dict]) -> float:
+    return sum(m["accuracy"] for m in metrics.values()) / len(metrics)
+
+
+def run_setting(model, processor, batches, qset, options, desc, guided=False, profile=None):
+    """(metrics per split, correct per question, seconds) of one pruning setting."""
+    t0 = time.perf_counter()
+    with vf.wrap(model, **options) as handle:
+        answers = answer_all(model, processor, batches, desc, handle, guided, profile)
+    seconds = time.perf_counter() - t0
+    by_key = dict(zip(qset.keys, answers, strict=True))
+    return split_metrics(qset.rows, by_key), correct(qset.rows, by_key), seconds
 
 
 def plot(
@@ -161,26 +239,16 @@ def plot(
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=default_model_path())
-    parser.add_argument("--guide", type=Path, default=guide_model_path())
-    parser.add_argument("--images", type=int, default=60)
-    parser.add_argument("--keeps", type=float, nargs="+", default=[0.5, 0.25, 0.11])
-    parser.add_argument("--layer", type=int, default=2)
-    parser.add_argument("--query", default="text", choices=["last", "text"])
-    parser.add_argument("--pruners", nargs="+", default=None)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--name", default="pruner_quality", help="stem of the output files")
-    parser.add_argument("--task", default="pope", choices=["pope", TWO_HOP])
-    parser.add_argument(
-        "--multi-stage", nargs="*", default=[], help="pruners also run as 3-stage schedules"
+def machine() -> str:
+    return (
+        f"{platform.machine()} {platform.processor() or ''}".strip()
+        + f", {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
     )
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+
+def single(args) -> None:
+    """Every pruner (or ``--pruners``) at every keep, at one layer, on one model and task."""
     names = args.pruners or vf.pruners()
     if "guided" in names and not (args.guide / "config.json").exists():
         print(f"no guide model at {args.guide}: skipping guided")
@@ -188,66 +256,57 @@ def main() -> None:
 
     model, processor = load(args.model)
     guide = load(args.guide) if "guided" in names else None
-    if args.task == TWO_HOP:
-        from vlm_focus.organism.evaluate import two_hop_set
-
-        scenes, qas = two_hop_set(args.images)
-        rows = {TWO_HOP: [
-            {"image_id": sc.seed, "text": q.question, "label": q.answer}
-            for sc, q in zip(scenes, qas, strict=True)
-        ]}  # fmt: skip
-        splits = [TWO_HOP]
-    else:
-        scenes = pope_eligible(args.images)
-        rows = {split: pope_questions(scenes, split) for split in SPLITS}
-        splits = list(SPLITS)
-    by_id = {s.seed: s for s in scenes}
-    keys = sorted({(r["image_id"], r["text"]) for split in splits for r in rows[split]})
+    qset = question_set(args.task, args.images)
+    splits = qset.splits
     n_layers = model.config.text_config.num_hidden_layers
-    pictures = {seed: Image.fromarray(s.image()) for seed, s in by_id.items()}
-    images = [pictures[k[0]] for k in keys]
-    questions = [k[1] for k in keys]
+    combos = [(q, r) for q in args.query for r in args.reduce]
+    setting = ", ".join(f"query '{q}', reduce '{r}'" for q, r in combos)
     print(
-        f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; model {args.model.name}; {len(scenes)} images, "
-        f"{len(keys)} distinct questions; layer {args.layer}, query {args.query}"
+        f"{machine()}; model {args.model.name}; {len(qset.scenes)} images, "
+        f"{len(qset.keys)} distinct questions; layer {args.layer}, {setting}"
     )
 
     results: list[dict] = []
     row_profile: list[float] = []
     start = time.perf_counter()
     batches = make_batches(
-        processor, images, questions, args.batch, guide[1] if guide is not None else None
+        processor, qset.images, qset.questions, args.batch, guide[1] if guide else None
     )
-    full = dict(zip(keys, answer_all(model, processor, batches, "none"), strict=True))
-    base = split_metrics(rows, full)
+    full = dict(zip(qset.keys, answer_all(model, processor, batches, "none"), strict=True))
+    base = split_metrics(qset.rows, full)
     base_seconds = time.perf_counter() - start
     for split in splits:
         results.append(dict(pruner="none", keep=1.0, split=split, **base[split]))
     summary = [dict(pruner="none", keep=1.0, retention=1.0, seconds=base_seconds,
-                    accuracy=sum(base[s]["accuracy"] for s in splits) / len(splits))]  # fmt: skip
+                    accuracy=mean_accuracy(base))]  # fmt: skip
     stage_layers = tuple(k for k in (args.layer, args.layer + 2, args.layer + 4) if k < n_layers)
-    runs = [(name, name) for name in names]
-    runs += [(f"{name} x{len(stage_layers)}", name) for name in args.multi_stage]
-    for label, name in runs:
+    runs = [(name, name, q, r, False) for name in names for q, r in combos]
+    runs += [
+        (f"{name} x{len(stage_layers)}", name, q, r, True)
+        for name in args.multi_stage
+        for q, r in combos
+    ]
+    if len(combos) > 1:  # label each row with its query rows and reduction
+        runs = [(f"{label} {q}/{r}", name, q, r, staged) for label, name, q, r, staged in runs]
+    for label, name, query, reduce, staged in runs:
         for keep in args.keeps:
-            options = dict(pruner=name, keep=keep, layer=args.layer, query_rows=args.query)
-            if label != name:  # the same final keep in stages: keep^(1/n), keep^(2/n), ... keep
+            options = dict(
+                pruner=name, keep=keep, layer=args.layer, query_rows=query, reduce=reduce
+            )
+            if staged:  # the same final keep in stages: keep^(1/n), keep^(2/n), ... keep
                 n = len(stage_layers)
                 options["layer"] = stage_layers
                 options["keep"] = tuple(keep ** ((i + 1) / n) for i in range(n))
             if name == "guided":
                 options["guide"] = guide[0]
-            t0 = time.perf_counter()
-            profile = [] if name == "fastv" and keep == args.keeps[0] else None
-            with vf.wrap(model, **options) as handle:
-                answers = answer_all(
-                    model, processor, batches, f"{label} {keep}", handle, name == "guided", profile
-                )
+            first = name == "fastv" and keep == args.keeps[0] and (query, reduce) == combos[0]
+            profile = [] if first and not staged else None
+            metrics, _, seconds = run_setting(
+                model, processor, batches, qset, options, f"{label} {keep}", name == "guided",
+                profile,
+            )  # fmt: skip
             if profile:
                 row_profile = torch.stack(profile).mean(0).tolist()
-            seconds = time.perf_counter() - t0
-            metrics = split_metrics(rows, dict(zip(keys, answers, strict=True)))
             for split in splits:
                 retention = metrics[split]["accuracy"] / max(base[split]["accuracy"], 1e-9)
                 results.append(
@@ -255,7 +314,7 @@ def main() -> None:
                         pruner=label, keep=keep, split=split, retention=retention, **metrics[split]
                     )  # fmt: skip
                 )
-            accuracy = sum(metrics[s]["accuracy"] for s in splits) / len(splits)
+            accuracy = mean_accuracy(metrics)
             summary.append(
                 dict(
                     pruner=label,
@@ -278,17 +337,17 @@ def main() -> None:
             writer.writerow({k: row.get(k, 1.0 if k == "retention" else "") for k in fields})
     if args.task == TWO_HOP:
         head = (
-            f"Two-hop accuracy retention on the organism ({args.model.name}), {len(keys)} "
+            f"Two-hop accuracy retention on the organism ({args.model.name}), {len(qset.keys)} "
             f"held-out two-hop questions (colour / category / yes-no shape forms in turn, "
             f"scored by the first generated word); pruning at layer {args.layer}"
             + (f" (multi-stage rows: layers {stage_layers})" if args.multi_stage else "")
-            + f", query '{args.query}'. Unpruned accuracy {100 * summary[0]['accuracy']:.2f}%."
+            + f", {setting}. Unpruned accuracy {100 * summary[0]['accuracy']:.2f}%."
         )
     else:
         head = (
-            f"POPE-style accuracy retention on the organism ({args.model.name}), {len(scenes)} "
-            f"held-out images, {len(keys)} distinct questions, 3 splits; pruning at layer "
-            f"{args.layer}, query '{args.query}'. Unpruned accuracy "
+            f"POPE-style accuracy retention on the organism ({args.model.name}), "
+            f"{len(qset.scenes)} held-out images, {len(qset.keys)} distinct questions, 3 splits; "
+            f"pruning at layer {args.layer}, {setting}. Unpruned accuracy "
             f"{100 * summary[0]['accuracy']:.2f}% (mean of splits)."
         )
     lines = [
@@ -297,7 +356,7 @@ def main() -> None:
         "| pruner | " + " | ".join(f"keep {k:g}" for k in args.keeps) + " |",
         "|---|" + "---:|" * len(args.keeps),
     ]
-    for label, _ in runs:
+    for label, *_ in runs:
         cells = []
         for keep in args.keeps:
             s = next(r for r in summary if r["pruner"] == label and r["keep"] == keep)
@@ -313,16 +372,17 @@ def main() -> None:
         ]
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     meta = dict(
-        machine=f"{platform.machine()} {platform.processor()}".strip(),
+        machine=machine(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         model=str(args.model.name),
-        images=len(scenes),
-        questions=len(keys),
+        images=len(qset.scenes),
+        questions=len(qset.keys),
         layer=args.layer,
         stage_layers=list(stage_layers) if args.multi_stage else None,
         task=args.task,
-        query=args.query,
+        query_rows=args.query,
+        reduce=args.reduce,
         prompt=PROMPT,
         summary=summary,
         fastv_row_profile=row_profile,
@@ -334,6 +394,312 @@ def main() -> None:
     else:
         plot(summary, args.keeps, args.out / f"{args.name}.png")
     print("\n".join(lines))
+
+
+# --defaults: the two depths where the choice of query rows and reduction can matter
+DEFAULT_GRID = ("fastv", "text", "debiased")  # the attention pruners, over the whole grid
+DEFAULT_FLOOR = "random"  # reads no attention: one run per keep
+
+
+def default_depths(args) -> list[dict]:
+    return [
+        dict(name="layer 0", model=args.model or default_model_path(), task="pope", layer=0,
+             n=args.images, about="POPE presence questions, random / popular / adversarial "
+             "splits, mean of splits"),
+        dict(name="layer 2", model=args.deep or deep_model_path(), task=TWO_HOP, layer=2,
+             n=args.questions, about="two-hop questions (colour / category / yes-no shape)"),
+    ]  # fmt: skip
+
+
+def defaults(args) -> None:
+    """Each attention pruner over query_rows x reduce at each keep, at layer 0 on the default
+    organism (POPE) and at layer 2 on the deep one (two-hop), with random as the floor; the
+    best combination (highest accuracy averaged over pruners, keeps and the two depths) is
+    written to ``<name>.json`` as ``best``."""
+    combos = [(q, r) for q in args.query for r in args.reduce]
+    started = time.perf_counter()
+    args.load = [os.getloadavg()[0]]  # other jobs on the machine slow the run, never the answers
+    depths = default_depths(args)
+    for depth in depths:
+        model, processor = load(depth["model"])
+        qset = question_set(depth["task"], depth["n"])
+        batches = make_batches(processor, qset.images, qset.questions, args.batch)
+        print(f"{machine()}; {depth['name']}: {depth['model'].name}, {len(qset.keys)} questions")
+        t0 = time.perf_counter()
+        by_key = dict(zip(qset.keys, answer_all(model, processor, batches, "none"), strict=True))
+        base = split_metrics(qset.rows, by_key)
+        depth.update(
+            images=len(qset.scenes),
+            questions=len(qset.keys),
+            rows=sum(len(r) for r in qset.rows.values()),
+            unpruned=dict(accuracy=mean_accuracy(base), splits=base),
+            settings=[],
+        )
+        hits = {}
+        runs = [(name, q, r) for name in DEFAULT_GRID for q, r in combos]
+        runs += [(DEFAULT_FLOOR, None, None)]
+        for name, query, reduce in runs:
+            for keep in args.keeps:
+                options = dict(pruner=name, keep=keep, layer=depth["layer"])
+                if query is not None:
+                    options.update(query_rows=query, reduce=reduce)
+                desc = f"{depth['name']} {name} {query}/{reduce} {keep}"
+                metrics, right, seconds = run_setting(
+                    model, processor, batches, qset, options, desc
+                )
+                accuracy = mean_accuracy(metrics)
+                depth["settings"].append(
+                    dict(pruner=name, query_rows=query, reduce=reduce, keep=keep,
+                         accuracy=accuracy, retention=accuracy / depth["unpruned"]["accuracy"],
+                         seconds=seconds, splits=metrics)
+                )  # fmt: skip
+                if query is not None:
+                    hits.setdefault((query, reduce), []).extend(right)
+                print(f"{desc}: accuracy {accuracy:.4f} ({seconds:.0f}s)")
+        depth["seconds"] = time.perf_counter() - t0
+        depth["hits"] = hits
+    minutes = (time.perf_counter() - started) / 60
+    args.load.append(os.getloadavg()[0])
+    write_defaults(args, depths, combos, minutes)
+
+
+def write_defaults(args, depths: list[dict], combos: list[tuple[str, str]], minutes: float):
+    def grid_mean(depth, combo):
+        cells = [s for s in depth["settings"] if (s["query_rows"], s["reduce"]) == combo]
+        return sum(s["accuracy"] for s in cells) / len(cells)
+
+    ranking = []
+    for combo in combos:
+        per_depth = {d["name"]: grid_mean(d, combo) for d in depths}
+        ranking.append(dict(query_rows=combo[0], reduce=combo[1], **per_depth,
+                            overall=sum(per_depth.values()) / len(per_depth)))  # fmt: skip
+    best = max(ranking, key=lambda r: r["overall"])
+    best_combo = (best["query_rows"], best["reduce"])
+    by_depth = {}
+    for d in depths:
+        top = max(ranking, key=lambda r: r[d["name"]])
+        by_depth[d["name"]] = dict(query_rows=top["query_rows"], reduce=top["reduce"])
+    for r in ranking:  # paired against the best: questions only one of the two answers right
+        for d in depths:
+            mine, theirs = d["hits"][(r["query_rows"], r["reduce"])], d["hits"][best_combo]
+            r[f"{d['name']} better"] = sum(a and not b for a, b in zip(mine, theirs, strict=True))
+            r[f"{d['name']} worse"] = sum(b and not a for a, b in zip(mine, theirs, strict=True))
+
+    command = "python benchmarks/pruner_quality.py --defaults " + " ".join(
+        [f"--images {args.images}", f"--questions {args.questions}",
+         "--keeps " + " ".join(f"{k:g}" for k in args.keeps), f"--threads {args.threads}"]
+        if args.threads else
+        [f"--images {args.images}", f"--questions {args.questions}",
+         "--keeps " + " ".join(f"{k:g}" for k in args.keeps)]
+    )  # fmt: skip
+    columns = [(d, k) for d in depths for k in args.keeps]
+    lines = [
+        f"Which `query_rows` and `reduce` the attention pruners should default to, measured on "
+        f"the embedded organisms. Greedy, one new token, prompt {PROMPT}.",
+        "",
+    ]
+    for d in depths:
+        lines.append(
+            f"- **{d['name']}**: {d['model'].name}, {d['about']}; {d['images']} held-out images, "
+            f"{d['questions']} distinct questions ({d['rows']} question rows); unpruned "
+            f"accuracy {100 * d['unpruned']['accuracy']:.2f}%."
+        )
+    lines += [
+        "",
+        f"Command: `{command}` ({machine()}; {minutes:.1f} minutes, 1-minute load average "
+        f"{args.load[0]:.1f} at the start and {args.load[1]:.1f} at the end).",
+        "",
+        "| pruner | query_rows | reduce | "
+        + " | ".join(f"{d['name']}, keep {k:g}" for d, k in columns)
+        + " |",
+        "|---|---|---|" + "---:|" * len(columns),
+    ]
+    for name in (*DEFAULT_GRID, DEFAULT_FLOOR):
+        for combo in combos if name != DEFAULT_FLOOR else [(None, None)]:
+            cells = []
+            for d, k in columns:
+                s = next(
+                    s for s in d["settings"]
+                    if s["pruner"] == name and (s["query_rows"], s["reduce"]) == combo
+                    and s["keep"] == k
+                )  # fmt: skip
+                cells.append(f"{100 * s['retention']:.2f}% ({100 * s['accuracy']:.2f})")
+            q, r = combo if combo[0] else ("-", "-")
+            lines.append(f"| {name} | {q} | {r} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Cells: retention (pruned accuracy, %); layer 0 is the mean over the three POPE splits.",
+        "",
+        "| query_rows | reduce | "
+        + " | ".join(f"{d['name']} mean" for d in depths)
+        + " | overall | "
+        + " | ".join(f"{d['name']}: right only here / only with the best" for d in depths)
+        + " |",
+        "|---|---|" + "---:|" * (2 * len(depths) + 1),
+    ]
+    for r in sorted(ranking, key=lambda r: -r["overall"]):
+        mark = " **(best)**" if (r["query_rows"], r["reduce"]) == best_combo else ""
+        lines.append(
+            f"| {r['query_rows']} | {r['reduce']}{mark} | "
+            + " | ".join(f"{100 * r[d['name']]:.2f}" for d in depths)
+            + f" | {100 * r['overall']:.2f} | "
+            + " | ".join(f"{r[d['name'] + ' better']} / {r[d['name'] + ' worse']}" for d in depths)
+            + " |"
+        )
+    lines += [
+        "",
+        f"Means: accuracy (%) over {', '.join(DEFAULT_GRID)} and keeps "
+        f"{', '.join(f'{k:g}' for k in args.keeps)}; overall = the mean of the depths. The last "
+        "columns count the questions (pooled over pruners and keeps) that this combination "
+        "answers right and the best does not, and the reverse.",
+        "",
+        f"Best overall: query_rows='{best['query_rows']}', reduce='{best['reduce']}'. Best per "
+        "depth: "
+        + "; ".join(f"{n}: {b['query_rows']}/{b['reduce']}" for n, b in by_depth.items())
+        + ".",
+    ]
+    lines += [
+        "",
+        "Per pruner, accuracy (%) averaged over the keeps and the two depths:",
+        "",
+        "| pruner | " + " | ".join(f"{q} / {r}" for q, r in combos) + " |",
+        "|---|" + "---:|" * len(combos),
+    ]
+    for name in DEFAULT_GRID:
+        cells = []
+        for combo in combos:
+            means = [
+                sum(s["accuracy"] for s in d["settings"]
+                    if s["pruner"] == name and (s["query_rows"], s["reduce"]) == combo)
+                / len(args.keeps)
+                for d in depths
+            ]  # fmt: skip
+            cells.append(f"{100 * sum(means) / len(means):.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    first = depths[0]
+    if "adversarial" in first["unpruned"]["splits"]:
+        adversarial = [
+            f"{q}/{r} {100 * s['splits']['adversarial']['accuracy']:.2f}"
+            for q, r in combos
+            for s in first["settings"]
+            if (s["pruner"], s["keep"], s["query_rows"], s["reduce"]) == ("fastv", 0.25, q, r)
+        ]
+        lines += [
+            "",
+            f"The adversarial split alone at {first['name']}, fastv keep 0.25 (accuracy, %, "
+            f"{first['unpruned']['splits']['adversarial']['n']} questions): "
+            + ", ".join(adversarial)
+            + "; unpruned "
+            f"{100 * first['unpruned']['splits']['adversarial']['accuracy']:.2f}.",
+        ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    meta = dict(
+        command=command,
+        machine=machine(),
+        minutes=minutes,
+        load_average=args.load,
+        prompt=PROMPT,
+        keeps=args.keeps,
+        pruners=[*DEFAULT_GRID, DEFAULT_FLOOR],
+        best=dict(query_rows=best["query_rows"], reduce=best["reduce"]),
+        best_by_depth=by_depth,
+        ranking=ranking,
+        depths=[
+            {**{k: v for k, v in d.items() if k != "hits"}, "model": d["model"].name}
+            for d in depths
+        ],
+    )
+    (args.out / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
+    plot_defaults(depths, combos, args.keeps, args.out / f"{args.name}.png")
+    print("\n".join(lines))
+
+
+def plot_defaults(depths, combos, keeps, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4.5), sharey=True)
+    width = 0.8 / len(combos)
+    for ax, d in zip(axes, depths, strict=True):
+        groups = [(name, k) for name in DEFAULT_GRID for k in keeps]
+        for i, combo in enumerate(combos):
+            ys = [
+                100 * next(
+                    s["accuracy"] for s in d["settings"]
+                    if s["pruner"] == name and s["keep"] == k
+                    and (s["query_rows"], s["reduce"]) == combo
+                )
+                for name, k in groups
+            ]  # fmt: skip
+            xs = [g + (i - (len(combos) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, ys, width, label=f"{combo[0]} / {combo[1]}")
+        floor = [s for s in d["settings"] if s["pruner"] == DEFAULT_FLOOR]
+        for s, style in zip(floor, ("--", ":"), strict=False):
+            ax.axhline(100 * s["accuracy"], color="grey", ls=style, lw=1,
+                       label=f"random, keep {s['keep']:g}")  # fmt: skip
+        ax.axhline(100 * d["unpruned"]["accuracy"], color="black", lw=1, label="unpruned")
+        ax.set_xticks(range(len(groups)), [f"{n}\nkeep {k:g}" for n, k in groups], fontsize=8)
+        ax.set_title(f"{d['name']} ({d['model'].name}, {d['questions']} questions)")
+        ax.set_ylim(50, 100)
+    axes[0].set_ylabel("accuracy (%)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
+    fig.suptitle("Pruned accuracy by query_rows / reduce (bars) against random and unpruned")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="default: organism-default")
+    parser.add_argument("--deep", type=Path, default=None, help="--defaults' layer-2 model")
+    parser.add_argument("--guide", type=Path, default=guide_model_path())
+    parser.add_argument("--images", type=int, default=60)
+    parser.add_argument("--questions", type=int, default=600, help="--defaults' two-hop questions")
+    parser.add_argument("--keeps", type=float, nargs="+", default=None)
+    parser.add_argument("--layer", type=int, default=2)
+    parser.add_argument(
+        "--query", nargs="+", default=None, choices=QUERY_ROWS,
+        help="query rows (several: every combination with --reduce); default FocusConfig's, "
+        "both with --defaults",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reduce", nargs="+", default=None, choices=REDUCTIONS,
+        help="head reduction; default FocusConfig's, both with --defaults",
+    )  # fmt: skip
+    parser.add_argument("--pruners", nargs="+", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--name", default=None, help="stem of the output files")
+    parser.add_argument("--task", default="pope", choices=["pope", TWO_HOP])
+    parser.add_argument(
+        "--multi-stage", nargs="*", default=[], help="pruners also run as 3-stage schedules"
+    )
+    parser.add_argument(
+        "--defaults", action="store_true",
+        help="measure query_rows x reduce for the attention pruners at layer 0 (POPE, "
+        "organism-default) and layer 2 (two-hop, organism-deep)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.defaults:
+        args.query = args.query or list(QUERY_ROWS)
+        args.reduce = args.reduce or list(REDUCTIONS)
+        args.keeps = args.keeps or [0.25, 0.11]
+        args.name = args.name or "pruning_defaults"
+        defaults(args)
+        return
+    args.model = args.model or default_model_path()
+    args.query = args.query or [FocusConfig.query_rows]
+    args.reduce = args.reduce or [FocusConfig.reduce]
+    args.keeps = args.keeps or [0.5, 0.25, 0.11]
+    args.name = args.name or "pruner_quality"
+    single(args)
 
 
 if __name__ == "__main__":
