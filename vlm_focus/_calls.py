@@ -38,6 +38,14 @@ def cache_length(cache: Any, layer: int = 0) -> int:
     return 0 if cache is None else int(cache.get_seq_length(layer))
 
 
+def full_attention_mask(mask: Any) -> Any:
+    """The mask of a call: a model that takes one mask per attention type (``generate()`` with
+    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen) gives its full one."""
+    if isinstance(mask, dict) and set(mask) == {"full_attention"}:
+        return mask["full_attention"]
+    return mask
+
+
 @dataclass
 class Prefill:
     """The prompt of the current generation: ids, padding, visual tokens, layout inputs."""
@@ -169,14 +177,34 @@ class CallTracker:
             self.call = None
             self.problem = "input_ids (not inputs_embeds)"
             return
-        mask = kwargs.get("attention_mask")
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        mask = full_attention_mask(kwargs.get("attention_mask"))
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4)):
             self.call = None
             self.problem = "a 2-D attention_mask [batch, seq] (or none)"
             return
         batch, new = input_ids.shape
         stored = cache_length(cache)
-        if mask is not None:
+        if mask is not None and mask.dim() == 4:
+            # generate() with a static cache hands the model its 4-D mask, as wide as the cache.
+            # A prompt's last query row allows every key that is not padding; a decode step's
+            # keys are the prompt's and the generated tokens (never padding).
+            past = stored + self._short_by(cache)
+            if stored == 0 or self.prefill is None:
+                if mask.shape[-1] < past + new:
+                    self.call = None
+                    self.problem = (
+                        f"a static cache that holds the prompt: it holds {mask.shape[-1]} "
+                        f"tokens and the prompt has {past + new} (max_cache_len >= prompt "
+                        "length + max_new_tokens)"
+                    )
+                    return
+                last = mask[:, 0, -1, : past + new]
+                valid = last if last.dtype == torch.bool else last == 0
+            else:
+                prompt = self.prefill.valid
+                after = torch.ones(batch, past + new - prompt.shape[1], dtype=torch.bool)
+                valid = torch.cat([prompt, after.to(prompt.device)], dim=1)
+        elif mask is not None:
             past = mask.shape[1] - new
             valid = mask.bool()
         else:

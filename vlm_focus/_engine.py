@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._calls import CACHE_KEYS, CallTracker, cache_length, cache_of
+from ._calls import CACHE_KEYS, CallTracker, cache_length, cache_of, full_attention_mask
 from ._fixation import FixedView, StepFixation
 from ._select import keep_mask, kept_columns
 from .config import FocusConfig, keep_count
@@ -66,6 +66,12 @@ class _Prefill:
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (pruner="fixation")
+    # A static cache: every layer writes at its own length into a buffer as wide as the cache,
+    # and every mask is that wide. Per layer, the mask column each buffer slot reads (once).
+    static: bool = False
+    static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
+    prefilling: bool = True  # the prompt's own call (False from the first decode step on)
+    compact_mask: bool = False  # this decode step's mask spans layer 0's kept prompt (K = 0)
 
 
 def _gather_seq(
@@ -123,6 +129,46 @@ def _decode_columns(kept: torch.Tensor, full_len: int, width: int) -> torch.Tens
     """Columns of a full-width decode mask that a layer holding ``kept`` still has."""
     tail = torch.arange(full_len, width, device=kept.device).expand(kept.shape[0], -1)
     return torch.cat([kept, tail], dim=1)
+
+
+def _static_columns(held: torch.Tensor, prompt: int, width: int) -> torch.Tensor:
+    """``[B, width]``: the mask column that slot ``j`` of a static buffer holding ``held``
+    (``[B, S']`` prompt columns) reads: ``held[j]`` for the prompt, then ``prompt + (j - S')``
+    for the tokens generated after it. Slots past the mask point at column ``width``, a masked
+    column :func:`_static_mask` appends."""
+    tail = torch.arange(prompt, prompt + width - held.shape[1], device=held.device)
+    cols = torch.cat([held, tail.expand(held.shape[0], -1)], dim=1)
+    return cols.clamp(max=width)
+
+
+def _static_mask(mask: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask over a static buffer: ``mask`` (original or layer-0 columns) with one masked
+    column appended, its rows (prefill) and columns gathered to the buffer's slots."""
+    blocked = torch.zeros if mask.dtype == torch.bool else torch.full
+    if mask.dtype == torch.bool:
+        pad = blocked((*mask.shape[:-1], 1), dtype=mask.dtype, device=mask.device)
+    else:
+        shape = (*mask.shape[:-1], 1)
+        pad = blocked(shape, torch.finfo(mask.dtype).min, dtype=mask.dtype, device=mask.device)
+    return _slice_mask(torch.cat([mask, pad], dim=-1), rows, cols)
+
+
+def _check_room(cache: Any, needed: int, prompt: int) -> None:
+    """A static cache too short for the tokens of this call raises, saying the size needed
+    (the buffers cannot grow)."""
+    room = getattr(cache.layers[0], "max_cache_len", None)
+    if room is not None and needed > room:
+        raise ValueError(
+            f"the static cache holds {room} tokens, and this step needs {needed} (a prompt of "
+            f"{prompt} tokens and {needed - prompt} generated): build it with max_cache_len >= "
+            "prompt length + max_new_tokens"
+        )
+
+
+def _is_static(cache: Any) -> bool:
+    """A preallocated cache (``StaticCache``): fixed-width buffers written at each layer's own
+    length, with masks as wide as the buffers."""
+    return bool(getattr(cache, "is_compileable", False))
 
 
 class FocusEngine:
@@ -230,12 +276,6 @@ class FocusEngine:
         if not self._active:
             return args, kwargs
         cache = cache_of(kwargs)
-        if cache is not None and getattr(cache, "is_compileable", False):
-            raise ValueError(
-                "vlm_focus pruning gives each layer its own cache length, which a static "
-                "(compileable) cache cannot hold; use the default DynamicCache "
-                "(do not set cache_implementation='static')"
-            )
         # A call brings images when it carries pixels or (inside generate()) encoder outputs;
         # an image-token id that decoding emits is only text, so ids alone never decide.
         tracker = self.tracker
@@ -251,12 +291,22 @@ class FocusEngine:
         state = self.state
         if state is not None and cache is not None and state.cache is not None:
             if state.cache() is cache and cache_length(cache) > 0:
+                if state.static:
+                    _check_room(cache, call.past + call.input_ids.shape[1], state.full_len)
+                state.prefilling = False
                 state.memo.clear()  # slices of the last call only
                 state.inputs = {}  # pixel inputs served the prefill's stages; let them go
                 if state.fixation is not None:
-                    state.fixation.begin_step(kwargs.get("attention_mask"))
+                    state.fixation.begin_step(call.valid)  # 2-D, whatever mask the call has
                 if self.first_layer == 0:
                     kwargs = self._fill_decode_inputs(kwargs, call.input_ids, cache)
+                    mask = full_attention_mask(kwargs.get("attention_mask"))
+                    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+                        # generate() sized this static-cache mask by layer 0's short cache:
+                        # hand the decoder the 2-D mask instead, which it slices to layer 0's
+                        # kept prompt and builds a mask from that agrees with every layer
+                        kwargs = dict(kwargs)
+                        kwargs["attention_mask"] = call.valid.long()
                 return args, kwargs
         # a text-only call passes through unpruned; a new prompt (empty cache) is the latest call
         self._pass_through(cache_length(cache) == 0)
@@ -362,9 +412,11 @@ class FocusEngine:
         cache = cache_of(kwargs)
         if state is None or 0 not in state.per_layer or cache_length(cache) == 0:
             return args, kwargs
+        state.compact_mask = False
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             kept = state.per_layer[0]
             if mask.shape[1] != cache_length(cache) + self._new_tokens(kwargs):
+                state.compact_mask = True
                 kwargs = dict(kwargs)
                 kwargs["attention_mask"] = _gather_seq(
                     mask, _decode_columns(kept, state.full_len, mask.shape[1]), 1
@@ -386,7 +438,9 @@ class FocusEngine:
                 return None
             cache = cache_of(kwargs)
             hidden = args[0] if args else kwargs["hidden_states"]
-            if cache_length(cache, index) == 0:
+            # a static cache's length lives on the device: its prefill is known per call instead
+            prefill = state.prefilling if state.static else cache_length(cache, index) == 0
+            if prefill:
                 hidden, kwargs = self._prefill_layer(index, module, hidden, kwargs, cache)
             elif state.fixation is not None:
                 kwargs = self._fixated_layer(index, module, hidden, kwargs, cache)
@@ -409,6 +463,7 @@ class FocusEngine:
             )
         if cache is not None and state.cache is None:
             state.cache = weakref.ref(cache)
+            state.static = _is_static(cache)
         cos, sin = kwargs["position_embeddings"]
         if index in self.stages:
             local = self._run_stage(index, layer, hidden, cos, sin)
@@ -425,12 +480,17 @@ class FocusEngine:
             self._once("sin", sin, current, lambda: _gather_seq(sin, _on(current, sin), 1)),
         )
         mask = kwargs.get("attention_mask")
-        kwargs["attention_mask"] = self._once(
-            "mask",
-            mask,
-            current,
-            lambda: _slice_mask(mask, _on(current, mask), _on(current, mask)),
-        )
+        if state.static:
+            kwargs["attention_mask"] = self._once(
+                "mask", mask, current, lambda: self._static_prefill_mask(index, mask, current)
+            )
+        else:
+            kwargs["attention_mask"] = self._once(
+                "mask",
+                mask,
+                current,
+                lambda: _slice_mask(mask, _on(current, mask), _on(current, mask)),
+            )
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, torch.Tensor) and self._flash:
             # Kept ids have gaps, which flash-attention at batch 1 reads as packed sequences
@@ -460,6 +520,8 @@ class FocusEngine:
             return kwargs
         if fixation.columns is None:
             keys = cache.layers[index].keys  # [B, Hkv, L, D], before this step's token
+            if self.state.static:  # a preallocated buffer: only its first L slots are written
+                keys = keys[:, :, : cache_length(cache, index)]
             fixation.fixate(layer, hidden, kwargs, keys)
         columns = fixation.columns
         kwargs = dict(kwargs)
@@ -490,9 +552,56 @@ class FocusEngine:
         memo[name] = (source, current, value)
         return value
 
+    def _static_prefill_mask(
+        self, index: int, mask: Any, current: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The prefill mask of a layer holding ``current`` in a static buffer: its rows, and
+        per slot the column it reads. Without a mask (SDPA, no padding) the layer's causal
+        attention is aligned to its first slot, which already matches its kept tokens."""
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            raise ValueError(
+                "vlm_focus with a static cache needs the 4-D attention mask the model builds "
+                "for it (use attn_implementation='sdpa' or 'eager', and pass attention_mask)"
+            )
+        width = mask.shape[-1]
+        if width < self.state.full_len:
+            raise ValueError(
+                f"the static cache holds {width} tokens, fewer than this prompt's "
+                f"{self.state.full_len}: build it with max_cache_len >= prompt length + "
+                "max_new_tokens"
+            )
+        cols = _static_columns(_on(current, mask), self.state.full_len, width)
+        return _static_mask(mask, _on(current, mask), cols)
+
+    def _static_decode_mask(self, index: int, mask: Any) -> torch.Tensor:
+        """A decode step's mask for a layer's static buffer: slot ``j`` reads the column of
+        the token stored there (the slot-to-column map is built once per prefill)."""
+        state = self.state
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            raise ValueError(
+                "vlm_focus with a static cache needs the 4-D attention mask the model builds "
+                "for it (use attn_implementation='sdpa' or 'eager')"
+            )
+        key = (index, state.compact_mask)
+        cols = state.static_cols.get(key)
+        if cols is None:
+            # the mask spans the original prompt, or layer 0's kept prompt when the decoder
+            # hook sliced a 2-D mask (K = 0)
+            held = state.decode_cols[index] if state.compact_mask else state.per_layer[index]
+            prompt = state.per_layer[0].shape[1] if state.compact_mask else state.full_len
+            cols = _static_columns(_on(held, mask), prompt, mask.shape[-1])
+            state.static_cols[key] = cols
+        return self._once("decode_mask", mask, cols, lambda: _static_mask(mask, None, cols))
+
     def _decode_layer(self, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any) -> dict:
         state = self.state
         mask = kwargs.get("attention_mask")
+        if state.static:
+            kwargs = dict(kwargs)
+            kwargs["attention_mask"] = self._static_decode_mask(index, mask)
+            return kwargs
         if not isinstance(mask, torch.Tensor):
             return kwargs  # no mask: every cached key is attendable, nothing to slice
         width, n_new = mask.shape[-1], hidden.shape[1]

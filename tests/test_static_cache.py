@@ -1,0 +1,144 @@
+"""A static cache (``cache_implementation="static"`` or a ``StaticCache`` the caller builds)
+under ``vf.wrap``: every layer >= K holds only its kept tokens in its preallocated buffer, and
+the pruned run equals the unpruned model with the pruned visual keys masked (reference.py, run
+on the default dynamic cache), in prefill and 16 cached decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import fixation_reference, masked_reference
+from tiny_models import make_case, make_model
+from transformers import StaticCache
+
+import vlm_focus as vf
+
+ATOL = 2e-5
+STEPS = 16
+
+
+def _generate(model, inputs, **kwargs):
+    out = model.generate(
+        **inputs,
+        max_new_tokens=STEPS,
+        min_new_tokens=STEPS,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def _check(kind, attn, batch, layer, pruner="fastv", keep=0.5, cache=None, **options):
+    model = make_model(kind, attn=attn)
+    inputs = make_case(kind, "image", model, batch=batch)
+    layers = model.model.language_model.layers
+    static = {"cache_implementation": "static"} if cache is None else {"cache": cache(model)}
+    with torch.no_grad(), vf.wrap(model, pruner=pruner, keep=keep, layer=layer, **options) as h:
+        sequences, logits = _generate(model, inputs, **static)
+        trace = h.last_trace
+    if pruner == "fixation":
+        reference = fixation_reference(model, layers, layer, trace)
+        assert len(trace.fixations) == STEPS - 1
+    else:
+        reference = masked_reference(model, layers, trace)
+        assert all(n < v for n, v in zip(trace.n_kept, trace.n_visual, strict=True))
+    with torch.no_grad(), reference:
+        ref_sequences, ref_logits = _generate(model, inputs)  # dynamic cache
+    assert torch.equal(sequences, ref_sequences)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    return model, inputs, trace
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "llava_onevision"])
+def test_static_cache_equals_the_masked_reference(kind, attn, layer):
+    _check(kind, attn, 2, layer)  # batch 2, left-padded, rows of different visual counts
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "qwen2_vl"])
+def test_static_cache_at_batch_one(kind):
+    _check(kind, "sdpa", 1, 2)
+
+
+@pytest.mark.parametrize("pruner", ["pyramid", "random"])
+def test_static_cache_with_other_pruners(pruner):
+    _check("qwen2_5_vl", "sdpa", 2, 0, pruner=pruner)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen3_vl"])
+def test_static_cache_with_a_multi_stage_schedule(kind):
+    _, _, trace = _check(kind, "eager", 2, (0, 1, 3), keep=(0.75, 0.5, 0.25))
+    assert [s.layer for s in trace.stages] == [0, 1, 3]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+def test_fixation_on_a_static_cache_equals_its_reference(kind, attn):
+    _check(kind, attn, 2, 1, pruner="fixation", keep=0.25)
+
+
+def test_a_static_cache_the_caller_builds():
+    def build(model):
+        return StaticCache(config=model.config.get_text_config(), max_cache_len=64)
+
+    for layer in (0, 2):
+        _check("llava", "sdpa", 2, layer, cache=build)
+
+
+def test_a_static_cache_too_short_says_the_size_needed():
+    model = make_model("llava")
+    inputs = make_case("llava", "image", model, batch=2)
+    prompt = inputs["input_ids"].shape[1]
+    config = model.config.get_text_config()
+    with torch.no_grad(), vf.wrap(model, keep=0.5, layer=2):
+        short = StaticCache(config=config, max_cache_len=prompt + 2)
+        with pytest.raises(ValueError, match=rf"holds {prompt + 2} tokens, and this step needs"):
+            model.generate(**inputs, cache=short, max_new_tokens=5, do_sample=False)
+        shorter = StaticCache(config=config, max_cache_len=prompt - 3)
+        with pytest.raises(ValueError, match=rf"holds {prompt - 3} tokens and the prompt has"):
+            model.generate(**inputs, cache=shorter, max_new_tokens=5, do_sample=False)
+
+
+def test_remove_after_a_static_cache_run_restores_the_model_exactly():
+    model = make_model("qwen2_5_vl")
+    inputs = make_case("qwen2_5_vl", "image", model, batch=2)
+    with torch.no_grad():
+        before = _generate(model, inputs, cache_implementation="static")
+        handle = vf.wrap(model, keep=0.25, layer=0)
+        _generate(model, inputs, cache_implementation="static")
+        handle.remove()
+        after = _generate(model, inputs, cache_implementation="static")
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_a_manual_decode_loop_on_a_static_cache_matches_generate():
+    for layer in (0, 2):
+        model = make_model("llava")
+        inputs = make_case("llava", "image", model, batch=2)
+        config = model.config.get_text_config()
+        with torch.no_grad(), vf.wrap(model, keep=0.5, layer=layer):
+            expected = model.generate(
+                **inputs, max_new_tokens=4, do_sample=False, cache_implementation="static"
+            )[:, -4:]
+            cache = StaticCache(config=config, max_cache_len=64)
+            out = model(**inputs, cache=cache, use_cache=True)
+            mask = inputs["attention_mask"]
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = [token]
+            positions = mask.long().cumsum(-1)[:, -1:] - 1
+            for _ in range(3):
+                mask = torch.cat([mask, torch.ones_like(token)], 1)
+                positions = positions + 1
+                step = model(
+                    input_ids=token,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                )
+                token = step.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(token)
+        assert torch.equal(torch.cat(tokens, 1), expected), layer
