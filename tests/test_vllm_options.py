@@ -52,3 +52,14 @@ def test_serve_command_reads_the_model_type_and_passes_other_arguments_on(tmp_pa
     assert command[-2:] == ["--port", "8001"]
     counted = serve_command([str(tmp_path), "--keep", "64"])
     assert json.loads(counted[counted.index("--hf-overrides") + 1])["vlm_focus"]["keep"] == 64
+
+
+def test_serve_help_states_keeps_one_rule(capsys):
+    from vlm_focus.config import KEEP_RULE
+
+    with pytest.raises(SystemExit):
+        serve_command(["--help"])
+    assert " ".join(capsys.readouterr().out.split()).count("int count >= 2") == 1
+    assert KEEP_RULE in plugin.ServeOptions.__dataclass_fields__["keep"].metadata["help"]
+    with pytest.raises(ValueError, match="keep=1 is ambiguous"):
+        plugin.ServeOptions(keep=1)
