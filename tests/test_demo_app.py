@@ -14,6 +14,7 @@ from vlm_focus.demo import app
 from vlm_focus.demo.request import DemoResult, GroundedMap
 from vlm_focus.grounding import Box
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+from vlm_focus.timing import PairedTiming
 
 
 class FakeBlocks:
@@ -118,8 +119,7 @@ def test_outputs_of_a_failure_and_a_success():
         kept_overlay=image + 2,
         n_kept=36,
         n_visual=144,
-        prefill_ms_unpruned=20.0,
-        prefill_ms_pruned=10.0,
+        timing=PairedTiming([0.020, 0.021, 0.019], [0.010, 0.010, 0.010]),
         seconds=1.25,
     )
     outputs = app.outputs_of(ok)
@@ -130,7 +130,8 @@ def test_outputs_of_a_failure_and_a_success():
     assert (answer, unpruned, mitigated) == ("yes", "no", "")
     assert stats == (
         "**36 / 144 visual tokens kept (25%)**  \n"
-        "prefill 20.0 ms unpruned -> 10.0 ms pruned (2.00x), same request"
+        "prefill 20.0 ms unpruned -> 10.0 ms pruned: 2.00x (median of 3 alternating pairs, "
+        "min-max 1.90-2.10)"
     )
     assert (heat == 1).all() and (kept == 2).all()
     assert [caption for _, caption in gallery] == ["red_circle: 0.75"]

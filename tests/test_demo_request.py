@@ -26,6 +26,7 @@ from vlm_focus.loading import build_inputs, decode_new_tokens
 from vlm_focus.organism import sample_scene_paths
 from vlm_focus.organism.scenes import IMAGE_SIZE, heldout_scenes
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+from vlm_focus.timing import NOTHING_PRUNED
 
 QUESTION = "Is there a red_circle in the image?"
 SPEC = SPECS["tiny"]
@@ -79,10 +80,22 @@ def test_outputs_have_the_image_size_and_the_kept_count(tiny, scene):
     assert result.kept_text == f"4 / {N_VISUAL} visual tokens kept (25%)"
     assert result.prefill_ms_unpruned > 0 and result.prefill_ms_pruned > 0
     assert result.speedup == pytest.approx(result.prefill_ms_unpruned / result.prefill_ms_pruned)
-    assert re.fullmatch(r"prefill [\d.]+ ms unpruned -> [\d.]+ ms pruned \([\d.]+x\), same request",
-                        result.timing_text)  # fmt: skip
+    line, warning = result.timing_text.split("  \n")
+    pattern = r"prefill [\d.]+ ms unpruned -> [\d.]+ ms pruned: [\d.]+x \(median of 1 alternating"
+    assert re.match(pattern, line)
+    assert warning.startswith("warning: only 1 pair(s): too few to judge the spread")
     assert isinstance(result.answer, str) and isinstance(result.answer_unpruned, str)
     assert result.answer_mitigated == "" and result.notices == []
+
+
+def test_pruner_options_and_nothing_pruned_as_the_command_lines_say(tiny, scene):
+    result = run(tiny, scene, pruner="debiased", pruner_options="base=text, positional=false")
+    assert result.ok, result.message
+    bad = run(tiny, scene, pruner="debiased", pruner_options="bse=text")
+    assert not bad.ok and "pruner 'debiased' has no option 'bse'; it takes: base" in bad.message
+    everything = run(tiny, scene, keep=1.0)
+    assert everything.ok and everything.timing is None
+    assert everything.timing_text == NOTHING_PRUNED
 
 
 def test_fixation_draws_each_decoding_steps_kept_cells(tiny, scene):

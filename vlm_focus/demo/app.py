@@ -244,6 +244,13 @@ def build_app(
                 layer = gr.Slider(
                     0, max(n_layers - 1, 0), value=default_layer, step=1, label="Prune at layer"
                 )
+                pruner_options = gr.Textbox(
+                    value="",
+                    label="Pruner options (NAME=VALUE, comma-separated; `vlm-focus pruners` "
+                    "lists each pruner's)",
+                    placeholder="e.g. base=text for debiased, alpha=0.3 for pyramid",
+                    elem_id="pruner-options",
+                )
                 zoom = gr.Checkbox(value=False, label="Look closer (zoom)", elem_id="zoom")
                 run = gr.Button("Run", variant="primary", elem_id="run")
                 with gr.Accordion("Model", open=False, visible=model_panel):
@@ -315,7 +322,7 @@ def build_app(
 
         def respond(
             image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value,
-            zoom_value=False,
+            zoom_value=False, options_value="",
         ):  # fmt: skip
             model_now, processor_now = served.pair
             result = run_request(
@@ -330,6 +337,7 @@ def build_app(
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
                 zoom=bool(zoom_value),
+                pruner_options=options_value or "",
             )
             if not result.ok:
                 gr.Warning(result.message)
@@ -356,7 +364,7 @@ def build_app(
         sample.change(pick, inputs=[sample], outputs=[image], api_name=False)
         run.click(
             respond,
-            inputs=[image, prompt, pruner, keep, layer, mitigation, zoom],
+            inputs=[image, prompt, pruner, keep, layer, mitigation, zoom, pruner_options],
             outputs=[
                 status,
                 answer,

@@ -10,8 +10,10 @@ What one request computes, all on the model the app loaded once:
 1. the answer of the pruned model (``vf.wrap(model, pruner, keep, layer)``) and of the unpruned
    one, greedy; with a mitigation (by its name in ``hallucination``'s registry, with the
    registry's parameters), also the pruned model's answer under it;
-2. prefill time of the same input, unpruned and pruned, measured in this request, alternately
-   (medians of ``repeats`` each, :func:`prefill_seconds`), and their ratio;
+2. prefill time of the same input, unpruned and pruned, measured in this request in
+   ``repeats`` alternating pairs (:func:`vlm_focus.timing.paired_seconds`) and reported as the
+   command lines report it: the median pair's times, their ratio, the pairs' spread and a
+   warning when it is too wide; nothing is timed when nothing is pruned;
 3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
    adapter's layout to grid cells, drawn over the image;
 4. attention maps from one teacher-forced pass over prompt + pruned answer on the unpruned model
@@ -33,7 +35,6 @@ What one request computes, all on the model the app loaded once:
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 import warnings
@@ -66,7 +67,7 @@ from ..grounding import (
 )
 from ..loading import build_inputs, decode_new_tokens
 from ..model_adapters import ImageLayout, get_adapter, supported_models
-from ..timing import median_seconds, prefill_fn
+from ..timing import PairedTiming, paired_seconds, prefill_fn, prefill_report
 from .overlays import (
     draw_boxes,
     frame_strip,
@@ -149,8 +150,8 @@ class DemoResult:
     fixation_strip: np.ndarray | None = None
     n_kept: int = 0
     n_visual: int = 0
-    prefill_ms_unpruned: float = 0.0
-    prefill_ms_pruned: float = 0.0
+    #: unpruned and pruned prefills of this request, alternating (``None``: nothing pruned)
+    timing: PairedTiming | None = None
     seconds: float = 0.0
     #: ``zoom=True``: the pruned model's answer with the crop (``""`` without the zoom), whether
     #: a crop was asked about at all, the crops (``zoom.CropBox``, image pixels) and the map
@@ -166,8 +167,17 @@ class DemoResult:
         return None if self.prompt_map is None else self.prompt_map.overlay
 
     @property
+    def prefill_ms_unpruned(self) -> float:
+        """The median pair's unpruned prefill (what :attr:`speedup` divides)."""
+        return 0.0 if self.timing is None else self.timing.base_seconds * 1e3
+
+    @property
+    def prefill_ms_pruned(self) -> float:
+        return 0.0 if self.timing is None else self.timing.other_seconds * 1e3
+
+    @property
     def speedup(self) -> float:
-        return self.prefill_ms_unpruned / self.prefill_ms_pruned if self.prefill_ms_pruned else 0.0
+        return 0.0 if self.timing is None else self.timing.ratio
 
     @property
     def kept_text(self) -> str:
@@ -178,12 +188,13 @@ class DemoResult:
 
     @property
     def timing_text(self) -> str:
-        if not self.prefill_ms_pruned:
+        """The command lines' timing line (:func:`vlm_focus.timing.prefill_report`), measured
+        in this request; with its spread warning when the pairs disagree too much."""
+        if not self.n_visual:
             return ""
-        return (
-            f"prefill {self.prefill_ms_unpruned:.1f} ms unpruned -> "
-            f"{self.prefill_ms_pruned:.1f} ms pruned ({self.speedup:.2f}x), same request"
-        )
+        text = prefill_report(self.timing, self.n_kept, self.n_visual)
+        warning = None if self.timing is None else self.timing.warning()
+        return text + (f"  \nwarning: {warning}" if warning else "")
 
     def box_rows(self) -> list[list[Any]]:
         """Table rows ``[phrase, x, y, w, h, region score, presence]``, the prompt map's first:
@@ -282,8 +293,12 @@ def check_prompt(prompt: Any) -> str:
     return prompt
 
 
-def check_options(model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigation: Any) -> None:
-    """Model support, pruner name, keep ratio/count, layer and mitigation, as user messages."""
+def check_options(
+    model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigation: Any, pruner_options: Any = ""
+) -> dict[str, Any]:
+    """Model support, pruner name, keep ratio/count, layer, mitigation and the pruner's own
+    options (``"NAME=VALUE, ..."``, as ``--pruner-option`` reads them), as user messages;
+    returns the pruner's options."""
     try:
         adapter = get_adapter(model)
     except ValueError:
@@ -307,6 +322,12 @@ def check_options(model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigati
         raise DemoInputError(
             f"Unknown mitigation {mitigation!r}; choose one of {', '.join(MITIGATIONS)}."
         )
+    if isinstance(pruner_options, Mapping):
+        return dict(pruner_options)
+    try:
+        return vf.pruners.read_pruner_options(pruner, pruner_options or "")
+    except ValueError as err:
+        raise DemoInputError(f"{err}.") from None
 
 
 # --- the request ----------------------------------------------------------------------------
@@ -324,9 +345,12 @@ def run_request(
     max_side: int = MAX_SIDE,
     repeats: int = 5,
     zoom: bool = False,
+    pruner_options: str | Mapping[str, Any] = "",
 ) -> DemoResult:
     """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to;
     with ``zoom``, also the pruned model's answer when it looks closer (module docstring, 5).
+    ``pruner_options``: the pruner's own options, ``"base=text, positional=false"`` (as the
+    command lines' ``--pruner-option``) or a dict.
 
     Never raises for bad input or a failing model call: see :class:`DemoResult`.
     """
@@ -337,7 +361,7 @@ def run_request(
         if isinstance(keep, float) and keep > 1 and keep.is_integer():
             keep = int(keep)
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
-        check_options(model, pruner, keep, layer, mitigation)
+        own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
             inputs = _to_model(model, build_inputs(processor, picture, prompt))
             generic = None
@@ -345,8 +369,9 @@ def run_request(
             if contrast is not None and contrast.generic_prompt is not None:
                 generic = build_inputs(processor, picture, contrast.generic_prompt)
                 generic = _to_model(model, generic)
+            options = dict(pruner=pruner, keep=keep, layer=layer, **own)
             result = _compute(
-                model, processor, picture, prompt, inputs, generic, pruner, keep, layer, mitigation,
+                model, processor, picture, prompt, inputs, generic, options, mitigation,
                 max_new_tokens, repeats, bool(zoom),
             )  # fmt: skip
         result.notices = notices + result.notices
@@ -395,18 +420,16 @@ def _compute(
     prompt: str,
     inputs: dict[str, Any],
     generic: dict[str, Any] | None,
-    pruner: str,
-    keep: float | int,
-    layer: int,
+    options: dict[str, Any],
     mitigation: str,
     max_new_tokens: int,
     repeats: int,
     zoom: bool = False,
 ) -> DemoResult:
+    """``options``: ``vf.wrap``'s keywords (pruner, keep, layer and the pruner's own)."""
     full_seq = _generate(model, inputs, None, "none", max_new_tokens)
     answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
     answer_mitigated = ""
-    options = dict(pruner=pruner, keep=keep, layer=layer)
     with vf.wrap(model, **options) as handle:
         if mitigation != "none":  # mitigations read and steer the pruned model's attention
             mitigated = _generate(model, inputs, generic, mitigation, max_new_tokens)
@@ -417,7 +440,12 @@ def _compute(
         if zoom:  # prune the full view, zoom on a second pass: both under the same wrap
             found = zm.look_closer(model, processor, picture, prompt, route="always",
                                    max_new_tokens=max_new_tokens)  # fmt: skip
-    t_full, t_pruned = prefill_seconds(model, inputs, options, repeats)
+    n_kept, n_visual = trace.n_kept[0], trace.n_visual[0]
+    timing = None
+    if n_kept < n_visual:  # timing two identical runs measures noise
+        timing = paired_seconds(
+            prefill_fn(model, inputs), lambda: vf.wrap(model, **options), repeats=max(1, repeats)
+        )
     answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
 
     image = np.asarray(picture, dtype=np.uint8)
@@ -464,8 +492,7 @@ def _compute(
         fixation_strip=strip,
         n_kept=int(kept.numel()),
         n_visual=int(layout.positions.numel()),
-        prefill_ms_unpruned=t_full * 1e3,
-        prefill_ms_pruned=t_pruned * 1e3,
+        timing=timing,
         **zoomed,
     )
 
@@ -497,20 +524,6 @@ def _zoom_view(
         "zoom_crops": list(found.crops),
         "zoom_overlay": shade_unseen(draw_boxes(base, crops, labels), seen),
     }
-
-
-def prefill_seconds(
-    model: nn.Module, inputs: dict[str, Any], options: dict[str, Any], repeats: int
-) -> tuple[float, float]:
-    """Median prefill seconds unpruned and pruned (``vf.wrap(model, **options)``), measured
-    alternately in one loop so that load on the machine weighs on both alike."""
-    prefill = prefill_fn(model, inputs)
-    unpruned, pruned = [], []
-    for i in range(max(1, repeats)):
-        unpruned.append(median_seconds(prefill, repeats=1, warmup=int(i == 0)))
-        with vf.wrap(model, **options):
-            pruned.append(median_seconds(prefill, repeats=1, warmup=int(i == 0)))
-    return statistics.median(unpruned), statistics.median(pruned)
 
 
 def kept_grid(
