@@ -616,19 +616,31 @@ def coverage(size: Size, frames: Sequence[Frame]) -> torch.Tensor:
     return seen
 
 
+def _covered(start: float, length: float, n: int) -> tuple[int, int]:
+    """``[lo, hi)``: the pixels of an ``n``-pixel axis whose centre ``i + 0.5`` lies in
+    ``[start, start + length]`` (as :func:`coverage` counts them)."""
+    lo = max(0, math.ceil(start - 0.5))
+    hi = min(n, math.floor(start + length - 0.5) + 1)
+    return lo, max(lo, hi)
+
+
 def seen_region(size: Size, frames: Sequence[Frame]) -> tuple[Frame, float]:
     """The part of a ``size`` image the vision encoder saw through ``frames``: the bounding
     rectangle, in whole pixels, of :func:`coverage` (``Frame(0, 0, 0, 0)`` when it covers
     nothing), and the share of the image's pixels covered, ``|coverage| / (width * height)``.
     A CLIP-style centre crop of a wide photo gives the central square and a share below 1."""
-    seen = coverage(size, frames)
-    rows = torch.nonzero(seen.any(1)).flatten()
-    cols = torch.nonzero(seen.any(0)).flatten()
-    share = float(seen.double().mean())
-    if rows.numel() == 0:
-        return Frame(0.0, 0.0, 0.0, 0.0), share
-    x0, y0 = float(cols[0]), float(rows[0])
-    return Frame(x0, y0, float(cols[-1]) + 1 - x0, float(rows[-1]) + 1 - y0), share
+    width, height = as_size(size)
+    spans = [(_covered(f.x0, f.width, width), _covered(f.y0, f.height, height)) for f in frames]
+    spans = [(x, y) for x, y in spans if x[1] > x[0] and y[1] > y[0]]
+    if not spans:
+        return Frame(0.0, 0.0, 0.0, 0.0), 0.0
+    x0, x1 = min(x[0] for x, _ in spans), max(x[1] for x, _ in spans)
+    y0, y1 = min(y[0] for _, y in spans), max(y[1] for _, y in spans)
+    if len(set(spans)) == 1:  # one rectangle (every single-view processor): its area
+        share = (x1 - x0) * (y1 - y0) / (width * height)
+    else:  # several views: the area of their union
+        share = float(coverage(size, frames).double().mean())
+    return Frame(float(x0), float(y0), float(x1 - x0), float(y1 - y0)), share
 
 
 def describe_seen(size: Size, region: Frame, share: float) -> str:

@@ -2,7 +2,9 @@
 
     import vlm_focus as vf
     found = vf.ground(model, processor, image, "red_circle")   # one call, the image's pixels
-    found.point, found.boxes[0], found.map.pixels
+    found.present, found.presence          # the model's own P(yes), against its threshold
+    found.point, found.boxes[0], found.map.pixels      # None and [] when it is not there
+    found.seen                             # the part of the photo the model saw
 
     from vlm_focus import grounding
     gp = grounding.GroundingPass(model, inputs, processor=processor, images=[image])
@@ -11,9 +13,12 @@
     best = gp.boxes("red_circle")[0]                # Box(x, y, w, h, score) in image pixels
     gp.region_score("red_circle", best)             # MTLA share, one per batch row
 
-One forward pass serves every phrase of the prompt and of a generated ``answer=``. Where the
-grid cells sit in the photo comes from :mod:`vlm_focus.geometry`, which reads the processor's own
-settings; pass ``images=`` (or ``sizes=``) where the inputs do not carry the original size.
+Maps average the model's default layers (:func:`default_layers`: the measured choice its
+``config.json`` stores, else the first quarter of its layers) unless ``layers=`` or ``heads=``
+say otherwise. One forward pass serves every phrase of the prompt and of a generated
+``answer=``. Where the grid cells sit in the photo comes from :mod:`vlm_focus.geometry`, which
+reads the processor's own settings; pass ``images=`` (or ``sizes=``) where the inputs do not
+carry the original size.
 Everything runs under SDPA: attention rows are recomputed from each layer's q/k through hooks.
 """
 
