@@ -25,7 +25,9 @@ from PIL import Image
 
 from vlm_focus.organism import default_model_path, sample_scene_paths
 
-QUESTION = "Is there a red_circle in the image?"
+QUESTION = "Is there a red_circle in the image?"  # absent from the first sample: "not found"
+PRESENT = "Is there a green_square in the image?"
+SQUARE = (92, 62, 33, 32)  # the green_square's box in the first sample (scene_9000001)
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -95,6 +97,13 @@ def server(tmp_path_factory):
             proc.wait()
 
 
+def table_row(page, index: int) -> list[str]:
+    """The texts of one row of the boxes table, as the page shows them (gradio draws the rows
+    as grid cells)."""
+    row = page.locator(f"#boxes [role=row][data-index='{index}']")
+    return [text.strip() for text in row.locator("[role=gridcell]").all_inner_texts()]
+
+
 def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -119,7 +128,7 @@ def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path)
             )
             page.goto(url)
             page.locator("#image input[type=file]").set_input_files(str(sample))
-            page.locator("#prompt textarea").fill(QUESTION)
+            page.locator("#prompt textarea").fill(PRESENT)
             page.locator("#run").click()
             expect(page.locator("#status")).to_contain_text("Done in", timeout=60_000)
             answer = page.locator("#answer textarea").input_value()
@@ -130,9 +139,17 @@ def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path)
             kept_size = page.eval_on_selector(
                 "#kept-mask img", "e => [e.naturalWidth, e.naturalHeight]"
             )
-            rows = page.locator("#boxes tbody tr").count()
+            top = table_row(page, 0)
             shot = tmp_path / "demo.png"
             page.screenshot(path=str(shot), full_page=True)
+            # an absent object: "not found" in the table, no box
+            page.locator("#prompt textarea").fill(QUESTION)
+            page.locator("#run").click()
+            expect(page.locator("#boxes")).to_contain_text("not found", timeout=60_000)
+            expect(page.locator("#status")).not_to_contain_text("processing", timeout=30_000)
+            expect(page.locator("#status")).to_contain_text("Done in", timeout=30_000)
+            absent_answer = page.locator("#answer textarea").input_value()
+            absent = table_row(page, 0)
             # a bad request answers in the page, and the page keeps working
             page.locator("#prompt textarea").fill("   ")
             page.locator("#run").click()
@@ -142,13 +159,20 @@ def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path)
             )
         finally:
             browser.close()
-    assert answer in ("yes", "no"), answer
+    assert answer == "yes" and absent_answer == "no", (answer, absent_answer)
     kept = re.search(r"(\d+) / (\d+) visual tokens kept", stats)
     assert kept is not None, stats
     assert (int(kept.group(1)), int(kept.group(2))) == (math.ceil(0.25 * total), total)
-    assert re.search(r"prefill [\d.]+ ms unpruned -> [\d.]+ ms pruned \([\d.]+x\)", stats)
+    assert re.search(r"prefill [\d.]+ ms unpruned -> [\d.]+ ms pruned: [\d.]+x", stats)
     assert heat_size == [width, height] and kept_size == [width, height]
-    assert rows >= 1
+    # the top box is labelled with the phrase and its centre lies on the square
+    assert top[0] == "green_square", top
+    x, y, w, h = (float(v) for v in top[1:5])
+    sx, sy, sw, sh = SQUARE
+    assert sx <= x + w / 2 <= sx + sw and sy <= y + h / 2 <= sy + sh, top
+    assert float(top[6]) > 0.5, top  # its presence score
+    assert absent[0] == "red_circle" and absent[6].startswith("not found"), absent
+    assert not any(absent[1:6]), absent  # no box
     assert shot.stat().st_size > 20_000
     assert outside == [], f"the page reached beyond the demo server: {outside}"
     assert "Traceback" not in log.read_text()
@@ -180,3 +204,4 @@ def test_five_concurrent_requests_all_succeed(server):
         with Image.open(heat) as h, Image.open(kept) as k, Image.open(sample) as s:
             assert h.size == k.size == s.size
         assert table["data"] and table["data"][0][0] == "red_circle"
+        assert table["data"][0][6].startswith("not found")  # absent from the sample

@@ -4,6 +4,8 @@ its deprecated argument names."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -585,19 +587,209 @@ def test_ground_gives_the_map_point_and_boxes_in_the_images_pixels():
     model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
     processor = build_processor(SPECS["tiny"])
     image = Image.new("RGB", (120, 80), (128, 128, 128))
-    found = vf.ground(model, processor, image, "red_circle")
+    with pytest.warns(G.UnseenRegionWarning, match=r"x 20-100, y 0-80 of the 120x80 image"):
+        found = vf.ground(model, processor, image, "red_circle", presence_threshold=0.0)
+    assert found.present and 0.0 < found.presence < 1.0
     assert found.map.size == Size(120, 80) and found.map.pixels.shape == (80, 120)
     # the organism's processor centre-crops: the frame is the central 80 x 80 square
     assert found.map.frames == [Frame(20.0, 0.0, 80.0, 80.0)]
+    assert found.seen == found.map.seen == Frame(20.0, 0.0, 80.0, 80.0)
+    assert found.map.seen_share == pytest.approx(80 / 120)
     assert 20 <= found.point[0] <= 100 and 0 <= found.point[1] <= 80
     assert found.boxes and found.scores == [G.box_share(found.map, b) for b in found.boxes]
+    assert all(20 <= b.x and b.x + b.w <= 100 for b in found.boxes)
     from vlm_focus.loading import build_inputs
 
     inputs = build_inputs(processor, image, "Is there a red_circle in the image?")
-    ref = G.heatmap(model, inputs, "red_circle", processor=processor, images=[image])[0][0]
+    with pytest.warns(G.UnseenRegionWarning):
+        gp = G.GroundingPass(model, inputs, processor=processor, images=[image])
+    assert gp.seen() == found.seen and gp.layers == G.default_layers(model) == [0]
+    with pytest.warns(G.UnseenRegionWarning):
+        ref = G.heatmap(model, inputs, "red_circle", processor=processor, images=[image])[0][0]
     torch.testing.assert_close(found.map.pixels, ref.pixels, atol=1e-6, rtol=0)
+    # the presence score read from the same pass equals the one of its own forward pass
+    assert found.presence == pytest.approx(
+        G.presence(model, processor, image, ["red_circle"])[0], abs=1e-6
+    )
     with pytest.raises(ValueError, match="does not contain"):
         vf.ground(model, processor, image, "red_circle", prompt="Describe it.")
+    with pytest.raises(ValueError, match=r"presence_threshold=1.5 must be a number in \[0, 1\)"):
+        vf.ground(model, processor, image, "red_circle", presence_threshold=1.5)
+    square = Image.new("RGB", (80, 80), (128, 128, 128))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", G.UnseenRegionWarning)  # all of it seen: no warning
+        assert vf.ground(model, processor, square, "red_circle").seen == Frame(0, 0, 80, 80)
+
+
+def test_ground_accepts_arrays_and_tensors_and_says_what_it_accepts():
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+
+    import vlm_focus as vf
+    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    processor = build_processor(SPECS["tiny"])
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=(48, 48, 3), dtype=np.uint8)
+    ref = vf.ground(model, processor, Image.fromarray(pixels), "red_circle", presence_threshold=0)
+    unit = pixels.astype(np.float32) / 255
+    forms = {
+        "float [0, 1] HWC": unit,
+        "float [0, 255] HWC": pixels.astype(np.float64),
+        "uint8 CHW tensor": torch.from_numpy(pixels).permute(2, 0, 1),
+        "float [0, 1] CHW tensor": torch.from_numpy(unit).permute(2, 0, 1),
+        "float HWC tensor": torch.from_numpy(unit),
+    }
+    for name, image in forms.items():
+        found = vf.ground(model, processor, image, "red_circle", presence_threshold=0)
+        assert found.map.size == Size(48, 48), name
+        torch.testing.assert_close(found.map.pixels, ref.map.pixels, atol=1e-6, rtol=0)
+        assert found.presence == pytest.approx(ref.presence, abs=1e-6), name
+    grey = vf.ground(model, processor, pixels[:, :, 0], "red_circle")  # [H, W]
+    assert grey.map.size == Size(48, 48)
+    bad = {
+        "dtype bool": (np.zeros((8, 8, 3), bool), TypeError),
+        r"values in \[-1, -1\]; accepted": (np.full((8, 8, 3), -1.0), ValueError),
+        r"values in \[300, 300\]": (np.full((8, 8, 3), 300.0), ValueError),
+        "NaN": (np.full((8, 8, 3), np.nan), ValueError),
+        r"shape \[1, 3, 8, 8\]; accepted": (torch.zeros(1, 3, 8, 8), ValueError),
+        "both its first and last axes": (np.zeros((3, 8, 3), np.uint8), ValueError),
+        "of type list; accepted: a PIL image, a path": ([[0, 1], [2, 3]], TypeError),
+    }
+    for message, (image, kind) in bad.items():
+        with pytest.raises(kind, match=message):
+            vf.ground(model, processor, image, "red_circle")
+
+
+# --- the embedded organisms: default layers, presence ---------------------------------------
+@pytest.fixture(scope="module")
+def organism():
+    from vlm_focus.loading import load_model
+
+    return load_model(dtype=torch.float32)
+
+
+def test_default_layers_point_as_well_as_the_best_layer_on_unseen_scenes(organism):
+    """Held-out scenes (never trained on), square, padded to 2:1 and stretched to 2:1 (only the
+    objects inside the centre the processor keeps), all in one batch: the default map points
+    as well as the best single layer, and better than every layer averaged (the old default)."""
+    import warnings
+
+    from PIL import Image
+
+    from vlm_focus.loading import build_inputs
+    from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes
+
+    model, processor = organism
+    n_layers = len(get_adapter(model).decoder_layers(model))
+    assert G.default_layers(model) == model.config.vlm_focus_grounding["layers"]
+    pictures, names, targets, kinds = [], [], [], []
+    for s in heldout_scenes(6, min_objects=3):
+        square = Image.fromarray(s.image())
+        padded = Image.new("RGB", (2 * s.size, s.size), s.background)
+        padded.paste(square, (s.size // 2, 0))
+        stretched = square.resize((2 * s.size, s.size), Image.Resampling.BICUBIC)
+        for obj in s.objects:
+            x, y, w, h = obj.box(s.size)
+            boxes = {
+                "square": (square, (x, y, w, h)),
+                "padded": (padded, (x + s.size // 2, y, w, h)),
+                "stretched": (stretched, (2 * x, y, 2 * w, h)),
+            }
+            for kind, (image, box) in boxes.items():
+                if box[0] < s.size // 2 and kind == "stretched":
+                    continue  # outside the part the processor keeps
+                if box[0] + box[2] > 3 * s.size // 2 and kind == "stretched":
+                    continue
+                pictures.append(image)
+                names.append(CATEGORIES[obj.category])
+                targets.append(box)
+                kinds.append(kind)
+    inputs = build_inputs(processor, pictures, [f"Is there a {n} in the image?" for n in names])
+    ids = torch.tensor([processor.tokenizer.convert_tokens_to_ids(n) for n in names])
+    query = inputs["input_ids"] == ids[:, None]  # [B, S]: each row's category token
+    hits = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", G.UnseenRegionWarning)  # the wide ones: expected
+        for layers in [None] + [[i] for i in range(n_layers)]:
+            gp = G.GroundingPass(model, inputs, processor=processor, images=pictures,
+                                 layers=layers, rows=query)  # fmt: skip
+            hits[str(layers)] = [gp.map(query, row=b) for b in range(len(names))]
+    # every layer averaged: the mean of the single layers' maps (a map is linear in them)
+    every = []
+    for b in range(len(names)):
+        parts = [hits[str([i])][b] for i in range(n_layers)]
+        every.append(
+            dataclasses.replace(parts[0], grid=torch.stack([m.grid for m in parts]).mean(0),
+                                views=[torch.stack([m.views[0] for m in parts]).mean(0)],
+                                _pixels=None)
+        )  # fmt: skip
+    hits["every"] = every
+
+    def inside(pt, box):
+        return box[0] <= pt[0] <= box[0] + box[2] and box[1] <= pt[1] <= box[1] + box[3]
+
+    for kind in ("square", "padded", "stretched"):
+        rows = [b for b, k in enumerate(kinds) if k == kind]
+        assert len(rows) >= 8, kind
+        rate = {
+            name: float(np.mean([inside(G.point(maps[b]), targets[b]) for b in rows]))
+            for name, maps in hits.items()
+        }
+        best = max(rate[str([i])] for i in range(n_layers))
+        assert rate["None"] >= best, (kind, rate)
+        assert rate["None"] > rate["every"], (kind, rate)
+
+
+def test_absent_and_unknown_phrases_get_no_point_present_ones_do(organism):
+    """scene_9000001: a green_square, purple_circle, red_triangle and purple_square; no
+    red_circle; the tokenizer does not know "elephant"."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    import vlm_focus as vf
+
+    model, processor = organism
+    image = Image.open(Path(__file__).parents[1] / "vlm_focus/assets/samples/scene_9000001.png")
+    threshold = G.presence_threshold(model)
+    assert threshold == model.config.vlm_focus_grounding["presence_threshold"]
+    square = vf.ground(model, processor, image, "green_square")
+    assert square.present and square.presence > threshold and square.threshold == threshold
+    x, y = square.point
+    assert 92 <= x <= 125 and 62 <= y <= 94  # inside the square's box (92, 62, 33, 32)
+    assert square.boxes and square.seen == Frame(0, 0, 192, 192)
+    for phrase in ("red_circle", "elephant"):
+        found = vf.ground(model, processor, image, phrase)
+        assert not found.present and found.presence <= threshold, phrase
+        assert found.point is None and found.boxes == [] and found.scores == [], phrase
+        assert found.map.mass > 0  # the map is still there to look at
+    assert vf.ground(model, processor, image, "elephant").presence == 0.0  # never read
+    # a custom prompt asks the presence question in a pass of its own
+    custom = vf.ground(model, processor, image, "green_square", prompt="Where is the green_square?")
+    assert custom.presence == pytest.approx(square.presence, abs=1e-6) and custom.present
+
+
+def test_an_unknown_config_value_raises_naming_the_key(organism):
+    import copy
+
+    model, _ = organism
+    other = copy.copy(model)
+    other.config = copy.deepcopy(model.config)
+    other.config.vlm_focus_grounding = {"layers": [9], "presence_threshold": 0.5}
+    with pytest.raises(ValueError, match=r"vlm_focus_grounding\['layers'\]=\[9\] does not fit"):
+        G.default_layers(other)
+    other.config.vlm_focus_grounding = {"presence_threshold": 2}
+    with pytest.raises(ValueError, match=r"must be a number in \(0, 1\)"):
+        G.presence_threshold(other)
+    del other.config.vlm_focus_grounding
+    assert G.default_layers(other) == G.rule_layers(4) == [0]
+    assert G.presence_threshold(other) == G.PRESENCE_THRESHOLD
+    assert [G.rule_layers(n) for n in (1, 3, 8, 32)] == [[0], [0], [0, 1], list(range(8))]
 
 
 def test_import_vlm_focus_loads_neither_opencv_nor_a_modeling_module():
@@ -635,12 +827,39 @@ def test_readme_grounding_example_gives_the_pixels_of_a_non_square_photo(tmp_pat
         ("wide", tmp_path / "wide.png"),
     ):
         scope: dict = {}
-        exec(compile(code.replace(sample, str(path)), "README.md", "exec"), scope)
+        if name == "wide":  # the processor centre-crops: the padding is never seen, and says so
+            with pytest.warns(G.UnseenRegionWarning, match="saw only part of the image"):
+                exec(compile(code.replace(sample, str(path)), "README.md", "exec"), scope)
+        else:
+            exec(compile(code.replace(sample, str(path)), "README.md", "exec"), scope)
         runs[name] = scope
     sq, wd = runs["square"], runs["wide"]
+    assert sq["found"].present and sq["found"].seen == Frame(0, 0, square.width, square.height)
+    assert wd["found"].seen == Frame(left, 0, square.width, square.height)
     assert wd["heat"].size == Size(wide.width, wide.height)
     assert wd["heat"].frames == [Frame(float(left), 0.0, square.width, square.height)]
     assert wd["x"] == pytest.approx(sq["x"] + left) and wd["y"] == pytest.approx(sq["y"])
     assert wd["found"].point == pytest.approx((sq["found"].point[0] + left, sq["found"].point[1]))
     assert wd["best"].x == pytest.approx(sq["best"].x + left) and wd["best"].w == sq["best"].w
     assert float(wd["conf"][0]) == pytest.approx(float(sq["conf"][0]), abs=1e-6)
+
+
+def test_seen_region_is_the_covered_pixels_bounding_rectangle_and_share():
+    from vlm_focus.geometry import coverage, seen_region
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        size = Size(int(rng.integers(1, 50)), int(rng.integers(1, 50)))
+        frames = [Frame(*rng.uniform(-30, 40, 2), *rng.uniform(0.5, 80, 2))
+                  for _ in range(int(rng.integers(1, 4)))]  # fmt: skip
+        region, share = seen_region(size, frames)
+        mask = coverage(size, frames)
+        assert share == pytest.approx(float(mask.double().mean()), abs=1e-12)
+        rows, cols = torch.nonzero(mask.any(1)).flatten(), torch.nonzero(mask.any(0)).flatten()
+        if rows.numel() == 0:
+            assert region == Frame(0, 0, 0, 0)
+            continue
+        x0, y0 = int(cols[0]), int(rows[0])
+        assert region == Frame(x0, y0, int(cols[-1]) + 1 - x0, int(rows[-1]) + 1 - y0)
+    # a centre crop of a 2:1 photo: the central square, half of it
+    assert seen_region(Size(384, 192), [Frame(96, 0, 192, 192)]) == (Frame(96, 0, 192, 192), 0.5)
