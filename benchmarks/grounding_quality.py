@@ -190,10 +190,10 @@ def run_grounding(model, processor, scenes, heads, batch: int) -> dict:
     n_layers = len(model.model.language_model.layers)
     variants = {
         "layer 0": dict(layers=[0]),
-        "all layers": dict(layers=None),
+        "all layers": dict(layers=list(range(n_layers))),  # None would be the default
         "localization heads": dict(heads=heads),
         "layer 0, relative": dict(layers=[0], relative=True),
-        "last token, all layers": dict(layers=None, last=True),
+        "last token, all layers": dict(layers=list(range(n_layers)), last=True),
     }
     hits = {k: [] for k in variants}
     other_hits = {k: [] for k in variants}
@@ -547,7 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     G.save_heads(heads, out / "grounding_heads_organism.json")
     grounding = run_grounding(model, processor, heldout_scenes(args.images), heads, args.batch)
-    caption_layers = None if args.caption_layers == "all" else [int(args.caption_layers)]
+    n_layers = len(model.model.language_model.layers)
+    caption_layers = (
+        list(range(n_layers)) if args.caption_layers == "all" else [int(args.caption_layers)]
+    )
     captions = run_captions(
         model, processor, heldout_scenes(args.caption_images), args.batch, caption_layers
     )
