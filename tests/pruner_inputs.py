@@ -66,7 +66,7 @@ def make_ctx(
     return StageContext(
         model=nn.Module(),
         adapter=adapter,
-        config=config or FocusConfig(),
+        config=config or FocusConfig(query_rows="last"),  # the tests plant the last row's q
         layer_index=2,
         stage_index=stage_index,
         decoder_layer=FakeLayer(),

@@ -23,7 +23,7 @@ from vlm_focus.organism import default_model_path
 QUESTIONS = Path(default_model_path()).parent / "heldout" / "pope_adversarial.jsonl"
 TASK = "vf_pope_organism_adversarial"
 LIMIT = 60
-PRUNED = "pruner=fastv,keep=0.25,layer=0"
+PRUNED = "pruner=fastv,keep=0.11,layer=0"  # 0.25 changes none of these answers
 METRICS = ("accuracy", "precision", "recall", "f1", "yes_ratio", "unparseable")
 
 
@@ -68,8 +68,8 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     for name, extra in (("unpruned", ""), ("pruned", PRUNED)):
         out[name] = _lmms_eval(root / f"lmms-{name}", env, extra)
-    sweep = ["--sweep", "keep=0.25", "--pruners", "fastv", "--layer", "0"]
-    for name, tag in (("unpruned", "unpruned"), ("pruned", "fastv-k0.25-l0")):
+    sweep = ["--sweep", "keep=0.11", "--pruners", "fastv", "--layer", "0"]
+    for name, tag in (("unpruned", "unpruned"), ("pruned", "fastv-k0.11-l0")):
         out[f"vf-{name}"] = _vlm_focus_eval(root / "vf", env, sweep, tag)
     return out
 
@@ -123,9 +123,9 @@ def test_logged_kept_counts_equal_the_wrap_trace(runs, setting):
         qid = s["accuracy"]["question_id"]
         assert (counts["visual_kept"], counts["visual_total"]) == trace[qid], f"question {qid}"
         assert counts["prefill_s"] > 0
-        assert counts["vlm_focus"] == ("fastv-k0.25-l0" if setting == "pruned" else "unpruned")
+        assert counts["vlm_focus"] == ("fastv-k0.11-l0" if setting == "pruned" else "unpruned")
     total = 144  # the embedded model's 12 x 12 grid
-    kept = round(0.25 * total) if setting == "pruned" else total
+    kept = round(0.11 * total) if setting == "pruned" else total
     assert {trace[q] for q in trace} == {(kept, total)}
     throughput = results["throughput"]
     assert throughput["avg_vlm_focus_kept_ratio"] == pytest.approx(kept / total)
@@ -217,12 +217,12 @@ def test_model_args_split_and_schedules():
     assert rest == {"pretrained": "x", "batch_size": 2}
     assert focus.wrap == {"pruner": "debiased", "base": "text", "keep": 0.5}
     assert focus.tag() == "debiased-k0.5-l2,base=text"  # FocusConfig's default layer
-    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64", "query_rows": "text"})
+    focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64", "query_rows": "last"})
     assert focus.config().stages == [(2, 0.5), (8, 0.25), (16, 64)]
-    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16,query_rows=text"
+    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16,query_rows=last"
     with pytest.warns(DeprecationWarning, match="query= is deprecated"):  # the earlier name
-        focus, _ = split_model_args({"layer": "2", "keep": "0.5", "query": "text"})
-        assert focus.config().query_rows == "text"
+        focus, _ = split_model_args({"layer": "2", "keep": "0.5", "query": "last"})
+        assert focus.config().query_rows == "last"
     focus, _ = split_model_args(
         {"mitigate": "attention_reweight", "strength": 2, "mitigate_layers": "0:1"}
     )

@@ -153,7 +153,7 @@ def test_help_texts_say_what_runs():
     coco = {f.name: help_text(f) for f in dataclasses.fields(CocoConfig)}
     assert "{question} is the POPE question" in coco["prompt"] and "'{question}" in coco["prompt"]
     run = {f.name: help_text(f) for f in dataclasses.fields(cli.RunConfig)}
-    assert run["layer"].endswith("(default: 2)") and run["query_rows"].endswith("(default: last)")
+    assert run["layer"].endswith("(default: 2)") and run["query_rows"].endswith("(default: text)")
 
 
 def test_the_earlier_query_name_still_works_with_a_deprecation_warning():
@@ -419,7 +419,7 @@ def test_run_reports_the_paired_spread(setup, capsys):
     assert (
         report["prefill_speedup_min"] <= report["prefill_speedup"] <= report["prefill_speedup_max"]
     )
-    assert (report["keep"], report["layer"], report["query_rows"]) == (0.25, 1, "last")
+    assert (report["keep"], report["layer"], report["query_rows"]) == (0.25, 1, "text")
     assert (report["visual_kept"], report["visual_total"]) == (4, 16)
 
 
@@ -436,15 +436,15 @@ def test_two_pope_calls_leave_both_rows_in_the_table(setup, tmp_path):
     assert "random-k0.5-l1" in (root / "table.csv").read_text()
 
 
-def test_chair_query_rows_text_changes_the_recorded_setting_and_the_scores(setup, tmp_path):
+def test_chair_query_rows_last_changes_the_recorded_setting_and_the_scores(setup, tmp_path):
     _, common = setup[:2]
     args = ["chair", *common, "--out", str(tmp_path), "--limit", "3", "--max-new-tokens", "6"]
-    args += ["--pruner", "fastv", "--keep", "0.25", "--layer", "0"]
+    args += ["--pruner", "fastv", "--keep", "0.25", "--layer", "0", "--reduce", "mean"]
     assert eval_cli.main(args) == 0
-    assert eval_cli.main([*args, "--query-rows", "text"]) == 0
+    assert eval_cli.main([*args, "--query-rows", "last"]) == 0
     root = tmp_path / "chair" / model_tag(common[1])
-    last = json.loads((root / "fastv-k0.25-l0.json").read_text())
-    text = json.loads((root / "fastv-k0.25-l0-qtext.json").read_text())
+    text = json.loads((root / "fastv-k0.25-l0-rmean.json").read_text())
+    last = json.loads((root / "fastv-k0.25-l0-qlast-rmean.json").read_text())
     assert (last["query_rows"], text["query_rows"]) == ("last", "text")
     captions = [
         [r["raw"] for r in read_jsonl(root / f"{s['setting']}.jsonl")] for s in (last, text)
@@ -453,7 +453,7 @@ def test_chair_query_rows_text_changes_the_recorded_setting_and_the_scores(setup
     scores = ("CHAIR_i", "CHAIR_s", "recall", "length", "mentions")
     assert [last[k] for k in scores] != [text[k] for k in scores]
     table = (root / "table.md").read_text()
-    assert "fastv-k0.25-l0 |" in table and "fastv-k0.25-l0-qtext |" in table
+    assert "fastv-k0.25-l0-rmean |" in table and "fastv-k0.25-l0-qlast-rmean |" in table
 
 
 def test_coco_maps_from_chosen_layers_and_heads(setup, tmp_path):

@@ -124,17 +124,22 @@ class FocusConfig:
         },
     )
     query_rows: str = field(
-        default="last",
+        default="text",
         metadata={
-            "help": "the rows whose attention scores the visual tokens: the 'last' prompt token "
-            "or every 'text' token after the image (formerly query)",
+            "help": "the rows whose attention scores the visual tokens: every 'text' token after "
+            "the image (measured best, benchmarks/results/pruning_defaults.md) or the 'last' "
+            "prompt token (formerly query)",
             "choices": QUERY_ROWS,
             "aliases": ("--query",),
         },
     )
     reduce: str = field(
-        default="mean",
-        metadata={"help": "how the heads' attention is combined", "choices": REDUCTIONS},
+        default="max",
+        metadata={
+            "help": "how the heads' attention is combined: their 'max' (measured best, "
+            "benchmarks/results/pruning_defaults.md) or 'mean'",
+            "choices": REDUCTIONS,
+        },
     )
     budget: str = field(
         default="span",
