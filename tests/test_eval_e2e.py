@@ -80,7 +80,7 @@ def test_coco_grounding_files(setup, tmp_path):
     _, common = setup
     assert main(["coco", *common, "--out", str(tmp_path), "--limit", "2", "--absent", "2"]) == 0
     root = tmp_path / "coco" / "eval0--model"
-    folder = root / "all-layers"  # the map setting: every layer and head
+    folder = root / "default-layers"  # the map setting: the model's grounding default
     queries = read_jsonl(folder / "queries.jsonl")
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["n_images"] == 2 and summary["n_queries"] == len(queries)

@@ -4,8 +4,8 @@
 For each image the model is asked about every category present and ``--absent`` sampled absent
 ones (``"Is there a {category} in the image?"`` + LLaVA's suffix by default). The attention map of
 the category's tokens in the prompt (:func:`vlm_focus.grounding.heatmap`, over the chosen layers
-and heads: all of them by default) gives a point (its peak, :func:`~vlm_focus.grounding.point`)
-and boxes
+and heads: the model's grounding default, :func:`vlm_focus.grounding.default_layers`) gives a
+point (its peak, :func:`~vlm_focus.grounding.point`) and boxes
 (:func:`~vlm_focus.grounding.boxes`). Each box's confidence is its region score (MTLA: the share
 of the category tokens' image attention inside the box). It is read from the same map with
 :func:`~vlm_focus.grounding.box_share`, which equals

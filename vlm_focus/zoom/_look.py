@@ -38,6 +38,7 @@ from torch import nn
 from ..geometry import Size, as_size, frame_aspect, native_side
 from ..grounding import Box, GroundingPass, HeatMap, Mention, boxes, point
 from ..loading import build_inputs, decode_new_tokens, load_image
+from ..model_adapters import get_adapter
 from ._crop import CropBox, crop_box, union_box
 from ._reask import MODES, multi_image_inputs, reask_images, resolve_mode
 from ._routing import (
@@ -491,8 +492,13 @@ def look_closer(
         start = now()
         inputs = _to(build_inputs(processor, [pictures[b] for b in mapped],
                                   [questions[b] for b in mapped]), model)  # fmt: skip
+        layers = opts.layers
+        if layers is None and opts.heads is None:
+            # every layer: the zoom's measured best map on small objects (zoom_quality.md),
+            # unlike grounding's default layers, which point best at native size
+            layers = list(range(len(get_adapter(model).decoder_layers(model))))
         gp = GroundingPass(model, inputs, processor=processor,
-                           images=[pictures[b] for b in mapped], layers=opts.layers,
+                           images=[pictures[b] for b in mapped], layers=layers,
                            heads=opts.heads)  # fmt: skip
         for j, b in enumerate(mapped):
             heats[b] = _focus_map(gp, j, focuses[b], questions[b])
