@@ -528,3 +528,20 @@ def test_a_plot_without_matplotlib_is_a_notice_not_a_failure(setup, tmp_path, mo
     assert eval_cli.main(args) == 0
     assert "plot skipped: matplotlib is not installed" in capsys.readouterr().err
     assert list((tmp_path / "pope").rglob("table.md"))
+
+
+def test_a_prompt_that_ends_with_its_image_prunes_with_the_default_rows():
+    from tiny_models import make_inputs
+
+    model = _tiny()
+    inputs = make_inputs("llava", model, prompt_len=0, batch=2)
+    ids = inputs["input_ids"]
+    last = int(torch.nonzero(get_adapter(model).visual_mask(model, ids)[0]).max())
+    cut = {**inputs, "input_ids": ids[:1, : last + 1]}
+    cut["attention_mask"] = inputs["attention_mask"][:1, : last + 1]
+    cut["pixel_values"] = inputs["pixel_values"][:1]
+    with vf.wrap(model, keep=0.5, layer=1) as text_rows:  # query_rows="text", the default
+        expected = model(**cut).logits
+    with vf.wrap(model, keep=0.5, layer=1, query_rows="last") as last_row:
+        assert torch.equal(model(**cut).logits, expected)
+    assert torch.equal(text_rows.last_trace.kept[0], last_row.last_trace.kept[0])

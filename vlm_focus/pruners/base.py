@@ -92,12 +92,16 @@ class StageContext:
                 inputs[key] = value[:, : self.prompt_end]
         return inputs
 
-    def query_rows(self, query: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def query_rows(
+        self, query: str | None = None, *, strict: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local indices ``[B, Tq]`` of the scoring rows and their weights ``[B, Tq]``.
 
         ``last``: the final prompt token. ``text``: every valid prompt token after the row's
         last visual token, equally weighted (rows with fewer such tokens get zero-weight
-        filler). Tokens from ``prompt_end`` on are never scoring rows.
+        filler); a row whose prompt ends with its image scores with its last token, unless
+        ``strict`` (a pruner that needs the instruction) makes that an error. Tokens from
+        ``prompt_end`` on are never scoring rows.
         """
         query = query or self.config.query_rows
         batch, seq = self.visual.shape
@@ -114,7 +118,11 @@ class StageContext:
         is_text = text_after_image(self.visual, valid)
         n_text = is_text.sum(1)
         fewest, tq = torch.stack([n_text.min(), n_text.max()]).tolist()  # one host read
-        if fewest == 0:
+        if fewest == 0 and not strict:  # a prompt that ends with its image: its last token
+            last = torch.zeros_like(is_text).scatter(1, (stop - 1).clamp(min=0), True)
+            is_text = is_text | (last & (n_text == 0)[:, None])
+            n_text, tq = is_text.sum(1), max(tq, 1)
+        elif fewest == 0:
             raise ValueError(
                 "query_rows='text' scores visual tokens with the instruction after the image, but "
                 "a prompt has no text after its image; add an instruction, or use "

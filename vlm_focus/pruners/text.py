@@ -62,7 +62,7 @@ class TextPruner(Pruner):
     attention_based = True
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
-        rows, filler = ctx.query_rows("text")  # [B, Tq]; weight 0 marks filler rows
+        rows, filler = ctx.query_rows("text", strict=True)  # [B, Tq]; weight 0: filler rows
         valid_rows = filler > 0
         q, k = ctx.query_key(rows)
         per_row = per_query_scores(ctx, q, k, rows, ctx.visual)  # [B, Tq, S]
