@@ -272,7 +272,7 @@ def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
         "presence": (pres_scenes, [q.question for q in qas], [q.answer for q in qas]),
         "relation": relation_set(n),
     }
-    out: dict = {"keep": keep, "query": "text"}
+    out: dict = {"keep": keep, "query": "text", "reduce": "mean"}  # the cards' setting
     for task, (scenes, questions, labels) in tasks.items():
         base = pope_metrics(
             labels, [parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)]
@@ -280,7 +280,9 @@ def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
         out[task] = {"full_accuracy": base["accuracy"]}
         for layer in [k for k in (0, 2) if k < model.config.text_config.num_hidden_layers]:
             for pruner in ("fastv", "random"):
-                handle = vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query_rows="text")
+                handle = vf.wrap(
+                    model, pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean"
+                )
                 try:
                     preds = [
                         parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)
@@ -494,10 +496,12 @@ def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
         )
 
     full = accuracy()
-    out: dict = {"keep": keep, "query": "text", "n": n, "full_accuracy": full}
+    out: dict = {"keep": keep, "query": "text", "reduce": "mean", "n": n, "full_accuracy": full}
     for layer in (2, 4):
         for pruner in ("fastv", "random"):
-            with vf.wrap(model, pruner=pruner, keep=keep, layer=layer, query_rows="text"):
+            with vf.wrap(
+                model, pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean"
+            ):
                 acc = accuracy()
             out[f"{pruner}_layer{layer}_accuracy"] = acc
             out[f"{pruner}_layer{layer}_retention"] = acc / max(full, 1e-9)
