@@ -36,3 +36,11 @@ EXAMPLES = readme_examples()
 def test_a_readme_example_runs_as_pasted(line, code, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+
+
+def test_the_cpu_lmms_eval_example_is_limited_and_says_how_long_the_full_run_takes():
+    text = (ROOT / "README.md").read_text()
+    command = re.search(r"```bash\n(lmms-eval [^`]*?pretrained=embedded[^`]*?)```", text, re.S)
+    assert command and "--limit 100" in command.group(1)
+    after = text[command.end() : command.end() + 800]
+    assert "Without `--limit` lmms-eval answers all 3,000 questions" in after
