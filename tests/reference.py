@@ -100,8 +100,9 @@ def fixation_reference(model, layers, first_layer, trace):
     return _masking(model, layers, dropped)
 
 
-def greedy_generate(model, inputs, steps):
-    """Greedy ``generate()`` returning the sequences and each step's logits ``[B, steps, V]``."""
+def greedy_generate(model, inputs, steps, **kwargs):
+    """Greedy ``generate()`` (``kwargs``: e.g. ``cache_implementation="static"``) returning the
+    sequences and each step's logits ``[B, steps, V]``."""
     out = model.generate(
         **inputs,
         max_new_tokens=steps,
@@ -109,5 +110,31 @@ def greedy_generate(model, inputs, steps):
         do_sample=False,
         return_dict_in_generate=True,
         output_logits=True,
+        **kwargs,
     )
     return out.sequences, torch.stack(out.logits, 1)
+
+
+def manual_decode(model, inputs, steps, cache=None):
+    """Greedy decoding without ``generate()``: one prefill forward, then ``steps - 1`` forwards
+    of one token each with the 2-D mask and positions built by hand, on ``cache`` (default: the
+    one the prefill returns). Returns the ``[B, steps]`` tokens."""
+    out = model(**inputs, use_cache=True, **({} if cache is None else {"cache": cache}))
+    cache = out.past_key_values if cache is None else cache
+    mask = inputs["attention_mask"]
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [token]
+    positions = mask.long().cumsum(-1)[:, -1:] - 1
+    for _ in range(steps - 1):
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        positions = positions + 1
+        step = model(
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
+        token = step.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    return torch.cat(tokens, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import manual_decode
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
@@ -133,24 +134,7 @@ def test_manual_decode_loop_without_generate_matches_generate():
         inputs = make_inputs("llava", model, batch=2)
         with torch.no_grad(), vf.wrap(model, keep=0.5, layer=layer):
             expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, -4:]
-            out = model(**inputs, use_cache=True)
-            cache, mask = out.past_key_values, inputs["attention_mask"]
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens = [token]
-            positions = mask.long().cumsum(-1)[:, -1:] - 1
-            for _ in range(3):
-                mask = torch.cat([mask, torch.ones_like(token)], 1)
-                positions = positions + 1
-                step = model(
-                    input_ids=token,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                token = step.logits[:, -1].argmax(-1, keepdim=True)
-                tokens.append(token)
-        assert torch.equal(torch.cat(tokens, 1), expected)
+            assert torch.equal(manual_decode(model, inputs, 4), expected)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import fixation_reference, masked_reference
+from reference import fixation_reference, greedy_generate, manual_decode, masked_reference
 from tiny_models import make_case, make_model
 from transformers import StaticCache
 
@@ -18,16 +18,7 @@ STEPS = 16
 
 
 def _generate(model, inputs, **kwargs):
-    out = model.generate(
-        **inputs,
-        max_new_tokens=STEPS,
-        min_new_tokens=STEPS,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_logits=True,
-        **kwargs,
-    )
-    return out.sequences, torch.stack(out.logits, 1)
+    return greedy_generate(model, inputs, STEPS, **kwargs)
 
 
 def _check(kind, attn, batch, layer, pruner="fastv", keep=0.5, cache=None, **options):
@@ -124,21 +115,4 @@ def test_a_manual_decode_loop_on_a_static_cache_matches_generate():
                 **inputs, max_new_tokens=4, do_sample=False, cache_implementation="static"
             )[:, -4:]
             cache = StaticCache(config=config, max_cache_len=64)
-            out = model(**inputs, cache=cache, use_cache=True)
-            mask = inputs["attention_mask"]
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens = [token]
-            positions = mask.long().cumsum(-1)[:, -1:] - 1
-            for _ in range(3):
-                mask = torch.cat([mask, torch.ones_like(token)], 1)
-                positions = positions + 1
-                step = model(
-                    input_ids=token,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=cache,
-                    use_cache=True,
-                )
-                token = step.logits[:, -1].argmax(-1, keepdim=True)
-                tokens.append(token)
-        assert torch.equal(torch.cat(tokens, 1), expected), layer
+            assert torch.equal(manual_decode(model, inputs, 4, cache), expected), layer
