@@ -206,20 +206,23 @@ def write_report(report: dict, out: Path) -> None:
     (out / "grounding_layers.md").write_text("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def organism_parser(doc: str) -> argparse.ArgumentParser:
+    """The options the organism grounding benchmarks share."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of organisms")
     parser.add_argument("--calibration", type=int, default=60, help="calibration scenes")
     parser.add_argument("--images", type=int, default=100, help="held-out scenes")
-    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--smoke", action="store_true", help="random tiny model, tiny sizes")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def load_organisms(parser: argparse.ArgumentParser, args, name: str) -> tuple[dict, Path]:
+    """``({model name: (model, processor)}, output folder)``: the ``--models`` organisms, or a
+    random tiny model and a temporary folder with ``--smoke``."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    start = time.time()
-    out = args.out
     if args.smoke:
         import tempfile
 
@@ -227,27 +230,42 @@ def main(argv: list[str] | None = None) -> int:
 
         from vlm_focus.organism.vocab import SPECS, build_config, build_processor
 
-        out = Path(tempfile.mkdtemp(prefix="grounding_layers_smoke_"))
         args.calibration, args.images = 3, 3
         model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
-        loaded = {"random tiny": (model, build_processor(SPECS["tiny"]))}
-    else:
-        loaded = {}
-        for name in args.models.split(","):
-            if name not in MODELS:
-                parser.error(f"--models: {name!r}; allowed: {', '.join(MODELS)}")
-            loaded[name] = load_model(str(MODELS[name]()), dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    results = [measure(name, m, p, args) for name, (m, p) in loaded.items()]
+        out = Path(tempfile.mkdtemp(prefix=f"{name}_smoke_"))
+        return {"random tiny": (model, build_processor(SPECS["tiny"]))}, out
+    loaded = {}
+    for model_name in args.models.split(","):
+        if model_name not in MODELS:
+            parser.error(f"--models: {model_name!r}; allowed: {', '.join(MODELS)}")
+        loaded[model_name] = load_model(str(MODELS[model_name]()), dtype=torch.float32)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return loaded, args.out
+
+
+def run_header(name: str, argv: list[str] | None, start: float) -> dict:
+    """The machine, versions, command and seconds every report starts with."""
     import transformers
 
-    report = {
+    return {
         "machine": f"{platform.machine()} ({torch.get_num_threads()} threads), CPU",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "command": "python benchmarks/grounding_layers.py "
+        "command": f"python benchmarks/{name}.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "seconds": time.time() - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = organism_parser(__doc__)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args(argv)
+    start = time.time()
+    loaded, out = load_organisms(parser, args, "grounding_layers")
+    results = [measure(name, m, p, args) for name, (m, p) in loaded.items()]
+    report = {
+        **run_header("grounding_layers", argv, start),
         "calibration": args.calibration,
         "images": args.images,
         "image_size": Size(192, 192)._asdict(),

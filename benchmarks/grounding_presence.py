@@ -22,23 +22,23 @@ the tokenizer cannot spell are reported apart (they should all come out absent).
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
-from grounding_layers import MODELS, calibration_scenes
+from grounding_layers import (
+    calibration_scenes,
+    load_organisms,
+    organism_parser,
+    run_header,
+)
 from grounding_quality import CALIBRATION_SEED_BASE, _progress, auroc, grounding_queries
 from PIL import Image
 
 import vlm_focus as vf
 from vlm_focus import grounding as G
-from vlm_focus.loading import load_model
 from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes
 
 SIGNALS = ("P(yes)", "VAS", "MTLA top box", "peak ratio")
@@ -214,48 +214,15 @@ def write_report(report: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="comma list of organisms")
-    parser.add_argument("--calibration", type=int, default=60, help="calibration scenes")
-    parser.add_argument("--images", type=int, default=100, help="held-out scenes")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--smoke", action="store_true", help="random tiny model, tiny sizes")
+    parser = organism_parser(__doc__)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     start = time.time()
-    out = args.out
-    if args.smoke:
-        import tempfile
-
-        from transformers import LlavaForConditionalGeneration
-
-        from vlm_focus.organism.vocab import SPECS, build_config, build_processor
-
-        out = Path(tempfile.mkdtemp(prefix="grounding_presence_smoke_"))
-        args.calibration, args.images = 3, 3
-        model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
-        loaded = {"random tiny": (model, build_processor(SPECS["tiny"]))}
-    else:
-        loaded = {}
-        for name in args.models.split(","):
-            if name not in MODELS:
-                parser.error(f"--models: {name!r}; allowed: {', '.join(MODELS)}")
-            loaded[name] = load_model(str(MODELS[name]()), dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
+    loaded, out = load_organisms(parser, args, "grounding_presence")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", G.UnseenRegionWarning)  # square scenes: never raised
         results = [measure(name, m, p, args) for name, (m, p) in loaded.items()]
-    import transformers
-
     report = {
-        "machine": f"{platform.machine()} ({torch.get_num_threads()} threads), CPU",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "command": "python benchmarks/grounding_presence.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "seconds": time.time() - start,
+        **run_header("grounding_presence", argv, start),
         "calibration": args.calibration,
         "images": args.images,
         "models": results,
