@@ -202,8 +202,9 @@ class CallTracker:
                 valid = last if last.dtype == torch.bool else last == 0
             else:
                 prompt = self.prefill.valid
-                after = torch.ones(batch, past + new - prompt.shape[1], dtype=torch.bool)
-                valid = torch.cat([prompt, after.to(prompt.device)], dim=1)
+                n_after = past + new - prompt.shape[1]
+                after = torch.ones(batch, n_after, dtype=torch.bool, device=prompt.device)
+                valid = torch.cat([prompt, after], dim=1)
         elif mask is not None:
             past = mask.shape[1] - new
             valid = mask.bool()

@@ -67,9 +67,11 @@ class _Prefill:
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (pruner="fixation")
     # A static cache: every layer writes at its own length into a buffer as wide as the cache,
-    # and every mask is that wide. Per layer, the mask column each buffer slot reads (once).
+    # and every mask is that wide. Per stage, the mask column each buffer slot reads (once).
     static: bool = False
-    static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
+    static_cols: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
     prefilling: bool = True  # the prompt's own call (False from the first decode step on)
     compact_mask: bool = False  # this decode step's mask spans layer 0's kept prompt (K = 0)
 
@@ -144,12 +146,8 @@ def _static_columns(held: torch.Tensor, prompt: int, width: int) -> torch.Tensor
 def _static_mask(mask: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor) -> torch.Tensor:
     """A 4-D mask over a static buffer: ``mask`` (original or layer-0 columns) with one masked
     column appended, its rows (prefill) and columns gathered to the buffer's slots."""
-    blocked = torch.zeros if mask.dtype == torch.bool else torch.full
-    if mask.dtype == torch.bool:
-        pad = blocked((*mask.shape[:-1], 1), dtype=mask.dtype, device=mask.device)
-    else:
-        shape = (*mask.shape[:-1], 1)
-        pad = blocked(shape, torch.finfo(mask.dtype).min, dtype=mask.dtype, device=mask.device)
+    blocked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+    pad = mask.new_full((*mask.shape[:-1], 1), blocked)
     return _slice_mask(torch.cat([mask, pad], dim=-1), rows, cols)
 
 
@@ -482,7 +480,7 @@ class FocusEngine:
         mask = kwargs.get("attention_mask")
         if state.static:
             kwargs["attention_mask"] = self._once(
-                "mask", mask, current, lambda: self._static_prefill_mask(index, mask, current)
+                "mask", mask, current, lambda: self._static_prefill_mask(mask, current)
             )
         else:
             kwargs["attention_mask"] = self._once(
@@ -552,9 +550,7 @@ class FocusEngine:
         memo[name] = (source, current, value)
         return value
 
-    def _static_prefill_mask(
-        self, index: int, mask: Any, current: torch.Tensor
-    ) -> torch.Tensor | None:
+    def _static_prefill_mask(self, mask: Any, current: torch.Tensor) -> torch.Tensor | None:
         """The prefill mask of a layer holding ``current`` in a static buffer: its rows, and
         per slot the column it reads. Without a mask (SDPA, no padding) the layer's causal
         attention is aligned to its first slot, which already matches its kept tokens."""
@@ -584,15 +580,16 @@ class FocusEngine:
                 "vlm_focus with a static cache needs the 4-D attention mask the model builds "
                 "for it (use attn_implementation='sdpa' or 'eager')"
             )
-        key = (index, state.compact_mask)
-        cols = state.static_cols.get(key)
-        if cols is None:
-            # the mask spans the original prompt, or layer 0's kept prompt when the decoder
-            # hook sliced a 2-D mask (K = 0)
-            held = state.decode_cols[index] if state.compact_mask else state.per_layer[index]
+        # the mask spans the original prompt, or layer 0's kept prompt when the decoder hook
+        # sliced a 2-D mask (K = 0); the layers of a stage share one held tensor, so one map
+        held = state.decode_cols[index] if state.compact_mask else state.per_layer[index]
+        key = (state.compact_mask, id(held))
+        hit = state.static_cols.get(key)
+        if hit is None or hit[0] is not held:
             prompt = state.per_layer[0].shape[1] if state.compact_mask else state.full_len
-            cols = _static_columns(_on(held, mask), prompt, mask.shape[-1])
-            state.static_cols[key] = cols
+            hit = (held, _static_columns(_on(held, mask), prompt, mask.shape[-1]))
+            state.static_cols[key] = hit
+        cols = hit[1]
         return self._once("decode_mask", mask, cols, lambda: _static_mask(mask, None, cols))
 
     def _decode_layer(self, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any) -> dict:

@@ -54,9 +54,9 @@ class InputOptions(LoadOptions):
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats={self.repeats!r} must be an int >= 1")
         self.keep = read_keep(self.keep)  # keep's one rule, as the command line gives it
-        from .pruners import get_pruner, read_pruner_options
+        from .pruners import read_pruner_options
 
-        get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
+        # an unknown pruner raises here, listing the registered ones
         self.options = read_pruner_options(self.pruner, self.pruner_option)
         self.focus()  # FocusConfig's checks
 
@@ -211,7 +211,7 @@ def _run(config: RunConfig) -> int:
     import vlm_focus as vf
 
     from .loading import decode_new_tokens
-    from .timing import paired_seconds, prefill_fn, prefill_report
+    from .timing import prefill_report, pruned_prefill_timing
 
     model, processor, inputs, image, prompt, device = _load(config)
     focus = config.focus()
@@ -221,11 +221,14 @@ def _run(config: RunConfig) -> int:
         with vf.wrap(model, focus) as handle:
             pruned = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
         trace = handle.last_trace
-        timing = None
-        if trace.n_kept[0] < trace.n_visual[0]:  # timing two identical runs measures noise
-            timing = paired_seconds(
-                prefill_fn(model, inputs), lambda: vf.wrap(model, focus), repeats=config.repeats
-            )
+        timing = pruned_prefill_timing(
+            model,
+            inputs,
+            lambda: vf.wrap(model, focus),
+            trace.n_kept[0],
+            trace.n_visual[0],
+            config.repeats,
+        )
     report = {
         "model": model.config.model_type,
         "image": image,
@@ -265,7 +268,7 @@ def _run(config: RunConfig) -> int:
 def _bench(config: BenchConfig) -> int:
     import vlm_focus as vf
 
-    from .timing import paired_seconds, prefill_fn, prefill_report
+    from .timing import prefill_fn, prefill_report, pruned_prefill_timing
 
     model, _, inputs, _, _, device = _load(config)
     print(
@@ -280,11 +283,9 @@ def _bench(config: BenchConfig) -> int:
             prefill_fn(model, inputs)()
         trace = handle.last_trace
         kept, total = trace.n_kept[0], trace.n_visual[0]
-        timing = None
-        if kept < total:
-            timing = paired_seconds(
-                prefill_fn(model, inputs), lambda f=focus: vf.wrap(model, f), repeats=config.repeats
-            )
+        timing = pruned_prefill_timing(
+            model, inputs, lambda f=focus: vf.wrap(model, f), kept, total, config.repeats
+        )
         print(f"keep={keep!s:<5} kept {kept:>4}/{total:<4} {prefill_report(timing, kept, total)}")
         if timing is not None and not timing.trusted:
             doubtful.append((keep, timing.warning()))

@@ -153,6 +153,17 @@ def _chat_text(processor: Any, prompt: str) -> str:
     return f"{token}\n{prompt}"
 
 
+def to_model(model: torch.nn.Module, inputs: Any) -> dict[str, Any]:
+    """``inputs`` on the model's device, floating-point tensors (pixels) in its dtype."""
+    weight = next(model.parameters())
+    return {
+        key: value.to(weight.device, weight.dtype if value.is_floating_point() else value.dtype)
+        if isinstance(value, torch.Tensor)
+        else value
+        for key, value in inputs.items()
+    }
+
+
 def decode_new_tokens(processor: Any, inputs: dict, sequences: torch.Tensor) -> list[str]:
     """The generated continuation of each row, as text."""
     new = sequences[:, inputs["input_ids"].shape[1] :]

@@ -61,8 +61,8 @@ class PairedTiming:
     def median_pair(self) -> int:
         """Index of the pair whose ratio is the median (the lower middle one for an even
         count): the pair that every reported number comes from."""
-        order = sorted(range(self.runs), key=lambda i: self.ratios[i])
-        return order[(self.runs - 1) // 2]
+        ratios = self.ratios
+        return sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]
 
     @property
     def ratio(self) -> float:
@@ -179,6 +179,22 @@ def paired_seconds(
 
 
 NOTHING_PRUNED = "nothing pruned: every visual token kept, no speed-up to measure"
+
+
+def pruned_prefill_timing(
+    model: torch.nn.Module,
+    inputs: dict,
+    pruned: Callable[[], AbstractContextManager],
+    n_kept: int,
+    n_visual: int,
+    repeats: int = 5,
+) -> PairedTiming | None:
+    """:func:`paired_seconds` of one prefill, unpruned and inside ``pruned()`` (e.g.
+    ``lambda: vf.wrap(model, focus)``); ``None`` when nothing is pruned, where a ratio of two
+    identical runs only measures noise."""
+    if n_kept >= n_visual:
+        return None
+    return paired_seconds(prefill_fn(model, inputs), pruned, repeats=repeats)
 
 
 def prefill_report(timing: PairedTiming | None, n_kept: int, n_visual: int) -> str:

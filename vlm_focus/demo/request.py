@@ -65,9 +65,9 @@ from ..grounding import (
     presence,
     presence_threshold,
 )
-from ..loading import build_inputs, decode_new_tokens
+from ..loading import build_inputs, decode_new_tokens, to_model
 from ..model_adapters import ImageLayout, get_adapter, supported_models
-from ..timing import PairedTiming, paired_seconds, prefill_fn, prefill_report
+from ..timing import PairedTiming, prefill_report, pruned_prefill_timing
 from .overlays import (
     draw_boxes,
     frame_strip,
@@ -363,12 +363,12 @@ def run_request(
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
-            inputs = _to_model(model, build_inputs(processor, picture, prompt))
+            inputs = to_model(model, build_inputs(processor, picture, prompt))
             generic = None
             contrast = None if mitigation == "none" else hal.get_mitigation(mitigation)
             if contrast is not None and contrast.generic_prompt is not None:
                 generic = build_inputs(processor, picture, contrast.generic_prompt)
-                generic = _to_model(model, generic)
+                generic = to_model(model, generic)
             options = dict(pruner=pruner, keep=keep, layer=layer, **own)
             result = _compute(
                 model, processor, picture, prompt, inputs, generic, options, mitigation,
@@ -384,19 +384,6 @@ def run_request(
         return DemoResult(ok=False, message=f"The request failed ({type(err).__name__}: {err}).")
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _to_model(model: nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    out = {}
-    for key, value in inputs.items():
-        if isinstance(value, torch.Tensor):
-            value = value.to(device)
-            if value.is_floating_point():
-                value = value.to(dtype)
-        out[key] = value
-    return out
 
 
 def _generate(
@@ -440,12 +427,14 @@ def _compute(
         if zoom:  # prune the full view, zoom on a second pass: both under the same wrap
             found = zm.look_closer(model, processor, picture, prompt, route="always",
                                    max_new_tokens=max_new_tokens)  # fmt: skip
-    n_kept, n_visual = trace.n_kept[0], trace.n_visual[0]
-    timing = None
-    if n_kept < n_visual:  # timing two identical runs measures noise
-        timing = paired_seconds(
-            prefill_fn(model, inputs), lambda: vf.wrap(model, **options), repeats=max(1, repeats)
-        )
+    timing = pruned_prefill_timing(
+        model,
+        inputs,
+        lambda: vf.wrap(model, **options),
+        trace.n_kept[0],
+        trace.n_visual[0],
+        max(1, repeats),
+    )
     answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
 
     image = np.asarray(picture, dtype=np.uint8)

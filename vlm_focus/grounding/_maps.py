@@ -434,7 +434,7 @@ def probe_forward(
             out = model(**inputs, use_cache=False)
         prefill = probe.prefill
     logits = getattr(out, "logits", None)
-    logits = None if logits is None else logits[:, -1].float().cpu()
+    logits = None if logits is None else logits[:, -1]  # on the device: read only if needed
     layout = prefill.layout(model, adapter)
     attn = getattr(adapter.decoder_layers(model)[layers[0]], adapter.attention)
     n_heads = probe.records[0].probs.shape[1] if probe.records else attn.config.num_attention_heads

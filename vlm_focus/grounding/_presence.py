@@ -70,7 +70,7 @@ def presence_from_logits(logits: torch.Tensor, tokenizer: Any) -> torch.Tensor:
 def presence(model: nn.Module, processor: Any, image: Any, phrases: Sequence[str]) -> list[float]:
     """The presence score of each phrase in one image (one batched forward pass of the
     presence questions; a phrase the tokenizer cannot spell scores 0 without a pass)."""
-    from ..loading import build_inputs  # the processor's chat format
+    from ..loading import build_inputs, to_model  # the processor's chat format
 
     phrases = list(phrases)
     for phrase in phrases:
@@ -80,14 +80,8 @@ def presence(model: nn.Module, processor: Any, image: Any, phrases: Sequence[str
     known = [i for i, p in enumerate(phrases) if not unknown_phrase(p, processor)]
     if not known:
         return scores
-    inputs = build_inputs(processor, [image] * len(known),
-                          [PRESENCE_PROMPT.format(phrase=phrases[i]) for i in known])  # fmt: skip
-    weight = next(model.parameters())
-    inputs = {
-        k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype)
-        if isinstance(v, torch.Tensor) else v
-        for k, v in inputs.items()
-    }  # fmt: skip
+    questions = [PRESENCE_PROMPT.format(phrase=phrases[i]) for i in known]
+    inputs = to_model(model, build_inputs(processor, [image] * len(known), questions))
     with torch.no_grad():
         logits = model(**inputs, use_cache=False).logits[:, -1]  # [B, V], left-padded rows
     for i, score in zip(known, presence_from_logits(logits, processor).tolist(), strict=True):
