@@ -88,12 +88,16 @@ def masked_reference(model, layers, trace):
 
 def fixation_reference(model, layers, first_layer, trace):
     """The unpruned model where, at decode step ``t``, every layer ``>= first_layer`` masks the
-    visual keys that ``trace.fixations[t]`` did not attend to (for that step only)."""
+    visual keys that ``trace.fixations[t]`` did not attend to (for that step only); in the
+    prompt, those layers mask what the prompt's stage dropped (``prefill_keep``), if any."""
     visual = [set(v.tolist()) for v in trace.visual_positions]
+    prompt = [visual[b] - set(k.tolist()) for b, k in enumerate(trace.stages[0].kept)]
 
     def dropped(index, call):
-        if index < first_layer or call["step"] < 0:
+        if index < first_layer:
             return None
+        if call["step"] < 0:
+            return prompt
         fixed = trace.fixations[call["step"]]
         return [visual[b] - set(f.tolist()) for b, f in enumerate(fixed)]
 

@@ -99,7 +99,7 @@ def test_fixation_follows_a_moving_peak_and_the_warm_start_stays_near():
     seq = 2 + 36 + 3
     visual = torch.zeros(1, seq, dtype=torch.bool)
     visual[0, image.positions] = True
-    fixation = StepFixation(LLAVA, [[image]], visual, [36], 1, "mean", refresh=3, radius=1)
+    fixation = StepFixation(LLAVA, [[image]], visual, [36], [36], 1, "mean", refresh=3, radius=1)
     layer = FakeLayer()
     hidden = torch.zeros(1, 1, 10)
     hidden[0, 0, 0] = 1.0  # q = e_0, so a key's logit is its first component
@@ -111,7 +111,7 @@ def test_fixation_follows_a_moving_peak_and_the_warm_start_stays_near():
         keys[0, 0, 2 + 2 * 6 + 2, 0] = 4.0  # a weaker blob in the middle
         fixation.begin_step(None)
         fixation.fixate(layer, hidden, {"position_embeddings": rope}, keys)
-        (kept,) = fixation.steps[-1].positions
+        (kept,) = torch.nonzero(fixation.kept_steps()[-1][0]).T
         picked.append(divmod(int(kept[0]) - 2, 6))
     assert picked[0] == (0, 0) and picked[1] == (0, 1)
     assert max(abs(picked[2][0] - 0), abs(picked[2][1] - 1)) <= 1  # stayed in the neighbourhood
@@ -120,6 +120,12 @@ def test_fixation_follows_a_moving_peak_and_the_warm_start_stays_near():
 
 def test_bad_options_are_named():
     model = make_model("llava")
+    with pytest.raises(ValueError, match=r"keep=0.5 per step exceeds prefill_keep=0.25"):
+        vf.wrap(model, pruner="fixation", keep=0.5, prefill_keep=0.25)
+    inputs = make_case("llava", "image", model)
+    with vf.wrap(model, pruner="fixation", keep=8, prefill_keep=0.25), torch.no_grad():
+        with pytest.raises(ValueError, match=r"keep=8 asks for more visual tokens per step"):
+            model(**inputs)
     with pytest.raises(ValueError, match="refresh=0 must be an int >= 1"):
         vf.wrap(model, pruner="fixation", refresh=0)
     with pytest.raises(ValueError, match="radius=-1 must be an int >= 0"):

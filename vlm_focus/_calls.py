@@ -38,6 +38,19 @@ def cache_length(cache: Any, layer: int = 0) -> int:
     return 0 if cache is None else int(cache.get_seq_length(layer))
 
 
+def is_static(cache: Any) -> bool:
+    """A preallocated cache (``StaticCache``): fixed-width buffers written at each layer's own
+    length, which lives on the device, with masks as wide as the buffers."""
+    return bool(getattr(cache, "is_compileable", False))
+
+
+def static_length(cache: Any, layer: int) -> torch.Tensor:
+    """How many slots layer ``layer`` of a static cache holds, as a 0-d device tensor (no host
+    read, so a compiled step stays one graph)."""
+    length = cache.layers[layer].get_seq_length()
+    return length if isinstance(length, torch.Tensor) else torch.tensor(length)
+
+
 def full_attention_mask(mask: Any) -> Any:
     """The mask of a call: a model that takes one mask per attention type (``generate()`` with
     a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen) gives its full one."""
@@ -71,12 +84,16 @@ class CallState:
     """What the top model saw in one forward call (prefill or one decode step).
 
     ``valid`` spans every key of the call in original positions (the prompt at full length,
-    then the generated tokens), ``past`` is how many of those precede this call's tokens."""
+    then the generated tokens), ``past`` is how many of those precede this call's tokens.
+
+    A decode step inside ``torch.compile`` (``compiled``) carries neither: both grow with every
+    step, so reading them would recompile the step each time (see ``CallTracker``)."""
 
     input_ids: torch.Tensor  # [B, T] the new tokens of this call
-    valid: torch.Tensor  # [B, past + T] bool, keys that are not padding
-    past: int
+    valid: torch.Tensor | None  # [B, past + T] bool, keys that are not padding
+    past: int | None
     inputs: dict[str, Any]
+    compiled: bool = False
 
 
 @dataclass
@@ -173,6 +190,9 @@ class CallTracker:
             kwargs.get(k) is not None for k in self.adapter.pixel_inputs
         )
         self.problem = None
+        if torch.compiler.is_compiling():
+            self._compiled_step(input_ids, cache, kwargs)
+            return
         if input_ids is None:
             self.call = None
             self.problem = "input_ids (not inputs_embeds)"
@@ -198,7 +218,7 @@ class CallTracker:
                         "length + max_new_tokens)"
                     )
                     return
-                last = mask[:, 0, -1, : past + new]
+                last = mask[:, 0, -1, : past + new].contiguous()
                 valid = last if last.dtype == torch.bool else last == 0
             else:
                 prompt = self.prefill.valid
@@ -229,6 +249,27 @@ class CallTracker:
                 inputs=inputs,
             )
             self._prefill_cache = None if cache is None else weakref.ref(cache)
+
+    def _compiled_step(self, input_ids: Any, cache: Any, kwargs: dict) -> None:
+        """A call traced by ``torch.compile``: one decode step on the static cache of the prompt
+        this tracker last saw (``generate()`` runs the prompt eagerly and compiles the steps).
+        A static cache's length lives on the device, so reading it would split the graph, and
+        a host count would change, and recompile, at every step: the step is recorded
+        without either."""
+        if (
+            input_ids is None
+            or input_ids.shape[1] != 1
+            or self.has_images
+            or not is_static(cache)
+            or self._prefill_cache is None
+            or self._prefill_cache() is not cache
+        ):
+            raise ValueError(
+                "vlm_focus under torch.compile runs one-token decode steps on a static cache "
+                "whose prompt ran uncompiled: use generate(..., cache_implementation='static', "
+                "compile_config=...), or compile only the calls after the prompt"
+            )
+        self.call = CallState(input_ids, None, None, kwargs, compiled=True)
 
     def _short_by(self, cache: Any) -> int:
         """How many prompt tokens layer 0's cache lacks (pruning before layer 0), so that a

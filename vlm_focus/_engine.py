@@ -35,7 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._calls import CACHE_KEYS, CallTracker, cache_length, cache_of, full_attention_mask
+from ._calls import (
+    CACHE_KEYS,
+    CallTracker,
+    cache_length,
+    cache_of,
+    is_static,
+    static_length,
+)
 from ._fixation import FixedView, StepFixation
 from ._select import keep_mask, kept_columns
 from .config import FocusConfig, keep_count
@@ -67,11 +74,10 @@ class _Prefill:
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (pruner="fixation")
     # A static cache: every layer writes at its own length into a buffer as wide as the cache,
-    # and every mask is that wide. Per stage, the mask column each buffer slot reads (once).
+    # and every mask is that wide. Per layer, the mask column each buffer slot reads in decode
+    # (built once, at the end of the prompt: a compiled step then only gathers).
     static: bool = False
-    static_cols: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     prefilling: bool = True  # the prompt's own call (False from the first decode step on)
     compact_mask: bool = False  # this decode step's mask spans layer 0's kept prompt (K = 0)
 
@@ -161,12 +167,6 @@ def _check_room(cache: Any, needed: int, prompt: int) -> None:
             f"{prompt} tokens and {needed - prompt} generated): build it with max_cache_len >= "
             "prompt length + max_new_tokens"
         )
-
-
-def _is_static(cache: Any) -> bool:
-    """A preallocated cache (``StaticCache``): fixed-width buffers written at each layer's own
-    length, with masks as wide as the buffers."""
-    return bool(getattr(cache, "is_compileable", False))
 
 
 class FocusEngine:
@@ -288,27 +288,35 @@ class FocusEngine:
             return args, kwargs
         state = self.state
         if state is not None and cache is not None and state.cache is not None:
-            if state.cache() is cache and cache_length(cache) > 0:
-                if state.static:
-                    _check_room(cache, call.past + call.input_ids.shape[1], state.full_len)
-                state.prefilling = False
-                state.memo.clear()  # slices of the last call only
-                state.inputs = {}  # pixel inputs served the prefill's stages; let them go
-                if state.fixation is not None:
-                    state.fixation.begin_step(call.valid)  # 2-D, whatever mask the call has
-                if self.first_layer == 0:
-                    kwargs = self._fill_decode_inputs(kwargs, call.input_ids, cache)
-                    mask = full_attention_mask(kwargs.get("attention_mask"))
-                    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-                        # generate() sized this static-cache mask by layer 0's short cache:
-                        # hand the decoder the 2-D mask instead, which it slices to layer 0's
-                        # kept prompt and builds a mask from that agrees with every layer
-                        kwargs = dict(kwargs)
-                        kwargs["attention_mask"] = call.valid.long()
-                return args, kwargs
+            if state.cache() is cache and (call.compiled or cache_length(cache) > 0):
+                return args, self._begin_decode_step(state, call, cache, kwargs)
+        if call.compiled:  # a compiled step after a text-only prompt: nothing is pruned
+            self.state = None
+            return args, kwargs
         # a text-only call passes through unpruned; a new prompt (empty cache) is the latest call
         self._pass_through(cache_length(cache) == 0)
         return args, kwargs
+
+    def _begin_decode_step(self, state: _Prefill, call: Any, cache: Any, kwargs: dict) -> dict:
+        """A decode step on the cache this prefill filled. On a static cache nothing here reads
+        a length from the device, so a compiled step stays one graph."""
+        if state.static and not call.compiled:
+            _check_room(cache, call.past + call.input_ids.shape[1], state.full_len)
+        state.prefilling = False
+        state.memo.clear()  # slices of the last call only
+        state.inputs = {}  # pixel inputs served the prefill's stages; let them go
+        if state.fixation is not None:
+            # which cached keys are padding, in the focal layer's columns (a 2-D mask, whatever
+            # mask the call has; a static cache's step pads the prompt's own)
+            state.fixation.begin_step(state.valid if state.static else call.valid)
+        if self.first_layer == 0 and kwargs.get("position_ids") is None:
+            if call.compiled:
+                raise ValueError(
+                    "vlm_focus with layer=0 under torch.compile needs the decode step's "
+                    "position_ids (generate() passes them)"
+                )
+            kwargs = self._fill_decode_inputs(kwargs, call.input_ids, cache)
+        return kwargs
 
     def _pass_through(self, new_prompt: bool) -> None:
         """A call without images: nothing is pruned. After a new prompt (empty cache)
@@ -350,8 +358,9 @@ class FocusEngine:
             )
         drops, counts, remaining = [], [], list(n_visual)
         for _, keep in self.config.stages:
+            keep = self.pruner.prefill_keep(keep)
             want = [r - min(r, keep_count(keep, n)) for r, n in zip(remaining, n_visual)]
-            drop = 0 if self.pruner.decode_time else min(want)
+            drop = min(want)
             drops.append(drop)
             counts.append(remaining)
             remaining = [r - drop for r in remaining]
@@ -380,6 +389,7 @@ class FocusEngine:
                 layout,
                 visual,
                 n_visual,
+                remaining,
                 self.config.stages[0][1],
                 self.config.reduce,
                 options.refresh,
@@ -391,8 +401,6 @@ class FocusEngine:
     def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Any) -> dict:
         """With K = 0 every cache is short, so a decode step without ``position_ids`` would be
         positioned from the short cache: supply the original positions (full prompt + step)."""
-        if kwargs.get("position_ids") is not None:
-            return kwargs
         state = self.state
         batch, n_new = input_ids.shape
         width = state.full_len + cache_length(cache) - state.per_layer[0].shape[1] + n_new
@@ -408,12 +416,18 @@ class FocusEngine:
         state = self.state if self._active else None
         mask = kwargs.get("attention_mask")
         cache = cache_of(kwargs)
-        if state is None or 0 not in state.per_layer or cache_length(cache) == 0:
+        if state is None or 0 not in state.per_layer:
+            return args, kwargs
+        if state.prefilling if state.static else cache_length(cache) == 0:
             return args, kwargs
         state.compact_mask = False
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             kept = state.per_layer[0]
-            if mask.shape[1] != cache_length(cache) + self._new_tokens(kwargs):
+            if state.static:  # layer 0's buffer holds its kept prompt (host counts, no read)
+                compact = kept.shape[1] != state.full_len
+            else:
+                compact = mask.shape[1] != cache_length(cache) + self._new_tokens(kwargs)
+            if compact:
                 state.compact_mask = True
                 kwargs = dict(kwargs)
                 kwargs["attention_mask"] = _gather_seq(
@@ -461,7 +475,7 @@ class FocusEngine:
             )
         if cache is not None and state.cache is None:
             state.cache = weakref.ref(cache)
-            state.static = _is_static(cache)
+            state.static = is_static(cache)
         cos, sin = kwargs["position_embeddings"]
         if index in self.stages:
             local = self._run_stage(index, layer, hidden, cos, sin)
@@ -505,6 +519,13 @@ class FocusEngine:
             )
         if index == len(self.layers) - 1:
             state.trace.sequence = current
+            if state.fixation is not None:  # its focal layer's cache holds the kept prompt
+                state.fixation.hold(state.per_layer[self.first_layer])
+            if state.static:
+                width = cache.layers[0].max_cache_len
+                self._build_static_columns(width)
+                if state.fixation is not None:
+                    state.fixation.record_into(width - current.shape[1])
         return hidden, kwargs
 
     def _fixated_layer(
@@ -518,16 +539,17 @@ class FocusEngine:
             return kwargs
         if fixation.columns is None:
             keys = cache.layers[index].keys  # [B, Hkv, L, D], before this step's token
-            if self.state.static:  # a preallocated buffer: only its first L slots are written
-                keys = keys[:, :, : cache_length(cache, index)]
-            fixation.fixate(layer, hidden, kwargs, keys)
+            if self.state.static:  # the whole buffer, its first `length` slots written
+                fixation.fixate_static(layer, hidden, kwargs, keys, static_length(cache, index))
+            else:
+                fixation.fixate(layer, hidden, kwargs, keys)
         columns = fixation.columns
+        mask = self._decode_layer(index, hidden, kwargs, cache).get("attention_mask")
         kwargs = dict(kwargs)
         for key in CACHE_KEYS:
             if kwargs.get(key) is not None:
                 kwargs[key] = FixedView(kwargs[key], columns)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
+        if isinstance(mask, torch.Tensor):  # the layer's own columns, then the step's
             kwargs["attention_mask"] = self._once(
                 "fixed_mask", mask, columns, lambda: _slice_mask(mask, None, _on(columns, mask))
             )
@@ -571,25 +593,30 @@ class FocusEngine:
         cols = _static_columns(_on(current, mask), self.state.full_len, width)
         return _static_mask(mask, _on(current, mask), cols)
 
+    def _build_static_columns(self, width: int) -> None:
+        """At the end of a prompt on a static cache: per hooked layer, the mask column each
+        slot of its buffer reads in decode. A decode mask spans the original prompt, or layer
+        0's kept prompt with K = 0 (layer 0's short cache sizes it); the layers of a stage
+        share one map."""
+        state = self.state
+        compact = self.first_layer == 0
+        prompt = state.per_layer[0].shape[1] if compact else state.full_len
+        built: dict[int, torch.Tensor] = {}
+        for index in range(self.first_layer, len(self.layers)):
+            held = state.decode_cols[index] if compact else state.per_layer[index]
+            if id(held) not in built:
+                built[id(held)] = _static_columns(held, prompt, width)
+            state.static_cols[index] = built[id(held)]
+
     def _static_decode_mask(self, index: int, mask: Any) -> torch.Tensor:
         """A decode step's mask for a layer's static buffer: slot ``j`` reads the column of
-        the token stored there (the slot-to-column map is built once per prefill)."""
-        state = self.state
+        the token stored there."""
         if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
             raise ValueError(
                 "vlm_focus with a static cache needs the 4-D attention mask the model builds "
                 "for it (use attn_implementation='sdpa' or 'eager')"
             )
-        # the mask spans the original prompt, or layer 0's kept prompt when the decoder hook
-        # sliced a 2-D mask (K = 0); the layers of a stage share one held tensor, so one map
-        held = state.decode_cols[index] if state.compact_mask else state.per_layer[index]
-        key = (state.compact_mask, id(held))
-        hit = state.static_cols.get(key)
-        if hit is None or hit[0] is not held:
-            prompt = state.per_layer[0].shape[1] if state.compact_mask else state.full_len
-            hit = (held, _static_columns(_on(held, mask), prompt, mask.shape[-1]))
-            state.static_cols[key] = hit
-        cols = hit[1]
+        cols = _on(self.state.static_cols[index], mask)
         return self._once("decode_mask", mask, cols, lambda: _static_mask(mask, None, cols))
 
     def _decode_layer(self, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any) -> dict:

@@ -9,8 +9,6 @@ only the kept columns, gathered, with the mask sliced to match.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -22,20 +20,6 @@ from ._select import keep_mask, kept_columns
 from .config import keep_count
 from .kernels import per_query_attention
 from .model_adapters import ImageLayout, ModelAdapter
-
-
-@dataclass
-class FixationStep:
-    """One decoding step: ``keep [B, L]`` over the cached columns, ``visual [B, L]``."""
-
-    keep: torch.Tensor
-    visual: torch.Tensor
-
-    @cached_property
-    def positions(self) -> list[torch.Tensor]:
-        """Per row, the original positions of the visual tokens this step attended to."""
-        keep, visual = self.keep.cpu(), self.visual.cpu()
-        return [torch.nonzero(k & v).flatten() for k, v in zip(keep, visual, strict=True)]
 
 
 def _canvas_index(
@@ -86,26 +70,80 @@ class StepFixation:
         layout: list[list[ImageLayout]],
         visual: torch.Tensor,
         n_visual: list[int],
+        held: list[int],
         keep: float | int,
         reduce: str,
         refresh: int,
         radius: int,
     ) -> None:
+        """``n_visual``: each row's visual tokens; ``held``: how many of them the prompt kept
+        (all, unless ``prefill_keep`` pruned it); each step keeps ``keep`` of ``n_visual``."""
         self.adapter = adapter
-        self.visual = visual  # [B, S] prompt visual tokens
-        self.drop = min(n - keep_count(keep, n) for n in n_visual) if n_visual else 0
+        self.visual = visual  # [B, S] prompt visual tokens, in the focal layer's cache columns
+        drops = [h - keep_count(keep, n) for n, h in zip(n_visual, held, strict=True)]
+        if drops and min(drops) < 0:
+            raise ValueError(
+                f"pruner='fixation': keep={keep!r} asks for more visual tokens per step than "
+                f"the prompt keeps ({min(held)} of {max(n_visual)}); keep <= prefill_keep"
+            )
+        self.drop = min(drops) if drops else 0
         self.reduce, self.refresh, self.radius = reduce, refresh, radius
         index, self.canvas = _canvas_index(layout, tuple(visual.shape))
         self.canvas_index = index.to(visual.device)
-        self.step = -1
-        self.previous: torch.Tensor | None = None  # [B, S] last step's kept visual tokens
+        self.held: torch.Tensor | None = None  # [B, S'] original position of each column
+        self.prompt_len = visual.shape[1]
+        self.pruned_prompt = False
+        # The step count and the last fixation live on the device: a compiled step would
+        # otherwise specialise on the count, and recompile, at every step.
+        self.step = torch.full((), -1, dtype=torch.long, device=visual.device)
+        self.previous = torch.zeros_like(visual)  # [B, S] last step's kept visual tokens
         self.columns: torch.Tensor | None = None  # [B, L - drop + 1] what this step reads
         self.key_mask: torch.Tensor | None = None  # [B, L + 1] this step's 2-D attention mask
-        self.steps: list[FixationStep] = []
+        self._kept: list[torch.Tensor] = []  # per step, its kept visual tokens [B, S]
+        self._record: torch.Tensor | None = None  # a static cache's [steps, B, S] instead
+
+    def hold(self, held: torch.Tensor) -> None:
+        """The prompt is in: the focal layer's cache holds the original positions ``held``
+        ``[B, S']`` (all of them unless the prompt was pruned); work in its columns."""
+        self.held = held.to(self.visual.device)
+        self.pruned_prompt = held.shape[1] != self.prompt_len
+        if self.pruned_prompt:
+            self.visual = self.visual.gather(1, self.held)
+            self.canvas_index = self.canvas_index.gather(1, self.held)
+            self.previous = torch.zeros_like(self.visual)
+
+    def record_into(self, steps: int) -> None:
+        """Record the kept tokens of up to ``steps`` decoding steps in one preallocated
+        buffer (a static cache: a list that grows would recompile a compiled step)."""
+        self._record = torch.zeros((steps, *self.visual.shape), dtype=torch.bool)
+        self._record = self._record.to(self.visual.device)
+
+    def kept_steps(self) -> list[torch.Tensor]:
+        """Per decoding step so far, ``[B, S']`` bool over the prompt the focal layer holds:
+        the visual tokens it attended to."""
+        if self._record is None:
+            return list(self._kept)
+        return list(self._record[: int(self.step) + 1])
+
+    def fixated_positions(self) -> list[list[torch.Tensor]]:
+        """Per decoding step, per row: the original positions of the visual tokens it read."""
+        held = None if self.held is None else self.held.cpu()
+        out = []
+        for step in self.kept_steps():
+            rows = [torch.nonzero(row).flatten() for row in step.cpu()]
+            out.append(rows if held is None else [h[r] for h, r in zip(held, rows, strict=True)])
+        return out
 
     def begin_step(self, key_mask: torch.Tensor | None) -> None:
-        self.step += 1
-        self.columns, self.key_mask = None, key_mask
+        """A decoding step starts; ``key_mask`` (``[B, S + t]`` in original positions, or the
+        prompt's ``[B, S]`` for a static cache, or None) says which keys are padding."""
+        self.step.add_(1)
+        self.columns = None
+        if key_mask is not None and self.pruned_prompt:  # to the focal layer's columns
+            held = self.held.to(key_mask.device)
+            tail = torch.arange(self.prompt_len, key_mask.shape[1], device=key_mask.device)
+            key_mask = key_mask.gather(1, torch.cat([held, tail.expand(held.shape[0], -1)], 1))
+        self.key_mask = key_mask
 
     def fixate(
         self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict, keys: torch.Tensor
@@ -113,6 +151,47 @@ class StepFixation:
         """Score the cached keys ``[B, Hkv, L, D]`` with this step's (one) query at the focal
         layer; returns the columns every layer ``>= K`` reads this step, ``[B, L - drop + 1]``:
         the kept cached ones (text and generated always), then the step's own token at ``L``."""
+        batch, length = keys.shape[0], keys.shape[2]
+        key_mask = self.key_mask
+        if key_mask is None:
+            key_mask = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
+        keep = self._select(layer, hidden, kwargs, keys, key_mask[:, :length].bool())
+        own = torch.full((batch, 1), length, device=keys.device)
+        self.columns = torch.cat([kept_columns(keep, length - self.drop), own], dim=1)
+        return self.columns
+
+    def fixate_static(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        kwargs: dict,
+        keys: torch.Tensor,
+        length: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`fixate` on a static cache's whole buffer ``[B, Hkv, W, D]``, of which the
+        first ``length`` slots (a 0-d device tensor) are written: shapes stay fixed from step
+        to step, and nothing is read to the host. The step's own token goes to slot
+        ``length``; like every slot that is not visual it stays among the ``[B, W - drop]``
+        columns returned (the step's mask hides the empty ones)."""
+        width = keys.shape[2]
+        written = torch.arange(width, device=keys.device) < length.to(keys.device)
+        prompt = F.pad(
+            self.key_mask.to(keys.device), (0, width - self.key_mask.shape[1]), value=True
+        )
+        keep = self._select(layer, hidden, kwargs, keys, prompt & written)
+        self.columns = kept_columns(keep, width - self.drop)
+        return self.columns
+
+    def _select(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        kwargs: dict,
+        keys: torch.Tensor,
+        key_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[B, L]`` bool: the columns this step keeps, every one but the ``drop`` visual
+        tokens its query attends to least (``key_mask`` names the keys it may attend to)."""
         attn = getattr(layer, self.adapter.attention)
         norm = getattr(layer, self.adapter.input_norm)
         batch, length = keys.shape[0], keys.shape[2]
@@ -120,29 +199,27 @@ class StepFixation:
         q, _ = self.adapter.project_qk(attn, normed, normed)  # one token: k is as cheap
         cos, sin = kwargs["position_embeddings"]
         q = apply_rope(q, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
-        key_mask = self.key_mask
-        if key_mask is None:
-            key_mask = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
         scores = per_query_attention(
             q,
             keys,
             scaling=attn.scaling,
-            key_mask=key_mask[:, :length].bool().to(keys.device),
-            query_pos=torch.full((batch, 1), length - 1, device=keys.device),
+            key_mask=key_mask.to(keys.device),
+            query_pos=torch.full((batch, 1), length, device=keys.device),
             reduce=self.reduce,
         )[:, 0]  # [B, L]
         seq = self.visual.shape[1]
         visual = F.pad(self.visual.to(keys.device), (0, length - seq))  # generated: not visual
-        warm = self.refresh > 1 and self.step % self.refresh != 0 and self.previous is not None
-        if warm:  # only the last fixation's neighbourhood competes
+        if self.refresh > 1:  # between refreshes only the last fixation's neighbourhood competes
+            warm = (self.step % self.refresh != 0).to(keys.device)  # step 0 always refreshes
             allowed = F.pad(self.neighbourhood(self.previous), (0, length - seq))
-            scores = scores.masked_fill(visual & ~allowed.to(keys.device), -1.0)
+            scores = scores.masked_fill(warm & visual & ~allowed.to(keys.device), -1.0)
         keep = keep_mask(scores, visual, self.drop)
         self.previous = (keep[:, :seq] & visual[:, :seq]).to(self.visual.device)
-        self.steps.append(FixationStep(keep, visual))
-        own = torch.full((batch, 1), length, device=keys.device)
-        self.columns = torch.cat([kept_columns(keep, length - self.drop), own], dim=1)
-        return self.columns
+        if self._record is None:
+            self._kept.append(self.previous)
+        else:
+            self._record.index_copy_(0, self.step.view(1), self.previous[None])
+        return keep
 
     def neighbourhood(self, kept: torch.Tensor) -> torch.Tensor:
         """``[B, S]`` bool: visual tokens within ``radius`` grid cells (Chebyshev) of a kept

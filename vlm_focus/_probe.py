@@ -181,6 +181,11 @@ def layer_view(
         if tracker.problem is not None:
             raise ValueError(f"attention probes and biases need {tracker.problem}")
         return None
+    if call.compiled:
+        raise ValueError(
+            "attention probes and biases read host-side lengths at every step and do not run "
+            "inside torch.compile; run them uncompiled"
+        )
     if call.past > 0 and tracker.fixating():
         raise ValueError(
             "attention probes and biases do not read the decoding steps of pruner='fixation' "

@@ -107,7 +107,7 @@ class FocusTrace:
         original positions of the visual tokens that step attended to; ``[]`` otherwise."""
         if self.fixation is None:
             return []
-        return [step.positions for step in self.fixation.steps]
+        return self.fixation.fixated_positions()
 
     @cached_property
     def visual_positions(self) -> list[torch.Tensor]:

@@ -58,13 +58,16 @@ def deepstack_hooks(
             features = call["embeds"][index].to(hidden.device, hidden.dtype)
             hidden = hidden.clone()
             hidden[mask, :] = hidden[mask, :] + features[row_of[mask]]
+            if index == last:  # the decode steps after this prompt then find nothing held
+                call.clear()
             return hidden
 
         return hook
 
     handles = [decoder.register_forward_pre_hook(take_deepstack, with_kwargs=True)]
     n_deepstack = len(getattr(model.config.vision_config, "deepstack_visual_indexes", ()) or ())
-    for index in range(min(n_deepstack, len(layers))):
+    last = min(n_deepstack, len(layers)) - 1
+    for index in range(last + 1):
         handles.append(layers[index].register_forward_hook(add_after(index)))
     return handles
 

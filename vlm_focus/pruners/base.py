@@ -179,8 +179,8 @@ class Pruner:
     #: True when the scores are LLM attention from :meth:`StageContext.attention_scores`
     #: (such pruners can be wrapped by ``debiased``).
     attention_based: ClassVar[bool] = False
-    #: True for a decode-time pruner: prefill keeps every token and the engine selects per
-    #: decoding step (``fixation``); ``select`` is then never called.
+    #: True for a decode-time pruner: the engine selects per decoding step (``fixation``);
+    #: the prompt keeps :meth:`prefill_keep` of the visual tokens, chosen by :meth:`select`.
     decode_time: ClassVar[bool] = False
 
     def __init__(self, config: FocusConfig, options: Any) -> None:
@@ -195,6 +195,11 @@ class Pruner:
         """Called once by ``wrap()``: register any hooks the pruner needs outside the decoder
         (e.g. on the vision tower) and return their handles; ``remove()`` removes them."""
         return []
+
+    def prefill_keep(self, keep: float | int) -> float | int:
+        """What the prompt keeps at a stage whose ``keep`` is given (a decode-time pruner's
+        ``keep`` is per decoding step, and its prompt keeps its own share)."""
+        return keep
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         raise NotImplementedError
