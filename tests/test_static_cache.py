@@ -110,6 +110,30 @@ def test_a_static_cache_the_caller_builds():
         _check("llava", "sdpa", 2, layer, cache=build)
 
 
+def test_pruned_layers_hold_buffers_only_as_wide_as_what_they_keep():
+    model = make_model("llava")
+    inputs = make_case("llava", "image", model, batch=2)
+    prompt = inputs["input_ids"].shape[1]
+    cache = StaticCache(config=model.config.get_text_config(), max_cache_len=prompt + STEPS)
+    handle = vf.wrap(model, keep=(0.5, 0.25), layer=(1, 2), pruner="fastv")
+    with torch.no_grad():
+        _generate(model, inputs, cache=cache)
+    first, second = handle.last_trace.stages
+    dropped = [
+        int(first.keep.logical_not().sum(1).min()),
+        int(second.keep.logical_not().sum(1).min()),
+    ]
+    widths = [layer.keys.shape[2] for layer in cache.layers]
+    assert widths[0] == prompt + STEPS  # layer 0 sizes every mask
+    assert widths[1] == prompt + STEPS - dropped[0]
+    assert widths[2:] == [prompt + STEPS - sum(dropped)] * (len(widths) - 2)
+    handle.remove()  # the cache is whole again, for the unwrapped model
+    assert {layer.max_cache_len for layer in cache.layers} == {prompt + STEPS}
+    cache.reset()
+    with torch.no_grad():
+        model(**inputs, cache=cache, use_cache=True)
+
+
 def test_a_static_cache_too_short_says_the_size_needed():
     model = make_model("llava")
     inputs = make_case("llava", "image", model, batch=2)

@@ -139,12 +139,12 @@ def _decode_columns(kept: torch.Tensor, full_len: int, width: int) -> torch.Tens
     return torch.cat([kept, tail], dim=1)
 
 
-def _static_columns(held: torch.Tensor, prompt: int, width: int) -> torch.Tensor:
-    """``[B, width]``: the mask column that slot ``j`` of a static buffer holding ``held``
-    (``[B, S']`` prompt columns) reads: ``held[j]`` for the prompt, then ``prompt + (j - S')``
-    for the tokens generated after it. Slots past the mask point at column ``width``, a masked
-    column :func:`_static_mask` appends."""
-    tail = torch.arange(prompt, prompt + width - held.shape[1], device=held.device)
+def _static_columns(held: torch.Tensor, prompt: int, slots: int, width: int) -> torch.Tensor:
+    """``[B, slots]``: the column of a ``width``-wide mask that slot ``j`` of a static buffer
+    holding ``held`` (``[B, S']`` prompt columns) reads: ``held[j]`` for the prompt, then
+    ``prompt + (j - S')`` for the tokens generated after it. Slots past the mask point at
+    column ``width``, a masked column :func:`_static_mask` appends."""
+    tail = torch.arange(prompt, prompt + slots - held.shape[1], device=held.device)
     cols = torch.cat([held, tail.expand(held.shape[0], -1)], dim=1)
     return cols.clamp(max=width)
 
@@ -155,6 +155,16 @@ def _static_mask(mask: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tens
     blocked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
     pad = mask.new_full((*mask.shape[:-1], 1), blocked)
     return _slice_mask(torch.cat([mask, pad], dim=-1), rows, cols)
+
+
+def _resize(layer: Any, slots: int) -> None:
+    """Give a static cache layer ``slots`` slots; its buffers are allocated again, empty, at
+    its next write (the prompt's, on a cache that holds nothing yet)."""
+    if layer.max_cache_len != slots:
+        layer.max_cache_len = slots
+        if layer.is_initialized:
+            layer.keys = layer.values = None
+            layer.is_initialized = False
 
 
 def _check_room(cache: Any, needed: int, prompt: int) -> None:
@@ -185,6 +195,7 @@ class FocusEngine:
         self.state: _Prefill | None = None
         self.last_trace: FocusTrace | None = None
         self._hooks: list[Any] = []
+        self._static_caches: weakref.WeakSet = weakref.WeakSet()  # whose buffers it resized
         self.tracker: CallTracker | None = None
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
         self._flash = attn.startswith("flash")
@@ -231,6 +242,10 @@ class FocusEngine:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for cache in list(self._static_caches):  # give pruned layers their full width back
+            room = cache.layers[0].max_cache_len
+            for layer in cache.layers:
+                _resize(layer, room)
         if self.tracker is not None:
             if self.tracker.engine is self:
                 self.tracker.engine = None
@@ -365,6 +380,8 @@ class FocusEngine:
             counts.append(remaining)
             remaining = [r - drop for r in remaining]
         batch, seq = input_ids.shape
+        if is_static(cache):
+            self._fit_static_buffers(cache, seq, drops)
         trace = FocusTrace(n_visual=n_visual, visual=visual)
         self.state = _Prefill(
             layout=layout,
@@ -397,6 +414,23 @@ class FocusEngine:
             )
             trace.fixation = self.state.fixation
         self.last_trace = trace
+
+    def _fit_static_buffers(self, cache: Any, seq: int, drops: list[int]) -> None:
+        """Size each pruned layer's static buffer to what it holds: its kept prompt and the
+        tokens generated after it (the room the cache leaves past the prompt). Attention in
+        decode then reads only those slots. Layer 0 keeps the cache's width: the model sizes
+        every mask by it."""
+        room = cache.layers[0].max_cache_len
+        if room is None or room < seq:
+            return  # too short for the prompt: the prompt's mask check says so
+        held, stage = seq, 0
+        stages = [layer for layer, _ in self.config.stages]
+        for index in range(1, len(cache.layers)):
+            while stage < len(stages) and stages[stage] <= index:
+                held -= drops[stage]
+                stage += 1
+            _resize(cache.layers[index], held + room - seq)
+        self._static_caches.add(cache)
 
     def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Any) -> dict:
         """With K = 0 every cache is short, so a decode step without ``position_ids`` would be
@@ -493,8 +527,12 @@ class FocusEngine:
         )
         mask = kwargs.get("attention_mask")
         if state.static:
+            slots = cache.layers[index].max_cache_len
             kwargs["attention_mask"] = self._once(
-                "mask", mask, current, lambda: self._static_prefill_mask(mask, current)
+                f"mask{slots}",
+                mask,
+                current,
+                lambda: self._static_prefill_mask(mask, current, slots),
             )
         else:
             kwargs["attention_mask"] = self._once(
@@ -522,10 +560,9 @@ class FocusEngine:
             if state.fixation is not None:  # its focal layer's cache holds the kept prompt
                 state.fixation.hold(state.per_layer[self.first_layer])
             if state.static:
-                width = cache.layers[0].max_cache_len
-                self._build_static_columns(width)
+                self._build_static_columns(cache)
                 if state.fixation is not None:
-                    state.fixation.record_into(width - current.shape[1])
+                    state.fixation.record_into(cache.layers[0].max_cache_len - state.full_len)
         return hidden, kwargs
 
     def _fixated_layer(
@@ -572,10 +609,12 @@ class FocusEngine:
         memo[name] = (source, current, value)
         return value
 
-    def _static_prefill_mask(self, mask: Any, current: torch.Tensor) -> torch.Tensor | None:
-        """The prefill mask of a layer holding ``current`` in a static buffer: its rows, and
-        per slot the column it reads. Without a mask (SDPA, no padding) the layer's causal
-        attention is aligned to its first slot, which already matches its kept tokens."""
+    def _static_prefill_mask(
+        self, mask: Any, current: torch.Tensor, slots: int
+    ) -> torch.Tensor | None:
+        """The prefill mask of a layer holding ``current`` in a static buffer of ``slots``:
+        its rows, and per slot the column it reads. Without a mask (SDPA, no padding) the
+        layer's causal attention is aligned to its first slot, which matches its kept tokens."""
         if mask is None:
             return None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
@@ -590,10 +629,10 @@ class FocusEngine:
                 f"{self.state.full_len}: build it with max_cache_len >= prompt length + "
                 "max_new_tokens"
             )
-        cols = _static_columns(_on(current, mask), self.state.full_len, width)
+        cols = _static_columns(_on(current, mask), self.state.full_len, slots, width)
         return _static_mask(mask, _on(current, mask), cols)
 
-    def _build_static_columns(self, width: int) -> None:
+    def _build_static_columns(self, cache: Any) -> None:
         """At the end of a prompt on a static cache: per hooked layer, the mask column each
         slot of its buffer reads in decode. A decode mask spans the original prompt, or layer
         0's kept prompt with K = 0 (layer 0's short cache sizes it); the layers of a stage
@@ -601,12 +640,14 @@ class FocusEngine:
         state = self.state
         compact = self.first_layer == 0
         prompt = state.per_layer[0].shape[1] if compact else state.full_len
-        built: dict[int, torch.Tensor] = {}
+        width = cache.layers[0].max_cache_len  # every decode mask's
+        built: dict[tuple[int, int], torch.Tensor] = {}
         for index in range(self.first_layer, len(self.layers)):
             held = state.decode_cols[index] if compact else state.per_layer[index]
-            if id(held) not in built:
-                built[id(held)] = _static_columns(held, prompt, width)
-            state.static_cols[index] = built[id(held)]
+            key = (id(held), cache.layers[index].max_cache_len)
+            if key not in built:
+                built[key] = _static_columns(held, prompt, key[1], width)
+            state.static_cols[index] = built[key]
 
     def _static_decode_mask(self, index: int, mask: Any) -> torch.Tensor:
         """A decode step's mask for a layer's static buffer: slot ``j`` reads the column of
