@@ -1,8 +1,10 @@
 """The GPU checks of one lent device, as one script: prefill and generate() ratios of a
 random-weight 7B-shaped LLaVA (bf16, SDPA) at 576 and 2,880 visual tokens, batch 1 and 8,
-pruned (fastv, keep 0.25, K = 2) against unpruned, and fixation's decode speed, in one run.
+pruned (fastv, keep 0.25, K = 2) against unpruned; then ``decode.py``'s fast-decoding rows at
+8,192 visual tokens, batch 1 and 8: the static cache eager and compiled with CUDA graphs
+(``mode="reduce-overhead"``), for fastv, fixation and the hooks alone, in one run.
 
-    python benchmarks/gpu_round.py [--out benchmarks/results] [--tiny]
+    python benchmarks/gpu_round.py [--out benchmarks/results] [--tiny] [--no-decode]
 
 ``--tiny`` shrinks the model so that the script itself can be checked on a CPU; the numbers
 then mean nothing. The rest of a device round: ``python -m pytest -m gpu -q`` and
@@ -17,6 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
+import decode
 import prefill
 import torch
 
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--no-decode", action="store_true", help="skip decode.py's rows")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -109,6 +113,12 @@ def main() -> None:
     (args.out / ("gpu_round.json" if cuda and not args.tiny else "gpu_round_dry.json")).write_text(
         json.dumps(result, indent=1)
     )
+    if not args.no_decode:
+        visual = [8192] if cuda and not args.tiny else [64]
+        decode_out = args.out if cuda and not args.tiny else args.out / "gpu_round_dry"
+        decode.run_grid(
+            visual, [1, 8], ["static", "compiled"], list(decode.SETTINGS), 3, 32, decode_out
+        )
 
 
 if __name__ == "__main__":

@@ -53,9 +53,11 @@ class FixedView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = self._cache.update(key_states, value_states, *args, **kwargs)
-        index = self._columns.to(keys.device)[:, None, :, None]  # [B, 1, L', 1]
-        shape = (keys.shape[0], keys.shape[1], index.shape[2], keys.shape[3])
-        return keys.gather(2, index.expand(shape)), values.gather(2, index.expand(shape))
+        columns = self._columns.to(keys.device)  # [B, L']
+        rows = torch.arange(columns.shape[0], device=keys.device)[:, None]
+        # whole head_dim rows per index ([B, L', H, D], then heads first): a CPU gather over an
+        # index expanded to every element is several times slower
+        return keys[rows, :, columns].transpose(1, 2), values[rows, :, columns].transpose(1, 2)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
@@ -96,6 +98,7 @@ class StepFixation:
         # The step count and the last fixation live on the device: a compiled step would
         # otherwise specialise on the count, and recompile, at every step.
         self.step = torch.full((), -1, dtype=torch.long, device=visual.device)
+        torch._dynamo.mark_static_address(self.step)  # mutated in place: CUDA graphs keep it
         self.previous = torch.zeros_like(visual)  # [B, S] last step's kept visual tokens
         self.columns: torch.Tensor | None = None  # [B, L - drop + 1] what this step reads
         self.key_mask: torch.Tensor | None = None  # [B, L + 1] this step's 2-D attention mask
@@ -117,6 +120,7 @@ class StepFixation:
         buffer (a static cache: a list that grows would recompile a compiled step)."""
         self._record = torch.zeros((steps, *self.visual.shape), dtype=torch.bool)
         self._record = self._record.to(self.visual.device)
+        torch._dynamo.mark_static_address(self._record)
 
     def kept_steps(self) -> list[torch.Tensor]:
         """Per decoding step so far, ``[B, S']`` bool over the prompt the focal layer holds:
