@@ -14,38 +14,21 @@ import argparse
 
 import torch
 from decode import SETTINGS, batch_inputs
-from fixation_decode import build_model
+from fixation_decode import build_model, decode_loop
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache, StaticCache
 
 
 def profiled_steps(model, inputs: dict, cache_kind: str, steps: int):
     """Prefill (not profiled), then ``steps`` greedy decode steps under the profiler."""
-    model.model.rope_deltas = None
-    text = model.config.get_text_config()
     width = inputs["input_ids"].shape[1] + steps + 1
+    text = model.config.get_text_config()
     cache = (
         StaticCache(config=text, max_cache_len=width) if cache_kind == "static" else DynamicCache()
     )
-    with torch.inference_mode():
-        out = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
-        mask = inputs["attention_mask"]
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        delta = model.model.rope_deltas
-        position = mask.shape[1] + (0 if delta is None else delta)  # M-RoPE, as generate()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-                ids = torch.as_tensor(position).view(-1, 1).expand(token.shape[0], 1)
-                out = model(
-                    input_ids=token,
-                    attention_mask=mask,
-                    cache=cache,
-                    position_ids=ids[None].expand(3, -1, -1),
-                    logits_to_keep=1,
-                )
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                position = position + 1
+    run = decode_loop(model, inputs, steps, cache)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
     return prof
 
 

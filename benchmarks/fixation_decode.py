@@ -85,28 +85,43 @@ def build_inputs(n_visual: int) -> dict:
     return inputs
 
 
-def decode_seconds(model, inputs: dict) -> float:
+def decode_loop(model, inputs: dict, steps: int, cache=None):
+    """Run the prompt (on ``cache``, default a new dynamic one) and return a function that
+    decodes ``steps`` greedy tokens after it, one direct call each, so that a caller can time
+    or profile the steps alone."""
     model.model.rope_deltas = None  # Qwen keeps the last image prompt's; a text prompt has none
     with torch.inference_mode():
-        out = model(**inputs, use_cache=True, logits_to_keep=1)
-        cache, mask = out.cache, inputs["attention_mask"]
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        delta = model.model.rope_deltas
-        for _ in range(STEPS):
-            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            # Qwen positions a direct decode call over the whole mask: pass the step's M-RoPE
-            # position as generate() does (cache length + the prompt's rope delta).
-            position = torch.tensor([[cache.get_seq_length()]]) + (0 if delta is None else delta)
-            out = model(
-                input_ids=token,
-                attention_mask=mask,
-                cache=cache,
-                position_ids=position[None].expand(3, -1, -1),
-                logits_to_keep=1,
-            )
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - start
+        out = model(**inputs, use_cache=True, logits_to_keep=1, cache=cache)
+    state = {"cache": out.cache, "mask": inputs["attention_mask"]}
+    state["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
+    # Qwen positions a direct decode call over the whole mask: pass each step's M-RoPE
+    # position as generate() does (the prompt length + its rope delta, then one per step)
+    delta = model.model.rope_deltas
+    start = state["mask"].shape[1] + (0 if delta is None else delta)
+
+    def run() -> None:
+        token, mask = state["token"], state["mask"]
+        with torch.inference_mode():
+            for step in range(steps):
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                position = torch.as_tensor(start + step).view(-1, 1).expand(token.shape[0], 1)
+                out = model(
+                    input_ids=token,
+                    attention_mask=mask,
+                    cache=state["cache"],
+                    position_ids=position[None].expand(3, -1, -1),
+                    logits_to_keep=1,
+                )
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return run
+
+
+def decode_seconds(model, inputs: dict) -> float:
+    run = decode_loop(model, inputs, STEPS)
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def main() -> None:

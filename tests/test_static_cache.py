@@ -76,7 +76,7 @@ def test_static_cache_at_batch_one(kind):
     _check(kind, "sdpa", 1, 2)
 
 
-@pytest.mark.parametrize("pruner", ["pyramid", "random"])
+@pytest.mark.parametrize("pruner", ["pyramid", "random", "debiased", "diverse", "pool", "text"])
 def test_static_cache_with_other_pruners(pruner):
     _check("qwen2_5_vl", "sdpa", 2, 0, pruner=pruner)
 
