@@ -13,6 +13,11 @@ hands the same objects to every layer. So:
   ``kept ++ [S, S + t)``. With ``K = 0`` every cache is short, so the decoder's 2-D mask is
   sliced before it builds its masks, and missing decode positions are filled from the full mask.
 
+A static cache (``StaticCache``) keeps its lengths on the device, so no step reads them: the
+prompt sizes each pruned layer's buffer to its kept prompt plus the room left for generated
+tokens and builds, per layer, the mask column each buffer slot reads; a decode step then only
+gathers, which lets ``torch.compile`` trace it as one graph that no step recompiles.
+
 Batches: every row drops the same number of visual tokens (the smallest number any row asks to
 drop), so all rows keep one common length and no row keeps fewer tokens than ``keep`` asks.
 
