@@ -43,7 +43,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import vlm_focus as vf
 from vlm_focus.config import keep_count
-from vlm_focus.timing import PairedTiming
+from vlm_focus.timing import alternate
 
 
 @dataclass(frozen=True)
@@ -132,19 +132,15 @@ def bytes_bound(
 
 
 def measure(model, inputs, setting: Setting, mode: str, steps: int, pairs: int, cuda: bool):
+    """Paired decode seconds, unpruned and wrapped, in ABBA order; the warm-up run of each
+    side compiles and fills the allocator."""
     kwargs = generate_kwargs(mode, steps, cuda)
-    decode_seconds(model, inputs, kwargs)  # warm-up: compiles, fills the allocator
-    with setting.wrap(model):
-        decode_seconds(model, inputs, kwargs)
-    base, other = [], []
-    for pair in range(pairs):
-        # ABBA: every other pair runs the wrapped model first, so that what one run leaves
-        # behind (caches, allocator, clocks) does not always favour the same side
-        plain = None if pair % 2 else decode_seconds(model, inputs, kwargs)
+
+    def wrapped() -> float:
         with setting.wrap(model):
-            other.append(decode_seconds(model, inputs, kwargs))
-        base.append(plain if plain is not None else decode_seconds(model, inputs, kwargs))
-    return PairedTiming(base, other)
+            return decode_seconds(model, inputs, kwargs)
+
+    return alternate(lambda: decode_seconds(model, inputs, kwargs), wrapped, repeats=pairs)
 
 
 def markdown(rows: list[dict]) -> str:

@@ -326,9 +326,9 @@ class FocusEngine:
         state.memo.clear()  # slices of the last call only
         state.inputs = {}  # pixel inputs served the prefill's stages; let them go
         if state.fixation is not None:
-            # which cached keys are padding, in the focal layer's columns (a 2-D mask, whatever
-            # mask the call has; a static cache's step pads the prompt's own)
-            state.fixation.begin_step(state.valid if state.static else call.valid)
+            # which cached keys are padding (a 2-D mask, whatever mask the call has; a static
+            # cache's step uses the prompt's own, mapped once when the prompt ended)
+            state.fixation.begin_step(None if state.static else call.valid)
         if self.first_layer == 0 and kwargs.get("position_ids") is None:
             if call.compiled:
                 raise ValueError(
@@ -563,7 +563,7 @@ class FocusEngine:
         if index == len(self.layers) - 1:
             state.trace.sequence = current
             if state.fixation is not None:  # its focal layer's cache holds the kept prompt
-                state.fixation.hold(state.per_layer[self.first_layer])
+                state.fixation.hold(state.per_layer[self.first_layer], state.valid)
             if state.static:
                 self._build_static_columns(cache)
                 if state.fixation is not None:

@@ -105,14 +105,17 @@ class StepFixation:
         self._kept: list[torch.Tensor] = []  # per step, its kept visual tokens [B, S]
         self._record: torch.Tensor | None = None  # a static cache's [steps, B, S] instead
 
-    def hold(self, held: torch.Tensor) -> None:
+    def hold(self, held: torch.Tensor, valid: torch.Tensor) -> None:
         """The prompt is in: the focal layer's cache holds the original positions ``held``
-        ``[B, S']`` (all of them unless the prompt was pruned); work in its columns."""
+        ``[B, S']`` (all of them unless the prompt was pruned) of a prompt whose non-padding
+        tokens are ``valid [B, S]``; work in its columns."""
         self.held = held.to(self.visual.device)
         self.pruned_prompt = held.shape[1] != self.prompt_len
+        self.prompt_valid = valid.to(self.visual.device)  # [B, S'] once pruned, below
         if self.pruned_prompt:
             self.visual = self.visual.gather(1, self.held)
             self.canvas_index = self.canvas_index.gather(1, self.held)
+            self.prompt_valid = self.prompt_valid.gather(1, self.held)
             self.previous = torch.zeros_like(self.visual)
 
     def record_into(self, steps: int) -> None:
@@ -139,8 +142,9 @@ class StepFixation:
         return out
 
     def begin_step(self, key_mask: torch.Tensor | None) -> None:
-        """A decoding step starts; ``key_mask`` (``[B, S + t]`` in original positions, or the
-        prompt's ``[B, S]`` for a static cache, or None) says which keys are padding."""
+        """A decoding step starts; ``key_mask`` (``[B, S + t]`` in original positions, or None:
+        a static cache's step reads the prompt's, from :meth:`hold`) says which keys are
+        padding."""
         self.step.add_(1)
         self.columns = None
         if key_mask is not None and self.pruned_prompt:  # to the focal layer's columns
@@ -179,9 +183,8 @@ class StepFixation:
         columns returned (the step's mask hides the empty ones)."""
         width = keys.shape[2]
         written = torch.arange(width, device=keys.device) < length.to(keys.device)
-        prompt = F.pad(
-            self.key_mask.to(keys.device), (0, width - self.key_mask.shape[1]), value=True
-        )
+        valid = self.prompt_valid.to(keys.device)  # generated slots are never padding
+        prompt = F.pad(valid, (0, width - valid.shape[1]), value=True)
         keep = self._select(layer, hidden, kwargs, keys, prompt & written)
         self.columns = kept_columns(keep, width - self.drop)
         return self.columns

@@ -164,18 +164,28 @@ def paired_seconds(
             sync()
             return time.perf_counter() - start
 
+    return alternate(lambda: timed(None), lambda: timed(other), repeats, warmup)
+
+
+def alternate(
+    base: Callable[[], float], other: Callable[[], float], repeats: int = 5, warmup: int = 1
+) -> PairedTiming:
+    """Pairs of ``base()`` and ``other()``, each returning the seconds it measured, in ABBA
+    order: pair ``i`` runs ``base`` first when ``i`` is even and second when odd, so that what
+    one run leaves behind (caches, allocator, clocks) does not always favour the same side.
+    Both get ``warmup`` unrecorded runs first."""
     for _ in range(warmup):
-        timed(None)
-        timed(other)
-    base, pruned = [], []
+        base()
+        other()
+    base_seconds, other_seconds = [], []
     for i in range(repeats):
         if i % 2 == 0:
-            base.append(timed(None))
-            pruned.append(timed(other))
+            base_seconds.append(base())
+            other_seconds.append(other())
         else:
-            pruned.append(timed(other))
-            base.append(timed(None))
-    return PairedTiming(base, pruned)
+            other_seconds.append(other())
+            base_seconds.append(base())
+    return PairedTiming(base_seconds, other_seconds)
 
 
 NOTHING_PRUNED = "nothing pruned: every visual token kept, no speed-up to measure"
