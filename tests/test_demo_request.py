@@ -20,9 +20,10 @@ from vlm_focus import grounding
 from vlm_focus import hallucination as hal
 from vlm_focus.demo import request as req
 from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay, shade_unseen
-from vlm_focus.geometry import Frame, Size, model_frames
+from vlm_focus.geometry import Frame, Size
 from vlm_focus.grounding import Box
 from vlm_focus.loading import build_inputs, decode_new_tokens
+from vlm_focus.model_adapters import model_frames
 from vlm_focus.organism import sample_scene_paths
 from vlm_focus.organism.scenes import IMAGE_SIZE, heldout_scenes
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor

@@ -12,7 +12,7 @@ from reference import fixation_reference, greedy_generate
 from tiny_models import KINDS, make_case, make_inputs, make_model
 
 import vlm_focus as vf
-from vlm_focus._fixation import StepFixation
+from vlm_focus.core.fixation import StepFixation
 from vlm_focus.model_adapters.llava import LLAVA
 
 ATOL = 2e-5

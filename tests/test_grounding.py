@@ -11,9 +11,9 @@ import pytest
 import torch
 from tiny_models import KINDS, make_inputs, make_model
 
-import vlm_focus._probe as probe_module
+import vlm_focus.core.probe as probe_module
 from vlm_focus import grounding as G
-from vlm_focus._probe import AttentionProbe
+from vlm_focus.core.probe import AttentionProbe
 from vlm_focus.geometry import Frame, Size, rule_frame
 from vlm_focus.model_adapters import get_adapter
 

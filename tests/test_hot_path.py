@@ -14,7 +14,7 @@ from reference import greedy_generate, masked_reference
 from tiny_models import make_inputs, make_model
 
 import vlm_focus as vf
-from vlm_focus._select import keep_mask
+from vlm_focus.core.selection import keep_mask
 from vlm_focus.pruners._common import per_query_scores
 from vlm_focus.pruners._math import maxmin_orders
 

@@ -162,7 +162,7 @@ def test_qwen3_deepstack_reaches_the_kept_tokens():
 
 # --- per-frame grounding ---------------------------------------------------------------------
 def _plant(monkeypatch, targets):
-    import vlm_focus._probe as probe_module
+    import vlm_focus.core.probe as probe_module
 
     def fake(q, k, scaling, allowed):
         batch, heads, n_query, _ = q.shape

@@ -17,8 +17,8 @@ import torch
 
 import vlm_focus as vf
 from vlm_focus import cli
-from vlm_focus._options import cli_fields, default_of, flag, help_text, options
 from vlm_focus.config import FocusConfig, LoadOptions, parse_keep, read_keep
+from vlm_focus.core.options import cli_fields, default_of, flag, help_text, options
 from vlm_focus.eval import cli as eval_cli
 from vlm_focus.eval.chair_run import ChairConfig
 from vlm_focus.eval.coco_run import CocoConfig
@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
 
 # --- one definition of each option, read by every entry point -----------------------------------
 def _demo_load_options(argv):
-    from vlm_focus._options import parse_config
+    from vlm_focus.core.options import parse_config
     from vlm_focus.demo import app
 
     return parse_config(LoadOptions, app._parser().parse_args(argv))

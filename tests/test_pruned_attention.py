@@ -17,7 +17,7 @@ from tiny_models import make_inputs, make_model
 
 import vlm_focus as vf
 from vlm_focus import hallucination as H
-from vlm_focus._probe import AttentionProbe
+from vlm_focus.core.probe import AttentionProbe
 
 ATOL = 2e-5
 

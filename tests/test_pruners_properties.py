@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from pruner_inputs import WIDTH, make_ctx
 from tiny_models import make_model
 
-from vlm_focus._select import keep_mask as engine_keep_mask
 from vlm_focus.config import FocusConfig, keep_count
+from vlm_focus.core.selection import keep_mask as engine_keep_mask
 from vlm_focus.geometry import Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from vlm_focus import cli
-from vlm_focus._options import default_of
 from vlm_focus.config import FocusConfig
+from vlm_focus.core.options import default_of
 from vlm_focus.eval import cli as eval_cli
 from vlm_focus.eval.generation import Setting
 from vlm_focus.eval.pope_run import parse_sweep

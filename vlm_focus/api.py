@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from ._engine import FocusEngine
 from .config import FocusConfig
+from .core.engine import FocusEngine
 from .model_adapters import get_adapter
 from .pruners import get_pruner
 from .trace import FocusTrace

@@ -71,7 +71,7 @@ def write_heldout_set(folder: str | Path, n_images: int | None = None) -> Path:
     The set is the first 500 held-out scenes with at least three objects, in seed order."""
     from PIL import Image
 
-    from ._scenes import generate_scene
+    from .eval.scenes import generate_scene
 
     instances = json.loads(heldout_path("instances.json").read_text())
     captions = json.loads(heldout_path("captions.json").read_text())

@@ -12,9 +12,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._options import add_options, inherit, parse_config, show_deprecations
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
 from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
+from .core.options import add_options, inherit, parse_config, show_deprecations
 
 
 @dataclass
@@ -160,7 +160,7 @@ def pruners_table() -> str:
     """What ``vlm-focus pruners`` prints: every pruner, what it scores, and its options."""
     import vlm_focus as vf
 
-    from ._options import options
+    from .core.options import options
 
     shared = ", ".join(o.name for o in options(FocusConfig, cli_only=True))
     lines = [

@@ -561,21 +561,6 @@ def view_frames(
     return [rule_frame(size, rules[min(v, len(rules) - 1)]) for v in range(n_views)]
 
 
-def model_frames(
-    model: Any, layout: Any, size: Size, *, processor: Any = None, rule: str | None = None
-) -> list[Frame]:
-    """:func:`view_frames` with the fallback and the size checks of ``model``'s adapter."""
-    from .model_adapters import get_adapter
-
-    adapter = get_adapter(model)
-    size = as_size(size)
-    check_size(
-        layout, size, image_processor=image_processor_of(processor), aspect=adapter.aspect_grids
-    )
-    fallback = adapter.fallback_geometry.get(len(layout.grids), adapter.fallback_geometry.get(0))
-    return view_frames(layout, size, processor=processor, rule=rule, fallback=fallback or ())
-
-
 # --- maps ------------------------------------------------------------------------------------
 def upsample(grid_map: torch.Tensor, size: Size, frame: Frame) -> torch.Tensor:
     """``[height, width]`` density of a ``[rows, cols]`` mass map on a ``size`` image: bilinear
@@ -730,7 +715,6 @@ __all__ = [
     "frame_aspect",
     "image_processor_of",
     "layout_sizes",
-    "model_frames",
     "native_side",
     "processor_frames",
     "rule_frame",

@@ -17,8 +17,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import numpy as np  # noqa: E402
 
-from .._options import add_options, default_of, parse_config  # noqa: E402
 from ..config import FocusConfig, LoadOptions  # noqa: E402
+from ..core.options import add_options, default_of, parse_config  # noqa: E402
 from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
 
 DESCRIPTION = (
@@ -59,7 +59,7 @@ def sample_scenes(n: int = N_SAMPLES) -> dict[str, np.ndarray]:
         with Image.open(path) as opened:
             out[path.stem] = np.asarray(opened.convert("RGB"))
     if not out:
-        from .._scenes import heldout_scenes
+        from ..eval.scenes import heldout_scenes
 
         for scene in heldout_scenes(n):
             out[f"scene-{scene.seed}"] = scene.image()

@@ -54,7 +54,7 @@ import vlm_focus as vf
 from .. import hallucination as hal
 from .. import zoom as zm
 from ..config import parse_keep
-from ..geometry import Frame, as_size, describe_seen, model_frames, seen_region
+from ..geometry import Frame, as_size, describe_seen, seen_region
 from ..grounding import (
     Box,
     GroundingPass,
@@ -66,7 +66,7 @@ from ..grounding import (
     presence_threshold,
 )
 from ..loading import build_inputs, decode_new_tokens, to_model
-from ..model_adapters import ImageLayout, get_adapter, supported_models
+from ..model_adapters import ImageLayout, get_adapter, model_frames, supported_models
 from ..timing import PairedTiming, prefill_report, pruned_prefill_timing
 from .overlays import (
     draw_boxes,

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from .._options import add_options, parse_config, show_deprecations
+from ..core.options import add_options, parse_config, show_deprecations
 from .chair_run import ChairConfig, run_chair
 from .coco_run import CocoConfig, run_coco
 from .pope_run import PopeConfig, run_pope

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._options import default_of, inherit, show
 from ..asset_paths import guide_model_path, is_embedded
 from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
+from ..core.options import default_of, inherit, show
 from ..hallucination import mitigation_choices, mitigation_name
 
 ON_MISSING = ("skip", "stop")

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from .._probe import check_layers
+from ..core.probe import check_layers
 from ..model_adapters import get_adapter
 
 #: The ``config.json`` key holding a model's measured grounding defaults.

@@ -9,7 +9,7 @@ the decode steps computed (same tokens, same causal prefix), and one batched pas
 phrase of the answer.
 
 Where each view's grid sits in the original image is :mod:`vlm_focus.geometry`'s job
-(:func:`~vlm_focus.geometry.model_frames`). The pixel map is the attention *density* (mass per
+(:func:`~vlm_focus.model_adapters.model_frames`). The pixel map is the attention *density* (mass per
 pixel), bilinearly interpolated between cell centres and summed over views, so it integrates to
 the mass the grid cells hold.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._probe import AttentionProbe, Prefill, Rows, check_layers
+from ..core.probe import AttentionProbe, Prefill, Rows, check_layers
 from ..geometry import (
     RULES,
     Frame,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
-from .._probe import AttentionProbe, Rows
+from ..core.probe import AttentionProbe, Rows
 from ._vas import visual_share
 
 

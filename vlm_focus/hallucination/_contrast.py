@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
-from .._calls import CallTracker
-from .._probe import AttentionBias, AttentionProbe, LayerView, check_layers
+from ..core.calls import CallTracker
+from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
 from ..grounding._maps import extend_with_answer
 from ..model_adapters import get_adapter
 

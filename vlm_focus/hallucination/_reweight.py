@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._probe import AttentionBias, LayerView, Prefill, rows_from_mask
+from ..core.probe import AttentionBias, LayerView, Prefill, rows_from_mask
 from ..model_adapters import get_adapter
 
 

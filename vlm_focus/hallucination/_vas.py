@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._probe import AttentionProbe, QuerySpec, check_layers
+from ..core.probe import AttentionProbe, QuerySpec, check_layers
 from ..model_adapters import get_adapter
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._attention import allowed_keys, attention_probs
+from ..core.attention import allowed_keys, attention_probs
 
 
 def score_and_select_naive(
@@ -60,7 +60,7 @@ def per_query_attention(
     """``[B, Tq, S]``: ``R_h(softmax_s(q[b,h,t].k[b,h,s] * scaling))`` for every query row, over
     the keys that are valid and at or before ``query_pos[b, t]`` (a row with none gives 0).
 
-    The softmax is :func:`vlm_focus._attention.attention_probs`, the one the probes use; the
+    The softmax is :func:`vlm_focus.core.attention.attention_probs`, the one the probes use; the
     largest intermediate is its ``[B, H, Tq, S]`` probability slab.
     """
     probs = attention_probs(q, k, scaling, allowed_keys(key_mask, query_pos))  # [B, H, Tq, S]

@@ -5,8 +5,11 @@ Third parties add support for another VLM with :func:`register_adapter`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from ..geometry import Frame, Size, as_size, check_size, image_processor_of, view_frames
 from .base import ImageLayout, ModelAdapter
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
@@ -14,7 +17,14 @@ from .llava_onevision import LLAVA_ONEVISION
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL
 from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
-__all__ = ["ImageLayout", "ModelAdapter", "get_adapter", "register_adapter", "supported_models"]
+__all__ = [
+    "ImageLayout",
+    "ModelAdapter",
+    "get_adapter",
+    "model_frames",
+    "register_adapter",
+    "supported_models",
+]
 
 _ADAPTERS: dict[str, ModelAdapter] = {}
 
@@ -50,3 +60,18 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
 
 for _adapter in (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):
     register_adapter(_adapter)
+
+
+def model_frames(
+    model: Any, layout: Any, size: Size, *, processor: Any = None, rule: str | None = None
+) -> list[Frame]:
+    """Per view of ``layout``, the frame its grid spans on the ``size`` image: the geometry's
+    :func:`~vlm_focus.geometry.view_frames` with the fallback and size checks of ``model``'s
+    adapter."""
+    adapter = get_adapter(model)
+    size = as_size(size)
+    check_size(
+        layout, size, image_processor=image_processor_of(processor), aspect=adapter.aspect_grids
+    )
+    fallback = adapter.fallback_geometry.get(len(layout.grids), adapter.fallback_geometry.get(0))
+    return view_frames(layout, size, processor=processor, rule=rule, fallback=fallback or ())

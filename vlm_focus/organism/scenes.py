@@ -1,4 +1,4 @@
-"""The organism's scenes: the procedural scenes of :mod:`vlm_focus._scenes` (re-exported here),
+"""The organism's scenes: the procedural scenes of :mod:`vlm_focus.eval.scenes` (re-exported here),
 with the reference captions, spatial relations, two-hop targets and COCO export that its
 training and evaluation recipes use.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._scenes import (
+from ..eval.scenes import (
     CATEGORIES,
     COLOURS,
     COMPANIONS,

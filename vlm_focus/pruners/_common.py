@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.pruner import StageContext
 from ..kernels import per_query_attention
 from ..model_adapters import ImageLayout
-from .base import StageContext
 
 
 @dataclass

@@ -8,8 +8,9 @@ from functools import lru_cache
 
 import torch
 
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 from ._common import image_tokens
-from .base import Pruner, Selection, StageContext
 
 
 @dataclass
@@ -23,6 +24,7 @@ class RandomOptions:
             raise ValueError(f"seed={self.seed!r} must be an int")
 
 
+@register_pruner
 class RandomPruner(Pruner):
     """Uniformly random visual tokens, reproducible from ``seed`` (per call, per row)."""
 
@@ -54,6 +56,7 @@ def spread_order(rows: int, cols: int) -> torch.Tensor:
     return rank
 
 
+@register_pruner
 class PoolPruner(Pruner):
     """Spatially uniform keep: each image's grid cells are ranked in farthest-point order and
     every image keeps the same share of its tokens; tokens with no cell (newlines) go last."""
@@ -94,6 +97,7 @@ class TemporalOptions:
             raise ValueError(f"mode={self.mode!r} must be 'uniform' or 'dedup'")
 
 
+@register_pruner
 class TemporalPruner(Pruner):
     """Temporal baseline for videos: keeps whole frames, chosen evenly over time (``uniform``) or
     by novelty against the previous frame (``dedup``, cosine of the frames' mean hidden states,

@@ -10,19 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import get_pruner, pruners, register_pruner
 from ..geometry import Frame, Size, as_size, content_fraction, view_frames
 from ..model_adapters import ModelAdapter
 from ._common import ImageTokens, fill_cellless, image_tokens
 from ._math import TRENDS, fit_trend, ratio_outliers
-from .base import Pruner, Selection, StageContext
 
 AXES = ("sequence", "row")
 SINK_SOURCES = ("activation", "attention", "both")
 
 
 def _attention_pruners() -> list[str]:
-    from . import get_pruner, pruners
-
     return [n for n in pruners() if n != "debiased" and get_pruner(n).attention_based]
 
 
@@ -171,6 +170,7 @@ def debias_image(
     return out * suppress
 
 
+@register_pruner
 class DebiasedPruner(Pruner):
     """Debiased attention pruning: a wrapper over any attention-based pruner (``base``).
 
@@ -196,8 +196,6 @@ class DebiasedPruner(Pruner):
 
     def __init__(self, config: Any, options: DebiasedOptions) -> None:
         super().__init__(config, options)
-        from . import get_pruner
-
         base_cls = get_pruner(options.base)
         try:
             base_options = base_cls.Options(**options.base_options)

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 from ._common import mask_scores, row_counts
 from ._math import maxmin_orders
-from .base import Pruner, Selection, StageContext
 
 
 @dataclass
@@ -65,6 +66,7 @@ def diverse_mask(
     return chosen.scatter_add(1, order, picked.long()) > 0  # repeated picks count once
 
 
+@register_pruner
 class DiversePruner(Pruner):
     """Max-min diversity (DivPrune, Alvar et al., 2025; STS-like repulsion then filtering).
 

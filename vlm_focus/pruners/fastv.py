@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from .base import Pruner, Selection, StageContext
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 
 
+@register_pruner
 class FastVPruner(Pruner):
     """FastV (Chen et al., 2024, "An Image is Worth 1/2 Tokens After Layer 2").
 

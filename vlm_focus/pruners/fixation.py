@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import KEEP_RULE, parse_keep
-from .base import Pruner, Selection, StageContext
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 
 
 @dataclass
@@ -49,6 +50,7 @@ class FixationOptions:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
 
 
+@register_pruner
 class FixationPruner(Pruner):
     """Dynamic visual fixation (FastOCR): per decoding step, the current query's attention at
     layer K (head mean or max of ``softmax(q k^T * scaling)`` over the cached keys) picks the

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from ..config import FocusConfig
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 from ..model_adapters import ImageLayout, ModelAdapter, get_adapter
 from ..trace import FocusTrace
 from ._common import ImageTokens, fill_cellless, image_tokens
 from ._math import resample_map
-from .base import Pruner, Selection, StageContext
 
 
 @dataclass
@@ -238,6 +239,7 @@ def map_to_tokens(guide_views: dict[int, torch.Tensor], tokens: ImageTokens) -> 
     return fill_cellless(out, cells)
 
 
+@register_pruner
 class GuidedPruner(Pruner):
     """Small-model guidance (SGL, Zhao et al., 2025, "A Stitch in Time Saves Nine").
 

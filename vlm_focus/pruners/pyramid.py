@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 from ..kernels import score_and_select
 from ..model_adapters import ModelAdapter
 from ._common import ImageTokens, fill_cellless, image_tokens, rank_scores, row_counts
 from ._math import split_budget
-from .base import Pruner, Selection, StageContext
 
 BOTTOM_UP = ("auto", "encoder", "norm")
 
@@ -186,6 +187,7 @@ def fuse(bottom: torch.Tensor, top: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1.0 - alpha) * b + alpha * a
 
 
+@register_pruner
 class PyramidPruner(Pruner):
     """Pyramid token pruning (PTP, Liang et al., 2025).
 

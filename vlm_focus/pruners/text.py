@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.pruner import Pruner, Selection, StageContext
+from ..core.registry import register_pruner
 from ..kernels import score_and_select
 from ._common import per_query_scores
-from .base import Pruner, Selection, StageContext
 
 
 @dataclass
@@ -44,6 +45,7 @@ def rater_weights(raters: torch.Tensor, prior: torch.Tensor | None = None) -> to
     return weights / weights.sum(1, keepdim=True).clamp(min=1e-12)
 
 
+@register_pruner
 class TextPruner(Pruner):
     """Instruction-aware text raters (SparseVLM, Zhang et al., 2024; optional AdaptInfer prior).
 

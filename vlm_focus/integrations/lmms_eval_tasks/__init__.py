@@ -35,7 +35,7 @@ def tasks_path() -> str:
 def _scene_image(image_id: int) -> Any:
     from PIL import Image
 
-    from ..._scenes import generate_scene
+    from ...eval.scenes import generate_scene
 
     return Image.fromarray(generate_scene(int(image_id)).image()).convert("RGB")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from .model_adapters import ModelAdapter
+from ..model_adapters import ModelAdapter
 
 # owner module -> {method name: list of live listeners}
 _LISTENERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

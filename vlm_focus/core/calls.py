@@ -3,7 +3,8 @@
 A forward pre-hook on the top model records, for every call, the new token ids, which keys are
 padding, how long the cache already is, and (for a prompt) which tokens are visual and the
 image inputs the adapter lays them out from. ``generate()`` hands some of those inputs to the
-image encoder only, so they are recorded there (:class:`~vlm_focus._encoder_inputs.EncoderInputs`).
+image encoder only, so they are recorded there
+(:class:`~vlm_focus.core.encoder_inputs.EncoderInputs`).
 
 When a pruning handle is attached, it tells the tracker which original positions each decoder
 layer holds (:meth:`CallTracker.prompt_positions`), so a probe or a bias at a pruned layer reads
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._attention import text_after_image
-from ._encoder_inputs import EncoderInputs
-from .model_adapters import ImageLayout, ModelAdapter
+from ..model_adapters import ImageLayout, ModelAdapter
+from .attention import text_after_image
+from .encoder_inputs import EncoderInputs
 
 CACHE_KEYS = ("cache", "past_key_values")
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from .._attention import apply_rope, layer_qk, text_after_image  # noqa: F401 (re-exported)
 from ..kernels import score_and_select
+from .attention import apply_rope, layer_qk, text_after_image  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from ..config import FocusConfig

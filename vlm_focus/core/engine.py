@@ -40,7 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._calls import (
+from ..config import FocusConfig, keep_count
+from ..kernels import warm_up
+from ..model_adapters import ImageLayout, ModelAdapter
+from ..trace import FocusTrace, StageTrace
+from .calls import (
     CACHE_KEYS,
     CallTracker,
     cache_length,
@@ -48,13 +52,9 @@ from ._calls import (
     is_static,
     static_length,
 )
-from ._fixation import FixedView, StepFixation
-from ._select import keep_mask, kept_columns
-from .config import FocusConfig, keep_count
-from .kernels import warm_up
-from .model_adapters import ImageLayout, ModelAdapter
-from .pruners import Pruner, StageContext
-from .trace import FocusTrace, StageTrace
+from .fixation import FixedView, StepFixation
+from .pruner import Pruner, StageContext
+from .selection import keep_mask, kept_columns
 
 
 @dataclass

@@ -10,10 +10,10 @@ with the layer's mask semantics (causal: key ``s <= `` the query's position; pad
 2-D ``attention_mask`` is 0 are excluded; a materialised 4-D layer mask is honoured too). In
 decode, keys come from the layer's own KV cache plus the new token's k, so generated tokens are
 probed with the cache they really attend to. At most a ``[B, H, Tq, S]`` slab per layer is ever
-materialised (:mod:`vlm_focus._attention` holds the math).
+materialised (:mod:`vlm_focus.core.attention` holds the math).
 
 On a pruned model (``vf.wrap``), a layer after a pruning stage holds only the kept tokens. The
-shared call tracker (:mod:`vlm_focus._calls`) knows their original positions, so probes record
+shared call tracker (:mod:`vlm_focus.core.calls`) knows their original positions, so probes record
 rows over the call's keys in original positions (0 at keys the layer no longer holds), and
 biases are written in original positions and mapped onto the layer's keys: both read and change
 exactly the attention the pruned model computes.
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._attention import allowed_keys, attention_probs, layer_qk
-from ._calls import CallState, CallTracker, Prefill, cache_of
-from .model_adapters import ModelAdapter, get_adapter
+from ..model_adapters import ModelAdapter, get_adapter
+from .attention import allowed_keys, attention_probs, layer_qk
+from .calls import CallState, CallTracker, Prefill, cache_of
 
 __all__ = [
     "AttentionBias",

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._attention import apply_rope
-from ._select import keep_mask, kept_columns
-from .config import keep_count
-from .kernels import per_query_attention
-from .model_adapters import ImageLayout, ModelAdapter
+from ..config import keep_count
+from ..kernels import per_query_attention
+from ..model_adapters import ImageLayout, ModelAdapter
+from .attention import apply_rope
+from .selection import keep_mask, kept_columns
 
 
 def _canvas_index(

@@ -1,0 +1,1 @@
+"""The core: the engine and what it stands on."""
