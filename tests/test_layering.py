@@ -1,11 +1,14 @@
-"""Layering: the core and the evaluations reach the shipped assets without the organism
-package, the eval runners sit below the eval command line, and the mitigations have one
-registry (one set of names and defaults) that the evaluations use."""
+"""Layering: no import cycle inside ``vlm_focus`` and no import from a higher floor (read from
+the source, so a function-level import counts too); the core and the evaluations reach the
+shipped assets without the organism package, the eval runners sit below the eval command line,
+and the mitigations have one registry (one set of names and defaults) that the evaluations use."""
 
+import ast
 import json
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +22,138 @@ from vlm_focus.asset_paths import (
     guide_model_path,
     heldout_path,
     sample_scene_paths,
-    write_heldout_set,
 )
+from vlm_focus.eval.scenes import write_heldout_set
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vlm_focus"
+
+#: The floors, bottom first (docs/architecture.md). A module may import its own floor or lower.
+FLOORS = (
+    ("core", "geometry", "model_adapters", "kernels", "config", "trace", "timing"),
+    ("pruners", "api"),
+    ("grounding", "hallucination", "zoom", "generation", "loading", "asset_paths"),
+    ("eval", "demo", "cli", "setting"),
+    ("integrations", "organism"),
+)
+#: ``import vlm_focus`` reaches every feature (``vf.ground`` loads grounding), so only the
+#: command lines and above may import the public package itself.
+PUBLIC_PACKAGE_FLOOR = 3
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The ``vlm_focus`` modules that ``name`` imports anywhere in its source: ``from .x
+    import y`` counts as importing ``x.y`` where that is a module, else ``x``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            named = (f"{base}.{a.name}" for a in node.names)
+            targets = [n if n in modules else base for n in named]
+        else:
+            continue
+        for target in targets:
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target in modules and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _module_files()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return PUBLIC_PACKAGE_FLOOR
+    for floor, names in enumerate(FLOORS):
+        if parts[1] in names:
+            return floor
+    raise AssertionError(f"{module} is on no floor: add {parts[1]!r} to FLOORS")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycle_inside_the_package():
+    assert _cycles(_graph()) == []
+
+
+def test_no_module_imports_from_a_higher_floor():
+    upward = [
+        f"{module} (floor {_floor(module)}) imports {target} (floor {_floor(target)})"
+        for module, targets in sorted(_graph().items())
+        if module != "vlm_focus"  # the public package gathers every floor
+        for target in sorted(targets)
+        if _floor(target) > _floor(module)
+    ]
+    assert upward == []
+
+
+def test_the_layering_checks_find_what_they_look_for():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _graph()
+    assert "vlm_focus.core.pruner" in graph["vlm_focus.pruners.fastv"]
+    assert "vlm_focus.core.registry" in graph["vlm_focus.pruners.debiased"]
+    assert not any(t.startswith("vlm_focus.pruners") for t in graph["vlm_focus.core.engine"])
+    assert _floor("vlm_focus.core.engine") == 0 and _floor("vlm_focus.organism.train") == 4
 
 
 def _modules_after(code: str) -> set[str]:

@@ -4,12 +4,12 @@ held-out evaluation set.
 This is the one place that knows where they lie. The loaders, the CLI, the evaluations and the
 demo read them through here; the organism package (their training recipe) re-exports these
 functions. Everything is offline: the models are Hugging Face folders loaded with
-``from_pretrained(path)``, and the held-out images are regenerated from their seeds.
+``from_pretrained(path)``, and the held-out images are regenerated from their seeds
+(:func:`vlm_focus.eval.scenes.write_heldout_set`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -63,39 +63,6 @@ def heldout_path(name: str) -> Path:
     return path
 
 
-def write_heldout_set(folder: str | Path, n_images: int | None = None) -> Path:
-    """Write the held-out set into ``folder`` as a COCO-format set: ``instances.json`` and
-    ``captions.json`` (the shipped files, cut to the first ``n_images`` images) and one PNG per
-    image, rendered from its seed (the image id). Returns the instances path.
-
-    The set is the first 500 held-out scenes with at least three objects, in seed order."""
-    from PIL import Image
-
-    from .eval.scenes import generate_scene
-
-    instances = json.loads(heldout_path("instances.json").read_text())
-    captions = json.loads(heldout_path("captions.json").read_text())
-    available = len(instances["images"])
-    if n_images is not None:
-        if isinstance(n_images, bool) or not isinstance(n_images, int) or not 1 <= n_images:
-            raise ValueError(f"n_images={n_images!r} must be an int >= 1")
-        if n_images > available:
-            raise ValueError(f"n_images={n_images}: the held-out set has {available} images")
-        instances["images"] = instances["images"][:n_images]
-        keep = {img["id"] for img in instances["images"]}
-        instances["annotations"] = [a for a in instances["annotations"] if a["image_id"] in keep]
-        captions = [c for c in captions if c["image_id"] in keep]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for img in instances["images"]:
-        scene = generate_scene(int(img["id"]))
-        Image.fromarray(scene.image()).save(folder / img["file_name"])
-    path = folder / "instances.json"
-    path.write_text(json.dumps(instances))
-    (folder / "captions.json").write_text(json.dumps(captions))
-    return path
-
-
 __all__ = [
     "ASSETS",
     "CAPTION_PROMPT",
@@ -107,5 +74,4 @@ __all__ = [
     "heldout_path",
     "is_embedded",
     "sample_scene_paths",
-    "write_heldout_set",
 ]

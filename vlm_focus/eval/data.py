@@ -99,7 +99,7 @@ def load_coco_set(
 def embedded_set(root: str | Path, n_images: int = EMBEDDED_IMAGES, state: Any = None) -> CocoSet:
     """The shipped held-out set (PNGs, instances.json, captions.json) under ``root``, written on
     first use (by the main process; the others wait)."""
-    from ..asset_paths import write_heldout_set
+    from .scenes import write_heldout_set
 
     folder = Path(root) / f"organism-heldout-{n_images}"
     done = folder / "COMPLETE"

@@ -8,16 +8,21 @@ adversarial negatives differ from random ones.
 
 The embedded models were trained on these scenes, and the shipped held-out set and sample scenes
 are drawn from them (their images are regenerated from the seeds, see
-:func:`vlm_focus.asset_paths.write_heldout_set`). The organism's training recipe adds
+:func:`vlm_focus.eval.scenes.write_heldout_set`). The organism's training recipe adds
 questions, captions and relations on top (:mod:`vlm_focus.organism.scenes`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+from PIL import Image
+
+from ..asset_paths import heldout_path
 
 IMAGE_SIZE = 192
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -228,3 +233,32 @@ def heldout_scenes(n: int = 500, min_objects: int = 1) -> list[Scene]:
             out.append(s)
         seed += 1
     return out
+
+
+def write_heldout_set(folder: str | Path, n_images: int | None = None) -> Path:
+    """Write the held-out set into ``folder`` as a COCO-format set: ``instances.json`` and
+    ``captions.json`` (the shipped files, cut to the first ``n_images`` images) and one PNG per
+    image, rendered from its seed (the image id). Returns the instances path.
+
+    The set is the first 500 held-out scenes with at least three objects, in seed order."""
+    instances = json.loads(heldout_path("instances.json").read_text())
+    captions = json.loads(heldout_path("captions.json").read_text())
+    available = len(instances["images"])
+    if n_images is not None:
+        if isinstance(n_images, bool) or not isinstance(n_images, int) or not 1 <= n_images:
+            raise ValueError(f"n_images={n_images!r} must be an int >= 1")
+        if n_images > available:
+            raise ValueError(f"n_images={n_images}: the held-out set has {available} images")
+        instances["images"] = instances["images"][:n_images]
+        keep = {img["id"] for img in instances["images"]}
+        instances["annotations"] = [a for a in instances["annotations"] if a["image_id"] in keep]
+        captions = [c for c in captions if c["image_id"] in keep]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for img in instances["images"]:
+        scene = generate_scene(int(img["id"]))
+        Image.fromarray(scene.image()).save(folder / img["file_name"])
+    path = folder / "instances.json"
+    path.write_text(json.dumps(instances))
+    (folder / "captions.json").write_text(json.dumps(captions))
+    return path
