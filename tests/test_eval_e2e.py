@@ -141,12 +141,13 @@ def test_clear_errors(setup, tmp_path, capsys):
 
 
 def test_inputs_without_images_are_refused(setup):
-    from vlm_focus.eval.generation import Generator, Setting
+    from vlm_focus.eval.generation import Generator
+    from vlm_focus.setting import RunSetting
     from vlm_focus.loading import load_model
 
     root, _ = setup
     model, processor = load_model(str(root / "model"))
-    generator = Generator(model, processor, Setting())
+    generator = Generator(model, processor, RunSetting())
     inputs = dict(processor.tokenizer(["Is there a red_circle in the image?"], return_tensors="pt"))
     with pytest.raises(ValueError, match="no image tokens"):
         generator.visual_counts(inputs)

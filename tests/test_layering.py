@@ -7,7 +7,6 @@ import ast
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -240,16 +239,26 @@ def test_one_registry_of_mitigations_with_one_set_of_defaults():
         hal.register_mitigation(hal.Mitigation("beam", hal.visual_beam))
 
 
-def test_the_eval_setting_records_the_registry_defaults():
-    from vlm_focus.eval.generation import Setting
+def test_the_run_setting_records_the_registry_defaults():
+    from vlm_focus import FocusConfig
+    from vlm_focus.setting import RunSetting
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        old = Setting(mitigate="beam")
-    assert old.mitigate == "visual_beam" and old.tag == "unpruned-visual_beam"
-    described = old.describe()
+    beam = RunSetting(mitigation="visual_beam")
+    assert beam.tag == "unpruned-visual_beam"
+    described = beam.describe()
     assert described["mitigation_parameters"] == {"weight": 1.0, "layers": None, "num_beams": 3}
     assert described["decoding"].startswith("beam search, num_beams=3")
+    stronger = RunSetting(mitigation="attention_reweight", mitigation_options={"strength": 2.0})
+    assert stronger.tag == "unpruned-attention_reweight-strength_2.0"
+    guided = RunSetting(focus=FocusConfig(pruner="guided", keep=0.25), guide="embedded")
+    assert guided.tag == "guided-k0.25-l2-guide_embedded"
+    for pruner in ("guided", "fixation"):  # each drives decoding itself
+        with pytest.raises(ValueError, match=f"does not combine with pruner '{pruner}'"):
+            RunSetting(focus=FocusConfig(pruner=pruner), mitigation="visual_beam")
+    with pytest.raises(
+        ValueError, match=r"a guide is an option of the pruners that take one \(guided\)"
+    ):
+        RunSetting(focus=FocusConfig(pruner="fastv"), guide="embedded")
 
 
 def test_mitigate_runs_the_registered_method_with_generate():

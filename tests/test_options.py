@@ -23,7 +23,6 @@ from vlm_focus.eval import cli as eval_cli
 from vlm_focus.eval.chair_run import ChairConfig
 from vlm_focus.eval.coco_run import CocoConfig
 from vlm_focus.eval.common import model_tag
-from vlm_focus.eval.generation import Setting
 from vlm_focus.eval.pope_run import PopeConfig
 from vlm_focus.eval.runner import read_jsonl
 from vlm_focus.model_adapters import get_adapter
@@ -391,8 +390,8 @@ def test_pruner_options_on_the_command_lines(setup, capsys):
     bench = cli.parse(["bench", "--pruner", "pyramid", "--pruner-option", "alpha=0.3,tiles=3"])
     assert bench.focus().options == {"alpha": 0.3, "tiles": 3}
     pope = eval_cli.parse(["pope", "--pruner", "random", "--pruner-option", "seed=3"])
-    setting = Setting.from_options(pope)
-    assert setting.options == {"seed": 3} and setting.tag == "random-k0.25-l2-seed_3"
+    setting = pope.setting()
+    assert setting.focus.options == {"seed": 3} and setting.tag == "random-k0.25-l2-seed_3"
     with pytest.raises(ValueError, match="positional='maybe' must be true or false"):
         cli.parse(["run", "--pruner", "debiased", "--pruner-option", "positional=maybe"])
     with pytest.raises(ValueError, match="takes a Python object"):

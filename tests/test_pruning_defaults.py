@@ -15,7 +15,6 @@ from vlm_focus import cli
 from vlm_focus.config import FocusConfig
 from vlm_focus.core.options import default_of
 from vlm_focus.eval import cli as eval_cli
-from vlm_focus.eval.generation import Setting
 from vlm_focus.eval.pope_run import parse_sweep
 from vlm_focus.integrations.model_args import split_model_args
 
@@ -59,8 +58,8 @@ def test_every_entry_point_inherits_the_defaults():
     assert {name: getattr(run, name) for name in MEASURED_FIELDS} == expected
     for argv in (["pope", "--pruner", "fastv"], ["pope", "--sweep", "keep=0.25"]):
         (setting,) = [s for s in parse_sweep(eval_cli.parse(argv)) if s.pruned]
-        assert {name: getattr(setting, name) for name in MEASURED_FIELDS} == expected
-    chair = Setting.from_options(eval_cli.parse(["chair", "--pruner", "fastv"]))
+        assert {name: getattr(setting.focus, name) for name in MEASURED_FIELDS} == expected
+    chair = eval_cli.parse(["chair", "--pruner", "fastv"]).setting().focus
     assert {name: getattr(chair, name) for name in MEASURED_FIELDS} == expected
     focus, _ = split_model_args({"pruner": "fastv", "keep": 0.25, "layer": 0})
     harness = focus.config()

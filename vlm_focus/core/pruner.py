@@ -182,6 +182,12 @@ class Pruner:
     #: True for a decode-time pruner: the engine selects per decoding step (``fixation``);
     #: the prompt keeps :meth:`prefill_keep` of the visual tokens, chosen by :meth:`select`.
     decode_time: ClassVar[bool] = False
+    #: True when the pruner scores from a small guide model: callers hand it the guide, and
+    #: it runs ``generate()`` itself (:func:`vlm_focus.pruners.guided_generate`).
+    needs_guide: ClassVar[bool] = False
+    #: True when the pruner drives decoding itself (through its guide, or by picking new
+    #: visual keys at every step), so no mitigation or zoom can steer the same calls.
+    drives_decoding: ClassVar[bool] = False
 
     def __init__(self, config: FocusConfig, options: Any) -> None:
         self.config = config

@@ -126,7 +126,7 @@ def image_ids(config: ChairConfig, cocoset: Any, embedded_set: bool) -> tuple[li
 def run_chair(config: ChairConfig) -> dict | None:
     """Caption the images under one setting; returns its summary (on the main process)."""
     from .data import resolve_set, split_missing
-    from .generation import Generator, Setting
+    from .generation import Generator
     from .runner import process_state, run_items
     from .tables import write_table
 
@@ -138,15 +138,14 @@ def run_chair(config: ChairConfig) -> dict | None:
     ids, id_source = image_ids(config, cocoset, embedded_set)
     ids = ids[: config.limit] if config.limit else ids
     prompt, max_new = config.caption_prompt, config.new_tokens
-    setting = Setting.from_options(config, max_new_tokens=max_new)
+    setting = config.setting(max_new_tokens=max_new)
     items = [
         {"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids
     ]  # fmt: skip
     present, missing = split_missing(items, cocoset, config.on_missing)
     model, processor = load(config, state)
-    guide = (
-        load_guide(config, state) if setting.pruned and setting.pruner == "guided" else (None,) * 2
-    )
+    guided = setting.pruned and setting.pruner_class.needs_guide
+    guide = load_guide(config, state) if guided else (None, None)
     generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     table = ObjectWords.for_categories(cocoset.category_names.values())
     truth = _truth(cocoset, table)

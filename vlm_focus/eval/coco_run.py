@@ -146,8 +146,9 @@ def run_coco(config: CocoConfig) -> dict | None:
     """Run one map setting; returns its summary (on the main process)."""
     from .. import grounding
     from ..loading import load_image
+    from ..setting import RunSetting
     from .data import resolve_set, split_missing
-    from .generation import Generator, Setting
+    from .generation import Generator
     from .runner import process_state, run_items
     from .tables import write_table
 
@@ -167,7 +168,7 @@ def run_coco(config: CocoConfig) -> dict | None:
     missing_images = sorted({r["image_id"] for r in missing})
     ids = [i for i in ids if i not in set(missing_images)]
     model, processor = load(config, state)
-    generator = Generator(model, processor, Setting())
+    generator = Generator(model, processor, RunSetting())
     truth = gt_boxes(cocoset.instances)
     heads = map_heads(config, model)
     if config.layers is not None:

@@ -13,7 +13,9 @@ from typing import Any
 from ..asset_paths import guide_model_path, is_embedded
 from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
 from ..core.options import default_of, inherit, show
+from ..core.registry import get_pruner, pruners, read_pruner_options
 from ..hallucination import mitigation_choices, mitigation_name
+from ..setting import RunSetting
 
 ON_MISSING = ("skip", "stop")
 #: The pruning options of the evaluations, each as FocusConfig defines it.
@@ -147,28 +149,47 @@ class PruneOptions(EvalOptions):
                     setattr(self, name, getattr(defaults, name))
         self.mitigate = mitigation_name(self.mitigate)
         if self.pruner is not None:
-            from ..pruners import get_pruner
-
             get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
             self.options = self.pruner_options(self.pruner)
             # the one check of every pruning option (keep's rule, choices, layer >= 0)
             checked = FocusConfig(pruner=self.pruner, **{n: getattr(self, n) for n in PRUNE_FIELDS})
             self.keep = checked.keep
-        if self.guide is not None and self.pruner != "guided" and not self._sweeps():
-            raise ValueError(f"guide={self.guide!r} only applies with pruner 'guided'")
+        if self.guide is not None and not self._sweeps():
+            if self.pruner is None or not get_pruner(self.pruner).needs_guide:
+                takes = [n for n in pruners() if get_pruner(n).needs_guide]
+                raise ValueError(
+                    f"guide={self.guide!r} only applies with a pruner that takes a guide "
+                    f"({', '.join(takes)})"
+                )
 
     def _sweeps(self) -> bool:
         return False
 
     def pruner_options(self, pruner: str) -> dict[str, Any]:
         """``pruner``'s own options from ``--pruner-option NAME=VALUE``."""
-        from ..pruners import read_pruner_options
-
         return read_pruner_options(pruner, self.pruner_option)
 
     @property
     def pruned(self) -> bool:
         return self.pruner is not None and not keeps_everything(self.keep)
+
+    def setting(
+        self, pruner: str | None = None, keep: float | int | None = None, **overrides: Any
+    ) -> RunSetting:
+        """The :class:`~vlm_focus.setting.RunSetting` of these options: their pruner (or
+        ``pruner``, at ``keep``: one point of a sweep) and mitigation; ``overrides`` are
+        further RunSetting fields (``max_new_tokens``, ``zoom``, ...)."""
+        pruner = pruner or self.pruner
+        focus = None
+        if pruner is not None:
+            fields = {n: getattr(self, n) for n in PRUNE_FIELDS}
+            if keep is not None:
+                fields["keep"] = keep
+            focus = FocusConfig(pruner=pruner, options=self.pruner_options(pruner), **fields)
+        guide = None
+        if focus is not None and get_pruner(pruner).needs_guide:
+            guide = self.guide or ("embedded" if is_embedded(self.model) else None)
+        return RunSetting(focus=focus, mitigation=self.mitigate, guide=guide, **overrides)
 
 
 def model_tag(model: str | None) -> str:

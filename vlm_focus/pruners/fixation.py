@@ -57,6 +57,7 @@ class FixationPruner(Pruner):
     visual keys that layers ``>= K`` attend to in that step; the cache keeps every token."""
 
     name = "fixation"
+    drives_decoding = True
     Options = FixationOptions
     summary = "decode time: each step's query at layer K picks the visual keys layers >= K read"
     decode_time = True

@@ -262,6 +262,7 @@ class GuidedPruner(Pruner):
     """
 
     name = "guided"
+    needs_guide = drives_decoding = True
     Options = GuidedOptions
     summary = "small guide VLM's all-layer text-to-image attention, resampled to the grid"
 
