@@ -142,8 +142,8 @@ def test_clear_errors(setup, tmp_path, capsys):
 
 def test_inputs_without_images_are_refused(setup):
     from vlm_focus.eval.generation import Generator
-    from vlm_focus.setting import RunSetting
     from vlm_focus.loading import load_model
+    from vlm_focus.setting import RunSetting
 
     root, _ = setup
     model, processor = load_model(str(root / "model"))
@@ -185,8 +185,7 @@ def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
     summary = json.loads((folder / "unpruned-attention_reweight.json").read_text())
     assert summary["mitigate"] == "attention_reweight" and summary["n"] == 2
     assert summary["mitigation_parameters"] == {"strength": 1.0, "layers": None, "ratio": 0.25}
-    with pytest.warns(DeprecationWarning, match="'reweight' is deprecated"):  # the earlier name
-        assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 0
+    assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 2  # gone
     # mitigations run on a pruned model too; only guided and fixation pruning refuse them
     pruned = [*args, "--mitigate", "attention_reweight", "--pruner", "fastv", "--keep", "0.5",
               "--layer", "1"]  # fmt: skip

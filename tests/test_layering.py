@@ -225,10 +225,9 @@ def test_one_registry_of_mitigations_with_one_set_of_defaults():
     from vlm_focus.grounding import GENERIC_PROMPT
 
     assert contrast.generic_prompt == GENERIC_PROMPT and contrast.processor
-    for old, new in [("reweight", "attention_reweight"), ("beam", "visual_beam"),
-                     ("contrast", "instruction_contrast")]:  # fmt: skip
-        with pytest.warns(DeprecationWarning, match=f"mitigation '{old}' is deprecated; use"):
-            assert hal.mitigation_name(old) == new
+    for old in ("reweight", "beam", "contrast"):  # the names before 0.1.0 are gone
+        with pytest.raises(ValueError, match=f"unknown mitigation '{old}'; allowed: none"):
+            hal.mitigation_name(old)
     with pytest.raises(ValueError, match="unknown mitigation 'vcd'; allowed: none, attention_"):
         hal.mitigation_name("vcd")
     with pytest.raises(ValueError, match="unknown parameter 'width' for mitigation 'visual_beam'"):
@@ -251,7 +250,7 @@ def test_the_run_setting_records_the_registry_defaults():
     stronger = RunSetting(mitigation="attention_reweight", mitigation_options={"strength": 2.0})
     assert stronger.tag == "unpruned-attention_reweight-strength_2.0"
     guided = RunSetting(focus=FocusConfig(pruner="guided", keep=0.25), guide="embedded")
-    assert guided.tag == "guided-k0.25-l2-guide_embedded"
+    assert guided.tag == "guided-k0.25-l2" and guided.describe()["guide"] == "embedded"
     for pruner in ("guided", "fixation"):  # each drives decoding itself
         with pytest.raises(ValueError, match=f"does not combine with pruner '{pruner}'"):
             RunSetting(focus=FocusConfig(pruner=pruner), mitigation="visual_beam")

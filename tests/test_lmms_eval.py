@@ -188,8 +188,8 @@ def test_entry_point_registers_the_model():
         ({"mitigate": "visual_beam"}, "mitigate='visual_beam'"),
         ({"mitigate": "nothing"}, "mitigate='nothing'"),
         ({"strength": 2.0}, "strength set without mitigate="),
-        ({"mitigate": "reweight", "pruner": "fixation"}, "does not combine with pruner"),
-        ({"mitigate": "reweight", "mitigate_layers": "0:9"}, "mitigate_layers: layer 9"),
+        ({"mitigate": "attention_reweight", "pruner": "fixation"}, "does not combine with pruner"),
+        ({"mitigate": "attention_reweight", "mitigate_layers": "0:9"}, "mitigate_layers: layer 9"),
         ({"pruner": "fastv", "layer": 9}, "layer: layer 9 is out of range"),
         ({"pruner": "guided"}, "guide=PATH"),
         ({"guide": "/no/such/model"}, "guide='/no/such/model'"),
@@ -216,19 +216,18 @@ def test_model_args_split_and_schedules():
     )
     assert rest == {"pretrained": "x", "batch_size": 2}
     assert focus.wrap == {"pruner": "debiased", "base": "text", "keep": 0.5}
-    assert focus.tag() == "debiased-k0.5-l2,base=text"  # FocusConfig's default layer
+    assert focus.tag() == "debiased-k0.5-l2-base_text"  # FocusConfig's default layer
     focus, _ = split_model_args({"layer": "2:8:16", "keep": "0.5:0.25:64", "query_rows": "last"})
     assert focus.config().stages == [(2, 0.5), (8, 0.25), (16, 64)]
-    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16,query_rows=last"
-    with pytest.warns(DeprecationWarning, match="query= is deprecated"):  # the earlier name
-        focus, _ = split_model_args({"layer": "2", "keep": "0.5", "query": "last"})
-        assert focus.config().query_rows == "last"
+    assert focus.tag() == "fastv-k0.5:0.25:64-l2:8:16-qlast"
+    with pytest.raises(ValueError, match="unknown model argument 'query'"):  # an earlier name
+        split_model_args({"layer": "2", "keep": "0.5", "query": "last"}, other=["pretrained"])
     focus, _ = split_model_args(
         {"mitigate": "attention_reweight", "strength": 2, "mitigate_layers": "0:1"}
     )
     assert not focus.pruned and focus.mitigate == "attention_reweight"
     assert focus.mitigate_options == {"strength": 2.0, "layers": [0, 1]}
-    assert focus.tag() == "unpruned+attention_reweight(layers=[0, 1],strength=2.0)"
+    assert focus.tag() == "unpruned-attention_reweight-layers_0_1-strength_2.0"
     focus, _ = split_model_args({"guide": "embedded", "keep": 0.5, "layer": 0})
     assert focus.wrap["pruner"] == "guided" and Path(focus.guide, "config.json").is_file()
 
@@ -366,9 +365,8 @@ def test_the_harness_takes_its_mitigations_and_names_from_the_registry(monkeypat
 
     assert model_args.harness_mitigations() == ["attention_reweight"]
     assert "num_beams" in model_args.harness_limit(hal.get_mitigation("visual_beam"))
-    with pytest.warns(DeprecationWarning, match="mitigation 'reweight' is deprecated"):
-        focus, _ = split_model_args({"mitigate": "reweight"})
-    assert focus.mitigate == "attention_reweight"
+    with pytest.raises(ValueError, match="unknown mitigation 'reweight'"):  # an earlier name
+        split_model_args({"mitigate": "reweight"})
     assert split_model_args({"mitigate": "none"})[0].mitigate is None
     monkeypatch.setattr(hal.registry, "_MITIGATIONS", dict(hal.registry._MITIGATIONS))
     extra = hal.Mitigation("gentle_reweight", hal.attention_reweight, {"strength": 0.5})

@@ -39,7 +39,7 @@ _TAG_LETTERS = (("query_rows", "q"), ("reduce", "r"), ("budget", "b"))
 
 
 def _tag_word(name: str, value: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9._]+", "_", f"{name}_{value}").strip("_")
+    return re.sub(r"[^A-Za-z0-9.]+", "_", f"{name}_{value}").strip("_")
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RunSetting:
         zoom: answer through :func:`vlm_focus.zoom.look_closer` with these options
             (``None``: no zoom). Its ``max_new_tokens`` is this setting's.
         guide: where the guide model came from (a path, or ``"embedded"``), for a pruner
-            that ``needs_guide``; recorded in the tag.
+            that ``needs_guide``; recorded by :meth:`describe`.
         max_new_tokens: per answer, greedy.
         zoom_calibration: where an adaptive zoom's threshold came from (recorded only).
     """
@@ -98,7 +98,8 @@ class RunSetting:
                     f"zoom {self.zoom.route!r} does not combine with pruner {pruner.name!r} "
                     f"({_how_it_drives(pruner)}); use another pruner, or no zoom"
                 )
-        if self.guide is not None and (pruner is None or not pruner.needs_guide):
+        takes_guide = self.focus is not None and get_pruner(self.focus.pruner).needs_guide
+        if self.guide is not None and not takes_guide:
             guided = ", ".join(n for n in _guided_pruners()) or "none"
             raise ValueError(f"a guide is an option of the pruners that take one ({guided})")
 
@@ -115,8 +116,8 @@ class RunSetting:
     @property
     def tag(self) -> str:
         """File-name tag, e.g. ``unpruned`` or ``fastv-k0.25-l2-qtext``: FocusConfig's
-        options away from their defaults, the pruner's own options, the guide, then the
-        mitigation (with its parameters away from the registry's) and the zoom."""
+        options away from their defaults, the pruner's own options, then the mitigation (with
+        the parameters given over the registry's) and the zoom."""
         tag = "unpruned"
         if self.pruned:
             f = self.focus
@@ -129,10 +130,8 @@ class RunSetting:
                 if getattr(f, name) != getattr(FocusConfig, name):
                     tag += f"-{letter}{getattr(f, name)}"
             for name, value in sorted(f.options.items()):
-                if name != "guide":  # a model object: the guide's name is recorded below
+                if name != "guide":  # a model, recorded by describe() (a path is no tag)
                     tag += "-" + _tag_word(name, value)
-            if self.guide is not None:
-                tag += "-" + _tag_word("guide", self.guide)
         if self.mitigation != "none":
             tag += f"-{self.mitigation}"
             for name, value in sorted(self.mitigation_options.items()):
@@ -183,14 +182,17 @@ class RunSetting:
 
     # --- running it -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def wrapped(self, model: nn.Module, *, guide: nn.Module | None = None) -> Iterator[Any]:
+    def wrapped(
+        self, model: nn.Module, *, guide: nn.Module | None = None, **run_options: Any
+    ) -> Iterator[Any]:
         """The setting's pruning attached to ``model`` while the block runs; yields the
         :class:`~vlm_focus.FocusHandle` (``None`` unpruned). ``guide`` is the guide model of
-        a pruner that ``needs_guide``."""
+        a pruner that ``needs_guide``; ``run_options`` are pruner options that only exist at
+        run time (e.g. ``guided``'s ``guide_inputs`` callback)."""
         if not self.pruned:
             yield None
             return
-        options = dict(self.focus.options)
+        options = {**self.focus.options, **run_options}
         if self.pruner_class.needs_guide:
             if guide is None:
                 raise ValueError(
@@ -226,12 +228,26 @@ class RunSetting:
             if handle is None or guide_inputs is None:
                 raise ValueError(f"pruner {pruner.name!r} needs the handle and guide_inputs")
             return guided_generate(handle, inputs, guide_inputs, **kwargs).sequences
-        params = self.mitigation_options
-        with hal.mitigate(
-            model, self.mitigation, inputs, generic_inputs=generic_inputs, **params
-        ) as active:
+        with self.mitigated(model, inputs, generic_inputs=generic_inputs) as active:
             processors = kwargs.pop("logits_processor", None)
             return model.generate(**inputs, **kwargs, **active.generate_kwargs(processors))
+
+    def mitigated(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any] | None = None,
+        *,
+        generic_inputs: dict[str, Any] | None = None,
+    ) -> contextlib.AbstractContextManager[hal.Active]:
+        """The setting's mitigation on ``model`` while the block runs (its parameters over
+        the registry's defaults); yields what :func:`vlm_focus.hallucination.mitigate` does."""
+        return hal.mitigate(
+            model,
+            self.mitigation,
+            inputs,
+            generic_inputs=generic_inputs,
+            **self.mitigation_options,
+        )
 
     @property
     def generic_prompt(self) -> str | None:

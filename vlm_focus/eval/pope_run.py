@@ -7,15 +7,18 @@ every setting whose results lie in the model's folder.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import keeps_everything, read_keep
+from ..setting import RunSetting
+from ..zoom import ZoomOptions
 from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
 from .data import resolve_set, split_missing
-from .generation import ZOOMS, Generator, Setting
+from .generation import ZOOMS, Generator
 from .metrics import PARSE_RULE, parse_yes_no
 from .pope import (
     LLAVA_SUFFIX,
@@ -166,27 +169,19 @@ class PopeConfig(PruneOptions):
         self.zoom_threshold = float(t)
 
 
-def parse_sweep(config: PopeConfig) -> list[Setting]:
+def parse_sweep(config: PopeConfig) -> list[RunSetting]:
     """The settings of a run: one, or unpruned + every (pruner, keep < 1) of a sweep."""
     import vlm_focus as vf
 
-    common = dict(
-        layer=config.layer,
-        query_rows=config.query_rows,
-        reduce=config.reduce,
-        budget=config.budget,
-        mitigate=config.mitigate,
-        max_new_tokens=config.max_new_tokens,
-        zoom=config.zoom,
-        zoom_threshold=config.zoom_threshold,
-        zoom_layers=config.zoom_layers,
-        zoom_calibration=None if config.zoom_calibration is None else str(config.zoom_calibration),
-    )
+    zoom = None
+    if config.zoom != "never":
+        zoom = ZoomOptions(
+            route=config.zoom, threshold=config.zoom_threshold, layers=config.zoom_layers
+        )
+    calibration = None if config.zoom_calibration is None else str(config.zoom_calibration)
+    common = dict(max_new_tokens=config.max_new_tokens, zoom=zoom, zoom_calibration=calibration)
     if config.sweep is None:
-        if config.pruner is None:
-            return [Setting(**common)]
-        options = config.pruner_options(config.pruner)
-        return [Setting(pruner=config.pruner, keep=config.keep, options=options, **common)]
+        return [config.setting(**common)]
     name, _, values = config.sweep.partition("=")
     if name.strip() != "keep" or not values:
         raise ValueError(
@@ -203,15 +198,13 @@ def parse_sweep(config: PopeConfig) -> list[Setting]:
     for n in names:
         if n not in known:
             raise ValueError(f"unknown pruner {n!r}; registered: {', '.join(sorted(known))}")
-    options = {n: config.pruner_options(n) for n in names}  # each pruner checks its own
-    settings = [Setting(**common)]
-    settings += [
-        Setting(pruner=n, keep=k, options=options[n], **common)
+    unpruned = dataclasses.replace(config.setting(**common), focus=None, guide=None)
+    return [unpruned] + [
+        config.setting(pruner=n, keep=k, **common)
         for n in names
         for k in keeps
         if not keeps_everything(k)
     ]
-    return settings
 
 
 def question_sets(config: PopeConfig, state: Any) -> tuple[Path, dict[str, list[dict]], str]:
@@ -263,7 +256,7 @@ def run_pope(config: PopeConfig) -> list[dict]:
     failed: list[str] = []
     for setting in settings:
         try:
-            if setting.pruned and setting.pruner == "guided" and guide[0] is None:
+            if setting.pruned and setting.pruner_class.needs_guide and guide[0] is None:
                 guide = load_guide(config, state)
             summaries += _run_setting(config, state, model, processor, guide, setting, sets, root)
         except (ValueError, FileNotFoundError, RuntimeError) as err:
@@ -318,7 +311,9 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
         def process(batch: list[dict], generator=generator) -> list[dict]:
             images = [r["image_path"] for r in batch]
             prompts = [r["text"] + suffix for r in batch]
-            if generator.setting.zooms:  # the crop follows the queried object's attention
+            if (
+                generator.setting.zoom is not None
+            ):  # the crop follows the queried object's attention
                 focus = [r.get("category") for r in batch]
                 texts, facts = generator(images, prompts, focus=focus)
             else:
@@ -378,11 +373,11 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
     return summaries
 
 
-def _zoom_summary(setting: Setting, records: list[dict]) -> dict[str, Any]:
+def _zoom_summary(setting: RunSetting, records: list[dict]) -> dict[str, Any]:
     """``zoom`` and, with one, the shares of questions routed and zoomed, and the mean seconds
     per question of every phase."""
-    out: dict[str, Any] = {"zoom": setting.zoom}
-    if not setting.zooms or not records:
+    out: dict[str, Any] = {"zoom": setting.zoom.route if setting.zoom else "never"}
+    if setting.zoom is None or not records:
         return out
     n = len(records)
     out["routed"] = sum(bool(r["routed"]) for r in records) / n

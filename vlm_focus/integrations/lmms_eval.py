@@ -24,6 +24,7 @@ request's batch, divided evenly over its rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -37,9 +38,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.model_utils.gen_metrics import log_metrics
 from loguru import logger
 
-from .. import hallucination
-from ..api import wrap
-from ..loading import build_inputs, load_model, resolve_model_path
+from ..loading import build_inputs, load_model, resolve_model_path, to_model
 from ..model_adapters import get_adapter
 from .model_args import FocusArgs, split_model_args
 
@@ -135,7 +134,8 @@ class VlmFocus(lmms):
         self.spec = spec
         self.model_type = model_type
         self.delegate = delegate_cls(pretrained=path, **rest)
-        self.setting = self.focus.tag()
+        self.run_setting = self.focus.setting()
+        self.setting = self.run_setting.tag
         self._rows: list[_Row] = []
         self._current: list[_Row] = []
         self._facts: dict[int, dict[str, Any]] = {}
@@ -143,16 +143,19 @@ class VlmFocus(lmms):
         model = self.delegate.model
         self._sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else _no_sync
         self.guide, self.guide_processor = None, None
-        options = dict(self.focus.wrap)
+        run_options = {}
         if self.focus.guide is not None:
             self.guide, self.guide_processor = load_model(
                 self.focus.guide, device=str(_device_of(model))
             )
-            options.update(guide=self.guide, guide_inputs=self._guide_inputs)
-        self.handle = wrap(model, **options) if self.focus.pruned else None
-        if self.focus.mitigate is not None:
-            with self._mitigation():  # checks the options against the model (its layer count)
-                pass
+            run_options["guide_inputs"] = self._guide_inputs
+        # the pruning stays attached until remove(); the mitigation runs per generate_until
+        self._wrapped = contextlib.ExitStack()
+        self.handle = self._wrapped.enter_context(
+            self.run_setting.wrapped(model, guide=self.guide, **run_options)
+        )
+        with self._mitigation():  # checks the options against the model (its layer count)
+            pass
         self._hooks = [
             model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after, with_kwargs=True),
@@ -208,8 +211,8 @@ class VlmFocus(lmms):
         for hook in self.__dict__.get("_hooks", []):
             hook.remove()
         self._hooks = []
-        if self.__dict__.get("handle") is not None:
-            self.handle.remove()
+        if self.__dict__.get("_wrapped") is not None:
+            self._wrapped.close()  # removes the pruning handle
 
     @property
     def task_dict(self) -> dict:
@@ -316,14 +319,11 @@ class VlmFocus(lmms):
             images.append(media[0])
             prompts.append(text)
         inputs = build_inputs(self.guide_processor, images, prompts)
-        device = _device_of(self.guide)
-        return {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
+        return to_model(self.guide, inputs)
 
     def _mitigation(self) -> Any:
-        """The registry's mitigation (its defaults, the model arguments overriding), or none."""
-        return hallucination.mitigate(
-            self.delegate.model, self.focus.mitigate, **self.focus.mitigate_options
-        )
+        """The setting's mitigation (its defaults, the model arguments overriding), or none."""
+        return self.run_setting.mitigated(self.delegate.model)
 
     def _log_summary(self) -> None:
         facts = [f for f in self._facts.values() if f.get("total")]

@@ -3,13 +3,13 @@
 Harnesses such as lmms-eval hand a model every ``--model_args`` item as one keyword. This module
 takes out the ones that belong to vlm_focus and checks them, before any weights load:
 
-- :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query_rows``
-  (``query``, its earlier name, still works), ``reduce``;
+- :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query_rows``,
+  ``reduce``, ``budget``;
   ``layer`` and ``keep`` take multi-stage schedules as colon lists (``layer=2:8:16,
   keep=0.5:0.25:0.125``), since the harness splits its arguments on commas;
 - the chosen pruner's own options (``base``, ``alpha``, ``seed``, ...), checked by that pruner's
-  options dataclass; ``guide=PATH`` (or ``guide=embedded``) names the small model of the
-  ``guided`` pruner;
+  options dataclass; ``guide=PATH`` (or ``guide=embedded``) names the small model of a pruner
+  that takes one (``guided``);
 - a mitigation from :mod:`vlm_focus.hallucination`: ``mitigate=attention_reweight`` with
   ``strength``, ``mitigate_layers`` (a colon list) and ``mitigate_ratio``.
 
@@ -28,6 +28,7 @@ from typing import Any
 from ..config import FocusConfig
 from ..hallucination import Mitigation, get_mitigation, mitigation_name, mitigations
 from ..pruners import get_pruner, pruners
+from ..setting import RunSetting
 
 FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
 #: attention_reweight's parameters as model arguments (the harness splits on commas)
@@ -58,7 +59,7 @@ def pruner_option_names() -> dict[str, list[str]]:
 
 def focus_option_names() -> list[str]:
     """Every model argument vlm_focus takes (config fields, all pruners' options, mitigation)."""
-    names = set(FOCUS_FIELDS) | {"mitigate", "query", *MITIGATION_OPTIONS}  # query: query_rows
+    names = set(FOCUS_FIELDS) | {"mitigate", *MITIGATION_OPTIONS}
     for options in pruner_option_names().values():
         names.update(options)
     return sorted(names)
@@ -88,6 +89,15 @@ class FocusArgs:
             return None
         return _focus_config(self.wrap)
 
+    def setting(self) -> RunSetting:
+        """The :class:`~vlm_focus.setting.RunSetting` these arguments stand for."""
+        return RunSetting(
+            focus=self.config(),
+            mitigation=self.mitigate or "none",
+            mitigation_options=self.mitigate_options,
+            guide=self.guide,
+        )
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready record of what the model does: pruning config and mitigation."""
         config = self.config()
@@ -102,30 +112,8 @@ class FocusArgs:
         return out
 
     def tag(self) -> str:
-        """The whole setting in one line: ``unpruned``, ``fastv-k0.25-l0``, or with every
-        non-default field and option, e.g. ``debiased-k0.25-l2,query_rows=text,base=text`` and
-        ``unpruned+attention_reweight(strength=2.0)``."""
-        config = self.config()
-        if config is None:
-            tag = "unpruned"
-        else:
-            keep = ":".join(f"{k:g}" for _, k in config.stages)
-            layer = ":".join(str(layer) for layer, _ in config.stages)
-            defaults = FocusConfig()
-            extra = [
-                f"{name}={getattr(config, name)}"
-                for name in FOCUS_FIELDS
-                if name not in ("pruner", "keep", "layer")
-                and getattr(config, name) != getattr(defaults, name)
-            ]
-            extra += [f"{k}={v}" for k, v in sorted(config.options.items())]
-            if self.guide is not None:
-                extra.append(f"guide={self.guide}")
-            tag = ",".join([f"{config.pruner}-k{keep}-l{layer}", *extra])
-        if self.mitigate is None:
-            return tag
-        options = ",".join(f"{k}={v}" for k, v in sorted(self.mitigate_options.items()))
-        return f"{tag}+{self.mitigate}" + (f"({options})" if options else "")
+        """The setting's tag, as every command writes it (:attr:`RunSetting.tag`)."""
+        return self.setting().tag
 
 
 def split_model_args(
@@ -159,17 +147,21 @@ def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
         if key in ("layer", "keep"):
             value = _stages(key, value)
         wrap[key] = value
-    if guide is not None:
-        wrap.setdefault("pruner", "guided")
+    if guide is not None and "pruner" not in wrap:
+        takes = [n for n in pruners() if get_pruner(n).needs_guide]
+        if len(takes) != 1:
+            raise ValueError(f"guide={guide!r} needs pruner= (one of {', '.join(takes)})")
+        wrap["pruner"] = takes[0]
     if wrap:
         config = _focus_config(wrap)
         pruner_cls = get_pruner(config.pruner)
         allowed = pruner_cls.option_names()
         extra = dict(config.options)
         if guide is not None:
-            if config.pruner != "guided":
+            if not pruner_cls.needs_guide:
                 raise ValueError(
-                    f"guide={guide!r} is an option of pruner 'guided', not {config.pruner!r}"
+                    f"guide={guide!r} is not an option of pruner {config.pruner!r}, which "
+                    "takes no guide model"
                 )
             guide = _guide_path(guide)
         for key in extra:
@@ -180,21 +172,19 @@ def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
                     f"to {', '.join(owners)}); {config.pruner!r} takes: "
                     f"{', '.join(list(FOCUS_FIELDS) + allowed)}"
                 )
-        if config.pruner == "guided":
+        if pruner_cls.needs_guide:
             if guide is None:
-                raise ValueError("pruner 'guided' needs guide=PATH (a small VLM) or guide=embedded")
+                raise ValueError(
+                    f"pruner {config.pruner!r} needs guide=PATH (a small VLM) or guide=embedded"
+                )
         else:
             try:
                 pruner_cls.Options(**extra)  # the pruner's own value checks
             except (TypeError, ValueError) as err:
                 raise ValueError(f"pruner {config.pruner!r}: {err}") from err
-    if wrap and mitigate is not None and config.pruner in ("guided", "fixation"):
-        raise ValueError(
-            f"mitigate={mitigate!r} does not combine with pruner {config.pruner!r} (guided "
-            "pruning drives generation itself, fixation picks new visual keys at every step); "
-            "use another pruner, or no mitigation"
-        )
-    return FocusArgs(wrap=wrap, guide=guide, mitigate=mitigate, mitigate_options=mitigate_options)
+    args = FocusArgs(wrap=wrap, guide=guide, mitigate=mitigate, mitigate_options=mitigate_options)
+    args.setting()  # the one check of what combines (a pruner that drives decoding, ...)
+    return args
 
 
 def _focus_config(wrap: dict[str, Any]) -> FocusConfig:
