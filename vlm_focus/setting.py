@@ -229,7 +229,7 @@ class RunSetting:
                 raise ValueError(f"pruner {pruner.name!r} needs the handle and guide_inputs")
             return guided_generate(handle, inputs, guide_inputs, **kwargs).sequences
         with self.mitigated(model, inputs, generic_inputs=generic_inputs) as active:
-            processors = kwargs.pop("logits_processor", None)
+            processors = kwargs.pop("logits_processor", ())
             return model.generate(**inputs, **kwargs, **active.generate_kwargs(processors))
 
     def mitigated(

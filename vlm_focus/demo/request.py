@@ -53,7 +53,7 @@ import vlm_focus as vf
 
 from .. import hallucination as hal
 from .. import zoom as zm
-from ..config import parse_keep
+from ..config import FocusConfig, parse_keep
 from ..geometry import Frame, as_size, describe_seen, seen_region
 from ..grounding import (
     Box,
@@ -67,6 +67,7 @@ from ..grounding import (
 )
 from ..loading import build_inputs, decode_new_tokens, to_model
 from ..model_adapters import ImageLayout, get_adapter, model_frames, supported_models
+from ..setting import RunSetting
 from ..timing import PairedTiming, prefill_report, pruned_prefill_timing
 from .overlays import (
     draw_boxes,
@@ -364,16 +365,17 @@ def run_request(
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
             inputs = to_model(model, build_inputs(processor, picture, prompt))
+            setting = RunSetting(
+                focus=FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own),
+                mitigation=mitigation,
+                max_new_tokens=max_new_tokens,
+            )
             generic = None
-            contrast = None if mitigation == "none" else hal.get_mitigation(mitigation)
-            if contrast is not None and contrast.generic_prompt is not None:
-                generic = build_inputs(processor, picture, contrast.generic_prompt)
-                generic = to_model(model, generic)
-            options = dict(pruner=pruner, keep=keep, layer=layer, **own)
+            if setting.generic_prompt is not None:
+                generic = to_model(model, build_inputs(processor, picture, setting.generic_prompt))
             result = _compute(
-                model, processor, picture, prompt, inputs, generic, options, mitigation,
-                max_new_tokens, repeats, bool(zoom),
-            )  # fmt: skip
+                model, processor, picture, prompt, inputs, generic, setting, repeats, bool(zoom)
+            )
         result.notices = notices + result.notices
     except DemoInputError as err:
         return DemoResult(ok=False, message=str(err))
@@ -386,20 +388,6 @@ def run_request(
     return result
 
 
-def _generate(
-    model: nn.Module,
-    inputs: dict[str, Any],
-    generic: dict[str, Any] | None,
-    mitigation: str,
-    max_new_tokens: int,
-) -> torch.Tensor:
-    """Greedy ``generate()`` under the chosen mitigation; returns the full sequences."""
-    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    with torch.inference_mode():
-        with hal.mitigate(model, mitigation, inputs, generic_inputs=generic) as active:
-            return model.generate(**inputs, **kwargs, **active.generate_kwargs())
-
-
 def _compute(
     model: nn.Module,
     processor: Any,
@@ -407,30 +395,37 @@ def _compute(
     prompt: str,
     inputs: dict[str, Any],
     generic: dict[str, Any] | None,
-    options: dict[str, Any],
-    mitigation: str,
-    max_new_tokens: int,
+    setting: RunSetting,
     repeats: int,
     zoom: bool = False,
 ) -> DemoResult:
-    """``options``: ``vf.wrap``'s keywords (pruner, keep, layer and the pruner's own)."""
-    full_seq = _generate(model, inputs, None, "none", max_new_tokens)
+    """The request's answers under ``setting`` (its pruning, then its mitigation on the
+    pruned model), against the unpruned model's."""
+    plain = RunSetting(max_new_tokens=setting.max_new_tokens)
+    with torch.inference_mode():
+        full_seq = plain.generate(model, inputs)
     answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
     answer_mitigated = ""
-    with vf.wrap(model, **options) as handle:
-        if mitigation != "none":  # mitigations read and steer the pruned model's attention
-            mitigated = _generate(model, inputs, generic, mitigation, max_new_tokens)
+    with torch.inference_mode(), vf.wrap(model, config=setting.focus) as handle:
+        if setting.mitigation != "none":  # mitigations read and steer the pruned attention
+            mitigated = setting.generate(model, inputs, handle=handle, generic_inputs=generic)
             answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
-        pruned_seq = _generate(model, inputs, None, "none", max_new_tokens)
+        pruned_seq = plain.generate(model, inputs)
         trace = handle.last_trace
         found = None
         if zoom:  # prune the full view, zoom on a second pass: both under the same wrap
-            found = zm.look_closer(model, processor, picture, prompt, route="always",
-                                   max_new_tokens=max_new_tokens)  # fmt: skip
+            found = zm.look_closer(
+                model,
+                processor,
+                picture,
+                prompt,
+                route="always",
+                max_new_tokens=setting.max_new_tokens,
+            )
     timing = pruned_prefill_timing(
         model,
         inputs,
-        lambda: vf.wrap(model, **options),
+        lambda: vf.wrap(model, config=setting.focus),
         trace.n_kept[0],
         trace.n_visual[0],
         max(1, repeats),
@@ -474,7 +469,7 @@ def _compute(
         answer=answer,
         answer_unpruned=answer_unpruned,
         answer_mitigated=answer_mitigated,
-        mitigation=mitigation,
+        mitigation=setting.mitigation,
         prompt_map=prompt_map,
         object_maps=object_maps,
         kept_overlay=kept_overlay,
