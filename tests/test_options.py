@@ -155,16 +155,11 @@ def test_help_texts_say_what_runs():
     assert run["layer"].endswith("(default: 2)") and run["query_rows"].endswith("(default: text)")
 
 
-def test_the_earlier_query_name_still_works_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match="--query is deprecated; use --query-rows"):
-        assert cli.parse(["run", "--query", "text"]).query_rows == "text"
-    with pytest.warns(DeprecationWarning, match="query= is deprecated; use query_rows="):
-        assert FocusConfig(query="text").query_rows == "text"
-    model = _tiny()
-    with pytest.warns(DeprecationWarning, match="query= is deprecated"):
-        handle = vf.wrap(model, keep=0.5, layer=1, query="text")
-    assert handle.config.query_rows == "text" and handle.config.query == "text"
-    handle.remove()
+def test_the_earlier_query_name_is_refused():
+    with pytest.raises(TypeError, match="query"):
+        FocusConfig(query="text")
+    with pytest.raises(ValueError, match="query"):
+        vf.wrap(_tiny(), keep=0.5, layer=1, query="text")
 
 
 # --- keep: one rule, one parser ---------------------------------------------------------------

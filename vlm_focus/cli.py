@@ -14,7 +14,8 @@ from typing import Any
 
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
 from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
-from .core.options import add_options, inherit, parse_config, show_deprecations
+from .core.options import add_options, inherit, parse_config
+from .setting import RunSetting, focus_config
 
 
 @dataclass
@@ -62,15 +63,7 @@ class InputOptions(LoadOptions):
 
     def focus(self, keep: Any = None) -> FocusConfig:
         """The :class:`~vlm_focus.FocusConfig` of these options (with another ``keep``)."""
-        return FocusConfig(
-            pruner=self.pruner,
-            keep=self.keep if keep is None else keep,
-            layer=self.layer,
-            query_rows=self.query_rows,
-            reduce=self.reduce,
-            budget=self.budget,
-            options=self.options,
-        )
+        return focus_config(self, **({} if keep is None else {"keep": keep}))
 
 
 @dataclass
@@ -143,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vlm-focus {argv[0]}: not available in this install ({err})", file=sys.stderr)
             return 2
         return int(module.main(argv[1:]) or 0)
-    show_deprecations()
     args = parser().parse_args(argv)
     if args.command == "pruners":
         print(pruners_table(), end="")
@@ -257,7 +249,7 @@ def _run(config: RunConfig) -> int:
     print(f"model     {report['model']}   image {image}")
     print(f"prompt    {prompt}")
     print(f"unpruned  {full}")
-    print(f"pruned    {pruned}   ({_setting(focus)})")
+    print(f"pruned    {pruned}   ({RunSetting(focus=focus).tag})")
     print(f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}")
     print(f"timing    {prefill_report(timing, trace.n_kept[0], trace.n_visual[0])}, {device}")
     if timing is not None and timing.warning():
@@ -272,7 +264,7 @@ def _bench(config: BenchConfig) -> int:
 
     model, _, inputs, _, _, device = _load(config)
     print(
-        f"prefill, {_setting(config.focus(), keep=False)}, {device}: each keep timed in "
+        f"prefill, {RunSetting(focus=config.focus()).tag} at each keep, {device}: timed in "
         f"{config.repeats} pairs alternating with the unpruned model; the times shown are the "
         "median pair's, and the speed-up is their ratio (min-max over all pairs)"
     )
@@ -292,13 +284,6 @@ def _bench(config: BenchConfig) -> int:
     for keep, why in doubtful:
         print(f"warning: keep={keep}: {why}")
     return 0
-
-
-def _setting(focus: FocusConfig, *, keep: bool = True) -> str:
-    parts = [focus.pruner] + ([f"keep={focus.keep}"] if keep else [])
-    parts += [f"layer={focus.layer}", f"query_rows={focus.query_rows}", f"reduce={focus.reduce}"]
-    parts += [f"{name}={value}" for name, value in sorted(focus.options.items())]
-    return ", ".join(parts)
 
 
 if __name__ == "__main__":

@@ -258,6 +258,13 @@ class RunSetting:
         return hal.get_mitigation(self.mitigation).generic_prompt
 
 
+def focus_config(source: Any, **overrides: Any) -> FocusConfig:
+    """The :class:`~vlm_focus.FocusConfig` of an options object that inherits its fields (a
+    command's options: ``pruner``, ``keep``, ..., ``options``), with ``overrides``."""
+    names = [f.name for f in dataclasses.fields(FocusConfig) if hasattr(source, f.name)]
+    return FocusConfig(**{**{n: getattr(source, n) for n in names}, **overrides})
+
+
 def _how_it_drives(pruner: type[Pruner]) -> str:
     if pruner.needs_guide:
         return "it runs generate() itself, through its guide"
@@ -270,4 +277,4 @@ def _guided_pruners() -> list[str]:
     return [n for n in pruners() if get_pruner(n).needs_guide]
 
 
-__all__ = ["RunSetting"]
+__all__ = ["RunSetting", "focus_config"]

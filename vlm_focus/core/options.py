@@ -9,7 +9,6 @@ where needed:
   :func:`vlm_focus.config.read_keep`);
 - ``default_text``: what ``--help`` shows for the default (for a default of ``None`` that stands
   for something, e.g. "the embedded model");
-- ``aliases``: earlier flag spellings, still accepted with a deprecation warning;
 - ``nargs``, ``metavar``: as in argparse; ``append``: the flag may be given several times, its
   values collected in a list; ``cli=False``: not on the command line.
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -122,7 +120,6 @@ def add_options(
         if f.name in skip or not f.metadata.get("cli", True):
             continue
         meta = f.metadata
-        names = [flag(f.name), *meta.get("aliases", ())]
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "default": _default(f) if defaults else argparse.SUPPRESS,
@@ -138,12 +135,11 @@ def add_options(
                     f"{cls.__name__}.{f.name} ({type_name}) needs metadata 'parse' to be a "
                     "command-line option"
                 )
-            action = _Append if meta.get("append") else _Store
-            kwargs.update(type=parse, action=action, deprecated=tuple(meta.get("aliases", ())))
+            kwargs.update(type=parse, action=_Append if meta.get("append") else "store")
             for key in ("choices", "nargs", "metavar"):
                 if key in meta:
                     kwargs[key] = meta[key]
-        parser.add_argument(*names, **kwargs)
+        parser.add_argument(flag(f.name), **kwargs)
 
 
 def given(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -158,23 +154,6 @@ def parse_config(cls: type, namespace: argparse.Namespace, **extra: Any) -> Any:
     return cls(**given(namespace, cls), **extra)
 
 
-def show_deprecations() -> None:
-    """Let a command line show vlm_focus's deprecation warnings (Python hides them), each as
-    one line."""
-    warnings.filterwarnings("default", category=DeprecationWarning, message="vlm_focus: ")
-    plain = warnings.formatwarning
-    if getattr(plain, "vlm_focus", False):
-        return
-
-    def formatwarning(message, category, filename, lineno, line=None) -> str:
-        if str(message).startswith("vlm_focus: "):
-            return f"{message}\n"
-        return plain(message, category, filename, lineno, line)
-
-    formatwarning.vlm_focus = True
-    warnings.formatwarning = formatwarning
-
-
 def options_markdown(rows: Iterable[tuple[str, OptionInfo]], first: str = "pruner") -> str:
     """A markdown table ``| first | option | type | default | what it does |``."""
     lines = [f"| {first} | option | type | default | what it does |", "|---|---|---|---|---|"]
@@ -185,29 +164,12 @@ def options_markdown(rows: Iterable[tuple[str, OptionInfo]], first: str = "prune
     return "\n".join(lines) + "\n"
 
 
-class _Store(argparse.Action):
-    """``store``, with a deprecation warning when an earlier spelling of the flag is used."""
-
-    def __init__(self, *args: Any, deprecated: tuple[str, ...] = (), **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.deprecated = deprecated
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if option_string in self.deprecated:
-            warnings.warn(
-                f"vlm_focus: {option_string} is deprecated; use {self.option_strings[0]}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        setattr(namespace, self.dest, values)
-
-
-class _Append(_Store):
+class _Append(argparse.Action):
     """``append``: a flag given several times collects its values in a list."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         collected = list(getattr(namespace, self.dest, None) or [])
-        super().__call__(parser, namespace, [*collected, values], option_string)
+        setattr(namespace, self.dest, [*collected, values])
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..core.options import add_options, parse_config, show_deprecations
+from ..core.options import add_options, parse_config
 from .chair_run import ChairConfig, run_chair
 from .coco_run import CocoConfig, run_coco
 from .pope_run import PopeConfig, run_pope
@@ -42,7 +42,6 @@ def parse(argv: list[str]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    show_deprecations()
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     command = args.command
     config_cls, run, _ = COMMANDS[command]

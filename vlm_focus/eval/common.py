@@ -15,7 +15,7 @@ from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_f
 from ..core.options import default_of, inherit, show
 from ..core.registry import get_pruner, pruners, read_pruner_options
 from ..hallucination import mitigation_choices, mitigation_name
-from ..setting import RunSetting
+from ..setting import RunSetting, focus_config
 
 ON_MISSING = ("skip", "stop")
 #: The pruning options of the evaluations, each as FocusConfig defines it.
@@ -152,8 +152,7 @@ class PruneOptions(EvalOptions):
             get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
             self.options = self.pruner_options(self.pruner)
             # the one check of every pruning option (keep's rule, choices, layer >= 0)
-            checked = FocusConfig(pruner=self.pruner, **{n: getattr(self, n) for n in PRUNE_FIELDS})
-            self.keep = checked.keep
+            self.keep = focus_config(self).keep
         if self.guide is not None and not self._sweeps():
             if self.pruner is None or not get_pruner(self.pruner).needs_guide:
                 takes = [n for n in pruners() if get_pruner(n).needs_guide]
@@ -182,10 +181,8 @@ class PruneOptions(EvalOptions):
         pruner = pruner or self.pruner
         focus = None
         if pruner is not None:
-            fields = {n: getattr(self, n) for n in PRUNE_FIELDS}
-            if keep is not None:
-                fields["keep"] = keep
-            focus = FocusConfig(pruner=pruner, options=self.pruner_options(pruner), **fields)
+            given = {"keep": keep} if keep is not None else {}
+            focus = focus_config(self, pruner=pruner, options=self.pruner_options(pruner), **given)
         guide = None
         if focus is not None and get_pruner(pruner).needs_guide:
             guide = self.guide or ("embedded" if is_embedded(self.model) else None)
