@@ -187,13 +187,13 @@ def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
     assert summary["mitigation_parameters"] == {"strength": 1.0, "layers": None, "ratio": 0.25}
     assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 2  # gone
     # mitigations run on a pruned model too; only guided and fixation pruning refuse them
-    pruned = [*args, "--mitigate", "attention_reweight", "--pruner", "fastv", "--keep", "0.5",
-              "--layer", "1"]  # fmt: skip
+    pruned = [*args, "--mitigate", "attention_reweight", "--pruner", "fastv"]
+    pruned += ["--keep", "0.5", "--layer", "1"]
     assert main([*pruned, "--max-new-tokens", "2"]) == 0
     summary = json.loads((folder / "fastv-k0.5-l1-attention_reweight.json").read_text())
     assert summary["mitigate"] == "attention_reweight" and summary["n"] == 2
     assert main([*args, "--mitigate", "visual_beam", "--pruner", "fixation", "--layer", "1"]) == 2
-    assert "does not combine with --pruner fixation" in capsys.readouterr().err
+    assert "does not combine with pruner 'fixation'" in capsys.readouterr().err
 
 
 def test_killed_pope_run_resumes_to_the_uninterrupted_result(setup, tmp_path, monkeypatch):
@@ -307,8 +307,8 @@ def test_pope_adaptive_zoom_routes_by_threshold_and_calibration(setup, tmp_path)
         (["--zoom", "always", "--zoom-threshold", "0.5"], "zoom_threshold only apply"),
         (["--zoom-layers", "0"], "zoom_layers only applies"),
         (["--zoom", "adaptive", "--zoom-calibration", "missing.json"], "zoom_calibration file"),
-        (["--zoom", "always", "--mitigate", "visual_beam"], "does not combine with --mitigate"),
-        (["--zoom", "always", "--pruner", "guided"], "does not combine with --pruner guided"),
+        (["--zoom", "always", "--mitigate", "visual_beam"], "does not combine with mitigation"),
+        (["--zoom", "always", "--pruner", "guided"], "does not combine with pruner 'guided'"),
     ],
 )
 def test_pope_zoom_bad_options_are_named(setup, tmp_path, capsys, extra, message):

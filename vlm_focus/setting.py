@@ -31,6 +31,7 @@ from .api import FocusHandle, wrap
 from .config import FocusConfig, keeps_everything
 from .core.pruner import Pruner
 from .core.registry import get_pruner
+from .generation import greedy_generate
 from .pruners import guided_generate
 from .zoom import ZoomOptions
 
@@ -85,6 +86,12 @@ class RunSetting:
             if self.zoom.route == "never":
                 raise ValueError("zoom route 'never' is no zoom: pass zoom=None")
             self.zoom = dataclasses.replace(self.zoom, max_new_tokens=self.max_new_tokens)
+            if self.mitigation != "none":
+                raise ValueError(
+                    f"zoom {self.zoom.route!r} does not combine with mitigation "
+                    f"{self.mitigation!r}: a mitigation steers one generate() call, the zoom "
+                    "makes two; use one of them"
+                )
         pruner = self.pruner_class
         if pruner is not None and pruner.drives_decoding:
             if self.mitigation != "none":
@@ -222,15 +229,17 @@ class RunSetting:
         ``needs_guide`` generates through its guide (``guide_inputs``: the same rows built by
         the guide's processor); ``instruction_contrast`` needs ``generic_inputs`` (the rows
         with the mitigation's ``generic_prompt``)."""
-        kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": False, **generate_kwargs}
+        kwargs = {"max_new_tokens": self.max_new_tokens, **generate_kwargs}
         pruner = self.pruner_class
         if pruner is not None and pruner.needs_guide:
             if handle is None or guide_inputs is None:
                 raise ValueError(f"pruner {pruner.name!r} needs the handle and guide_inputs")
-            return guided_generate(handle, inputs, guide_inputs, **kwargs).sequences
+            return guided_generate(
+                handle, inputs, guide_inputs, do_sample=False, **kwargs
+            ).sequences
         with self.mitigated(model, inputs, generic_inputs=generic_inputs) as active:
-            processors = kwargs.pop("logits_processor", ())
-            return model.generate(**inputs, **kwargs, **active.generate_kwargs(processors))
+            kwargs.update(active.generate_kwargs(kwargs.pop("logits_processor", ())))
+            return greedy_generate(model, inputs, **kwargs)[0]
 
     def mitigated(
         self,

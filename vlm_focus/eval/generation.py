@@ -13,6 +13,7 @@ from transformers import LogitsProcessor
 from .. import hallucination as hal
 from .. import zoom as zm
 from ..config import keep_count
+from ..generation import new_token_counts
 from ..loading import build_inputs, load_image, to_model
 from ..model_adapters import get_adapter
 from ..setting import RunSetting
@@ -115,7 +116,7 @@ class Generator:
         texts = self.decode(inputs, sequences)
         kept = handle.last_trace.n_kept if handle is not None else n_visual
         prefill = (clock.first or start + total) - start
-        new_tokens = self.count_new(inputs, sequences)
+        new_tokens = new_token_counts(self.model, inputs, sequences)
         batch = len(texts)
         rows = [
             {
@@ -192,19 +193,3 @@ class Generator:
     def decode(self, inputs: dict, sequences: torch.Tensor) -> list[str]:
         new = sequences[:, inputs["input_ids"].shape[1] :]
         return [t.strip() for t in self.processor.batch_decode(new, skip_special_tokens=True)]
-
-    def count_new(self, inputs: dict, sequences: torch.Tensor) -> list[int]:
-        """Generated tokens per row, up to and including the first end-of-sequence token."""
-        new = sequences[:, inputs["input_ids"].shape[1] :].tolist()
-        config = getattr(self.model, "generation_config", None)
-        eos = getattr(config, "eos_token_id", None)
-        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        counts = []
-        for row in new:
-            n = len(row)
-            for i, t in enumerate(row):
-                if t in eos:
-                    n = i + 1
-                    break
-            counts.append(n)
-        return counts
