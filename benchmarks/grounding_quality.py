@@ -24,8 +24,6 @@ Writes ``grounding_quality.md``, ``grounding_quality.json``, ``grounding_quality
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import platform
 import time
@@ -37,6 +35,8 @@ from PIL import Image
 
 from vlm_focus import grounding as G
 from vlm_focus import hallucination as H
+from vlm_focus.eval import metrics
+from vlm_focus.eval.coco import coco_gt
 from vlm_focus.geometry import Size
 from vlm_focus.organism.data import negative_category
 from vlm_focus.organism.pope import (
@@ -103,15 +103,12 @@ def batches(n: int, size: int):
         yield slice(start, min(start + size, n))
 
 
-# --- metrics --------------------------------------------------------------------------------
-def auroc(positive: list[float], negative: list[float]) -> float:
-    """Probability that a random positive scores above a random negative (ties count half)."""
-    pos, neg = np.asarray(positive, float), np.asarray(negative, float)
-    if pos.size == 0 or neg.size == 0:
-        return float("nan")
-    greater = (pos[:, None] > neg[None, :]).sum()
-    ties = (pos[:, None] == neg[None, :]).sum()
-    return float((greater + 0.5 * ties) / (pos.size * neg.size))
+# --- metrics: the library's, vlm_focus.eval.metrics ----------------------------------------
+def present_vs_absent(present: list[float], absent: list[float]) -> float:
+    """AUROC of scores of present (positive) against absent queries: the probability that a
+    random present one scores above a random absent one, ties counted half
+    (:func:`vlm_focus.eval.metrics.auroc`)."""
+    return metrics.auroc([*present, *absent], [True] * len(present) + [False] * len(absent))
 
 
 def roc_curve(positive: list[float], negative: list[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -124,28 +121,16 @@ def roc_curve(positive: list[float], negative: list[float]) -> tuple[np.ndarray,
 
 
 def inside(point: tuple[float, float], box) -> bool:
-    x, y = point
-    bx, by, bw, bh = box
-    return bx <= x <= bx + bw and by <= y <= by + bh
+    """Pointing-game hit on one ``[x, y, w, h]`` box, borders included
+    (:func:`vlm_focus.eval.metrics.point_in_boxes`)."""
+    return metrics.point_in_boxes(point, [box])
 
 
-def coco_ap(scenes, detections: list[dict]) -> tuple[float, float]:
-    """(AP@[.5:.95], AP50) with pycocotools; 0 for an empty detection list."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
-    if not detections:
-        return 0.0, 0.0
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO()
-        gt.dataset = coco_instances(scenes)
-        gt.createIndex()
-        dt = gt.loadRes(detections)
-        ev = COCOeval(gt, dt, "bbox")
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return float(ev.stats[0]), float(ev.stats[1])
+def box_ap(gt, detections: list[dict]) -> tuple[float, float]:
+    """(AP@[.5:.95], AP50) of ``detections`` against ``gt`` (a ``pycocotools`` COCO):
+    :func:`vlm_focus.eval.metrics.coco_box_ap`, 0 for an empty detection list."""
+    result = metrics.coco_box_ap(gt, detections)
+    return result["AP"], result["AP50"]
 
 
 # --- grounding ------------------------------------------------------------------------------
@@ -259,8 +244,9 @@ def run_grounding(model, processor, scenes, heads, batch: int) -> dict:
                 )
             if len(examples) < 6 and len(scene.objects) >= 2:
                 examples.append((scene, cat, maps["layer 0"][b][0], top[0] if top else None))
+    gt = coco_gt(coco_instances(scenes))
     ap = {
-        f"{name}, score={kind}": coco_ap(scenes, dets)
+        f"{name}, score={kind}": box_ap(gt, dets)
         for name, by_kind in detections.items()
         for kind, dets in by_kind.items()
     }
@@ -274,14 +260,16 @@ def run_grounding(model, processor, scenes, heads, batch: int) -> dict:
         "pointing_chance": float(np.mean(chance)),
         "box_ap": ap,
         "auroc": {
-            "MTLA region score (layer 0, top box)": auroc(region["present"], region["absent"]),
-            "MTLA region score (all layers, top box)": auroc(
+            "MTLA region score (layer 0, top box)": present_vs_absent(
+                region["present"], region["absent"]
+            ),
+            "MTLA region score (all layers, top box)": present_vs_absent(
                 region_all["present"], region_all["absent"]
             ),
-            "VAS at the category token (layer 0)": auroc(
+            "VAS at the category token (layer 0)": present_vs_absent(
                 vas_scores["present"], vas_scores["absent"]
             ),
-            "model P(yes) (reference)": auroc(yes["present"], yes["absent"]),
+            "model P(yes) (reference)": present_vs_absent(yes["present"], yes["absent"]),
         },
         "_roc": {"mtla": region, "p_yes": yes},
         "_examples": examples,
@@ -318,7 +306,7 @@ def run_captions(model, processor, scenes, batch: int, layers: list[int] | None)
         "chair_i": len(absent_scores) / max(n_mentions, 1),
         "pointing_present_mentions": float(np.mean(hits)) if hits else float("nan"),
         "acc_iou50_present_mentions": float(np.mean(iou50)) if iou50 else float("nan"),
-        "auroc_mtla_present_vs_hallucinated": auroc(present_scores, absent_scores),
+        "auroc_mtla_present_vs_hallucinated": present_vs_absent(present_scores, absent_scores),
         "layers": "all" if layers is None else layers,
     }
 
@@ -405,9 +393,8 @@ def plot(grounding: dict, pope: dict, out: Path) -> None:
             gx, gy, gw, gh = scene.find(cat).box(scene.size)
             ax.add_patch(plt.Rectangle((gx, gy), gw, gh, fill=False, ec="white", lw=2))
             if box is not None:
-                ax.add_patch(
-                    plt.Rectangle((box.x, box.y), box.w, box.h, fill=False, ec="magenta", lw=2)
-                )
+                bx, by, bw, bh = box.xywh
+                ax.add_patch(plt.Rectangle((bx, by), bw, bh, fill=False, ec="magenta", lw=2))
             px, py = G.point(heat)
             ax.plot(px, py, "w+", ms=12, mew=2)
             ax.set_title(CATEGORIES[cat], fontsize=9)

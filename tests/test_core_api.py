@@ -9,6 +9,10 @@ from reference import manual_decode
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
+from vlm_focus.config import FocusConfig
+from vlm_focus.core.attention import instruction_relevance, text_after_image
+from vlm_focus.core.probe import rows_from_mask
+from vlm_focus.model_adapters import get_adapter
 
 
 def _logits(model, inputs):
@@ -154,6 +158,10 @@ def test_manual_decode_loop_without_generate_matches_generate():
         ({"pruner": "random", "seed": "x"}, "seed='x' must be an int"),
         ({"query_rows": "first"}, "query_rows='first' is not one of"),
         ({"reduce": "sum"}, "reduce='sum' is not one of"),
+        (
+            {"query": "text"},
+            r"unknown option for pruner 'fastv': \['query'\]; allowed: .*query_rows",
+        ),
     ],
 )
 def test_bad_options_raise_value_error(options, message):
@@ -161,6 +169,29 @@ def test_bad_options_raise_value_error(options, message):
     with pytest.raises(ValueError, match=message):
         vf.wrap(model, **options)
     assert not hasattr(model, "_vlm_focus_handle")
+
+
+def test_query_rows_is_the_only_name_of_the_query_rows():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'query'"):
+        FocusConfig(query="text")
+    assert not hasattr(FocusConfig(), "query")
+
+
+def test_instruction_relevance_is_the_head_and_row_mean_of_eager_attention():
+    model = make_model("llava_next", attn="eager")
+    inputs = make_inputs("llava_next", model, batch=2)  # left-padded: rows of unequal length
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions[1]  # [B, H, S, S]
+    visual = get_adapter(model).visual_mask(model, inputs["input_ids"])
+    text = text_after_image(visual, inputs["attention_mask"].bool())
+    rows, valid = rows_from_mask(text)  # [B, Tq]
+    index = rows[:, None, :, None].expand(-1, attentions.shape[1], -1, attentions.shape[-1])
+    got = instruction_relevance(attentions.gather(2, index), valid)  # [B, S]
+    for b in range(2):
+        want = attentions[b][:, text[b]].mean((0, 1))
+        torch.testing.assert_close(got[b], want, atol=1e-6, rtol=1e-5)
+    no_rows = instruction_relevance(attentions[:, :, :3], torch.zeros(2, 3, dtype=torch.bool))
+    assert torch.equal(no_rows, torch.zeros(2, attentions.shape[-1]))  # no instruction: 0
 
 
 def test_keep_count_above_visual_count_raises_at_call():

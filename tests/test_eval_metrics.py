@@ -3,6 +3,7 @@ COCO box AP (planted perfect and shifted sets, empty and unknown ids), CHAIR."""
 
 import math
 
+import numpy as np
 import pytest
 
 from vlm_focus.eval.chair import (
@@ -68,6 +69,16 @@ def test_auroc_hand_computed_with_ties():
     # pairs (pos, neg): (0.5, 0.5) tie = 0.5, (0.5, 0.1) = 1, (0.7, 0.5) = 1, (0.7, 0.1) = 1
     assert auroc([0.5, 0.7, 0.5, 0.1], [True, True, False, False]) == pytest.approx(3.5 / 4)
     assert math.isnan(auroc([0.1, 0.2], [True, True]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_auroc_is_the_share_of_positive_negative_pairs_ordered_right(seed):
+    gen = np.random.default_rng(seed)
+    scores = gen.integers(0, 6, 40) / 5  # many ties
+    labels = gen.random(40) < 0.4
+    pos, neg = scores[labels][:, None], scores[~labels][None, :]
+    pairs = ((pos > neg).sum() + 0.5 * (pos == neg).sum()) / (pos.size * neg.size)
+    assert auroc(scores.tolist(), labels.tolist()) == pytest.approx(float(pairs), abs=1e-12)
 
 
 def test_point_in_boxes_borders_included():

@@ -8,6 +8,8 @@ import torch
 from tiny_models import KINDS, make_inputs, make_model
 
 from vlm_focus import hallucination as H
+from vlm_focus.config import keep_count
+from vlm_focus.hallucination._reweight import relevant_tokens
 from vlm_focus.model_adapters import get_adapter
 
 
@@ -71,8 +73,8 @@ def test_attention_reweight_changes_text_rows_only_while_active(kind):
         seq, scores = _generate(model, inputs)
         relevant = rw.relevant[0]
     visual = get_adapter(model).visual_mask(model, inputs["input_ids"])
-    n_visual = visual.sum(1)
-    assert relevant.sum(1).tolist() == torch.ceil(0.25 * n_visual).long().tolist()
+    n_visual = visual.sum(1).tolist()
+    assert relevant.sum(1).tolist() == [keep_count(0.25, n) for n in n_visual]
     assert bool((relevant <= visual).all())
     last = _last_visual(model, inputs)
     for b in range(2):
@@ -100,6 +102,17 @@ def test_attention_reweight_is_the_same_under_sdpa_and_eager():
             out[attn] = _generate(model, inputs)
     assert torch.equal(out["sdpa"][0], out["eager"][0])
     torch.testing.assert_close(out["sdpa"][1], out["eager"][1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("n_visual", "ratio", "want"), [(5, 0.25, 1), (10, 0.25, 2), (6, 0.25, 2)])
+def test_relevant_tokens_count_by_the_keep_rule(n_visual, ratio, want):
+    # vf.wrap's rule, round(ratio * n) with halves to even (ceil would give 2, 3 and 2)
+    visual = torch.zeros(2, 12, dtype=torch.bool)
+    visual[:, 3 : 3 + n_visual] = True
+    scores = torch.arange(12, dtype=torch.float32).flip(0).expand(2, 12)  # earlier is higher
+    relevant = relevant_tokens(scores, visual, ratio)
+    assert relevant.sum(1).tolist() == [want, want] == [keep_count(ratio, n_visual)] * 2
+    assert torch.nonzero(relevant[0]).flatten().tolist() == list(range(3, 3 + want))
 
 
 def test_attention_reweight_checks_its_arguments():
@@ -187,3 +200,22 @@ def test_instruction_contrast_generates_a_batch_and_restores(kind):
         H.instruction_contrast(model, inputs, generic, beta=1.0)
     with pytest.raises(TypeError):
         H.instruction_contrast(model, inputs, None)
+
+
+# --- names and keywords -----------------------------------------------------------------------
+@pytest.mark.parametrize("old", ["reweight", "beam", "contrast"])
+def test_only_the_registry_names_are_mitigations(old):
+    allowed = "none, attention_reweight, instruction_contrast, visual_beam"
+    with pytest.raises(ValueError, match=f"unknown mitigation '{old}'; allowed: {allowed}"):
+        H.mitigation_name(old)
+    with pytest.raises(ValueError, match="unknown mitigation"):
+        H.get_mitigation(old)
+    with pytest.raises(ValueError, match=f"mitigation name '{old}' is reserved"):
+        H.register_mitigation(H.Mitigation(old, H.visual_beam))  # never another method
+
+
+def test_vas_takes_query_rows_only():
+    model = make_model("llava")
+    inputs = make_inputs("llava", model)
+    with pytest.raises(TypeError, match="query"):
+        H.vas(model, inputs, query="text")

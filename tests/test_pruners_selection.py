@@ -25,6 +25,7 @@ from vlm_focus.pruners._math import (
     remove_trend,
     resample_map,
     split_budget,
+    tile_index,
 )
 from vlm_focus.pruners.diverse import diverse_keep
 from vlm_focus.pruners.guided import map_to_tokens
@@ -121,9 +122,8 @@ def test_padding_patches_with_inflated_scores_are_suppressed():
     assert top_cells(off, ctx, 12) == fastv
     cropped = _pruner("debiased", **{**options, "pad_to_square": None}).select(ctx, 12).scores
     assert top_cells(cropped, ctx, 12) == fastv  # the adapter's fallback pads nothing
-    with pytest.warns(DeprecationWarning, match="height, width"):
-        legacy = _pruner("debiased", **{**options, "image_sizes": [(200, 400)]})
-    torch.testing.assert_close(legacy.select(ctx, 12).scores, debiased, atol=0, rtol=0)
+    with pytest.raises(TypeError, match=r"image_sizes\[0\]=\(200, 400\) is ambiguous"):
+        _pruner("debiased", **{**options, "image_sizes": [(200, 400)]})  # a bare pair
 
 
 @pytest.mark.parametrize("sink_by", ["activation", "attention", "both"])
@@ -188,6 +188,15 @@ def test_budget_split_across_five_crops_is_proportional_with_minimums():
                           torch.tensor([8, 16, 16, 16, 16]), 30, minimum=2)  # fmt: skip
     assert capped.tolist() == [8, 6, 6, 5, 5]  # crop 0 full, the rest shared evenly
     assert split_budget(saliency, torch.full((5,), 16), 3, minimum=2).tolist() == [2, 1, 0, 0, 0]
+
+
+def test_tiles_cut_each_side_by_integer_division():
+    r, c = torch.arange(3).repeat_interleave(5), torch.arange(5).repeat(3)
+    tiles = tile_index(r, c, 3, 5, 2).view(3, 5)  # rows 0-1 | 2, columns 0-2 | 3-4
+    assert tiles.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1], [2, 2, 2, 3, 3]]
+    per_cell = tile_index(r, c, torch.full((15,), 3), torch.full((15,), 5), 2)  # sizes per cell
+    assert torch.equal(per_cell.view(3, 5), tiles)
+    assert tile_index(r, c, 3, 5, 1).unique().tolist() == [0]
 
 
 def test_pyramid_region_budgets_and_token_ranks():

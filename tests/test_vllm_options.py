@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from vlm_focus.integrations import vllm as plugin
@@ -63,3 +64,10 @@ def test_serve_help_states_keeps_one_rule(capsys):
     assert KEEP_RULE in plugin.ServeOptions.__dataclass_fields__["keep"].metadata["help"]
     with pytest.raises(ValueError, match="keep=1 is ambiguous"):
         plugin.ServeOptions(keep=1)
+
+
+def test_a_server_count_is_read_once_by_keeps_rule_and_serves_any_image():
+    options = plugin.ServeOptions(keep=np.int64(4096))  # above most images' token counts
+    assert options.keep == 4096 and type(options.keep) is int
+    assert plugin.hf_overrides("qwen2_5_vl", keep=4096)["vlm_focus"]["keep"] == 4096
+    assert type(plugin.ServeOptions(keep=np.float32(0.5)).keep) is float

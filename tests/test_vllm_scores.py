@@ -9,7 +9,10 @@ import torch
 from tiny_models import IMAGE, VISION_END, VISION_START, make_model
 
 import vlm_focus as vf
+from vlm_focus.config import keep_count
+from vlm_focus.integrations import vllm as plugin
 from vlm_focus.integrations.vllm import _scores
+from vlm_focus.pruners import tile_index
 
 
 def _inputs(grid: tuple[int, int, int], seed: int) -> dict:
@@ -41,7 +44,7 @@ def test_pool_and_pyramid_keep_what_wrap_keeps(grid, keep):
     model = make_model("qwen2_5_vl")
     inputs = _inputs(grid, seed=sum(grid))
     rows, cols = grid[1] // 2, grid[2] // 2
-    n_keep = _scores.keep_count(keep, rows * cols)
+    n_keep = keep_count(keep, rows * cols, clamp=True)
     with torch.no_grad():
         embeds = model.model.get_image_features(
             inputs["pixel_values"], inputs["image_grid_thw"]
@@ -59,9 +62,26 @@ def test_spread_rank_is_a_permutation_that_starts_at_the_centre():
     assert int(rank.argmin()) == 1 * 6 + 2
 
 
-def test_keep_count_rounds_like_focus_config():
-    assert _scores.keep_count(0.25, 48) == 12
-    assert _scores.keep_count(0.01, 48) == 1
-    assert _scores.keep_count(100, 48) == 48
+def test_keep_count_is_focus_configs_rule_with_counts_clamped():
+    # a ratio: vf.wrap's rule (round, halves to even, at least 1)
+    assert keep_count(0.25, 48, clamp=True) == 12 == keep_count(0.25, 48)
+    assert keep_count(0.125, 20, clamp=True) == 2 == keep_count(0.125, 20)  # round(2.5)
+    assert keep_count(0.01, 48, clamp=True) == 1
+    # a count: one server-wide count serves every image; a smaller image keeps all its tokens,
+    # where vf.wrap (one input, its caller's count) raises
+    assert keep_count(100, 48, clamp=True) == 48 and keep_count(30, 48, clamp=True) == 30
+    with pytest.raises(ValueError, match="more than the 48 visual tokens"):
+        keep_count(100, 48)
+    assert plugin.check_request("pool", 64) == 64 and plugin.check_request("pool", 0.5) == 0.5
     with pytest.raises(ValueError, match="keep=1.5"):
-        _scores.keep_count(1.5, 48)
+        plugin.check_request("pool", 1.5)
+
+
+@pytest.mark.parametrize(("rows", "cols", "tiles"), [(8, 6, 2), (5, 7, 3), (1, 9, 2), (4, 4, 1)])
+def test_regions_are_the_pyramid_pruners_tiles(rows, cols, tiles):
+    region = _scores.region_of_cells(rows, cols, tiles)
+    r, c = torch.arange(rows).repeat_interleave(cols), torch.arange(cols).repeat(rows)
+    want = [(i * tiles // rows) * tiles + j * tiles // cols for i, j in zip(r.tolist(), c.tolist())]
+    assert tile_index(r, c, rows, cols, tiles).tolist() == want
+    # renumbered 0.. in tile order: tiles without cells (a grid thinner than tiles) drop out
+    assert region.tolist() == [sorted(set(want)).index(w) for w in want]

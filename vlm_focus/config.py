@@ -4,27 +4,16 @@ from these fields, defaults included) and the demo read these definitions."""
 
 from __future__ import annotations
 
-import functools
 import numbers
 import re
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 QUERY_ROWS = ("last", "text")
-QUERIES = QUERY_ROWS  # the earlier name
 REDUCTIONS = ("mean", "max")
 BUDGETS = ("span", "frame")
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
 KEEP_RULE = "a float ratio in (0, 1] (1.0 keeps every visual token) or an int count >= 2"
-
-
-def deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """Warn that the name ``old`` is deprecated in favour of ``new`` (a ``DeprecationWarning``;
-    the command lines show it)."""
-    warnings.warn(
-        f"vlm_focus: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel
-    )
 
 
 def parse_keep(value: Any) -> float | int:
@@ -82,24 +71,6 @@ def keeps_everything(keep: Any) -> bool:
     return all(isinstance(k, float) and k == 1.0 for k in keeps)
 
 
-def _accepts_query(cls: type) -> type:
-    """Let ``cls(query=...)`` keep working as the deprecated name of ``query_rows``."""
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if "query" in kwargs:
-            if "query_rows" in kwargs:
-                raise TypeError("pass query_rows only (query is its deprecated name)")
-            deprecated("query=", "query_rows=")
-            kwargs["query_rows"] = kwargs.pop("query")
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
-    return cls
-
-
-@_accepts_query
 @dataclass
 class FocusConfig:
     """Settings for :func:`vlm_focus.wrap`. Checked on construction; serialisable with ``to_dict``.
@@ -128,9 +99,8 @@ class FocusConfig:
         metadata={
             "help": "the rows whose attention scores the visual tokens: every 'text' token after "
             "the image (measured best, benchmarks/results/pruning_defaults.md) or the 'last' "
-            "prompt token (formerly query)",
+            "prompt token",
             "choices": QUERY_ROWS,
-            "aliases": ("--query",),
         },
     )
     reduce: str = field(
@@ -170,9 +140,6 @@ class FocusConfig:
         if not isinstance(self.options, dict):
             raise TypeError("options must be a dict of pruner-specific settings")
         self.options = dict(self.options)
-        if "query" in self.options:  # wrap(model, query=...): the deprecated name
-            deprecated("query=", "query_rows=", stacklevel=7)
-            self.query_rows = self.options.pop("query")
         staged = isinstance(self.layer, (tuple, list))
         layers = tuple(self.layer) if staged else (self.layer,)
         layers = tuple(_whole(x) for x in layers)
@@ -204,11 +171,6 @@ class FocusConfig:
             raise TypeError(f"pruner must be a name (str), got {type(self.pruner).__name__}")
 
     @property
-    def query(self) -> str:
-        """The earlier name of :attr:`query_rows`."""
-        return self.query_rows
-
-    @property
     def stages(self) -> list[tuple[int, float | int]]:
         """``[(layer, keep), ...]`` in layer order."""
         layers = self.layer if isinstance(self.layer, (tuple, list)) else (self.layer,)
@@ -238,11 +200,22 @@ def _whole(value: Any) -> Any:
     return value
 
 
-def keep_count(keep: float | int, n_visual: int) -> int:
-    """Visual tokens to keep out of ``n_visual``: ``round(keep * n)`` (at least 1) or the count."""
+def keep_count(keep: float | int, n_visual: int, *, clamp: bool = False) -> int:
+    """The one rule that turns ``keep`` (as :func:`parse_keep` reads it) into a number of tokens
+    kept out of ``n_visual``.
+
+    - a ratio keeps ``round(keep * n_visual)`` tokens (Python's ``round``: halves go to the even
+      neighbour), at least 1 and at most ``n_visual``;
+    - a count keeps itself; a count above ``n_visual`` raises ``ValueError``, or with
+      ``clamp=True`` keeps all ``n_visual``. ``vf.wrap`` raises, since its caller chose the count
+      for the input at hand; the vLLM plugin clamps, since one server-wide count serves images of
+      every size and an image smaller than the count keeps all its tokens.
+    """
     if isinstance(keep, float):
         return max(1, min(n_visual, round(keep * n_visual)))
     if keep > n_visual:
+        if clamp:
+            return n_visual
         raise ValueError(f"keep={keep} is more than the {n_visual} visual tokens of this input")
     return keep
 

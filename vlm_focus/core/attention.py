@@ -10,7 +10,9 @@ than asking the model for ``output_attentions``. This module is the one home of 
 * :func:`attention_probs`: ``softmax(q k^T * scaling)`` over allowed keys, GQA heads grouped
   onto their kv head instead of repeating the keys;
 * :func:`text_after_image`: the instruction, i.e. the valid tokens after each row's last visual
-  token.
+  token;
+* :func:`instruction_relevance`: the attention the instruction rows pay each key, averaged over
+  heads and rows.
 """
 
 from __future__ import annotations
@@ -91,3 +93,16 @@ def text_after_image(visual: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     index = torch.arange(seq, device=visual.device).expand(batch, seq)
     last = torch.where(visual, index, -1).amax(dim=1, keepdim=True)
     return valid & (index > last) & (last >= 0)
+
+
+def instruction_relevance(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: the attention the query rows ``T`` (the instruction) pay each key ``s``,
+    averaged over heads and rows::
+
+        r[b, s] = 1/(H |T_b|) sum_h sum_{t in T_b} probs[b, h, t, s]
+
+    ``probs [B, H, Tq, S]`` are attention rows (:func:`attention_probs`), ``rows [B, Tq]`` bool
+    marks the rows of ``T`` among them (False: padding of a shorter row); a batch row without
+    any row of ``T`` scores 0 everywhere."""
+    weights = rows.to(probs.dtype) / rows.sum(1, keepdim=True).clamp(min=1)  # [B, Tq]
+    return torch.einsum("bhts,bt->bs", probs, weights) / probs.shape[1]

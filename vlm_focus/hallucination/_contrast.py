@@ -9,9 +9,11 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
+from ..config import keep_count
+from ..core.attention import instruction_relevance
 from ..core.calls import CallTracker
 from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
-from ..grounding._maps import extend_with_answer
+from ..grounding._token_masks import extend_with_answer
 from ..model_adapters import get_adapter
 
 
@@ -25,8 +27,7 @@ def _instruction_attention(
         visual = probe.prefill.visual
     total = None
     for rec in probe.records:
-        w = rec.mask.float() / rec.mask.sum(1, keepdim=True).clamp(min=1)
-        part = torch.einsum("bhts,bt->bs", rec.probs, w) / rec.probs.shape[1]
+        part = instruction_relevance(rec.probs, rec.mask)  # [B, S]
         total = part if total is None else total + part
     attention = total.masked_fill(~visual, 0.0)
     return visual, attention / attention.sum(1, keepdim=True).clamp(min=1e-12)
@@ -73,7 +74,7 @@ class InstructionContrast(LogitsProcessor):
         self.irrelevant = torch.zeros_like(visual)
         for b in range(visual.shape[0]):
             idx = torch.nonzero(visual[b]).flatten()
-            n = max(1, int(round(self.ratio * idx.numel())))
+            n = keep_count(self.ratio, idx.numel())
             order = torch.sort(self.relevance[b, idx], stable=True).indices[:n]
             self.irrelevant[b, idx[order]] = True
         self.blocked = visual & ~self.irrelevant  # the relevant tokens, hidden in the contrast run
@@ -162,7 +163,8 @@ def instruction_contrast(
        instruction rows pay each visual token (mean over ``layers``, heads and rows, normalised
        over the image) under the user instruction (``inputs``) and under a generic one
        (``generic_inputs``: same image, e.g. "Write a general description of the image."), the
-       ``ratio`` share of tokens with the smallest gain ``a_u - a_g`` are irrelevant.
+       ``round(ratio * n_visual)`` tokens (at least 1: :func:`vlm_focus.config.keep_count`)
+       with the smallest gain ``a_u - a_g`` are irrelevant.
     2. At each step, ``l_full`` are the model's logits and ``l_irr`` the logits of a run in which
        only the irrelevant visual tokens are visible (the others blocked as keys at every layer).
     3. ``l = (1 + alpha) * l_full - alpha * l_irr`` on plausible tokens

@@ -8,19 +8,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import keep_count
+from ..core.attention import instruction_relevance
 from ..core.probe import AttentionBias, LayerView, Prefill, rows_from_mask
 from ..model_adapters import get_adapter
 
 
 def relevant_tokens(scores: torch.Tensor, visual: torch.Tensor, ratio: float) -> torch.Tensor:
-    """``[B, S]`` bool: per row the ``ceil(ratio * n_visual)`` visual tokens of highest score
-    (ties to the lower position)."""
+    """``[B, S]`` bool: per row the ``keep_count(ratio, n_visual)`` visual tokens of highest
+    score (:func:`vlm_focus.config.keep_count`: ``round(ratio * n_visual)``, at least 1; ties to
+    the lower position)."""
     out = torch.zeros_like(visual)
     for b in range(visual.shape[0]):
         idx = torch.nonzero(visual[b]).flatten()
         if idx.numel() == 0:
             continue
-        n = max(1, int(torch.ceil(torch.tensor(ratio * idx.numel())).item()))
+        n = keep_count(float(ratio), idx.numel())
         order = torch.sort(scores[b, idx].float(), descending=True, stable=True).indices[:n]
         out[b, idx[order]] = True
     return out
@@ -78,8 +81,7 @@ class AttentionReweight:
             # layer's q/k over the keys it holds (a pruned layer: the kept ones)
             rows, row_mask = rows_from_mask(self.text_rows)
             probs = view.attention(self.adapter, rows)  # [B, H, Tq, S]
-            w = row_mask.float() / row_mask.sum(1, keepdim=True).clamp(min=1)
-            scores = torch.einsum("bhts,bt->bs", probs, w) / probs.shape[1]
+            scores = instruction_relevance(probs, row_mask)  # [B, S]
             self.relevant[index] = relevant_tokens(scores, prefill.visual, self.ratio)
         relevant = self.relevant[index]
         batch, new = call.input_ids.shape
@@ -110,8 +112,10 @@ def attention_reweight(
 
         r[v] = 1/(H |T|) sum_h sum_{t in T} A^{l,h}[t, v]
 
-    The top ``ratio`` share of visual tokens by ``r`` are task-relevant. From then on (prefill
-    and every decode step) the logits of text rows to those keys get ``+ strength``::
+    The top ``round(ratio * n_visual)`` visual tokens by ``r`` (at least 1:
+    :func:`vlm_focus.config.keep_count`, the rule of ``vf.wrap``'s ``keep``) are task-relevant.
+    From then on (prefill and every decode step) the logits of text rows to those keys get
+    ``+ strength``::
 
         A'[t, :] = softmax(q_t k^T * scaling + mask + strength * 1[relevant])
 

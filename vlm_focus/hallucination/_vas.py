@@ -40,7 +40,6 @@ def vas(
     *,
     query_rows: QuerySpec = "last",
     layers: Sequence[int] | None = None,
-    query: QuerySpec | None = None,
 ) -> VisualAttention:
     """Visual attention score (VAS) of a prompt.
 
@@ -51,14 +50,8 @@ def vas(
         VAS_l = 1/(H |T|) sum_h sum_{t in T} sum_{v in V} A^{l,h}[t, v]      VAS = mean_l VAS_l
 
     A low VAS marks answers produced with little look at the image, a known correlate of object
-    hallucination. One forward pass, attention recomputed from q/k (SDPA-safe). ``query`` is
-    the earlier name of ``query_rows`` (deprecated).
+    hallucination. One forward pass, attention recomputed from q/k (SDPA-safe).
     """
-    if query is not None:
-        from ..config import deprecated
-
-        deprecated("vas(query=)", "vas(query_rows=)")
-        query_rows = query
     if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
         raise TypeError("inputs must be the processor's output mapping with input_ids")
     n_layers = len(get_adapter(model).decoder_layers(model))

@@ -19,15 +19,11 @@ Defaults (the settings of ``benchmarks/results/grounding_quality.md``):
 - ``visual_beam``: ``weight=1.0``, every layer, ``num_beams=3``;
 - ``instruction_contrast``: ``alpha=1.0``, ``beta=0.1``, ``ratio=0.5``, every layer, against
   :data:`vlm_focus.grounding.GENERIC_PROMPT`.
-
-The earlier evaluation names ``reweight``, ``beam`` and ``contrast`` still work, with a
-``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,12 +36,9 @@ from ._contrast import instruction_contrast
 from ._reweight import attention_reweight
 
 NONE = "none"
-#: Earlier names (``vlm-focus eval --mitigate``) and the names they stand for.
-OLD_NAMES = {
-    "reweight": "attention_reweight",
-    "beam": "visual_beam",
-    "contrast": "instruction_contrast",
-}
+#: Names the mitigations had before 0.1.0, never given to another method: an older run's record
+#: that names one cannot be read as a different mitigation.
+RETIRED = ("reweight", "beam", "contrast")
 
 
 @dataclass(frozen=True)
@@ -92,14 +85,14 @@ _MITIGATIONS: dict[str, Mitigation] = {}
 
 
 def register_mitigation(mitigation: Mitigation, *, replace: bool = False) -> Mitigation:
-    """Register ``mitigation`` under its name (a lowercase identifier, not ``"none"`` nor an
-    earlier name)."""
+    """Register ``mitigation`` under its name (a lowercase identifier, neither ``"none"`` nor
+    a :data:`RETIRED` name)."""
     if not isinstance(mitigation, Mitigation):
         raise TypeError(f"register_mitigation expects a Mitigation, got {mitigation!r}")
     name = mitigation.name
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"mitigation name {name!r} must be a lowercase identifier")
-    if name == NONE or name in OLD_NAMES:
+    if name == NONE or name in RETIRED:
         raise ValueError(f"mitigation name {name!r} is reserved")
     if name in _MITIGATIONS and not replace:
         raise ValueError(f"a mitigation named {name!r} is already registered (replace=True)")
@@ -120,25 +113,17 @@ def mitigation_choices() -> tuple[str, ...]:
 
 
 def mitigation_name(name: str | None) -> str:
-    """The registry name for ``name``: ``"none"`` for ``None``/``"none"``; an earlier name
-    gives its new one with a ``DeprecationWarning``; an unknown name raises ``ValueError``."""
+    """The registry name for ``name``: ``"none"`` for ``None``/``"none"``; an unknown name
+    raises ``ValueError`` listing the allowed ones."""
     if name is None or name == NONE:
         return NONE
-    if isinstance(name, str) and name in OLD_NAMES:
-        new = OLD_NAMES[name]
-        warnings.warn(
-            f"vlm_focus: mitigation {name!r} is deprecated; use {new!r}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return new
     if not isinstance(name, str) or name not in _MITIGATIONS:
         raise ValueError(f"unknown mitigation {name!r}; allowed: {', '.join(mitigation_choices())}")
     return name
 
 
 def get_mitigation(name: str) -> Mitigation:
-    """The registered :class:`Mitigation` (earlier names accepted, with a warning)."""
+    """The registered :class:`Mitigation`; an unknown name raises ``ValueError``."""
     canonical = mitigation_name(name)
     if canonical == NONE:
         raise ValueError("'none' is no mitigation; call mitigate(model, 'none') or skip it")

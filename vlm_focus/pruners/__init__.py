@@ -35,7 +35,7 @@ from ..core.registry import (
 
 # Importing each built-in registers it (``@register_pruner`` on its class).
 from . import baselines, debiased, diverse, fastv, fixation, guided, pyramid, text  # noqa: F401
-from ._math import split_budget
+from ._math import split_budget, tile_index
 from .baselines import spread_order
 from .guided import guided_generate
 
@@ -55,4 +55,5 @@ __all__ = [
     "register_pruner",
     "split_budget",
     "spread_order",
+    "tile_index",
 ]

@@ -1,5 +1,5 @@
-"""Pure selection math on plain tensors: trend fitting, outliers, budget splits, grid
-resampling and max-min diversity. Image geometry (which cells are padding) lives in
+"""Pure selection math on plain tensors: trend fitting, outliers, grid tiles and budget splits,
+grid resampling and max-min diversity. Image geometry (which cells are padding) lives in
 :mod:`vlm_focus.geometry`.
 
 The pruner classes glue these to a :class:`~vlm_focus.pruners.StageContext`; tests call them
@@ -141,7 +141,23 @@ def ratio_outliers(values: torch.Tensor, ratio: float) -> torch.Tensor:
     return values.float() > ratio * median
 
 
-# --- pyramid budget ------------------------------------------------------------------------------
+# --- pyramid regions and budget ------------------------------------------------------------------
+def tile_index(
+    row: torch.Tensor,
+    col: torch.Tensor,
+    rows: torch.Tensor | int,
+    cols: torch.Tensor | int,
+    tiles: int,
+) -> torch.Tensor:
+    """Tile of each cell ``(row, col)`` of a ``rows x cols`` grid cut into ``tiles x tiles``
+    tiles, numbered in raster order: ``(row * tiles // rows) * tiles + col * tiles // cols``
+    (integer division; ``rows``/``cols`` may be one size per cell). A grid smaller than
+    ``tiles`` on a side leaves some tiles without cells."""
+    tile_row = torch.div(row * tiles, rows, rounding_mode="floor")
+    tile_col = torch.div(col * tiles, cols, rounding_mode="floor")
+    return tile_row * tiles + tile_col
+
+
 def _largest_remainder(share: torch.Tensor, total: int, order_key: torch.Tensor) -> torch.Tensor:
     base = share.floor()
     left = total - int(base.sum())

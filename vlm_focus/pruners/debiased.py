@@ -3,7 +3,6 @@ tokens in the scores of any attention-based pruner."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +50,7 @@ class DebiasedOptions:
         default=None,
         metadata={
             "help": "original size per image in batch order when the layout lacks it: PIL "
-            "images, Size(width, height) or {'width', 'height'}; (height, width) pairs are "
-            "deprecated"
+            "images, Size(width, height) or {'width', 'height'}"
         },
     )
     sinks: bool = field(default=True, metadata={"help": "down-weight sink tokens"})
@@ -92,28 +90,10 @@ class DebiasedOptions:
 
 def _sizes(values: Any) -> list[dict[str, int]]:
     """``{"width", "height"}`` per image (serialisable, unambiguous) from images, sizes or
-    mappings; bare ``(height, width)`` pairs still work, with a ``DeprecationWarning``."""
+    mappings; a bare pair is refused as ambiguous (:func:`vlm_focus.geometry.as_size`)."""
     if not isinstance(values, list | tuple) or isinstance(values, Size):
         raise ValueError(f"image_sizes={values!r} must list one size per image")
-    out, legacy = [], False
-    for v in values:
-        if isinstance(v, list | tuple) and not isinstance(v, Size):
-            try:
-                height, width = (int(x) for x in v)
-            except (TypeError, ValueError) as err:
-                raise ValueError(
-                    f"image_sizes={values!r} must list Size(width, height) per image"
-                ) from err
-            v, legacy = {"width": width, "height": height}, True
-        out.append(as_size(v, name="image_sizes")._asdict())
-    if legacy:
-        warnings.warn(
-            "debiased image_sizes as (height, width) pairs is deprecated: pass the PIL images "
-            "or Size(width=..., height=...)",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    return out
+    return [as_size(v, name=f"image_sizes[{i}]")._asdict() for i, v in enumerate(values)]
 
 
 def trend_positions(tokens: ImageTokens, axis: str) -> torch.Tensor:

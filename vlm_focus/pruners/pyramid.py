@@ -14,7 +14,7 @@ from ..core.registry import register_pruner
 from ..kernels import score_and_select
 from ..model_adapters import ModelAdapter
 from ._common import ImageTokens, fill_cellless, image_tokens, rank_scores, row_counts
-from ._math import split_budget
+from ._math import split_budget, tile_index
 
 BOTTOM_UP = ("auto", "encoder", "norm")
 
@@ -150,10 +150,11 @@ def region_ids(tokens: ImageTokens, tiles: int) -> torch.Tensor:
         return fill_cellless(crop, cells).long()
     grids = torch.tensor(tokens.layout.grids)  # [views, 2]
     view = cells[:, 0].clamp(min=0)
-    size = grids[view]
-    tr = torch.div(cells[:, 1].clamp(min=0) * tiles, size[:, 0], rounding_mode="floor")
-    tc = torch.div(cells[:, 2].clamp(min=0) * tiles, size[:, 1], rounding_mode="floor")
-    ids = (view * tiles + tr) * tiles + tc
+    size = grids[view]  # [n, 2] (rows, cols) of each token's view
+    tile = tile_index(
+        cells[:, 1].clamp(min=0), cells[:, 2].clamp(min=0), size[:, 0], size[:, 1], tiles
+    )
+    ids = view * tiles**2 + tile  # one set of tiles per view
     return fill_cellless(ids.double(), cells).long()
 
 

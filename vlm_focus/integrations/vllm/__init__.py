@@ -14,14 +14,18 @@ classes to vLLM's model registry. A server opts in per model through ``--hf-over
 "vlm_focus_keep": 0.5}``.
 
 Pruning happens once per image, before the LLM, at a fixed rate: the processor emits
-``round(keep * n)`` placeholders for an image of ``n`` tokens, the model scores the image's
-``n`` embeddings before the LLM (``pool``: spatially uniform; ``pyramid``: PTP's bottom-up
-saliency, the embedding norm on Qwen2.5-VL) and returns exactly the kept ones, in prompt order,
-with their original M-RoPE positions. This equals ``vf.wrap(model, pruner=..., keep=...,
-layer=0, budget="frame")`` (``alpha=0`` for ``pyramid``) in transformers.
+``keep_count(keep, n, clamp=True)`` placeholders for an image of ``n`` tokens
+(:func:`vlm_focus.config.keep_count`: ``round(keep * n)`` for a ratio; a count above ``n`` keeps
+all ``n``, since one server-wide count serves images of every size), the model scores the
+image's ``n`` embeddings before the LLM (``pool``: spatially uniform; ``pyramid``: PTP's
+bottom-up saliency, the embedding norm on Qwen2.5-VL) and returns exactly the kept ones, in
+prompt order, with their original M-RoPE positions. This equals ``vf.wrap(model,
+pruner=..., keep=..., layer=0, budget="frame")`` (``alpha=0`` for ``pyramid``) in transformers,
+where a count above an image's tokens raises instead.
 
-The vLLM side imports torch, vLLM and :mod:`._scores` only; it never calls vlm_focus's
-transformers code (vLLM pins an older transformers than vlm_focus supports).
+The vLLM side imports torch, vLLM, :mod:`._scores` and :mod:`vlm_focus.config` (keep's rule)
+only; it never calls vlm_focus's transformers code (vLLM pins an older transformers than
+vlm_focus supports).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...config import KEEP_RULE
-from ._scores import PRUNERS, keep_count
+from ...config import KEEP_RULE, parse_keep
+from ._scores import PRUNERS
 
 #: Key of the plugin's settings inside the model's Hugging Face config (``--hf-overrides``).
 CONFIG_KEY = "vlm_focus"
@@ -62,7 +66,7 @@ class ServeOptions:
     min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})
 
     def __post_init__(self) -> None:
-        check_request(self.pruner, self.keep)
+        self.keep = check_request(self.pruner, self.keep)
         for name, low in (("tiles", 1), ("min_per_region", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -90,11 +94,13 @@ class ServeOptions:
         return asdict(self)
 
 
-def check_request(pruner: Any, keep: Any) -> None:
-    """Raise ``ValueError`` for a pruner or keep the plugin cannot run."""
+def check_request(pruner: Any, keep: Any) -> float | int:
+    """``keep`` as :func:`vlm_focus.config.parse_keep` reads it; ``ValueError`` for a pruner or
+    keep the plugin cannot run. An image then keeps ``keep_count(keep, n, clamp=True)`` of its
+    ``n`` tokens (:func:`vlm_focus.config.keep_count`: a count above ``n`` keeps all ``n``)."""
     if pruner not in PRUNERS:
         raise ValueError(f"vlm_focus pruner={pruner!r} is not one of {PRUNERS}")
-    keep_count(keep, 1)  # checks the type and range
+    return parse_keep(keep)
 
 
 def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.regist
 processes that build the model or its processor. Three pieces, each a subclass of vLLM's own
 Qwen2.5-VL class that changes one thing:
 
-- processor: an image of ``n`` merged cells gets ``keep_count(keep, n)`` placeholders, and two
+- processor: an image of ``n`` merged cells gets ``keep_count(keep, n, clamp=True)``
+  placeholders (:func:`vlm_focus.config.keep_count`), and two
   per-image fields (``vlm_focus_keep``: that count, ``vlm_focus_pruner``: the score's index in
   ``PRUNERS``) travel with the pixels, so the choice is part of the item's cache identity;
 - ``embed_multimodal``: runs vLLM's vision tower unchanged, selects the kept cells from the
@@ -42,8 +43,9 @@ from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
+from ...config import keep_count
 from . import CONFIG_KEY, ServeOptions, check_request
-from ._scores import PRUNERS, keep_count, select
+from ._scores import PRUNERS, select
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
 #: ``value // 64, value % 64`` so that they stay exact in bf16 (integers up to 256) for grids of
@@ -68,7 +70,7 @@ def _split_request(kwargs: Mapping[str, object], defaults: ServeOptions):
     for the Hugging Face processor."""
     pruner = kwargs.get(_REQUEST_PRUNER, defaults.pruner)
     keep = kwargs.get(_REQUEST_KEEP, defaults.keep)
-    check_request(pruner, keep)
+    keep = check_request(pruner, keep)
     rest = {k: v for k, v in kwargs.items() if k not in (_REQUEST_PRUNER, _REQUEST_KEEP)}
     return pruner, keep, rest
 
@@ -94,7 +96,8 @@ class VlmFocusQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
 
 
 class VlmFocusQwen2_5_VLMultiModalProcessor(Qwen2_5_VLMultiModalProcessor):
-    """vLLM's Qwen2.5-VL processor with ``keep_count(keep, n)`` placeholders per image."""
+    """vLLM's Qwen2.5-VL processor with ``keep_count(keep, n, clamp=True)`` placeholders per
+    image."""
 
     def _serve_options(self) -> ServeOptions:
         return _options(self.info.get_hf_config())
@@ -108,7 +111,7 @@ class VlmFocusQwen2_5_VLMultiModalProcessor(Qwen2_5_VLMultiModalProcessor):
         if grids is not None:
             merge = self.info.get_hf_config().vision_config.spatial_merge_size
             cells = (grids.prod(-1) // merge**2).tolist()
-            data[KEEP_FIELD] = torch.tensor([keep_count(keep, n) for n in cells])
+            data[KEEP_FIELD] = torch.tensor([keep_count(keep, n, clamp=True) for n in cells])
             data[PRUNER_FIELD] = torch.full((len(cells),), PRUNERS.index(pruner))
         return data
 
@@ -178,7 +181,8 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
         grids = image_input["image_grid_thw"].tolist()
         merge = self.visual.spatial_merge_size
         if keeps is None or codes is None:  # inputs not made by the processor: server defaults
-            keeps = [keep_count(self.vlm_focus.keep, t * h * w // merge**2) for t, h, w in grids]
+            keep = self.vlm_focus.keep
+            keeps = [keep_count(keep, t * h * w // merge**2, clamp=True) for t, h, w in grids]
             codes = [PRUNERS.index(self.vlm_focus.pruner)] * len(grids)
         keeps, codes = _per_item(keeps, len(grids)), _per_item(codes, len(grids))
         out = []

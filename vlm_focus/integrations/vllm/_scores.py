@@ -21,18 +21,9 @@ from functools import lru_cache
 
 import torch
 
-from ...config import keep_count as config_keep_count
-from ...config import parse_keep
-from ...pruners import split_budget, spread_order
+from ...pruners import split_budget, spread_order, tile_index
 
 PRUNERS = ("pool", "pyramid")
-
-
-def keep_count(keep: float | int, n_visual: int) -> int:
-    """Tokens an image of ``n_visual`` tokens keeps, by ``keep``'s one rule
-    (:func:`vlm_focus.config.parse_keep`); a count above the image's tokens keeps them all."""
-    keep = parse_keep(keep)
-    return min(keep, n_visual) if isinstance(keep, int) else config_keep_count(keep, n_visual)
 
 
 #: ``[rows * cols]`` step at which each cell is taken by the ``pool`` pruner's farthest-point
@@ -46,14 +37,12 @@ def pool_keep(rows: int, cols: int, n_keep: int) -> torch.Tensor:
 
 
 def region_of_cells(rows: int, cols: int, tiles: int) -> torch.Tensor:
-    """``[rows * cols]`` tile index of each cell: ``(r * tiles // rows) * tiles + c * tiles //
-    cols``, renumbered 0.. in increasing order (tiles without cells are dropped)."""
+    """``[rows * cols]`` region of each cell (raster order): its tile
+    (:func:`~vlm_focus.pruners.tile_index`), renumbered 0.. in increasing order (tiles without
+    cells are dropped), as the ``pyramid`` pruner numbers the regions of one view."""
     r = torch.arange(rows).repeat_interleave(cols)
     c = torch.arange(cols).repeat(rows)
-    ids = torch.div(r * tiles, rows, rounding_mode="floor") * tiles + torch.div(
-        c * tiles, cols, rounding_mode="floor"
-    )
-    return torch.unique(ids, return_inverse=True)[1]
+    return torch.unique(tile_index(r, c, rows, cols, tiles), return_inverse=True)[1]
 
 
 def pyramid_keep(
