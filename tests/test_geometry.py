@@ -233,6 +233,35 @@ def test_rule_frames_cells_and_content_fraction():
     assert float(cover[1, 2]) == pytest.approx(0.5) and float(cover.sum()) == pytest.approx(0.5)
 
 
+def test_one_rectangle_type_checked_in_one_place():
+    from vlm_focus.grounding import Box, iou
+
+    rect = Frame(10, 20, 40, 30)
+    assert (rect.x1, rect.y1, rect.area) == (50, 50, 1200)
+    assert rect.xywh == [10, 20, 40, 30] and rect.xyxy == (10, 20, 50, 50)
+    assert rect.contains(50, 20) and not rect.contains(50.5, 20)
+    assert rect.covers([10, 20, 40, 30]) and not rect.covers(Frame(9, 20, 2, 2))
+    assert Frame(0, 0, 64, 48).is_whole(Size(64, 48)) and not rect.is_whole(Size(64, 48))
+    assert geo.as_frame(torch.tensor([10.0, 20.0, 40.0, 30.0])) == rect
+    assert geo.as_frame(np.array([10, 20, 40, 30])) == rect
+    # a grounding box is a frame with a score, validated by the frame's own constructor
+    box = Box(10, 20, 40, 30, 0.5)
+    assert isinstance(box, Frame) and geo.as_frame(box) is box and box.xyxy == rect.xyxy
+    assert box != rect and iou(box, [30, 20, 40, 30]) == pytest.approx(600 / 1800)
+    with pytest.raises(ValueError, match="width=-1"):
+        Frame(0, 0, -1, 2)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Box(0, 0, 1, -2, 0.5)
+    with pytest.raises(ValueError, match="x0=nan"):
+        Frame(float("nan"), 0, 1, 1)
+    with pytest.raises(TypeError, match="y0=True"):
+        Frame(0, True, 1, 1)
+    with pytest.raises(TypeError, match=r"box must be \[x, y, w, h\]"):
+        geo.as_frame((1, 2, 3))
+    with pytest.raises(ValueError, match=r"crop=\[0, 0, 1, -1\]: .*height=-1"):
+        geo.as_frame([0, 0, 1, -1], name="crop")
+
+
 def test_upsampled_density_sits_on_its_cell():
     size = Size(80, 45)
     for rule in geo.RULES:
@@ -261,13 +290,9 @@ def test_sizes_are_named_and_ambiguous_ones_refused():
         geo.as_size({"width": 4, "height": 0})
     with pytest.raises(ValueError, match="exactly 'width' and 'height'"):
         geo.as_size({"w": 4, "h": 3})
-    with pytest.warns(DeprecationWarning, match="height, width"):
-        assert geo.legacy_sizes((48, 64)) == Size(64, 48)
-    with pytest.warns(DeprecationWarning):
-        assert geo.legacy_sizes([[48, 64], [10, 20]]) == [Size(64, 48), Size(20, 10)]
-    with pytest.warns(DeprecationWarning):
-        layout = ImageLayout(torch.arange(4), grid_cells(2, 2), [(2, 2)], image_size=(48, 64))
-    assert layout.image_size == Size(64, 48)
+    assert not hasattr(geo, "legacy_sizes")
+    with pytest.raises(TypeError, match=r"Size\(width, height\)"):
+        ImageLayout(torch.arange(4), grid_cells(2, 2), [(2, 2)], image_size=(48, 64))
 
 
 def test_layout_sizes_check_the_processors_own():

@@ -1,6 +1,6 @@
 """Grounding: probe rows against eager attention, map geometry for all four adapters (planted
-peaks), boxes on synthetic blobs, MTLA region scores, localization heads, the one-pass API and
-its deprecated argument names."""
+peaks), boxes on synthetic blobs (a Box is the geometry's one rectangle type with a score), MTLA
+region scores, localization heads, the one-pass API and its refused old argument names."""
 
 from __future__ import annotations
 
@@ -502,26 +502,23 @@ def test_one_pass_serves_every_query_and_equals_the_wrappers():
         G.GroundingPass(model, inputs, rows=last_two[:, 1:]).maps(last_two)
 
 
-def test_old_argument_names_warn_and_give_the_same_answer():
+def test_removed_argument_names_are_refused():
     model = make_model("llava")
     inputs = {k: v[:1] for k, v in make_inputs("llava", model, batch=1).items()}
     tok = WordTokenizer()
     phrase = tok.decode(inputs["input_ids"][0, -2:].tolist())
-    new = G.heatmap(model, inputs, phrase, processor=tok, sizes=Size(width=48, height=32))[0][0]
-    with pytest.warns(DeprecationWarning, match="tokenizer"):
-        with pytest.warns(DeprecationWarning, match=r"image_size=\(height, width\)"):
-            old = G.heatmap(model, inputs, phrase, tokenizer=tok, image_size=(32, 48))[0][0]
-    assert old.size == new.size == Size(48, 32)
-    torch.testing.assert_close(old.pixels, new.pixels, atol=0, rtol=0)
-    with pytest.warns(DeprecationWarning, match=r"HeatMap.image_size"):
-        assert new.image_size == (32, 48)
-    box = [8, 4, 16, 16]
-    score = G.region_score(model, inputs, box, phrase, processor=tok, sizes=Size(48, 32))
-    with pytest.warns(DeprecationWarning, match="tokens="):
-        old_score = G.region_score(
-            model, inputs, box, tokens=phrase, processor=tok, sizes=Size(48, 32)
-        )
-    torch.testing.assert_close(score, old_score, atol=0, rtol=0)
+    heat = G.heatmap(model, inputs, phrase, processor=tok, sizes=Size(width=48, height=32))[0][0]
+    assert heat.size == Size(48, 32) and not hasattr(heat, "image_size")
+    with pytest.raises(TypeError, match="tokenizer"):
+        G.heatmap(model, inputs, phrase, tokenizer=tok, sizes=Size(48, 32))
+    with pytest.raises(TypeError, match="image_size"):
+        G.GroundingPass(model, inputs, processor=tok, image_size=(32, 48))
+    with pytest.raises(TypeError, match="tokens"):
+        G.region_score(model, inputs, [8, 4, 16, 16], tokens=phrase, processor=tok)
+    with pytest.raises(TypeError, match="tokenizer"):
+        G.select_localization_heads(model, [inputs], tokenizer=tok)
+    with pytest.raises(TypeError, match="tokenizer"):
+        G.describe_and_ground(model, inputs, processor=tok, tokenizer=tok)
 
 
 def test_error_messages_name_the_place_and_the_unknown_token():
@@ -597,7 +594,7 @@ def test_ground_gives_the_map_point_and_boxes_in_the_images_pixels():
     assert found.map.seen_share == pytest.approx(80 / 120)
     assert 20 <= found.point[0] <= 100 and 0 <= found.point[1] <= 80
     assert found.boxes and found.scores == [G.box_share(found.map, b) for b in found.boxes]
-    assert all(20 <= b.x and b.x + b.w <= 100 for b in found.boxes)
+    assert all(20 <= b.x0 and b.x1 <= 100 for b in found.boxes)
     from vlm_focus.loading import build_inputs
 
     inputs = build_inputs(processor, image, "Is there a red_circle in the image?")
@@ -842,7 +839,8 @@ def test_readme_grounding_example_gives_the_pixels_of_a_non_square_photo(tmp_pat
     assert wd["heat"].frames == [Frame(float(left), 0.0, square.width, square.height)]
     assert wd["x"] == pytest.approx(sq["x"] + left) and wd["y"] == pytest.approx(sq["y"])
     assert wd["found"].point == pytest.approx((sq["found"].point[0] + left, sq["found"].point[1]))
-    assert wd["best"].x == pytest.approx(sq["best"].x + left) and wd["best"].w == sq["best"].w
+    assert wd["best"].x0 == pytest.approx(sq["best"].x0 + left)
+    assert wd["best"].width == sq["best"].width
     assert float(wd["conf"][0]) == pytest.approx(float(sq["conf"][0]), abs=1e-6)
 
 

@@ -25,10 +25,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import vlm_focus as vf
 from vlm_focus import geometry as geo
 from vlm_focus import zoom
-from vlm_focus.geometry import Size
-from vlm_focus.grounding import HeatMap
+from vlm_focus.geometry import Frame, Size
+from vlm_focus.grounding import Box, HeatMap
 from vlm_focus.model_adapters import get_adapter
-from vlm_focus.zoom import CropBox
 
 QUESTION = "Is there a red_circle in the image?"
 WORDS = "USER ASSISTANT : ? . , Is there a an red_circle blue_square in the image yes no".split()
@@ -162,18 +161,17 @@ def test_crop_holds_the_peak_with_margin_and_minimum_inside_the_image(rule, shap
         cx, cy = (cell_box[0] + cell_box[2]) / 2, (cell_box[1] + cell_box[3]) / 2
         assert crop.contains(cx, cy)
         # inside the image
-        assert crop.x >= 0 and crop.y >= 0
-        assert crop.x + crop.width <= size.width and crop.y + crop.height <= size.height
+        assert Frame(0, 0, size.width, size.height).covers(crop)
         # the margin box (clipped to the image) lies inside the crop
-        x0, y0 = max(box.x - margin * box.w, 0), max(box.y - margin * box.h, 0)
-        x1 = min(box.x + box.w * (1 + margin), size.width)
-        y1 = min(box.y + box.h * (1 + margin), size.height)
+        x0, y0 = max(box.x0 - margin * box.width, 0), max(box.y0 - margin * box.height, 0)
+        x1 = min(box.x1 + box.width * margin, size.width)
+        y1 = min(box.y1 + box.height * margin, size.height)
         need_w, need_h = (
-            min(box.w * (1 + 2 * margin), size.width),
-            min(box.h * (1 + 2 * margin), size.height),
+            min(box.width * (1 + 2 * margin), size.width),
+            min(box.height * (1 + 2 * margin), size.height),
         )
         assert crop.width >= need_w - 1e-6 and crop.height >= need_h - 1e-6
-        assert crop.covers([box.x, box.y, box.w, box.h])
+        assert crop.covers(box)
         assert (x1 - x0) <= crop.width + 1e-6 and (y1 - y0) <= crop.height + 1e-6
         # minimum size, as far as a crop of this aspect fits in the image
         fit_w = min(size.width, size.height * aspect)
@@ -188,9 +186,11 @@ def test_crop_holds_the_peak_with_margin_and_minimum_inside_the_image(rule, shap
 def test_crop_box_arithmetic():
     size = Size(200, 100)
     # margin 0.5 on a 30 x 10 box centred (25, 25): 60 x 20, shifted right to x = 0
-    assert zoom.crop_box([10, 20, 30, 10], size, margin=0.5) == CropBox(0, 15, 60, 20)
+    crop = zoom.crop_box([10, 20, 30, 10], size, margin=0.5)
+    assert crop == Frame(0, 15, 60, 20) and all(isinstance(v, int) for v in crop.xywh)
+    assert zoom.union_box([crop, Box(100, 0, 10, 5, 0.5)]) == Frame(0, 0, 110, 35)
     # minimum side 50, then square: 50 x 50 centred on (100, 50), inside the image
-    assert zoom.crop_box([95, 45, 10, 10], size, margin=0, min_size=50, aspect=1.0) == CropBox(
+    assert zoom.crop_box([95, 45, 10, 10], size, margin=0, min_size=50, aspect=1.0) == Frame(
         75, 25, 50, 50
     )
     # a box reaching outside the image is clipped first; a box larger than it gives the image
@@ -198,11 +198,11 @@ def test_crop_box_arithmetic():
     # tall image, square crop, minimum 192: the largest square that fits (aspect over minimum)
     tall = Size(120, 300)
     crop = zoom.crop_box([50, 140, 20, 20], tall, margin=0.25, min_size=192, aspect=1.0)
-    assert crop == CropBox(0, 90, 120, 120)
+    assert crop == Frame(0, 90, 120, 120)
     # the box wins over the aspect: an 8:1 crop of a 110 x 20 box is 160 wide, more than the
     # image; shrunk to 120 x 15 it would cut the box, so it is 120 x 20
     crop = zoom.crop_box([5, 10, 110, 20], tall, margin=0.0, aspect=8.0)
-    assert crop == CropBox(0, 10, 120, 20)
+    assert crop == Frame(0, 10, 120, 20)
     with pytest.raises(ValueError, match="margin"):
         zoom.crop_box([0, 0, 1, 1], size, margin=-1)
     with pytest.raises(ValueError, match="aspect"):
@@ -223,10 +223,10 @@ def test_several_regions_merge_into_one_crop_for_a_one_image_prompt():
     assert all(merged.covers(c.xywh) for c in crops)
     # peak anchor: a point box at the map's peak; an empty map anchors at the centre
     (peak,), (crop,) = zoom.choose_crops(heat, anchor="peak", min_size=40)
-    assert peak.w == 1 and crop.width >= 40
+    assert peak.width == 1 and crop.width >= 40
     empty = HeatMap(torch.zeros(12, 12), [torch.zeros(12, 12)], size, [frame])
     (centre,), _ = zoom.choose_crops(empty, min_size=40)
-    assert (centre.x + 0.5, centre.y + 0.5) == (120, 120)
+    assert (centre.x0 + 0.5, centre.y0 + 0.5) == (120, 120)
 
 
 def test_native_side_reads_the_processor():
@@ -246,7 +246,7 @@ def test_reask_builds_the_processors_multi_image_inputs(kind, mode, monkeypatch)
     processor = _processor(kind)
     images = [_photo(64, 48, 0), _photo(40, 56, 1)]
     questions = [QUESTION, "Is there a blue_square ?"]
-    crops = [[CropBox(8, 4, 32, 32)], [CropBox(0, 20, 40, 30)]]
+    crops = [[Frame(8, 4, 32, 32)], [Frame(0, 20, 40, 30)]]
     spy = _Recorder(model, monkeypatch)
     answers = zoom.reask(model, processor, images, questions, crops, mode=mode,
                          max_new_tokens=3)  # fmt: skip
@@ -268,6 +268,15 @@ def test_reask_builds_the_processors_multi_image_inputs(kind, mode, monkeypatch)
     texts = processor.batch_decode(sequences[:, want["input_ids"].shape[1] :],
                                    skip_special_tokens=True)  # fmt: skip
     assert answers == [t.strip() for t in texts]
+
+
+def test_reask_refuses_crops_that_are_not_frames_inside_the_image():
+    model = make_model("llava")
+    image = _photo(64, 48, 0)
+    with pytest.raises(TypeError, match="vlm_focus.geometry.Frame"):
+        zoom.reask(model, _processor("llava"), image, QUESTION, [[8, 4, 32, 32]])
+    with pytest.raises(ValueError, match="does not lie inside the 64 x 48 image"):
+        zoom.reask(model, _processor("llava"), image, QUESTION, [Frame(40, 4, 32, 32)])
 
 
 def test_default_modes_come_from_the_model_type():
@@ -294,7 +303,7 @@ def test_look_closer_reasks_with_its_chosen_crop(kind, monkeypatch):
     assert crop.width >= 24 and crop.height >= 24 and not crop.is_whole(Size(96, 64))
     mode = zoom.default_mode(model)
     n = 2 if mode == "both" else 1
-    flat = [image, image.crop(crop.pil)] if mode == "both" else [image.crop(crop.pil)]
+    flat = [image, image.crop(crop.xyxy)] if mode == "both" else [image.crop(crop.xyxy)]
     want = _hand_inputs(processor, [_hand_text(kind, QUESTION, n)], flat)
     (reasked,) = spy.calls  # route="always": no plain pass, one re-ask
     _assert_same_inputs(reasked, want)
@@ -352,7 +361,7 @@ def test_an_image_the_processor_does_not_shrink_is_not_zoomed(monkeypatch):
     assert len(spy.calls) == 1  # the plain pass only: no map, no re-ask
     assert [f.answer for f in found] == plain
     assert all(f.routed and not f.zoomed and f.map is None for f in found)
-    assert [f.crops for f in found] == [[CropBox(0, 0, 32, 32)], [CropBox(0, 0, 30, 24)]]
+    assert [f.crops for f in found] == [[Frame(0, 0, 32, 32)], [Frame(0, 0, 30, 24)]]
     again = zoom.look_closer(model, processor, images, questions, max_new_tokens=2)
     assert [f.answer for f in again] == plain  # route="always" asks them plainly
 
@@ -428,7 +437,7 @@ def test_zoom_on_a_pruned_model(monkeypatch):
         assert torch.allclose(a.map.grid, b.map.grid, atol=1e-6)
         assert a.crops == b.crops
     want = _hand_inputs(processor, [_hand_text("llava", q, 1) for q in questions],
-                        [im.crop(f.crops[0].pil) for im, f in zip(images, pruned)])  # fmt: skip
+                        [im.crop(f.crops[0].xyxy) for im, f in zip(images, pruned)])  # fmt: skip
     _assert_same_inputs(reasked, want)
     assert [int(k.numel()) for k in trace.kept] == [8, 8]  # the re-ask ran pruned (16 -> 8)
     texts = processor.batch_decode(sequences[:, want["input_ids"].shape[1] :],

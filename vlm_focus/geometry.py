@@ -5,9 +5,12 @@ region scores, COCO evaluation, the demo's overlays, the debiased pruner's paddi
 the zoom's crops all call it; it also reads the encoder's input side (:func:`native_side`).
 
 Coordinates are ``(x, y)`` throughout, and sizes are named: :class:`Size` is
-``(width, height)``, as PIL's ``image.size`` is. A view's grid spans a :class:`Frame`, the
-original-pixel rectangle ``(x0, y0, width, height)`` that the vision encoder's input covers.
-The frame may reach outside the image (padding) or cover only part of it (a centre crop). Cell
+``(width, height)``, as PIL's ``image.size`` is. :class:`Frame` is the one rectangle type of the
+package, ``(x0, y0, width, height)`` in original pixels (COCO's ``[x, y, w, h]`` order), checked
+in one place (its constructor; :func:`as_frame` reads one from ``[x, y, w, h]``). A view's grid
+spans a frame, the rectangle the vision encoder's input covers; the part of the photo the model
+saw is one (:func:`seen_region`), as are a zoom crop and a grounding box (a frame with a score).
+A view's frame may reach outside the image (padding) or cover only part of it (a centre crop). Cell
 ``(r, c)`` of a ``rows x cols`` grid covers ``[x0 + c * width / cols, x0 + (c + 1) * width / cols)``
 by ``[y0 + r * height / rows, y0 + (r + 1) * height / rows)``.
 
@@ -46,7 +49,7 @@ grid-cell maps stay available.
 from __future__ import annotations
 
 import math
-import warnings
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -68,14 +71,80 @@ class Size(NamedTuple):
     height: int
 
 
-class Frame(NamedTuple):
-    """The original-pixel rectangle a view's grid spans: top-left ``(x0, y0)``, ``width``,
-    ``height`` (floats; may reach outside the image)."""
+@dataclass(frozen=True)
+class Frame:
+    """A rectangle in original image pixels: top-left corner ``(x0, y0)``, ``width`` and
+    ``height`` (COCO's ``[x, y, w, h]`` order); the bottom-right corner is ``(x1, y1)``.
+
+    The one rectangle type: a view's grid frame (floats, may reach outside the image), the seen
+    region, a zoom crop (whole pixels) and, with a score, a grounding
+    :class:`~vlm_focus.grounding.Box`. The fields are named after what they hold: ``x0``/``y0``
+    say "corner" (``x1``/``y1`` are the other one), ``width``/``height`` are spelled as in
+    :class:`Size`. Every value must be a finite number, ``width`` and ``height`` at least 0;
+    anything else raises when the frame is built.
+    """
 
     x0: float
     y0: float
     width: float
     height: float
+
+    def __post_init__(self) -> None:
+        for name in ("x0", "y0", "width", "height"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"{type(self).__name__}: {name}={value!r} must be a number (image pixels)"
+                )
+            if not math.isfinite(value):
+                raise ValueError(f"{type(self).__name__}: {name}={value!r} must be finite")
+        if self.width < 0 or self.height < 0:
+            raise ValueError(
+                f"{type(self).__name__}: width={self.width!r} and height={self.height!r} must "
+                "be >= 0"
+            )
+
+    @property
+    def x1(self) -> float:
+        """The right edge, ``x0 + width``."""
+        return self.x0 + self.width
+
+    @property
+    def y1(self) -> float:
+        """The bottom edge, ``y0 + height``."""
+        return self.y0 + self.height
+
+    @property
+    def xywh(self) -> list[float]:
+        """``[x0, y0, width, height]`` (COCO's ``bbox``)."""
+        return [self.x0, self.y0, self.width, self.height]
+
+    @property
+    def xyxy(self) -> tuple[float, float, float, float]:
+        """``(x0, y0, x1, y1)``: the corners, what ``PIL.Image.crop`` takes."""
+        return self.x0, self.y0, self.x1, self.y1
+
+    @property
+    def area(self) -> float:
+        return self.width * self.height
+
+    def contains(self, x: float, y: float) -> bool:
+        """Whether the point ``(x, y)`` lies inside the rectangle (edges included)."""
+        return self.x0 <= x <= self.x1 and self.y0 <= y <= self.y1
+
+    def covers(self, other: Any) -> bool:
+        """Whether the whole rectangle ``other`` (a frame or ``[x, y, w, h]``) lies inside."""
+        other = as_frame(other)
+        return (
+            self.x0 <= other.x0
+            and self.y0 <= other.y0
+            and other.x1 <= self.x1
+            and other.y1 <= self.y1
+        )
+
+    def is_whole(self, size: Size) -> bool:
+        """Whether the rectangle is exactly the whole ``size`` image."""
+        return self.xywh == [0, 0, size.width, size.height]
 
     def cells(self, grid: tuple[int, int]) -> torch.Tensor:
         """``[rows, cols, 4]`` float64 pixel rectangles ``(x_lo, y_lo, x_hi, y_hi)`` of a
@@ -110,6 +179,30 @@ def _grid(grid: Any) -> tuple[int, int]:
     if rows < 1 or cols < 1:
         raise ValueError(f"a grid is (rows, cols) >= 1, got {grid!r}")
     return rows, cols
+
+
+def as_frame(value: Any, *, name: str = "box") -> Frame:
+    """``value`` as a :class:`Frame`: a frame (or a grounding ``Box``) as it is, else four
+    numbers ``[x, y, w, h]`` in image pixels (a sequence, a tensor or an array), checked by the
+    frame's constructor. ``TypeError`` names ``name`` and what was given."""
+    if isinstance(value, Frame):
+        return value
+    if hasattr(value, "tolist") and not isinstance(value, list | tuple):
+        value = value.tolist()
+    if (
+        isinstance(value, str)
+        or not isinstance(value, Sequence)
+        or len(value) != 4
+        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)
+    ):
+        raise TypeError(
+            f"{name} must be [x, y, w, h] in image pixels or a vlm_focus.geometry.Frame, got "
+            f"{value!r}"
+        )
+    try:
+        return Frame(*(float(v) for v in value))
+    except ValueError as err:
+        raise ValueError(f"{name}={list(value)!r}: {err}") from None
 
 
 # --- sizes -----------------------------------------------------------------------------------
@@ -169,32 +262,6 @@ def as_sizes(value: Any, *, name: str = "images") -> Sizes | None:
                     for b, row in enumerate(value)]  # fmt: skip
         return [as_size(v, name=f"{name}[{i}]") for i, v in enumerate(value)]
     return as_size(value, name=name)
-
-
-def legacy_sizes(image_size: Any, *, name: str = "image_size") -> Sizes | None:
-    """The old ``(height, width)`` form (one pair, one per row, or per row per image) as
-    :class:`Size` values, with a ``DeprecationWarning``."""
-    if image_size is None:
-        return None
-    warnings.warn(
-        f"{name}=(height, width) is deprecated: pass images= (the PIL images) or "
-        "sizes=Size(width=..., height=...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-    def pair(v: Any) -> Size:
-        if isinstance(v, Size):
-            return v
-        if not isinstance(v, Sequence) or len(v) != 2:
-            raise ValueError(f"{name} must be (height, width) in pixels, got {image_size!r}")
-        return as_size({"height": v[0], "width": v[1]}, name=name)
-
-    if isinstance(image_size, Sequence) and image_size and isinstance(image_size[0], Sequence):
-        if image_size and isinstance(image_size[0][0], Sequence):
-            return [[pair(v) for v in row] for row in image_size]
-        return [pair(v) for v in image_size]
-    return pair(image_size)
 
 
 def layout_sizes(layouts: list[list[Any]], given: Sizes | None) -> list[list[Size | None]]:
@@ -569,7 +636,7 @@ def upsample(grid_map: torch.Tensor, size: Size, frame: Frame) -> torch.Tensor:
     image."""
     width, height = as_size(size)
     rows, cols = grid_map.shape
-    x0, y0, fw, fh = frame
+    x0, y0, fw, fh = frame.xywh
     xs = (torch.arange(width, dtype=torch.float32) + 0.5 - x0) / fw  # frame units in [0, 1]
     ys = (torch.arange(height, dtype=torch.float32) + 0.5 - y0) / fh
     sample_at = torch.empty(1, height, width, 2)
@@ -594,9 +661,9 @@ def coverage(size: Size, frames: Sequence[Frame]) -> torch.Tensor:
     xs = torch.arange(width, dtype=torch.float64) + 0.5
     ys = torch.arange(height, dtype=torch.float64) + 0.5
     seen = torch.zeros(height, width, dtype=torch.bool)
-    for x0, y0, fw, fh in frames:
-        inside_x = (xs >= x0) & (xs <= x0 + fw)
-        inside_y = (ys >= y0) & (ys <= y0 + fh)
+    for frame in frames:
+        inside_x = (xs >= frame.x0) & (xs <= frame.x1)
+        inside_y = (ys >= frame.y0) & (ys <= frame.y1)
         seen |= inside_y[:, None] & inside_x[None, :]
     return seen
 
@@ -631,7 +698,7 @@ def seen_region(size: Size, frames: Sequence[Frame]) -> tuple[Frame, float]:
 def describe_seen(size: Size, region: Frame, share: float) -> str:
     """``"x 96-288, y 0-192 of the 384x192 image (50%)"``: a seen region, in words."""
     width, height = as_size(size)
-    x0, y0, w, h = (round(v) for v in region)
+    x0, y0, w, h = (round(v) for v in region.xywh)
     return f"x {x0}-{x0 + w}, y {y0}-{y0 + h} of the {width}x{height} image ({100 * share:.0f}%)"
 
 
@@ -647,12 +714,13 @@ def content_fraction(frame: Frame, grid: tuple[int, int], size: Size) -> torch.T
     return (dx * dy / area).float()
 
 
-def box_cover(frame: Frame, grid: tuple[int, int], box: Sequence[float]) -> torch.Tensor:
-    """``[rows, cols]`` float64 share of each cell's area inside ``box = [x, y, w, h]``."""
-    x, y, w, h = (float(v) for v in box)
+def box_cover(frame: Frame, grid: tuple[int, int], box: Any) -> torch.Tensor:
+    """``[rows, cols]`` float64 share of each cell's area inside ``box`` (a :class:`Frame` or
+    ``[x, y, w, h]``)."""
+    box = as_frame(box)
     rect = frame.cells(grid)
-    dx = (rect[..., 2].clamp(max=x + w) - rect[..., 0].clamp(min=x)).clamp(min=0)
-    dy = (rect[..., 3].clamp(max=y + h) - rect[..., 1].clamp(min=y)).clamp(min=0)
+    dx = (rect[..., 2].clamp(max=box.x1) - rect[..., 0].clamp(min=box.x0)).clamp(min=0)
+    dy = (rect[..., 3].clamp(max=box.y1) - rect[..., 1].clamp(min=box.y0)).clamp(min=0)
     area = (rect[..., 2] - rect[..., 0]) * (rect[..., 3] - rect[..., 1])
     return dx * dy / area
 
@@ -704,6 +772,7 @@ __all__ = [
     "RULES",
     "Frame",
     "Size",
+    "as_frame",
     "as_size",
     "as_sizes",
     "best_resolution",

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from ..geometry import Frame
-from ..grounding import Box
 
 #: Box colours (RGB), best box first.
 BOX_COLOURS = ((255, 255, 255), (255, 220, 0), (0, 230, 255), (255, 120, 255))
@@ -55,16 +54,17 @@ def _thickness(image: np.ndarray) -> int:
 
 
 def draw_boxes(
-    image: np.ndarray, boxes: Sequence[Box], labels: Sequence[str] | None = None
+    image: np.ndarray, boxes: Sequence[Frame], labels: Sequence[str] | None = None
 ) -> np.ndarray:
-    """Rectangles around ``boxes`` (``[x, y, w, h]`` pixels) with an optional label each."""
+    """Rectangles around ``boxes`` (:class:`~vlm_focus.geometry.Frame` values in the image's
+    pixels: grounding boxes, zoom crops) with an optional label each."""
     out = _check_image(image).copy()
     thick = _thickness(out)
     scale = max(0.35, min(out.shape[:2]) / 500)
     for i, box in enumerate(boxes):
         colour = BOX_COLOURS[i % len(BOX_COLOURS)]
-        x0, y0 = int(round(box.x)), int(round(box.y))
-        x1, y1 = int(round(box.x + box.w)) - 1, int(round(box.y + box.h)) - 1
+        x0, y0 = int(round(box.x0)), int(round(box.y0))
+        x1, y1 = int(round(box.x1)) - 1, int(round(box.y1)) - 1
         cv2.rectangle(out, (x0, y0), (max(x0, x1), max(y0, y1)), colour, thick)
         if labels is not None and i < len(labels) and labels[i]:
             (tw, th), base = cv2.getTextSize(labels[i], cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
@@ -153,7 +153,7 @@ def shade_unseen(image: np.ndarray, seen: Frame, *, dim: float = 0.35) -> np.nda
     out = _check_image(image).copy()
     height, width = out.shape[:2]
     x0, y0 = max(0, int(seen.x0)), max(0, int(seen.y0))
-    x1, y1 = min(width, int(seen.x0 + seen.width)), min(height, int(seen.y0 + seen.height))
+    x1, y1 = min(width, int(seen.x1)), min(height, int(seen.y1))
     outside = np.ones((height, width), dtype=bool)
     outside[y0:y1, x0:x1] = False
     if not outside.any():

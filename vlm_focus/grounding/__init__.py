@@ -10,7 +10,7 @@
     gp = grounding.GroundingPass(model, inputs, processor=processor, images=[image])
     heat = gp.map("red_circle")                     # HeatMap: .grid cells, .pixels [H, W]
     x, y = gp.point("red_circle")                   # peak in image pixels
-    best = gp.boxes("red_circle")[0]                # Box(x, y, w, h, score) in image pixels
+    best = gp.boxes("red_circle")[0]                # Box(x0, y0, width, height, score), pixels
     gp.region_score("red_circle", best)             # MTLA share, one per batch row
 
 Maps average the model's default layers (:func:`default_layers`: the measured choice its
@@ -18,7 +18,8 @@ Maps average the model's default layers (:func:`default_layers`: the measured ch
 say otherwise. One forward pass serves every phrase of the prompt and of a generated
 ``answer=``. Where the grid cells sit in the photo comes from :mod:`vlm_focus.geometry`, which
 reads the processor's own settings; pass ``images=`` (or ``sizes=``) where the inputs do not
-carry the original size.
+carry the original size. A :class:`Box` is a :class:`vlm_focus.geometry.Frame` (the package's
+one rectangle type) with a score.
 Everything runs under SDPA: attention rows are recomputed from each layer's q/k through hooks.
 """
 
@@ -33,8 +34,10 @@ from ._defaults import (
 )
 from ._describe import Described, GroundedPhrase, describe_and_ground
 from ._heads import LocalizationHeads, load_heads, save_heads, select_localization_heads
-from ._maps import GENERIC_PROMPT, GEOMETRIES, HeatMap
+from ._heatmap import HeatMap
 from ._pass import (
+    GENERIC_PROMPT,
+    GEOMETRIES,
     Grounding,
     GroundingPass,
     Mention,

@@ -6,28 +6,24 @@ OpenCV is imported on first use, so that ``import vlm_focus`` stays fast.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from ._maps import HeatMap
+from ..geometry import Frame, as_frame
+from ._heatmap import HeatMap
 
 MapLike = HeatMap | torch.Tensor | np.ndarray
 
 
 @dataclass(frozen=True)
-class Box:
-    """A box in image pixels, ``[x, y, w, h]`` (COCO order), and its score."""
+class Box(Frame):
+    """A :class:`~vlm_focus.geometry.Frame` in image pixels (``x0, y0, width, height``, COCO's
+    ``[x, y, w, h]`` order; ``xywh``, ``xyxy`` and the corners as on every frame) and the score
+    of the blob it bounds."""
 
-    x: float
-    y: float
-    w: float
-    h: float
     score: float
-
-    @property
-    def xywh(self) -> list[float]:
-        return [self.x, self.y, self.w, self.h]
 
 
 Region = tuple[slice, slice]
@@ -41,7 +37,7 @@ def _pixels(source: MapLike) -> tuple[np.ndarray, float, Region | None]:
         rows, cols = source.grid.shape
         cell = min(height / rows, width / cols)
         pixels = source.pixels.numpy().astype(np.float64)
-        x0, y0, w, h = (int(v) for v in source.seen)  # whole pixels
+        x0, y0, w, h = (int(v) for v in source.seen.xywh)  # whole pixels
         if w == 0 or h == 0:
             return pixels, 0.5 * cell, None
         return pixels, 0.5 * cell, (slice(y0, y0 + h), slice(x0, x0 + w))
@@ -101,8 +97,8 @@ def boxes(
     for a :class:`HeatMap`, over the rectangle its grids cover), scaled to ``[0, 1]`` by its
     maximum and thresholded: a float ``t`` in ``(0, 1)`` keeps pixels ``>= t * max``
     (relative), ``"otsu"`` picks Otsu's threshold on the 8-bit map's covered pixels. Each
-    8-connected component (``cv2.connectedComponentsWithStats``) of at least
-    ``min_area`` pixels gives a box ``[x, y, w, h]`` scored by the map's mass inside the
+    8-connected component (``cv2.connectedComponentsWithStats``) of at least ``min_area``
+    pixels gives a :class:`Box` (its bounding rectangle) scored by the map's mass inside the
     component, ``score = sum_{p in component} map[p]`` (unsmoothed map).
     """
     pixels, default, region = _pixels(source)
@@ -137,12 +133,12 @@ def boxes(
     return found[:max_boxes] if max_boxes is not None else found
 
 
-def iou(a: list[float] | Box, b: list[float] | Box) -> float:
-    """Intersection over union of two ``[x, y, w, h]`` boxes."""
-    ax, ay, aw, ah = a.xywh if isinstance(a, Box) else a
-    bx, by, bw, bh = b.xywh if isinstance(b, Box) else b
-    ix = max(0.0, min(ax + aw, bx + bw) - max(ax, bx))
-    iy = max(0.0, min(ay + ah, by + bh) - max(ay, by))
+def iou(a: Any, b: Any) -> float:
+    """Intersection over union of two rectangles (:class:`~vlm_focus.geometry.Frame`, a
+    :class:`Box`, or ``[x, y, w, h]``)."""
+    a, b = as_frame(a, name="a"), as_frame(b, name="b")
+    ix = max(0.0, min(a.x1, b.x1) - max(a.x0, b.x0))
+    iy = max(0.0, min(a.y1, b.y1) - max(a.y0, b.y0))
     inter = ix * iy
-    union = aw * ah + bw * bh - inter
+    union = a.area + b.area - inter
     return inter / union if union > 0 else 0.0

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ._boxes import Box, boxes
-from ._maps import HeadSpec, HeatMap, processor_argument
+from ._heatmap import HeatMap
+from ._image_attention import HeadSpec
 from ._pass import GroundingPass
 from ._region import box_share
 
@@ -50,8 +51,6 @@ def describe_and_ground(
     geometry: str | None = None,
     threshold: float | str = "otsu",
     generate_kwargs: Mapping[str, Any] | None = None,
-    tokenizer: Any = None,
-    image_size: Any = None,
 ) -> list[Described]:
     """Generate an answer (greedy), then give each object mention a map, a box and a score.
 
@@ -63,7 +62,6 @@ def describe_and_ground(
     trimmed at its first end-of-sequence or padding token. Pixels need the images' sizes
     (``images=`` or ``sizes=``) unless the inputs carry them (LLaVA-NeXT, LLaVA-OneVision).
     """
-    processor = processor_argument(processor, tokenizer, "describe_and_ground")
     if processor is None:
         raise ValueError("describe_and_ground needs processor= (to decode the answer)")
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, **(generate_kwargs or {}))
@@ -72,7 +70,7 @@ def describe_and_ground(
     answer = sequences[:, inputs["input_ids"].shape[1] :]
     gp = GroundingPass(
         model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
-        layers=layers, heads=heads, rows=None, geometry=geometry, image_size=image_size,
+        layers=layers, heads=heads, rows=None, geometry=geometry,
     )  # fmt: skip
     objects = list(objects) if objects is not None else None
     results = []

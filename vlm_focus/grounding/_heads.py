@@ -10,6 +10,7 @@ save with :func:`save_heads`, load per model with :func:`load_heads`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,15 +20,8 @@ import torch
 from torch import nn
 
 from ..model_adapters import get_adapter
-from ._maps import (
-    Query,
-    _rows_and_weights,
-    _weights,
-    entropy,
-    probe_forward,
-    processor_argument,
-    token_attention,
-)
+from ._image_attention import probe_forward, query_row_weights, token_attention
+from ._token_masks import Query, query_tokens
 
 
 @dataclass
@@ -47,6 +41,16 @@ class LocalizationHeads:
         for layer, head in self.heads:
             out.setdefault(layer, []).append(head)
         return out
+
+
+def entropy(grid: torch.Tensor) -> float:
+    """Shannon entropy (nats) of a non-negative map normalised to sum 1."""
+    p = grid.flatten().double().clamp(min=0)
+    total = p.sum()
+    if total <= 0:
+        return math.log(max(p.numel(), 1))
+    p = p / total
+    return float(-(p * p.clamp(min=1e-30).log()).sum())
 
 
 def elbow_index(values: Sequence[float]) -> int:
@@ -88,7 +92,6 @@ def select_localization_heads(
     top_k: int = 3,
     processor: Any = None,
     layers: Sequence[int] | None = None,
-    tokenizer: Any = None,
 ) -> LocalizationHeads:
     """Pick localization heads on a calibration set.
 
@@ -96,14 +99,12 @@ def select_localization_heads(
         calibration: processor outputs, or ``(inputs, query)`` pairs (query as in
             :func:`heatmap`; default the instruction tokens).
         top_k: heads to keep after the elbow cut, lowest spatial entropy first.
-        processor: the processor (or its tokenizer) for phrase queries; ``tokenizer=`` is its
-            deprecated name.
+        processor: the processor (or its tokenizer) for phrase queries.
 
     For head ``(l, h)``, image mass ``m = mean_samples sum_{v visual} a_{l,h}(v)`` (query rows
     averaged) and spatial entropy ``H = mean_samples -sum_c p_c log p_c`` of its map normalised
     to ``p``. Heads are ranked by ``m``, cut at the elbow, and sorted by ``H``.
     """
-    processor = processor_argument(processor, tokenizer, "select_localization_heads")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     adapter = get_adapter(model)
@@ -112,9 +113,9 @@ def select_localization_heads(
     count = 0
     for item in calibration:
         inputs, query = item if isinstance(item, tuple) else (item, None)
-        full, query_tokens = _rows_and_weights(model, inputs, query, None, processor)
-        probed = probe_forward(model, full, query_tokens, layers)
-        per_head = token_attention(probed, _weights(probed, query_tokens), per_head=True)
+        full, queried = query_tokens(model, inputs, query, processor)
+        probed = probe_forward(model, full, queried, layers)
+        per_head = token_attention(probed, query_row_weights(probed, queried), per_head=True)
         for row in per_head:
             for x in row:  # [L, H, n]
                 mass = x.sum(-1).cpu().double()

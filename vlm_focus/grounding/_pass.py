@@ -4,11 +4,14 @@
     gp = grounding.GroundingPass(model, inputs, processor=processor, images=[image])
     heat = gp.map("red_circle")           # HeatMap: .grid (cells), .pixels (original pixels)
     x, y = gp.point("red_circle")         # peak, in the image's pixels
-    best = gp.boxes("red_circle")[0]      # Box(x, y, w, h, score)
+    best = gp.boxes("red_circle")[0]      # Box(x0, y0, width, height, score)
     gp.region_score("red_circle", best)   # MTLA share in [0, 1], one per row
 
 :func:`heatmap`, :func:`region_score`, :func:`describe_and_ground` and :func:`ground` are thin
 wrappers over it.
+
+The forward pass and its attention rows come from :mod:`._image_attention`, the query tokens
+from :mod:`._token_masks` and the maps from :mod:`._heatmap`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from ..geometry import (
     describe_seen,
     image_processor_of,
     layout_sizes,
-    legacy_sizes,
     seen_region,
     unknown_size_message,
     view_frames,
@@ -39,28 +41,28 @@ from ..model_adapters import get_adapter
 from ._boxes import Box, boxes, point
 from ._defaults import default_layers
 from ._defaults import presence_threshold as default_threshold
+from ._heatmap import HeatMap, build_map
 from ._image import as_picture
-from ._maps import (
-    HeadSpec,
-    HeatMap,
+from ._image_attention import HeadSpec, head_pairs, head_weights, image_rows, probe_forward
+from ._presence import PRESENCE_PROMPT, presence, presence_from_logits, unknown_phrase
+from ._region import box_share
+from ._token_masks import (
     Query,
     answer_mask,
-    build_map,
     extend_with_answer,
-    head_pairs,
-    head_weights,
-    image_rows,
     instruction,
-    probe_forward,
-    processor_argument,
     query_mask,
     text_tokens,
     tokenizer_of,
 )
-from ._presence import PRESENCE_PROMPT, presence, presence_from_logits, unknown_phrase
-from ._region import box_share
 from ._words import find_mentions
 
+#: A prompt that asks about nothing in particular: the same image under it gives the
+#: prompt-independent attention that ``relative_to=`` divides out (the mitigations' generic
+#: contrast asks it too).
+GENERIC_PROMPT = "Write a general description of the image."
+#: The placement rules ``geometry=`` accepts (:data:`vlm_focus.geometry.RULES`).
+GEOMETRIES = RULES
 SOURCES = ("prompt", "answer")
 
 
@@ -119,8 +121,6 @@ class GroundingPass:
         relative_to: processor outputs of the same images under a generic prompt.
         geometry: one of :data:`vlm_focus.geometry.RULES` for every view, overriding the
             processor's settings.
-        tokenizer: deprecated, the old name of ``processor``.
-        image_size: deprecated ``(height, width)`` (one, per row or per row per image).
 
     LLaVA-NeXT and LLaVA-OneVision inputs carry each image's size (``image_sizes``); for the
     others pass ``images`` (or ``sizes``) to get pixels. Without them the grid maps work and
@@ -141,10 +141,7 @@ class GroundingPass:
         rows: Query | MentionQuery = None,
         relative_to: Mapping[str, Any] | None = None,
         geometry: str | None = None,
-        tokenizer: Any = None,
-        image_size: Any = None,
     ) -> None:
-        processor = processor_argument(processor, tokenizer, "GroundingPass")
         if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
             raise TypeError("inputs must be the processor's output mapping with input_ids")
         if geometry is not None and geometry not in RULES:
@@ -154,9 +151,6 @@ class GroundingPass:
         given = as_sizes(images, name="images") if images is not None else None
         if sizes is not None:
             given = as_sizes(sizes, name="sizes")
-        legacy = legacy_sizes(image_size)
-        if given is None:
-            given = legacy
         if heads is not None and layers is None:
             layers = sorted({layer for layer, _ in head_pairs(heads)})
         elif layers is None:
@@ -393,7 +387,7 @@ class GroundingPass:
         source: str | None = None,
         **options: Any,
     ) -> list[Box]:
-        """Boxes ``[x, y, w, h]`` in original image pixels around the map's blobs, best first
+        """Boxes (:class:`Box`, original image pixels) around the map's blobs, best first
         (:func:`boxes`; ``options`` are its ``threshold``, ``sigma``, ``max_boxes``,
         ``min_area``)."""
         return boxes(self.map(query, row=row, image=image, source=source), **options)
@@ -406,8 +400,9 @@ class GroundingPass:
         image: int = 0,
         source: str | None = None,
     ) -> torch.Tensor:
-        """MTLA region score of ``box`` (``[x, y, w, h]`` in original pixels, one for every row
-        or one per row): the share of the query's image attention inside it, ``[B]``.
+        """MTLA region score of ``box`` (a :class:`~vlm_focus.geometry.Frame` or
+        ``[x, y, w, h]`` in original pixels, one for every row or one per row): the share of
+        the query's image attention inside it, ``[B]``.
 
         For the query tokens ``T``, cells ``c`` with attention ``a_t(c)`` and the share ``w_c``
         of cell ``c``'s area that the box covers::
@@ -419,7 +414,7 @@ class GroundingPass:
         per_row = (
             isinstance(box, torch.Tensor)
             and box.dim() == 2
-            or (isinstance(box, Sequence) and len(box) > 0 and isinstance(box[0], Sequence | Box))
+            or (isinstance(box, Sequence) and len(box) > 0 and isinstance(box[0], Sequence | Frame))
         )
         if per_row and len(box) != batch:
             raise ValueError(f"got {len(box)} boxes for {batch} rows")
@@ -494,8 +489,6 @@ def heatmap(
     heads: HeadSpec = None,
     relative_to: Mapping[str, Any] | None = None,
     geometry: str | None = None,
-    tokenizer: Any = None,
-    image_size: Any = None,
 ) -> list[list[HeatMap]]:
     """Attention maps of a query over each image (TAG): ``GroundingPass(...).maps(query)``,
     recording only the query's rows. Arguments as in :class:`GroundingPass` and
@@ -504,11 +497,9 @@ def heatmap(
     Returns:
         per batch row, one :class:`HeatMap` per image.
     """
-    processor = processor_argument(processor, tokenizer, "heatmap")
     gp = GroundingPass(
         model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
         layers=layers, heads=heads, rows=query, relative_to=relative_to, geometry=geometry,
-        image_size=image_size,
     )  # fmt: skip
     return gp.maps(query)
 
@@ -527,9 +518,6 @@ def region_score(
     layers: Sequence[int] | None = None,
     heads: HeadSpec = None,
     geometry: str | None = None,
-    tokenizer: Any = None,
-    tokens: Query = None,
-    image_size: Any = None,
 ) -> torch.Tensor:
     """Grounding confidence of a box: the share of a prediction's image attention inside it
     (MTLA), :meth:`GroundingPass.region_score`.
@@ -537,25 +525,17 @@ def region_score(
     The prediction's tokens ``T`` (all of them, summed; not one token) are ``query`` (as in
     :func:`heatmap`; default the whole ``answer``, or the instruction). The score lies in
     ``[0, 1]``, does not depend on the order of the tokens, and compares boxes the model writes
-    in text as well as boxes from :func:`boxes`. ``box`` is ``[x, y, w, h]`` in original image
-    pixels (one for all rows, or one per row); ``image`` is which image of each row it refers
-    to. ``tokens=`` is the deprecated name of ``query``.
+    in text as well as boxes from :func:`boxes`. ``box`` is a
+    :class:`~vlm_focus.geometry.Frame` (a :class:`Box` is one) or ``[x, y, w, h]`` in original
+    image pixels (one for all rows, or one per row); ``image`` is which image of each row it
+    refers to.
 
     Returns:
         ``[B]`` float scores.
     """
-    if tokens is not None:
-        warnings.warn(
-            "region_score(tokens=...) is deprecated: pass query= (as in heatmap)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if query is None:
-            query = tokens
-    processor = processor_argument(processor, tokenizer, "region_score")
     gp = GroundingPass(
         model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
-        layers=layers, heads=heads, rows=query, geometry=geometry, image_size=image_size,
+        layers=layers, heads=heads, rows=query, geometry=geometry,
     )  # fmt: skip
     return gp.region_score(query, box, image=image)
 

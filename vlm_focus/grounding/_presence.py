@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._maps import phrase_spans, tokenizer_of
+from ._token_masks import phrase_spans, tokenizer_of
 
 #: The question the presence score asks (and ``vf.ground``'s default prompt).
 PRESENCE_PROMPT = "Is there a {phrase} in the image?"

@@ -2,35 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from ..geometry import Size, box_cover
-from ._boxes import Box
-from ._maps import HeatMap
+from ..geometry import Frame, Size, as_frame, box_cover
+from ._heatmap import HeatMap
 
 
-def _check_box(box: Any, size: Size) -> list[float]:
-    if isinstance(box, Box):
-        box = box.xywh
-    if isinstance(box, torch.Tensor):
-        box = box.tolist()
-    if not isinstance(box, Sequence) or len(box) != 4:
-        raise TypeError(f"a box is [x, y, w, h] in image pixels, got {box!r}")
-    x, y, w, h = (float(v) for v in box)
-    if w <= 0 or h <= 0:
-        raise ValueError(f"box {box} has a non-positive width or height")
+def _check_box(box: Any, size: Size) -> Frame:
+    """``box`` as a :class:`~vlm_focus.geometry.Frame` with a positive area inside the ``size``
+    image (to a millionth of its side)."""
+    rect = as_frame(box)
+    if rect.width <= 0 or rect.height <= 0:
+        raise ValueError(f"box {rect.xywh} has a non-positive width or height")
     tol = 1e-6 * max(size)
-    if x < -tol or y < -tol or x + w > size.width + tol or y + h > size.height + tol:
-        raise ValueError(f"box {box} lies outside the {size.width}x{size.height} (W x H) image")
-    return [x, y, w, h]
+    if (
+        rect.x0 < -tol
+        or rect.y0 < -tol
+        or rect.x1 > size.width + tol
+        or rect.y1 > size.height + tol
+    ):
+        raise ValueError(
+            f"box {rect.xywh} lies outside the {size.width}x{size.height} (W x H) image"
+        )
+    return rect
 
 
 def box_share(heat: HeatMap, box: Any) -> float:
-    """Share of the map's grid mass inside ``box`` (``[x, y, w, h]`` in original pixels; cells
-    weighted by the share of their area the box covers).
+    """Share of the map's grid mass inside ``box`` (a :class:`~vlm_focus.geometry.Frame` or
+    ``[x, y, w, h]``, in original pixels; cells weighted by the share of their area the box
+    covers).
 
     ``share = sum_v sum_c a_c * |cell_c & box| / |cell_c|  /  sum_v sum_c a_c``
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._maps import phrase_spans, tokenizer_of
+from ._token_masks import phrase_spans, tokenizer_of
 
 #: Words that never name an object (used when no object vocabulary is given).
 STOP_WORDS = frozenset(

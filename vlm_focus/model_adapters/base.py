@@ -9,7 +9,6 @@ functions read ``input_ids``, the config and the processor outputs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,14 +45,11 @@ class ImageLayout:
         if self.positions.shape[0] != self.cells.shape[0]:
             raise ValueError("positions and cells must describe the same number of tokens")
         if self.image_size is not None and not isinstance(self.image_size, Size):
-            warnings.warn(
-                "ImageLayout(image_size=(height, width)) is deprecated: pass a "
-                "vlm_focus.geometry.Size(width, height)",
-                DeprecationWarning,
-                stacklevel=3,
+            raise TypeError(
+                f"ImageLayout(image_size={self.image_size!r}): pass a "
+                "vlm_focus.geometry.Size(width, height) or None; a bare pair could be (width, "
+                "height) or (height, width)"
             )
-            height, width = (int(v) for v in self.image_size)
-            self.image_size = Size(width, height)
 
 
 def text_positions(

@@ -19,12 +19,13 @@ held-out questions (LazyMCoT).
 
     python -m vlm_focus.zoom calibrate --questions pope_random.jsonl --image-dir DIR --out cal.json
 
-The crop-box rules are pure functions on :mod:`vlm_focus.geometry` sizes (:func:`crop_box`);
+Crops are :class:`vlm_focus.geometry.Frame` rectangles in the image's whole pixels; the crop
+rules are pure functions on :mod:`vlm_focus.geometry` sizes (:func:`crop_box`);
 the default re-ask per model type comes from its adapter (:func:`default_mode`).
 """
 
 from ..geometry import frame_aspect, native_side
-from ._crop import CropBox, crop_box, union_box
+from ._crop import crop_box, union_box
 from ._look import (
     ANCHORS,
     ASPECTS,
@@ -48,7 +49,6 @@ __all__ = [
     "ROUTES",
     "STATISTICS",
     "Calibration",
-    "CropBox",
     "ZoomAnswer",
     "ZoomOptions",
     "answers_match",

@@ -1,70 +1,21 @@
-"""Crop-box arithmetic on :mod:`vlm_focus.geometry` sizes: from an attention box to the region
-that is cropped at full resolution and asked about again.
+"""Crop arithmetic on :mod:`vlm_focus.geometry` sizes: from an attention box to the region that
+is cropped at full resolution and asked about again.
 
-All coordinates are original image pixels, ``(x, y)`` with ``x`` to the right; boxes are COCO
-``[x, y, w, h]``. Nothing here reads a model: the rules are pure functions of the box, the image
-:class:`~vlm_focus.geometry.Size` and the options, so they are tested on constructed boxes.
+All coordinates are original image pixels, ``(x, y)`` with ``x`` to the right; boxes and crops
+are :class:`~vlm_focus.geometry.Frame` values (``[x, y, w, h]`` lists are read with
+:func:`~vlm_focus.geometry.as_frame`). A crop is a frame in whole pixels inside its image:
+``image.crop(crop.xyxy)`` cuts it. Nothing here reads a model: the rules are pure functions of
+the box, the image :class:`~vlm_focus.geometry.Size` and the options, so they are tested on
+constructed boxes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..geometry import Size, as_size
-
-
-class CropBox(NamedTuple):
-    """A crop in whole image pixels: top-left ``(x, y)``, ``width`` and ``height`` (COCO order),
-    inside the image it was cut from."""
-
-    x: int
-    y: int
-    width: int
-    height: int
-
-    @property
-    def xywh(self) -> list[int]:
-        return [self.x, self.y, self.width, self.height]
-
-    @property
-    def pil(self) -> tuple[int, int, int, int]:
-        """``(left, upper, right, lower)``, what ``PIL.Image.crop`` takes."""
-        return self.x, self.y, self.x + self.width, self.y + self.height
-
-    @property
-    def area(self) -> int:
-        return self.width * self.height
-
-    def contains(self, x: float, y: float) -> bool:
-        """Whether the point ``(x, y)`` lies inside the crop (edges included)."""
-        return self.x <= x <= self.x + self.width and self.y <= y <= self.y + self.height
-
-    def covers(self, box: Sequence[float]) -> bool:
-        """Whether the whole box ``[x, y, w, h]`` lies inside the crop."""
-        bx, by, bw, bh = (float(v) for v in box)
-        return (
-            self.x <= bx
-            and self.y <= by
-            and bx + bw <= self.x + self.width
-            and by + bh <= self.y + self.height
-        )
-
-    def is_whole(self, size: Size) -> bool:
-        """Whether the crop is the whole ``size`` image."""
-        return (self.x, self.y, self.width, self.height) == (0, 0, size.width, size.height)
-
-
-def _xywh(box: Any) -> tuple[float, float, float, float]:
-    values = box.xywh if hasattr(box, "xywh") else box
-    try:
-        x, y, w, h = (float(v) for v in values)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"box must be [x, y, w, h] (or a grounding Box), got {box!r}") from err
-    if not all(math.isfinite(v) for v in (x, y, w, h)) or w < 0 or h < 0:
-        raise ValueError(f"box {box!r}: x, y, w, h must be finite with w, h >= 0")
-    return x, y, w, h
+from ..geometry import Frame, as_frame, as_size
 
 
 def crop_box(
@@ -74,8 +25,9 @@ def crop_box(
     margin: float = 0.25,
     min_size: float = 0.0,
     aspect: float | None = None,
-) -> CropBox:
-    """The crop for an attention ``box`` ``[x, y, w, h]`` on a ``size`` image.
+) -> Frame:
+    """The crop, in whole pixels, for an attention ``box`` (a frame or ``[x, y, w, h]``) on a
+    ``size`` image.
 
     With the box (clipped to the image) centred at ``(cx, cy)``:
 
@@ -99,7 +51,7 @@ def crop_box(
     if aspect is not None and (isinstance(aspect, bool) or not float(aspect) > 0):
         raise ValueError(f"aspect={aspect!r} must be a width/height ratio > 0, or None")
     width, height = float(size.width), float(size.height)
-    x, y, w, h = _xywh(box)
+    x, y, w, h = as_frame(box).xywh
     x0, y0 = min(max(x, 0.0), width), min(max(y, 0.0), height)  # clip to the image
     x1, y1 = min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)
     cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
@@ -121,16 +73,14 @@ def crop_box(
     ix0, iy0 = max(math.floor(left + 1e-9), 0), max(math.floor(top + 1e-9), 0)
     ix1 = min(math.ceil(left + cw - 1e-9), size.width)
     iy1 = min(math.ceil(top + ch - 1e-9), size.height)
-    return CropBox(ix0, iy0, max(ix1 - ix0, 1), max(iy1 - iy0, 1))
+    return Frame(ix0, iy0, max(ix1 - ix0, 1), max(iy1 - iy0, 1))
 
 
-def union_box(boxes: Sequence[Any]) -> list[float]:
-    """The smallest ``[x, y, w, h]`` holding every box."""
+def union_box(boxes: Sequence[Any]) -> Frame:
+    """The smallest rectangle holding every box (frames or ``[x, y, w, h]``)."""
     if not boxes:
         raise ValueError("union_box needs at least one box")
-    parts = [_xywh(b) for b in boxes]
-    x0 = min(p[0] for p in parts)
-    y0 = min(p[1] for p in parts)
-    x1 = max(p[0] + p[2] for p in parts)
-    y1 = max(p[1] + p[3] for p in parts)
-    return [x0, y0, x1 - x0, y1 - y0]
+    parts = [as_frame(b, name=f"boxes[{i}]") for i, b in enumerate(boxes)]
+    x0, y0 = min(p.x0 for p in parts), min(p.y0 for p in parts)
+    x1, y1 = max(p.x1 for p in parts), max(p.y1 for p in parts)
+    return Frame(x0, y0, x1 - x0, y1 - y0)

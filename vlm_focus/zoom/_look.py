@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..geometry import Size, as_size, frame_aspect, native_side
+from ..geometry import Frame, Size, as_size, frame_aspect, native_side
 from ..grounding import Box, GroundingPass, HeatMap, Mention, boxes, point
 from ..loading import build_inputs, decode_new_tokens, load_image
 from ..model_adapters import get_adapter
-from ._crop import CropBox, crop_box, union_box
+from ._crop import crop_box, union_box
 from ._reask import MODES, multi_image_inputs, reask_images, resolve_mode
 from ._routing import (
     STATISTICS,
@@ -214,7 +214,7 @@ class ZoomAnswer:
     routed: bool
     zoomed: bool
     mode: str
-    crops: list[CropBox] = field(default_factory=list)
+    crops: list[Frame] = field(default_factory=list)
     boxes: list[Box] = field(default_factory=list)
     map: HeatMap | None = field(default=None, repr=False)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -230,7 +230,7 @@ class ZoomAnswer:
             "zoomed": self.zoomed,
             "mode": self.mode,
             "crops": [c.xywh for c in self.crops],
-            "boxes": [[b.x, b.y, b.w, b.h, b.score] for b in self.boxes],
+            "boxes": [[*b.xywh, b.score] for b in self.boxes],
             "seconds": dict(self.seconds),
         }
 
@@ -267,7 +267,7 @@ def choose_crops(
     processor: Any = None,
     mode: str = "crop",
     **overrides: Any,
-) -> tuple[list[Box], list[CropBox]]:
+) -> tuple[list[Box], list[Frame]]:
     """The attention boxes of ``heat`` and the crops grown from them (``options`` as in
     :class:`ZoomOptions`; keywords override it).
 
@@ -479,14 +479,14 @@ def look_closer(
     answers: list[str | None] = list(plain)
     heats: list[HeatMap | None] = [None] * n
     found: list[list[Box]] = [[] for _ in range(n)]
-    crops: list[list[CropBox]] = [[] for _ in range(n)]
+    crops: list[list[Frame]] = [[] for _ in range(n)]
     zoomed = [False] * n
     rows = [b for b in range(n) if routed[b]]
     # where the smallest allowed crop already covers the image (an image the processor does
     # not shrink), every crop is the whole image: no map is needed
     whole = {b for b in rows if _min_side(opts, sizes[b], processor) >= max(sizes[b])}
     for b in whole:
-        crops[b] = [CropBox(0, 0, sizes[b].width, sizes[b].height)]
+        crops[b] = [Frame(0, 0, sizes[b].width, sizes[b].height)]
     mapped = [b for b in rows if b not in whole]
     if mapped:
         start = now()
@@ -553,13 +553,13 @@ def reask(
     processor: Any,
     image: Any,
     question: str | Sequence[str],
-    crops: Sequence[CropBox] | Sequence[Sequence[CropBox]],
+    crops: Sequence[Frame] | Sequence[Sequence[Frame]],
     *,
     mode: str | None = None,
     max_new_tokens: int = 16,
     generate_kwargs: dict[str, Any] | None = None,
 ) -> str | list[str]:
-    """Ask ``question`` again with given crops (``CropBox`` values in the image's pixels):
+    """Ask ``question`` again with given crops (``Frame`` values in the image's pixels):
     the image and the crops (``mode="both"``) or the crops alone (``"crop"``); default the
     model type's mode. One question takes a list of crops; a list of questions takes one list
     of crops per question."""
@@ -573,8 +573,8 @@ def reask(
             f"{len(images)} images, {len(questions)} questions and {len(per_row)} crop lists"
         )
     for b, row in enumerate(per_row):
-        if not row or not all(isinstance(c, CropBox) for c in row):
-            raise TypeError(f"row {b}: crops must be a non-empty list of zoom.CropBox")
+        if not row or not all(isinstance(c, Frame) for c in row):
+            raise TypeError(f"row {b}: crops must be a non-empty list of vlm_focus.geometry.Frame")
     pictures = [_picture(i) for i in images]
     image_rows = [reask_images(p, row, mode) for p, row in zip(pictures, per_row, strict=True)]
     texts, _ = _generate(model, processor, image_rows, questions, max_new_tokens,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..geometry import Frame
 from ..model_adapters import ModelAdapter, get_adapter
 
 MODES = ("both", "crop")
@@ -69,18 +70,14 @@ def multi_image_inputs(
     return dict(processor(images=flat, text=texts, return_tensors="pt", padding=True))
 
 
-def reask_images(image: Any, crops: Sequence[Any], mode: str) -> list[Any]:
+def reask_images(image: Any, crops: Sequence[Frame], mode: str) -> list[Any]:
     """The re-ask's images for one row: ``[image, crop_1, ...]`` (``both``) or the crops
-    (``crop``), each crop cut from ``image`` at full resolution."""
+    (``crop``), each crop (a :class:`~vlm_focus.geometry.Frame` inside the image) cut from
+    ``image`` at full resolution."""
     width, height = image.size
+    whole = Frame(0, 0, width, height)
     for c in crops:
-        if (
-            c.x < 0
-            or c.y < 0
-            or c.width < 1
-            or c.height < 1
-            or (c.x + c.width > width or c.y + c.height > height)
-        ):
+        if c.width < 1 or c.height < 1 or not whole.covers(c):
             raise ValueError(f"crop {c} does not lie inside the {width} x {height} image")
-    cut = [image.crop(c.pil) for c in crops]
+    cut = [image.crop(c.xyxy) for c in crops]
     return [image, *cut] if mode == "both" else cut
