@@ -303,7 +303,7 @@ def test_huge_image_is_downscaled_with_a_notice(tiny, scene, always_present):
     m = result.prompt_map
     assert len(m.boxes) >= 1
     for box, score in zip(m.boxes, m.scores, strict=True):  # found on a 384 px copy, scaled back
-        assert 0 <= box.x and box.x + box.w <= 1344 and 0 <= box.y and box.y + box.h <= 896
+        assert Frame(0, 0, 1344, 896).covers(box)
         assert score == pytest.approx(grounding.box_share(m.map, box)) and 0 <= score <= 1
 
 
@@ -486,7 +486,7 @@ def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene, a
         assert overlay[:, -left:].mean() < 0.5 * wide[:, -left:].mean()
     assert any(f"x {left}-{left + IMAGE_SIZE}, y 0-{IMAGE_SIZE}" in n for n in result.notices)
     for box in result.prompt_map.boxes:
-        assert left - 1 <= box.x and box.x + box.w <= left + IMAGE_SIZE + 1
+        assert left - 1 <= box.x0 and box.x1 <= left + IMAGE_SIZE + 1
 
 
 # --- look closer ----------------------------------------------------------------------------
@@ -510,9 +510,8 @@ def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene, monkeyp
     # the crop is drawn on the zoom's own map: its edge pixels take the first box colour
     crop = found.crops[0]
     base = heat_overlay(big, found.map.pixels)
-    box = Box(crop.x, crop.y, crop.width, crop.height, 1.0)
     seen = Frame(96, 0, 576, 576)  # 768 x 576, centre-cropped: the sides are shaded
-    expected = shade_unseen(draw_boxes(base, [box], ["zoom #1"]), seen)
+    expected = shade_unseen(draw_boxes(base, [crop], ["zoom #1"]), seen)
     np.testing.assert_array_equal(result.zoom_overlay, expected)
     assert result.answer == run(tiny, big, max_new_tokens=6).answer  # the plain pruned answer
 
@@ -541,7 +540,7 @@ def test_the_sample_square_is_boxed_and_an_absent_circle_is_not_found():
     m = found.prompt_map
     assert m.phrase == "green_square" and m.present and m.presence > 0.9
     top = m.boxes[0]
-    cx, cy = top.x + top.w / 2, top.y + top.h / 2
+    cx, cy = top.x0 + top.width / 2, top.y0 + top.height / 2
     assert 92 <= cx <= 125 and 62 <= cy <= 94, top  # the top box's centre lies on the square
     assert found.box_rows()[0][:1] == ["green_square"]
     absent = req.run_request(model, processor, str(sample), "Is there a red_circle in the image?",

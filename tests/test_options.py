@@ -156,6 +156,8 @@ def test_help_texts_say_what_runs():
 
 
 def test_the_earlier_query_name_is_refused():
+    with pytest.raises(SystemExit):  # argparse: unrecognized arguments (no abbreviations)
+        cli.parse(["run", "--query", "text"])
     with pytest.raises(TypeError, match="query"):
         FocusConfig(query="text")
     with pytest.raises(ValueError, match="query"):

@@ -109,7 +109,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (config_cls, help_text, exclude) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=config_cls.__doc__)
+        command = sub.add_parser(
+            name, help=help_text, description=config_cls.__doc__, allow_abbrev=False
+        )
         add_options(command, config_cls, exclude=exclude)
     sub.add_parser("pruners", help="the registered pruners and their options")
     for name, (_, help_text) in _DELEGATES.items():
@@ -176,7 +178,7 @@ def pruners_table() -> str:
 
 
 def _load(config: InputOptions):
-    from .loading import build_inputs, load_image, load_model, resolve_device
+    from .loading import build_inputs, load_image, load_model, resolve_device, to_model
 
     device = resolve_device(config.device)
     model, processor = load_model(
@@ -193,7 +195,7 @@ def _load(config: InputOptions):
         image_path = scenes[0]
     prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
     inputs = build_inputs(processor, load_image(image_path), prompt)
-    inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
+    inputs = to_model(model, inputs)
     return model, processor, inputs, str(image_path), prompt, device
 
 
@@ -264,7 +266,7 @@ def _bench(config: BenchConfig) -> int:
 
     model, _, inputs, _, _, device = _load(config)
     print(
-        f"prefill, {RunSetting(focus=config.focus()).tag} at each keep, {device}: timed in "
+        f"prefill, {RunSetting(focus=config.focus()).tag}, {device}: each keep timed in "
         f"{config.repeats} pairs alternating with the unpruned model; the times shown are the "
         "median pair's, and the speed-up is their ratio (min-max over all pairs)"
     )

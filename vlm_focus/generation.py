@@ -1,9 +1,11 @@
 """The one greedy ``generate()`` call that every answering path goes through (the evaluations,
 the demo and lmms-eval through :meth:`vlm_focus.setting.RunSetting.generate`, the zoom's
-passes directly), and what is read off its output."""
+passes directly), what is read off its output, and a generated answer appended to its prompt
+for one teacher-forced pass (grounding an answer, contrasting instructions)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,4 +56,46 @@ def new_token_counts(
     return counts
 
 
-__all__ = ["greedy_generate", "new_token_counts"]
+def extend_with_answer(
+    inputs: Mapping[str, Any], answer: torch.Tensor, answer_mask: torch.Tensor | None = None
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Append generated tokens ``answer [B, T]`` to a prompt for one teacher-forced pass.
+
+    Returns the new inputs (``input_ids``, ``attention_mask`` and every other ``[B, S]`` integer
+    input, such as ``mm_token_type_ids``, extended; answer positions padded with 0 except the
+    attention mask, which is ``answer_mask``) and the ``[B, S + T]`` bool mask of answer tokens.
+    """
+    input_ids = inputs["input_ids"]
+    if not isinstance(answer, torch.Tensor) or answer.dim() != 2:
+        raise TypeError(
+            f"answer must be a [batch, T] LongTensor, got {getattr(answer, 'shape', answer)}"
+        )
+    batch, seq = input_ids.shape
+    if answer.shape[0] != batch:
+        raise ValueError(f"answer has {answer.shape[0]} rows, the prompt has {batch}")
+    answer = answer.to(input_ids.device)
+    if answer_mask is None:
+        answer_mask = torch.ones_like(answer, dtype=torch.bool)
+    answer_mask = answer_mask.to(input_ids.device).bool()
+    out = dict(inputs)
+    for key, value in inputs.items():
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim() == 2
+            and tuple(value.shape) == (batch, seq)
+            and not value.is_floating_point()
+        ):
+            pad = torch.zeros_like(answer, dtype=value.dtype)
+            if key == "attention_mask":
+                pad = answer_mask.to(value.dtype)
+            out[key] = torch.cat([value, pad], dim=1)
+    out["input_ids"] = torch.cat([input_ids, answer], dim=1)
+    if "attention_mask" not in out:
+        out["attention_mask"] = torch.cat(
+            [torch.ones_like(input_ids), answer_mask.to(input_ids.dtype)], dim=1
+        )
+    is_answer = torch.cat([torch.zeros_like(input_ids, dtype=torch.bool), answer_mask], dim=1)
+    return out, is_answer
+
+
+__all__ = ["extend_with_answer", "greedy_generate", "new_token_counts"]

@@ -499,7 +499,7 @@ def _zoom_view(
             f"({zm.native_side(processor)} px), so there is nothing to crop; the zoomed answer "
             "is the plain one."
         )
-    crops = [Box(c.x, c.y, c.width, c.height, 1.0) for c in found.crops if found.zoomed]
+    crops = list(found.crops) if found.zoomed else []
     base = image if found.map is None else heat_overlay(image, found.map.pixels)
     labels = [f"zoom #{i + 1}" for i in range(len(crops))]
     return {
@@ -541,8 +541,8 @@ def _boxes(heat: HeatMap, max_boxes: int) -> list[Box]:
     sx, sy = width / small[0], height / small[1]
     out = []
     for b in boxes(pixels, max_boxes=max_boxes, sigma=sigma):
-        x0, y0 = min(b.x * sx, width - 1.0), min(b.y * sy, height - 1.0)
-        w, h = min(b.w * sx, width - x0), min(b.h * sy, height - y0)
+        x0, y0 = min(b.x0 * sx, width - 1.0), min(b.y0 * sy, height - 1.0)
+        w, h = min(b.width * sx, width - x0), min(b.height * sy, height - y0)
         out.append(Box(x0, y0, w, h, b.score))
     return out
 

@@ -28,7 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus eval", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (config_cls, _, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=config_cls.__doc__)
+        command = sub.add_parser(
+            name, help=help_text, description=config_cls.__doc__, allow_abbrev=False
+        )
         add_options(command, config_cls)
     return p
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation import extend_with_answer
 from ..geometry import (
     RULES,
     Frame,
@@ -49,7 +50,6 @@ from ._region import box_share
 from ._token_masks import (
     Query,
     answer_mask,
-    extend_with_answer,
     instruction,
     query_mask,
     text_tokens,

@@ -13,7 +13,7 @@ from ..config import keep_count
 from ..core.attention import instruction_relevance
 from ..core.calls import CallTracker
 from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
-from ..grounding._token_masks import extend_with_answer
+from ..generation import extend_with_answer
 from ..model_adapters import get_adapter
 
 
