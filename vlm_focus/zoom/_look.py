@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation import greedy_generate
 from ..geometry import Frame, Size, as_size, frame_aspect, native_side
 from ..grounding import Box, GroundingPass, HeatMap, Mention, boxes, point
-from ..loading import build_inputs, decode_new_tokens, load_image
+from ..loading import build_inputs, decode_new_tokens, load_image, to_model
 from ..model_adapters import get_adapter
 from ._crop import crop_box, union_box
 from ._reask import MODES, multi_image_inputs, reask_images, resolve_mode
@@ -127,9 +128,10 @@ class ZoomOptions:
     )
     heads: Any = field(
         default=None,
-        metadata={"help": "localization heads (grounding.select_localization_heads) or "
-                  "{layer: [heads]}"},
-    )  # fmt: skip
+        metadata={
+            "help": "localization heads (grounding.select_localization_heads) or {layer: [heads]}"
+        },
+    )
     max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
 
     def __post_init__(self) -> None:
@@ -336,11 +338,6 @@ def _clock(model: nn.Module) -> Callable[[], float]:
     return now
 
 
-def _to(inputs: dict, model: nn.Module) -> dict:
-    device = next(model.parameters()).device
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
 def _inputs(processor: Any, image_rows: Sequence[Sequence[Any]], questions: Sequence[str]) -> dict:
     if all(len(row) == 1 for row in image_rows):
         return build_inputs(processor, [row[0] for row in image_rows], list(questions))
@@ -357,24 +354,15 @@ def _generate(
     logits: bool,
 ) -> tuple[list[str], torch.Tensor | None]:
     """Answers (and the first answer token's logits ``[B, V]``) for rows of images."""
-    inputs = _to(_inputs(processor, image_rows, questions), model)
-    kwargs = {"do_sample": False, **(generate_kwargs or {})}
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            return_dict_in_generate=True,
-            output_logits=logits,
-            **kwargs,
-        )
-    texts = decode_new_tokens(processor, inputs, out.sequences)
-    first = None
-    if logits:
-        first = out.logits[0]
-        batch = len(texts)
-        if first.shape[0] != batch:  # beams or several sequences per prompt: the first of each
-            first = first.view(batch, -1, first.shape[-1])[:, 0]
-    return texts, first
+    inputs = to_model(model, _inputs(processor, image_rows, questions))
+    sequences, first = greedy_generate(
+        model,
+        inputs,
+        max_new_tokens=max_new_tokens,
+        first_logits=logits,
+        **(generate_kwargs or {}),
+    )
+    return decode_new_tokens(processor, inputs, sequences), first
 
 
 def first_pass(
@@ -389,8 +377,15 @@ def first_pass(
 ) -> tuple[list[str], list[float]]:
     """The plain answers of one batch and their first-token confidences (:mod:`._routing`)."""
     pictures = [_picture(i) for i in images]
-    texts, logits = _generate(model, processor, [[p] for p in pictures], questions,
-                              max_new_tokens, generate_kwargs, logits=True)  # fmt: skip
+    texts, logits = _generate(
+        model,
+        processor,
+        [[p] for p in pictures],
+        questions,
+        max_new_tokens,
+        generate_kwargs,
+        logits=True,
+    )
     return texts, first_token_confidence(logits, statistic).tolist()
 
 
@@ -468,8 +463,15 @@ def look_closer(
     routed = [True] * n
     if opts.route != "always":
         start = now()
-        texts, logits = _generate(model, processor, [[p] for p in pictures], questions,
-                                  opts.max_new_tokens, generate_kwargs, logits=True)  # fmt: skip
+        texts, logits = _generate(
+            model,
+            processor,
+            [[p] for p in pictures],
+            questions,
+            opts.max_new_tokens,
+            generate_kwargs,
+            logits=True,
+        )
         share = (now() - start) / n
         spent["plain"] = [share] * n
         plain = list(texts)
@@ -490,16 +492,23 @@ def look_closer(
     mapped = [b for b in rows if b not in whole]
     if mapped:
         start = now()
-        inputs = _to(build_inputs(processor, [pictures[b] for b in mapped],
-                                  [questions[b] for b in mapped]), model)  # fmt: skip
+        inputs = build_inputs(
+            processor, [pictures[b] for b in mapped], [questions[b] for b in mapped]
+        )
+        inputs = to_model(model, inputs)
         layers = opts.layers
         if layers is None and opts.heads is None:
             # every layer: the zoom's measured best map on small objects (zoom_quality.md),
             # unlike grounding's default layers, which point best at native size
             layers = list(range(len(get_adapter(model).decoder_layers(model))))
-        gp = GroundingPass(model, inputs, processor=processor,
-                           images=[pictures[b] for b in mapped], layers=layers,
-                           heads=opts.heads)  # fmt: skip
+        gp = GroundingPass(
+            model,
+            inputs,
+            processor=processor,
+            images=[pictures[b] for b in mapped],
+            layers=layers,
+            heads=opts.heads,
+        )
         for j, b in enumerate(mapped):
             heats[b] = _focus_map(gp, j, focuses[b], questions[b])
             found[b], crops[b] = choose_crops(heats[b], opts, processor=processor, mode=mode)
@@ -519,8 +528,15 @@ def look_closer(
                 reask_images(pictures[b], crops[b], mode) if zoomed[b] else [pictures[b]]
                 for b in ask
             ]
-            texts, _ = _generate(model, processor, image_rows, [questions[b] for b in ask],
-                                 opts.max_new_tokens, generate_kwargs, logits=False)  # fmt: skip
+            texts, _ = _generate(
+                model,
+                processor,
+                image_rows,
+                [questions[b] for b in ask],
+                opts.max_new_tokens,
+                generate_kwargs,
+                logits=False,
+            )
             share = (now() - start) / len(ask)
             for b, text in zip(ask, texts, strict=True):
                 answers[b] = text
@@ -577,8 +593,9 @@ def reask(
             raise TypeError(f"row {b}: crops must be a non-empty list of vlm_focus.geometry.Frame")
     pictures = [_picture(i) for i in images]
     image_rows = [reask_images(p, row, mode) for p, row in zip(pictures, per_row, strict=True)]
-    texts, _ = _generate(model, processor, image_rows, questions, max_new_tokens,
-                         generate_kwargs, logits=False)  # fmt: skip
+    texts, _ = _generate(
+        model, processor, image_rows, questions, max_new_tokens, generate_kwargs, logits=False
+    )
     return texts[0] if single else texts
 
 
@@ -626,11 +643,21 @@ def calibrate_model(
     records: list[dict] = []
     for start in range(0, len(questions), batch_size):
         part = slice(start, start + batch_size)
-        texts, conf = first_pass(model, processor, list(images[part]), list(questions[part]),
-                                 statistic=statistic, max_new_tokens=max_new_tokens,
-                                 generate_kwargs=generate_kwargs)  # fmt: skip
+        texts, conf = first_pass(
+            model,
+            processor,
+            list(images[part]),
+            list(questions[part]),
+            statistic=statistic,
+            max_new_tokens=max_new_tokens,
+            generate_kwargs=generate_kwargs,
+        )
         for text, c, ref in zip(texts, conf, references[part], strict=True):
             records.append({"answer": text, "confidence": c, "hard": not correct(text, ref)})
-    calibration = calibrate([r["confidence"] for r in records], [r["hard"] for r in records],
-                            recall=recall, statistic=statistic)  # fmt: skip
+    calibration = calibrate(
+        [r["confidence"] for r in records],
+        [r["hard"] for r in records],
+        recall=recall,
+        statistic=statistic,
+    )
     return calibration, records
