@@ -38,6 +38,7 @@ from ..geometry import (
     unknown_size_message,
     view_frames,
 )
+from ..loading import to_model
 from ..model_adapters import get_adapter
 from ._boxes import Box, boxes, point
 from ._defaults import default_layers
@@ -159,11 +160,10 @@ class GroundingPass:
         self.processor = processor
         self.geometry = geometry
         self.adapter = get_adapter(model)
-        device = next(model.parameters()).device
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = to_model(model, inputs)
         self.prompt_length = int(inputs["input_ids"].shape[1])
         if answer is not None:
-            keep = answer_mask(model, answer.to(device))
+            keep = answer_mask(model, answer.to(inputs["input_ids"].device))
             full, is_answer = extend_with_answer(inputs, answer, keep)
         else:
             full = dict(inputs)
