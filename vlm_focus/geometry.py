@@ -258,8 +258,10 @@ def as_sizes(value: Any, *, name: str = "images") -> Sizes | None:
         if all(isinstance(v, int) for v in value):
             return as_size(value, name=name)  # a bare pair: refused as ambiguous
         if all(isinstance(v, list | tuple) and not isinstance(v, Size) for v in value):
-            return [[as_size(x, name=f"{name}[{b}][{i}]") for i, x in enumerate(row)]
-                    for b, row in enumerate(value)]  # fmt: skip
+            return [
+                [as_size(x, name=f"{name}[{b}][{i}]") for i, x in enumerate(row)]
+                for b, row in enumerate(value)
+            ]
         return [as_size(v, name=f"{name}[{i}]") for i, v in enumerate(value)]
     return as_size(value, name=name)
 
@@ -570,8 +572,9 @@ def _consistent(grid: tuple[int, int], size: Size) -> bool:
     return lo < hi
 
 
-def check_size(layout: Any, size: Size, *, image_processor: Any = None, aspect: bool = False,
-               where: str = "") -> None:  # fmt: skip
+def check_size(
+    layout: Any, size: Size, *, image_processor: Any = None, aspect: bool = False, where: str = ""
+) -> None:
     """Raise when ``size`` cannot be the original size of ``layout``'s image: a
     dynamic-resolution processor's grid must equal its ``smart_resize`` grid, and (``aspect``)
     a grid that follows the image's aspect ratio must fit it. The message says when width

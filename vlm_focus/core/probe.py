@@ -151,9 +151,17 @@ class LayerView:
             allowed = self.allowed.expand(local.shape[0], -1, -1)
             allowed = allowed.gather(1, local[..., None].expand(-1, -1, allowed.shape[-1]))
         probs = layer_attention_rows(
-            adapter, self.layer, self.hidden, self.kwargs, local, positions, self.past,
-            self.valid, self.keys, allowed,
-        )  # fmt: skip
+            adapter,
+            self.layer,
+            self.hidden,
+            self.kwargs,
+            local,
+            positions,
+            self.past,
+            self.valid,
+            self.keys,
+            allowed,
+        )
         return self.to_full(probs)
 
 

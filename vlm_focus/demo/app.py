@@ -321,9 +321,15 @@ def build_app(
             return samples.get(choice) if choice else gr.skip()
 
         def respond(
-            image_value, prompt_value, pruner_value, keep_value, layer_value, mit_value,
-            zoom_value=False, options_value="",
-        ):  # fmt: skip
+            image_value,
+            prompt_value,
+            pruner_value,
+            keep_value,
+            layer_value,
+            mit_value,
+            zoom_value=False,
+            options_value="",
+        ):
             model_now, processor_now = served.pair
             result = run_request(
                 model_now,

@@ -71,9 +71,15 @@ def draw_boxes(
             ty = y0 - 2 if y0 - th - base - 2 >= 0 else min(out.shape[0] - 1, y0 + th + 2)
             cv2.rectangle(out, (x0, ty - th - 1), (x0 + tw + 1, ty + base - 1), (0, 0, 0), -1)
             cv2.putText(
-                out, labels[i], (x0, ty - 1), cv2.FONT_HERSHEY_SIMPLEX, scale, colour, 1,
+                out,
+                labels[i],
+                (x0, ty - 1),
+                cv2.FONT_HERSHEY_SIMPLEX,
+                scale,
+                colour,
+                1,
                 cv2.LINE_AA,
-            )  # fmt: skip
+            )
     return out
 
 
@@ -171,6 +177,7 @@ def label_overlay(image: np.ndarray, text: str) -> np.ndarray:
     scale = max(0.35, min(out.shape[:2]) / 500)
     (tw, th), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
     cv2.rectangle(out, (0, 0), (tw + 4, th + base + 4), (0, 0, 0), -1)
-    cv2.putText(out, text, (2, th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale, (255, 255, 255), 1,
-                cv2.LINE_AA)  # fmt: skip
+    cv2.putText(
+        out, text, (2, th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale, (255, 255, 255), 1, cv2.LINE_AA
+    )
     return out

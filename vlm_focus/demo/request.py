@@ -581,8 +581,10 @@ def _ground(
             return GroundedMap(phrase, overlay, [], [], heat, score, present)
         found_boxes = _boxes(heat, max_boxes)
         box_scores = [box_share(heat, b) for b in found_boxes]
-        labels = [f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
-                  for i, s in enumerate(box_scores)]  # fmt: skip
+        labels = [
+            f"{phrase} {s:.2f}" if max_boxes == 1 else f"#{i + 1} {s:.2f}"
+            for i, s in enumerate(box_scores)
+        ]
         overlay = draw_boxes(base, found_boxes, labels)
         return GroundedMap(phrase, overlay, found_boxes, box_scores, heat, score, present)
 

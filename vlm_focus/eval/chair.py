@@ -26,9 +26,17 @@ from .synonyms import COCO_SYNONYMS, IRREGULAR_PLURALS
 
 PROTOCOL_PROMPT = "Please describe this image in detail."
 CHAIR_COLUMNS = (
-    "setting", "pruner", "keep", "mitigate", "n", "CHAIR_s", "CHAIR_i", "recall", "length",
+    "setting",
+    "pruner",
+    "keep",
+    "mitigate",
+    "n",
+    "CHAIR_s",
+    "CHAIR_i",
+    "recall",
+    "length",
     "mentions",
-)  # fmt: skip
+)
 PROTOCOL_MAX_NEW_TOKENS = 512
 EMBEDDED_MAX_NEW_TOKENS = 64
 SHIPPED_IDS = Path(__file__).resolve().parent / "chair_image_ids_organism.json"

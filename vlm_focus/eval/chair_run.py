@@ -139,9 +139,7 @@ def run_chair(config: ChairConfig) -> dict | None:
     ids = ids[: config.limit] if config.limit else ids
     prompt, max_new = config.caption_prompt, config.new_tokens
     setting = config.setting(max_new_tokens=max_new)
-    items = [
-        {"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids
-    ]  # fmt: skip
+    items = [{"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids]
     present, missing = split_missing(items, cocoset, config.on_missing)
     model, processor = load(config, state)
     guided = setting.pruned and setting.pruner_class.needs_guide
@@ -224,6 +222,4 @@ def _truth(cocoset: Any, table: ObjectWords) -> dict[int, set[str]]:
     names: dict[int, set[str]] = {i: set() for i in cocoset.images_by_id}
     for ann in cocoset.instances["annotations"]:
         names.setdefault(ann["image_id"], set()).add(cocoset.category_names[ann["category_id"]])
-    return {
-        i: truth_objects(names[i], cocoset.captions.get(i, []), table) for i in names
-    }  # fmt: skip
+    return {i: truth_objects(names[i], cocoset.captions.get(i, []), table) for i in names}

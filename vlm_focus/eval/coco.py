@@ -29,9 +29,20 @@ from .metrics import auroc, coco_box_ap
 from .pope import LLAVA_SUFFIX, image_categories, question_text
 
 COCO_COLUMNS = (
-    "setting", "model", "layers", "heads", "n_images", "n_queries", "AP", "AP50", "pointing",
-    "auroc", "n_detections", "n_dropped", "n_missing_images",
-)  # fmt: skip
+    "setting",
+    "model",
+    "layers",
+    "heads",
+    "n_images",
+    "n_queries",
+    "AP",
+    "AP50",
+    "pointing",
+    "auroc",
+    "n_detections",
+    "n_dropped",
+    "n_missing_images",
+)
 
 
 #: The query prompt: the POPE question about the category, with LLaVA's answer suffix.
@@ -115,11 +126,15 @@ def coco_gt(instances: dict) -> Any:
 def detections(records: list[dict]) -> list[dict]:
     """COCO results list from query records."""
     return [
-        {"image_id": r["image_id"], "category_id": r["category_id"], "bbox": b["bbox"],
-         "score": b["score"]}
+        {
+            "image_id": r["image_id"],
+            "category_id": r["category_id"],
+            "bbox": b["bbox"],
+            "score": b["score"],
+        }
         for r in records
         for b in r["boxes"]
-    ]  # fmt: skip
+    ]
 
 
 def summarise(records: list[dict], instances: dict, image_ids: list[int]) -> dict[str, Any]:

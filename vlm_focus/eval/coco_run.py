@@ -204,10 +204,12 @@ def run_coco(config: CocoConfig) -> dict | None:
                 x, y = grounding.point(heat)
                 found = grounding.boxes(heat, max_boxes=config.max_boxes)
                 boxes = [
-                    {"bbox": [round(v, 2) for v in b.xywh],
-                     "score": float(grounding.box_share(heat, b))}
+                    {
+                        "bbox": [round(v, 2) for v in b.xywh],
+                        "score": float(grounding.box_share(heat, b)),
+                    }
                     for b in found
-                ]  # fmt: skip
+                ]
                 boxes.sort(key=lambda b: -b["score"])
                 key = (r["image_id"], r["category_id"])
                 out[r["query_id"]] = {

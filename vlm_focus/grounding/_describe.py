@@ -69,9 +69,17 @@ def describe_and_ground(
         sequences = model.generate(**inputs, **kwargs)
     answer = sequences[:, inputs["input_ids"].shape[1] :]
     gp = GroundingPass(
-        model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
-        layers=layers, heads=heads, rows=None, geometry=geometry,
-    )  # fmt: skip
+        model,
+        inputs,
+        processor=processor,
+        images=images,
+        sizes=sizes,
+        answer=answer,
+        layers=layers,
+        heads=heads,
+        rows=None,
+        geometry=geometry,
+    )
     objects = list(objects) if objects is not None else None
     results = []
     for b, row_mentions in enumerate(gp.mentions(source="answer", objects=objects)):

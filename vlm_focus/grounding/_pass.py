@@ -287,8 +287,9 @@ class GroundingPass:
         tok = tokenizer_of(self.processor) if self.processor is not None else None
         if only is None:
             return query_mask(ids, query, where=where, tokenizer=tok, source=name)
-        part = query_mask(ids[only : only + 1], query, where=where[only : only + 1],
-                          tokenizer=tok, source=name)  # fmt: skip
+        part = query_mask(
+            ids[only : only + 1], query, where=where[only : only + 1], tokenizer=tok, source=name
+        )
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[only] = part[0]
         return mask
@@ -302,8 +303,10 @@ class GroundingPass:
             picked = query[b].gather(0, self._positions[b]) & self._recorded[b]  # [Tq]
             wanted = int(query[b].sum())
             if int(picked.sum()) != wanted:
-                missing = sorted(set(torch.nonzero(query[b]).flatten().tolist())
-                                 - set(self._positions[b][self._recorded[b]].tolist()))  # fmt: skip
+                missing = sorted(
+                    set(torch.nonzero(query[b]).flatten().tolist())
+                    - set(self._positions[b][self._recorded[b]].tolist())
+                )
                 raise ValueError(
                     f"row {b}: query positions {missing} were not recorded by this pass "
                     "(pass rows= covering them, or leave rows=None)"
@@ -313,14 +316,23 @@ class GroundingPass:
             w = picked.float() / wanted
             values = [w @ slab for slab in self._slabs[b]]  # [n] per image
             if self._generic is not None:
-                values = [v / (g + 0.05 * g.mean() + 1e-12)
-                          for v, g in zip(values, self._generic[b], strict=True)]  # fmt: skip
+                values = [
+                    v / (g + 0.05 * g.mean() + 1e-12)
+                    for v, g in zip(values, self._generic[b], strict=True)
+                ]
             out.append(values)
         return out
 
     def _heat(self, values: torch.Tensor, b: int, i: int) -> HeatMap:
-        return build_map(values, self.layouts[b][i], self.sizes[b][i], self.frames[b][i], b, i,
-                         self.adapter.model_type)  # fmt: skip
+        return build_map(
+            values,
+            self.layouts[b][i],
+            self.sizes[b][i],
+            self.frames[b][i],
+            b,
+            i,
+            self.adapter.model_type,
+        )
 
     # --- maps ---------------------------------------------------------------------------------
     def maps(
@@ -498,9 +510,18 @@ def heatmap(
         per batch row, one :class:`HeatMap` per image.
     """
     gp = GroundingPass(
-        model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
-        layers=layers, heads=heads, rows=query, relative_to=relative_to, geometry=geometry,
-    )  # fmt: skip
+        model,
+        inputs,
+        processor=processor,
+        images=images,
+        sizes=sizes,
+        answer=answer,
+        layers=layers,
+        heads=heads,
+        rows=query,
+        relative_to=relative_to,
+        geometry=geometry,
+    )
     return gp.maps(query)
 
 
@@ -534,9 +555,17 @@ def region_score(
         ``[B]`` float scores.
     """
     gp = GroundingPass(
-        model, inputs, processor=processor, images=images, sizes=sizes, answer=answer,
-        layers=layers, heads=heads, rows=query, geometry=geometry,
-    )  # fmt: skip
+        model,
+        inputs,
+        processor=processor,
+        images=images,
+        sizes=sizes,
+        answer=answer,
+        layers=layers,
+        heads=heads,
+        rows=query,
+        geometry=geometry,
+    )
     return gp.region_score(query, box, image=image)
 
 
@@ -614,8 +643,15 @@ def ground(
         raise ValueError(f"presence_threshold={presence_threshold!r} must be a number in [0, 1)")
     picture = as_picture(image)
     inputs = build_inputs(processor, picture, prompt)
-    gp = GroundingPass(model, inputs, processor=processor, images=[picture], layers=layers,
-                       heads=heads, rows=phrase)  # fmt: skip
+    gp = GroundingPass(
+        model,
+        inputs,
+        processor=processor,
+        images=[picture],
+        layers=layers,
+        heads=heads,
+        rows=phrase,
+    )
     heat = gp.map(phrase, source="prompt")
     if unknown_phrase(phrase, processor):
         score = 0.0  # the model never read the phrase: its answer is not about it

@@ -168,8 +168,15 @@ def warm_up(
                     visual = torch.ones(1, seq, dtype=torch.bool, device=device)
                     debias = torch.ones(1, seq, device=device) if with_debias else None
                     score_and_select(
-                        q, k, visual, 1, scaling=1.0, reduce=reduce, debias=debias,
-                        backend="triton", n_visual=seq,
-                    )  # fmt: skip
+                        q,
+                        k,
+                        visual,
+                        1,
+                        scaling=1.0,
+                        reduce=reduce,
+                        debias=debias,
+                        backend="triton",
+                        n_visual=seq,
+                    )
                     launches += 1
     return launches

@@ -76,9 +76,18 @@ _MAX_TPARTS = 4  # query-block ranges of pass 2: bounds the partial scores at [B
 # their alignment is what vectorises the loads).
 _LSE_SHAPES = ("n_heads", "n_query", "seq", "head_dim", "n_split", "keys_per_split")
 _SCORE_SHAPES = (
-    "n_heads", "n_kv", "n_query", "seq", "head_dim", "n_split", "kv_per_part", "n_hparts",
-    "n_tblocks", "tblocks_per_part", "n_parts",
-)  # fmt: skip
+    "n_heads",
+    "n_kv",
+    "n_query",
+    "seq",
+    "head_dim",
+    "n_split",
+    "kv_per_part",
+    "n_hparts",
+    "n_tblocks",
+    "tblocks_per_part",
+    "n_parts",
+)
 _SELECT_SHAPES = ("seq", "n_parts", "n_keep")
 _MAX_SPLIT = 64  # key ranges of pass 1; pass 2 always reads a fixed _MAX_SPLIT-wide row
 
@@ -524,29 +533,79 @@ def _launch(
     # Launch on the tensors' GPU, which need not be the current one (models split over GPUs).
     with torch.cuda.device(device) if q.is_cuda else contextlib.nullcontext():
         _lse_kernel[(batch * n_heads, n_tblocks, n_split)](
-            q, k, kmask, qpos, lse,
-            n_heads, n_query, seq, head_dim, n_split, keys_per_split, qk_scale,
-            *q.stride(), *k.stride(),
-            GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-            DOT_FP32=dot_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
+            q,
+            k,
+            kmask,
+            qpos,
+            lse,
+            n_heads,
+            n_query,
+            seq,
+            head_dim,
+            n_split,
+            keys_per_split,
+            qk_scale,
+            *q.stride(),
+            *k.stride(),
+            GROUPS=groups,
+            BLOCK_T=block_t,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            PRECISION=precision,
+            DOT_FP32=dot_fp32,
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        )
         _score_kernel[(n_blocks, n_parts, batch)](
-            q, k, kmask, vis, qpos, weights, lse, parts,
-            n_heads, n_kv, n_query, seq, head_dim, n_split, kv_per_part, n_hparts,
-            n_tblocks, tblocks_per_part, n_parts,
-            qk_scale, 1.0 / n_heads if reduce == "mean" else 1.0,
-            *q.stride(), *k.stride(),
-            GROUPS=groups, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
+            q,
+            k,
+            kmask,
+            vis,
+            qpos,
+            weights,
+            lse,
+            parts,
+            n_heads,
+            n_kv,
+            n_query,
+            seq,
+            head_dim,
+            n_split,
+            kv_per_part,
+            n_hparts,
+            n_tblocks,
+            tblocks_per_part,
+            n_parts,
+            qk_scale,
+            1.0 / n_heads if reduce == "mean" else 1.0,
+            *q.stride(),
+            *k.stride(),
+            GROUPS=groups,
+            BLOCK_T=block_t,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
             SPLIT_PAD=_MAX_SPLIT,
-            REDUCE_MAX=reduce_max, PRECISION=precision, DOT_FP32=dot_fp32,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
+            REDUCE_MAX=reduce_max,
+            PRECISION=precision,
+            DOT_FP32=dot_fp32,
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        )
         debias_arg = debias.to(device=device).contiguous() if has_debias else scores
         _select_kernel[(batch,)](
-            parts, vis, debias_arg, scores, kept, seq, n_parts, n_keep,
-            HAS_DEBIAS=has_debias, BLOCK=sel_block, N_TILES=n_tiles,
+            parts,
+            vis,
+            debias_arg,
+            scores,
+            kept,
+            seq,
+            n_parts,
+            n_keep,
+            HAS_DEBIAS=has_debias,
+            BLOCK=sel_block,
+            N_TILES=n_tiles,
             num_warps=4 if sel_block <= 2048 else (8 if sel_block <= 8192 else 16),
-        )  # fmt: skip
+        )
     return scores, kept
 
 

@@ -109,7 +109,7 @@ def _answer_confidence(
             for s, t in zip(logits, new_tokens.T, strict=True)
         ],
         1,
-    )  # [B, n]  fmt: skip
+    )  # [B, n]
     is_eos = torch.zeros_like(new_tokens, dtype=torch.bool)
     for e in eos:
         is_eos |= new_tokens == e

@@ -63,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     images, questions, labels = _read(args.questions, args.image_dir, args.limit)
     model, processor = load_model(args.model, device=resolve_device(args.device))
     calibration, records = calibrate_model(
-        model, processor, images, questions, labels, recall=args.recall,
-        statistic=args.statistic, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-    )  # fmt: skip
+        model,
+        processor,
+        images,
+        questions,
+        labels,
+        recall=args.recall,
+        statistic=args.statistic,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
     text = json.dumps(calibration.to_json(), indent=1)
     if args.out is not None:
         calibration.save(args.out)
