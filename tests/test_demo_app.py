@@ -215,8 +215,9 @@ def test_embedded_models_are_named_as_such():
 
 def test_outputs_of_a_zoom_come_last():
     image = np.zeros((8, 8, 3), np.uint8)
-    ok = DemoResult(ok=True, image=image, answer="no", answer_zoomed="yes", zoomed=True,
-                    zoom_overlay=image + 3)  # fmt: skip
+    ok = DemoResult(
+        ok=True, image=image, answer="no", answer_zoomed="yes", zoomed=True, zoom_overlay=image + 3
+    )
     outputs = app.outputs_of(ok)
     assert len(outputs) == 12 and outputs[1] == "no"
     assert outputs[10] == "yes" and (outputs[11] == 3).all()

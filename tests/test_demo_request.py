@@ -331,9 +331,13 @@ def test_empty_or_overlong_prompt(tiny, scene):
 def test_unsupported_model(tiny, scene):
     _, processor = tiny
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     result = req.run_request(LlamaForCausalLM(config), processor, scene, QUESTION)
     assert not result.ok
     assert result.message.startswith("This model is not supported (model type 'llama');")
@@ -501,8 +505,9 @@ def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene, monkeyp
     result = run(tiny, big, zoom=True, max_new_tokens=6)
     assert result.ok, result.message
     with vf.wrap(model, pruner="fastv", keep=0.25, layer=1):
-        found = zoom.look_closer(model, processor, Image.fromarray(big), QUESTION,
-                                 route="always", max_new_tokens=6)  # fmt: skip
+        found = zoom.look_closer(
+            model, processor, Image.fromarray(big), QUESTION, route="always", max_new_tokens=6
+        )
     assert found.zoomed and result.zoomed
     assert result.answer_zoomed == found.answer
     assert result.zoom_crops == found.crops
@@ -534,8 +539,14 @@ def test_the_sample_square_is_boxed_and_an_absent_circle_is_not_found():
 
     model, processor = load_model(dtype=torch.float32)
     sample = next(p for p in sample_scene_paths() if p.stem == "scene_9000001")
-    found = req.run_request(model, processor, str(sample), "Is there a green_square in the image?",
-                            max_new_tokens=4, repeats=1)  # fmt: skip
+    found = req.run_request(
+        model,
+        processor,
+        str(sample),
+        "Is there a green_square in the image?",
+        max_new_tokens=4,
+        repeats=1,
+    )
     assert found.ok, found.message
     m = found.prompt_map
     assert m.phrase == "green_square" and m.present and m.presence > 0.9
@@ -543,8 +554,14 @@ def test_the_sample_square_is_boxed_and_an_absent_circle_is_not_found():
     cx, cy = top.x0 + top.width / 2, top.y0 + top.height / 2
     assert 92 <= cx <= 125 and 62 <= cy <= 94, top  # the top box's centre lies on the square
     assert found.box_rows()[0][:1] == ["green_square"]
-    absent = req.run_request(model, processor, str(sample), "Is there a red_circle in the image?",
-                             max_new_tokens=4, repeats=1)  # fmt: skip
+    absent = req.run_request(
+        model,
+        processor,
+        str(sample),
+        "Is there a red_circle in the image?",
+        max_new_tokens=4,
+        repeats=1,
+    )
     assert absent.ok and absent.answer == "no"
     assert absent.prompt_map.present is False and absent.prompt_map.boxes == []
     assert absent.box_rows()[0][6].startswith("not found")

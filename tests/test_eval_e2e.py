@@ -69,8 +69,12 @@ def test_pope_sweep_table_and_plot(setup, tmp_path):
     root = tmp_path / "pope" / "eval0--model"
     rows = list(csv.DictReader(open(root / "table.csv")))
     assert [r["setting"] for r in rows] == [
-        "unpruned", "fastv-k0.5-l1", "fastv-k0.25-l1", "random-k0.5-l1", "random-k0.25-l1"
-    ]  # fmt: skip
+        "unpruned",
+        "fastv-k0.5-l1",
+        "fastv-k0.25-l1",
+        "random-k0.5-l1",
+        "random-k0.25-l1",
+    ]
     assert [float(r["visual_kept"]) for r in rows] == [16, 8, 4, 8, 4]
     assert (root / "table.md").read_text().startswith("| split | setting |")
     assert (root / "retention.png").read_bytes()[:4] == b"\x89PNG"

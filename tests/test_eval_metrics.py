@@ -92,10 +92,9 @@ def _instances():
     images = [{"id": i, "file_name": f"{i}.png", "width": 100, "height": 100} for i in (1, 2)]
     boxes = [(1, 1, [10, 10, 30, 20]), (1, 2, [50, 50, 40, 40]), (2, 1, [5, 60, 20, 30])]
     anns = [
-        {"id": k + 1, "image_id": i, "category_id": c, "bbox": b, "area": b[2] * b[3],
-         "iscrowd": 0}
+        {"id": k + 1, "image_id": i, "category_id": c, "bbox": b, "area": b[2] * b[3], "iscrowd": 0}
         for k, (i, c, b) in enumerate(boxes)
-    ]  # fmt: skip
+    ]
     cats = [{"id": 1, "name": "cat"}, {"id": 2, "name": "hot dog"}]
     return {"images": images, "annotations": anns, "categories": cats}
 
@@ -103,10 +102,14 @@ def _instances():
 def test_coco_ap_planted_perfect_set_is_one():
     data = _instances()
     results = [
-        {"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"],
-         "score": 0.9}
+        {
+            "image_id": a["image_id"],
+            "category_id": a["category_id"],
+            "bbox": a["bbox"],
+            "score": 0.9,
+        }
         for a in data["annotations"]
-    ]  # fmt: skip
+    ]
     out = coco_box_ap(coco_gt(data), results)
     assert out["AP"] == pytest.approx(1.0) and out["AP50"] == pytest.approx(1.0)
     assert out["n_detections"] == 3 and out["n_dropped"] == 0
@@ -116,10 +119,14 @@ def test_coco_ap_shifted_set():
     data = _instances()
     # every box shifted right by half its width: IoU = 0.5 w h / 1.5 w h = 1/3 < 0.5
     results = [
-        {"image_id": a["image_id"], "category_id": a["category_id"],
-         "bbox": [a["bbox"][0] + a["bbox"][2] / 2, *a["bbox"][1:]], "score": 0.9}
+        {
+            "image_id": a["image_id"],
+            "category_id": a["category_id"],
+            "bbox": [a["bbox"][0] + a["bbox"][2] / 2, *a["bbox"][1:]],
+            "score": 0.9,
+        }
         for a in data["annotations"]
-    ]  # fmt: skip
+    ]
     out = coco_box_ap(coco_gt(data), results)
     assert out["AP"] == 0.0 and out["AP50"] == 0.0
     # shifted by a tenth of the width: IoU = 0.9 / 1.1 = 0.818 -> AP50 = 1, AP = 8/10 thresholds
@@ -151,13 +158,23 @@ def test_coco_ap_empty_and_unknown_ids_do_not_crash():
 
 def test_singular_and_extraction_two_word_names_first():
     assert [singular(w) for w in ["dogs", "buses", "knives", "people", "skis", "glasses"]] == [
-        "dog", "bus", "knife", "people", "ski", "glass"
-    ]  # fmt: skip
+        "dog",
+        "bus",
+        "knife",
+        "people",
+        "ski",
+        "glass",
+    ]
     table = ObjectWords.for_categories(["dog", "teddy bear", "hot dog", "bear", "dining table"])
     text = "A teddy bear next to two hot dogs, a puppy and a bear on the table. Dogs!"
     assert extract_objects(text, table) == [
-        "teddy bear", "hot dog", "dog", "bear", "dining table", "dog"
-    ]  # fmt: skip
+        "teddy bear",
+        "hot dog",
+        "dog",
+        "bear",
+        "dining table",
+        "dog",
+    ]
 
 
 def test_extraction_of_organism_category_words():

@@ -98,13 +98,19 @@ def _points(size: Size, shares=POINTS):
 
 SINGLE_VIEW = {
     # CLIP-style: shortest edge to 64, then the central 48 x 48 (not the whole short side)
-    "clip_crop": dict(cls=CLIPImageProcessor, size={"shortest_edge": 64},
-                      crop_size={"height": 48, "width": 48}),
-    "pad_to_square": dict(cls=LlavaImageProcessor, do_pad=True, size={"shortest_edge": 48},
-                          crop_size={"height": 48, "width": 48}),
-    "plain_resize": dict(cls=CLIPImageProcessor, size={"height": 40, "width": 56},
-                         do_center_crop=False),
-}  # fmt: skip
+    "clip_crop": dict(
+        cls=CLIPImageProcessor, size={"shortest_edge": 64}, crop_size={"height": 48, "width": 48}
+    ),
+    "pad_to_square": dict(
+        cls=LlavaImageProcessor,
+        do_pad=True,
+        size={"shortest_edge": 48},
+        crop_size={"height": 48, "width": 48},
+    ),
+    "plain_resize": dict(
+        cls=CLIPImageProcessor, size={"height": 40, "width": 56}, do_center_crop=False
+    ),
+}
 
 
 @pytest.mark.parametrize("shape", SIZES)
@@ -130,9 +136,11 @@ def test_single_view_processors_place_the_planted_peak(kind, shape):
 @pytest.mark.parametrize("shape", SIZES)
 def test_llava_next_anyres_base_and_composite_views(shape):
     ip = _make(
-        LlavaNextImageProcessor, size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+        LlavaNextImageProcessor,
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
         image_grid_pinpoints=PINPOINTS,
-    )  # fmt: skip
+    )
     model = SimpleNamespace(
         config=SimpleNamespace(
             vision_config=SimpleNamespace(image_size=32, patch_size=PATCH),
@@ -155,9 +163,10 @@ def test_llava_next_anyres_base_and_composite_views(shape):
 @pytest.mark.parametrize("shape", SIZES)
 def test_llava_onevision_anyres_and_untiled_views(shape):
     ip = _make(
-        LlavaOnevisionImageProcessor, size={"height": 32, "width": 32},
+        LlavaOnevisionImageProcessor,
+        size={"height": 32, "width": 32},
         image_grid_pinpoints=OV_PINPOINTS,
-    )  # fmt: skip
+    )
     model = SimpleNamespace(
         config=SimpleNamespace(
             vision_config=SimpleNamespace(image_size=32, patch_size=PATCH),
@@ -189,9 +198,12 @@ def test_llava_onevision_anyres_and_untiled_views(shape):
 @pytest.mark.parametrize("shape", SIZES)
 def test_qwen_dynamic_resolution(shape):
     ip = _make(
-        Qwen2VLImageProcessor, patch_size=PATCH, merge_size=2, temporal_patch_size=2,
+        Qwen2VLImageProcessor,
+        patch_size=PATCH,
+        merge_size=2,
+        temporal_patch_size=2,
         size={"shortest_edge": 16 * 16 * 4, "longest_edge": 16 * 16 * 40},
-    )  # fmt: skip
+    )
     size = SIZES[shape]
     for x, y in _points(size):
         out = ip(images=_image(size, x, y), return_tensors="np")

@@ -316,9 +316,14 @@ def test_region_score_of_generated_tokens_equals_describe_and_ground():
     name = tok.word(int(answer[0, 1]))
     sizes = Size(32, 32)
     results = G.describe_and_ground(
-        model, inputs, processor=tok, objects=[name], max_new_tokens=4, sizes=sizes,
+        model,
+        inputs,
+        processor=tok,
+        objects=[name],
+        max_new_tokens=4,
+        sizes=sizes,
         generate_kwargs={"min_new_tokens": 4},
-    )  # fmt: skip
+    )
     assert torch.equal(results[0].answer_ids, answer[0])
     phrase = next(p for p in results[0].phrases if p.text == name)
     assert phrase.positions[0] >= inputs["input_ids"].shape[1] + 1
@@ -331,8 +336,9 @@ def test_region_score_of_generated_tokens_equals_describe_and_ground():
     maps = G.heatmap(model, inputs, mask, answer=answer)
     torch.testing.assert_close(maps[0][0].grid, phrase.map.grid, atol=1e-7, rtol=0)
     # a phrase of the answer found by text
-    by_text = G.heatmap(model, {k: v[:1] for k, v in inputs.items()}, name, processor=tok,
-                        answer=answer[:1])  # fmt: skip
+    by_text = G.heatmap(
+        model, {k: v[:1] for k, v in inputs.items()}, name, processor=tok, answer=answer[:1]
+    )
     torch.testing.assert_close(by_text[0][0].grid, phrase.map.grid, atol=1e-6, rtol=0)
 
 
@@ -437,9 +443,13 @@ def test_describe_and_ground_without_a_vocabulary_grounds_each_content_word():
     model = make_model("qwen2_vl")
     inputs = make_inputs("qwen2_vl", model, batch=2)
     results = G.describe_and_ground(
-        model, inputs, processor=WordTokenizer(), max_new_tokens=3,
-        sizes=processed_sizes("qwen2_vl", inputs), generate_kwargs={"min_new_tokens": 3},
-    )  # fmt: skip
+        model,
+        inputs,
+        processor=WordTokenizer(),
+        max_new_tokens=3,
+        sizes=processed_sizes("qwen2_vl", inputs),
+        generate_kwargs={"min_new_tokens": 3},
+    )
     seq = inputs["input_ids"].shape[1]
     for b, described in enumerate(results):
         assert len(described.answer_ids) == 3 and len(described.answer.split()) == 3
@@ -542,8 +552,12 @@ def test_answer_is_trimmed_at_its_first_end_of_sequence_token():
     answer = torch.tensor([[5, 6, eos, 7, 8], [9, 10, 11, 12, 13]])
     trimmed = G.GroundingPass(model, inputs, answer=answer)
     assert trimmed.answer_ids(0).tolist() == [5, 6] and trimmed.answer_ids(1).tolist() == [
-        9, 10, 11, 12, 13
-    ]  # fmt: skip
+        9,
+        10,
+        11,
+        12,
+        13,
+    ]
     short = G.GroundingPass(model, {k: v[:1] for k, v in inputs.items()}, answer=answer[:1, :2])
     torch.testing.assert_close(trimmed.map(row=0).grid, short.map().grid, atol=1e-6, rtol=0)
 
@@ -557,8 +571,9 @@ def test_mentions_of_the_answer_and_the_prompt():
     seq = inputs["input_ids"].shape[1]
     (found,) = gp.mentions()
     assert [(m.text, m.positions, m.source) for m in found] == [
-        ("xfh", (seq,), "answer"), ("xgd", (seq + 2,), "answer")
-    ]  # fmt: skip
+        ("xfh", (seq,), "answer"),
+        ("xgd", (seq + 2,), "answer"),
+    ]
     assert [m.positions for m in gp.mentions(objects=["xgd"])[0]] == [(seq + 2,)]
     torch.testing.assert_close(
         gp.map(found[1]).grid, gp.map(torch.tensor([[seq + 2]])).grid, atol=0, rtol=0
@@ -714,18 +729,22 @@ def test_default_layers_point_as_well_as_the_best_layer_on_unseen_scenes(organis
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", G.UnseenRegionWarning)  # the wide ones: expected
         for layers in [None] + [[i] for i in range(n_layers)]:
-            gp = G.GroundingPass(model, inputs, processor=processor, images=pictures,
-                                 layers=layers, rows=query)  # fmt: skip
+            gp = G.GroundingPass(
+                model, inputs, processor=processor, images=pictures, layers=layers, rows=query
+            )
             hits[str(layers)] = [gp.map(query, row=b) for b in range(len(names))]
     # every layer averaged: the mean of the single layers' maps (a map is linear in them)
     every = []
     for b in range(len(names)):
         parts = [hits[str([i])][b] for i in range(n_layers)]
         every.append(
-            dataclasses.replace(parts[0], grid=torch.stack([m.grid for m in parts]).mean(0),
-                                views=[torch.stack([m.views[0] for m in parts]).mean(0)],
-                                _pixels=None)
-        )  # fmt: skip
+            dataclasses.replace(
+                parts[0],
+                grid=torch.stack([m.grid for m in parts]).mean(0),
+                views=[torch.stack([m.views[0] for m in parts]).mean(0)],
+                _pixels=None,
+            )
+        )
     hits["every"] = every
 
     def inside(pt, box):
@@ -850,8 +869,10 @@ def test_seen_region_is_the_covered_pixels_bounding_rectangle_and_share():
     rng = np.random.default_rng(0)
     for _ in range(200):
         size = Size(int(rng.integers(1, 50)), int(rng.integers(1, 50)))
-        frames = [Frame(*rng.uniform(-30, 40, 2), *rng.uniform(0.5, 80, 2))
-                  for _ in range(int(rng.integers(1, 4)))]  # fmt: skip
+        frames = [
+            Frame(*rng.uniform(-30, 40, 2), *rng.uniform(0.5, 80, 2))
+            for _ in range(int(rng.integers(1, 4)))
+        ]
         region, share = seen_region(size, frames)
         mask = coverage(size, frames)
         assert share == pytest.approx(float(mask.double().mean()), abs=1e-12)

@@ -148,9 +148,17 @@ def test_twin_matches_full_attention(reduce: str, n_kv: int, groups: int, rows_k
     weights = torch.rand(batch, n_query, generator=gen)
     q = torch.stack([q_full[b, :, rows[b]] for b in range(batch)])  # [B, H, Tq, D]
     scores, kept = score_and_select(
-        q, k, visual, 9, scaling=dim**-0.5, key_mask=key_mask, query_pos=rows,
-        query_weights=weights, reduce=reduce, backend="torch",
-    )  # fmt: skip
+        q,
+        k,
+        visual,
+        9,
+        scaling=dim**-0.5,
+        key_mask=key_mask,
+        query_pos=rows,
+        query_weights=weights,
+        reduce=reduce,
+        backend="torch",
+    )
     ref = _full_attention_reference(q_full, k, rows, key_mask, visual, weights, reduce, dim**-0.5)
     assert scores.dtype == torch.float32 and scores.shape == (batch, seq)
     torch.testing.assert_close(scores.double(), ref, atol=1e-6, rtol=1e-5)

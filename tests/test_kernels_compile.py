@@ -42,16 +42,41 @@ def _variants() -> list[tuple[str, dict, int, str]]:
 def _example_args() -> dict:
     """Argument values of a LLaVA-7B call (pointer entries are triton type strings)."""
     return dict(
-        q_ptr="*{dtype}", k_ptr="*{dtype}", kmask_ptr="*u8", vis_ptr="*u8", qpos_ptr="*i64",
-        w_ptr="*fp32", lse_ptr="*fp32", part_ptr="*fp32", debias_ptr="*fp32",
-        scores_ptr="*fp32", kept_ptr="*i64",
-        n_heads=HEADS, n_kv=HEADS, n_query=TQ, seq=SEQ, head_dim=DIM, n_split=16,
-        keys_per_split=704, kv_per_part=8, n_hparts=4, n_tblocks=1, tblocks_per_part=1,
-        n_parts=4, n_keep=2700,
-        qk_scale=0.1275, head_scale=1 / HEADS,
-        sqb=HEADS * TQ * DIM, sqh=TQ * DIM, sqt=DIM, sqd=1,
-        skb=HEADS * SEQ * DIM, skh=SEQ * DIM, sks=DIM, skd=1,
-    )  # fmt: skip
+        q_ptr="*{dtype}",
+        k_ptr="*{dtype}",
+        kmask_ptr="*u8",
+        vis_ptr="*u8",
+        qpos_ptr="*i64",
+        w_ptr="*fp32",
+        lse_ptr="*fp32",
+        part_ptr="*fp32",
+        debias_ptr="*fp32",
+        scores_ptr="*fp32",
+        kept_ptr="*i64",
+        n_heads=HEADS,
+        n_kv=HEADS,
+        n_query=TQ,
+        seq=SEQ,
+        head_dim=DIM,
+        n_split=16,
+        keys_per_split=704,
+        kv_per_part=8,
+        n_hparts=4,
+        n_tblocks=1,
+        tblocks_per_part=1,
+        n_parts=4,
+        n_keep=2700,
+        qk_scale=0.1275,
+        head_scale=1 / HEADS,
+        sqb=HEADS * TQ * DIM,
+        sqh=TQ * DIM,
+        sqt=DIM,
+        sqd=1,
+        skb=HEADS * SEQ * DIM,
+        skh=SEQ * DIM,
+        sks=DIM,
+        skd=1,
+    )
 
 
 def _compile_all(arch: int) -> None:
@@ -112,9 +137,11 @@ def test_shape_integers_are_plain_arguments_and_a_model_needs_few_variants() -> 
         sizes = {
             a
             for a in fn.arg_names
-            if a not in constexprs and a not in strides and not a.endswith("_ptr")
+            if a not in constexprs
+            and a not in strides
+            and not a.endswith("_ptr")
             and a not in ("qk_scale", "head_scale")
-        }  # fmt: skip
+        }
         assert sizes == set(fn.do_not_specialize), fn.__name__
     variants = set()
     for batch in (1, 2, 3, 4, 8, 16, 32):

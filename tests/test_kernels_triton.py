@@ -124,10 +124,18 @@ def test_kernel_matches_twin(
     seq: int, head_dim: int, groups: int, n_query: int, dtype: torch.dtype, reduce: str
 ) -> None:
     args = make_inputs(
-        batch=2, n_kv=2 if groups < 7 else 1, groups=groups, n_query=n_query, seq=seq,
-        head_dim=head_dim, dtype=dtype, device=DEVICE, seed=seq + head_dim + groups,
-        causal_query=n_query > 1, debias=groups != 1,
-    )  # fmt: skip
+        batch=2,
+        n_kv=2 if groups < 7 else 1,
+        groups=groups,
+        n_query=n_query,
+        seq=seq,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=DEVICE,
+        seed=seq + head_dim + groups,
+        causal_query=n_query > 1,
+        debias=groups != 1,
+    )
     _check(*_run_both(args, reduce), dtype)
 
 
@@ -147,9 +155,16 @@ def test_kernel_matches_twin(
 def test_launch_shapes_agree(plan: kt._Plan, reduce: str) -> None:
     """Every way of cutting the work (S splits, head parts, Tq blocks, select tiles) is exact."""
     args = make_inputs(
-        n_kv=2, groups=2, n_query=20, seq=150, head_dim=32, device=DEVICE, seed=11,
-        causal_query=True, debias=True,
-    )  # fmt: skip
+        n_kv=2,
+        groups=2,
+        n_query=20,
+        seq=150,
+        head_dim=32,
+        device=DEVICE,
+        seed=11,
+        causal_query=True,
+        debias=True,
+    )
     _check(*_run_both(args, reduce, plan), torch.float32)
 
 
@@ -277,9 +292,18 @@ def test_select_kernel_on_constructed_scores(block: int) -> None:
     kept = torch.empty(3, n_keep, dtype=torch.int64, device=DEVICE)
     sel_block = block or kt._next_pow2(seq)
     kt._select_kernel[(3,)](
-        part, visual.view(torch.uint8), debias, scores, kept, seq, 2, n_keep,
-        HAS_DEBIAS=True, BLOCK=sel_block, N_TILES=triton.cdiv(seq, sel_block),
-    )  # fmt: skip
+        part,
+        visual.view(torch.uint8),
+        debias,
+        scores,
+        kept,
+        seq,
+        2,
+        n_keep,
+        HAS_DEBIAS=True,
+        BLOCK=sel_block,
+        N_TILES=triton.cdiv(seq, sel_block),
+    )
     expected = (part.sum(1) * debias).masked_fill(~visual, 0.0)
     torch.testing.assert_close(scores, expected, atol=0, rtol=0)
     assert torch.equal(kept, _select_reference(expected, visual, n_keep))

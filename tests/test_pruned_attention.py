@@ -55,8 +55,10 @@ def test_probes_on_a_pruned_model_equal_the_masked_reference(kind, attn, layer):
         assert torch.equal(a.positions, b.positions)
         torch.testing.assert_close(a.probs, b.probs, atol=ATOL, rtol=0)
     # a pruned layer pays nothing to the keys it no longer holds
-    dropped = [sorted(set(v.tolist()) - set(k.tolist())) for v, k in
-               zip(trace.visual_positions, trace.kept, strict=True)]  # fmt: skip
+    dropped = [
+        sorted(set(v.tolist()) - set(k.tolist()))
+        for v, k in zip(trace.visual_positions, trace.kept, strict=True)
+    ]
     late = next(r for r in pruned if r.layer == len(layers) - 1 and r.step == 0)
     for b, gone in enumerate(dropped):
         assert gone and float(late.probs[b][..., gone].abs().max()) == 0.0
@@ -103,10 +105,15 @@ def test_attention_reweight_on_a_pruned_model_equals_the_masked_reference(kind):
 def _dropped_sets(trace):
     """Per stage layer, per row, the original positions of the visual tokens it lacks."""
     return [
-        (stage.layer, [set(v.tolist()) - set(k.tolist()) for v, k in
-                       zip(trace.visual_positions, stage.kept, strict=True)])
+        (
+            stage.layer,
+            [
+                set(v.tolist()) - set(k.tolist())
+                for v, k in zip(trace.visual_positions, stage.kept, strict=True)
+            ],
+        )
         for stage in trace.stages
-    ]  # fmt: skip
+    ]
 
 
 def test_instruction_contrast_on_a_pruned_model_equals_the_masked_reference():

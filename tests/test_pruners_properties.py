@@ -40,8 +40,9 @@ def _image(draw, start: int) -> ImageLayout:
     cells, grids = _image_cells(_NEXT, size, anyres=True)
     patches, n_crops = _image_patches(_NEXT, size, anyres=True)
     positions = torch.arange(start, start + cells.shape[0])
-    return ImageLayout(positions, cells, grids, image_size=Size(size[1], size[0]), patches=patches,
-                       n_crops=n_crops)  # fmt: skip
+    return ImageLayout(
+        positions, cells, grids, image_size=Size(size[1], size[0]), patches=patches, n_crops=n_crops
+    )
 
 
 @st.composite
@@ -58,9 +59,13 @@ def scenes(draw):
     for b, ((before, layout), length) in enumerate(zip(spans, lengths, strict=True)):
         start = width - length + before
         shifted = ImageLayout(
-            layout.positions + start, layout.cells, layout.grids, image_size=layout.image_size,
-            patches=layout.patches, n_crops=layout.n_crops,
-        )  # fmt: skip
+            layout.positions + start,
+            layout.cells,
+            layout.grids,
+            image_size=layout.image_size,
+            patches=layout.patches,
+            n_crops=layout.n_crops,
+        )
         full_layouts.append([shifted])
         valid[b, width - length :] = True
     n_visual = [lay[0].positions.numel() for lay in full_layouts]
@@ -136,8 +141,10 @@ def test_selection_invariants(scene, name, query, data):
         pruner._pending = GuideResult(maps=maps)
     if name == "pyramid" and data.draw(st.booleans()):
         crops = sum(lay[0].n_crops for lay in layouts)
-        pixels = max(int(lay[0].patches[:, 1].max()) + 1 if lay[0].patches is not None else 1
-                     for lay in layouts)  # fmt: skip
+        pixels = max(
+            int(lay[0].patches[:, 1].max()) + 1 if lay[0].patches is not None else 1
+            for lay in layouts
+        )
         pruner._capture.maps = torch.rand(crops, pixels)
     with torch.no_grad():
         selection = pruner.select(ctx, n_keep)

@@ -184,8 +184,12 @@ def test_budget_split_across_five_crops_is_proportional_with_minimums():
     saliency = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     counts = split_budget(saliency, torch.full((5,), 16), 30, minimum=2)
     assert counts.tolist() == [10, 8, 5, 4, 3]  # 2 each + 20 * saliency
-    capped = split_budget(torch.tensor([0.9, 0.025, 0.025, 0.025, 0.025]),
-                          torch.tensor([8, 16, 16, 16, 16]), 30, minimum=2)  # fmt: skip
+    capped = split_budget(
+        torch.tensor([0.9, 0.025, 0.025, 0.025, 0.025]),
+        torch.tensor([8, 16, 16, 16, 16]),
+        30,
+        minimum=2,
+    )
     assert capped.tolist() == [8, 6, 6, 5, 5]  # crop 0 full, the rest shared evenly
     assert split_budget(saliency, torch.full((5,), 16), 3, minimum=2).tolist() == [2, 1, 0, 0, 0]
 
@@ -238,8 +242,9 @@ def test_pyramid_splits_anyres_budget_by_base_image_saliency():
     cells, grids = _image_cells(model, [32, 32], anyres=True)
     patches, n_crops = _image_patches(model, [32, 32], anyres=True)
     assert n_crops == 5 and grids == [(4, 4), (8, 8)]
-    layout = ImageLayout(torch.arange(2, 2 + cells.shape[0]), cells, grids, patches=patches,
-                         n_crops=n_crops)  # fmt: skip
+    layout = ImageLayout(
+        torch.arange(2, 2 + cells.shape[0]), cells, grids, patches=patches, n_crops=n_crops
+    )
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, cells.shape[0] + 6, 10, generator=gen)
     ctx = make_ctx(hidden, [[layout]])
@@ -292,8 +297,9 @@ def test_guide_map_onto_anyres_grid_lands_in_the_right_cells():
     cells, grids = _image_cells(model, [300, 672], anyres=True)
     assert grids == [(16, 16), (14, 32)]  # the 1 x 2 crop canvas, unpadded to 14 rows
     layout = ImageLayout(torch.arange(cells.shape[0]), cells, grids)
-    tokens = ImageTokens(0, 0, layout, torch.arange(cells.shape[0]), cells,
-                         torch.arange(cells.shape[0]))  # fmt: skip
+    tokens = ImageTokens(
+        0, 0, layout, torch.arange(cells.shape[0]), cells, torch.arange(cells.shape[0])
+    )
     values = map_to_tokens({0: _guide_map()}, tokens)
     base = torch.zeros(16, 16)
     base[cells[:256, 1], cells[:256, 2]] = values[:256]

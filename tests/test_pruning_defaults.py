@@ -47,8 +47,9 @@ def test_the_measurement_covers_both_depths_and_every_combination(measured):
     assert {name: best[name] for name in MEASURED_FIELDS} == measured["best"]
     for depth in depths.values():
         grid = {(s["pruner"], s["query_rows"], s["reduce"], s["keep"]) for s in depth["settings"]}
-        assert {(p, *c, k) for p in ("fastv", "text", "debiased") for c in combos for k in (
-            0.25, 0.11)} <= grid  # fmt: skip
+        assert {
+            (p, *c, k) for p in ("fastv", "text", "debiased") for c in combos for k in (0.25, 0.11)
+        } <= grid
 
 
 def test_every_entry_point_inherits_the_defaults():

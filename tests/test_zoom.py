@@ -54,8 +54,13 @@ def _tokenizer(special: dict[str, int]) -> PreTrainedTokenizerFast:
     vocab.update(special)
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
     tok.add_special_tokens({"additional_special_tokens": list(special)})
     return tok
 
@@ -75,18 +80,30 @@ def _processor(kind: str):
             size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
         )
         return LlavaProcessor(
-            image_processor=image_processor, tokenizer=_tokenizer({"<image>": IMAGE}),
-            patch_size=8, vision_feature_select_strategy="default",
-            num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE,
-        )  # fmt: skip
-    special = {"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|vision_start|>": VISION_START,
-               "<|vision_end|>": VISION_END, "<|im_start|>": 124, "<|im_end|>": 125}  # fmt: skip
+            image_processor=image_processor,
+            tokenizer=_tokenizer({"<image>": IMAGE}),
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=LLAVA_TEMPLATE,
+        )
+    special = {
+        "<|image_pad|>": IMAGE,
+        "<|video_pad|>": VIDEO,
+        "<|vision_start|>": VISION_START,
+        "<|vision_end|>": VISION_END,
+        "<|im_start|>": 124,
+        "<|im_end|>": 125,
+    }
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2,
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
         size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
-    )  # fmt: skip
-    return _QwenProcessor(image_processor=image_processor, tokenizer=_tokenizer(special),
-                          chat_template=QWEN_TEMPLATE)  # fmt: skip
+    )
+    return _QwenProcessor(
+        image_processor=image_processor, tokenizer=_tokenizer(special), chat_template=QWEN_TEMPLATE
+    )
 
 
 def _hand_text(kind: str, question: str, n_images: int) -> str:
@@ -145,8 +162,9 @@ PEAKS = [(0.05, 0.05), (0.95, 0.9), (0.5, 0.5), (0.1, 0.85)]
 @pytest.mark.parametrize("rule", ["resize", "crop"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("margin, min_size", [(0.25, 64), (0.5, 100), (0.0, 200)])
-def test_crop_holds_the_peak_with_margin_and_minimum_inside_the_image(rule, shape, margin,
-                                                                       min_size):  # fmt: skip
+def test_crop_holds_the_peak_with_margin_and_minimum_inside_the_image(
+    rule, shape, margin, min_size
+):
     size = SHAPES[shape]
     shares = PEAKS if rule == "resize" else [(0.5, 0.5), (0.45, 0.4), (0.55, 0.6)]
     for fx, fy in shares:
@@ -232,8 +250,12 @@ def test_several_regions_merge_into_one_crop_for_a_one_image_prompt():
 def test_native_side_reads_the_processor():
     assert zoom.native_side(_processor("llava")) == 32  # the centre crop
     assert zoom.native_side(_processor("qwen2_vl")) == 32  # sqrt(max_pixels)
-    assert zoom.native_side(CLIPImageProcessorPil(size={"height": 48, "width": 64},
-                                                  do_center_crop=False)) == 48  # fmt: skip
+    assert (
+        zoom.native_side(
+            CLIPImageProcessorPil(size={"height": 48, "width": 64}, do_center_crop=False)
+        )
+        == 48
+    )
     with pytest.raises(ValueError, match="native_side needs the processor"):
         zoom.native_side(None)
 
@@ -248,8 +270,7 @@ def test_reask_builds_the_processors_multi_image_inputs(kind, mode, monkeypatch)
     questions = [QUESTION, "Is there a blue_square ?"]
     crops = [[Frame(8, 4, 32, 32)], [Frame(0, 20, 40, 30)]]
     spy = _Recorder(model, monkeypatch)
-    answers = zoom.reask(model, processor, images, questions, crops, mode=mode,
-                         max_new_tokens=3)  # fmt: skip
+    answers = zoom.reask(model, processor, images, questions, crops, mode=mode, max_new_tokens=3)
     cut = [images[0].crop((8, 4, 40, 36)), images[1].crop((0, 20, 40, 50))]
     n = 2 if mode == "both" else 1
     flat = [images[0], cut[0], images[1], cut[1]] if mode == "both" else cut
@@ -265,8 +286,9 @@ def test_reask_builds_the_processors_multi_image_inputs(kind, mode, monkeypatch)
         assert int((want["input_ids"] == IMAGE).sum()) == int(grids.prod(-1).sum()) // 4
     with torch.no_grad():
         sequences = model.generate(**want, max_new_tokens=3, do_sample=False)
-    texts = processor.batch_decode(sequences[:, want["input_ids"].shape[1] :],
-                                   skip_special_tokens=True)  # fmt: skip
+    texts = processor.batch_decode(
+        sequences[:, want["input_ids"].shape[1] :], skip_special_tokens=True
+    )
     assert answers == [t.strip() for t in texts]
 
 
@@ -335,9 +357,17 @@ def test_adaptive_threshold_zero_zooms_nothing_and_one_everything(threshold, exp
     processor = _processor("llava")
     images = [_photo(96, 64, 3), _photo(64, 96, 4), _photo(80, 80, 5)]
     questions = [QUESTION, "Is there a blue_square ?", QUESTION]
-    found = zoom.look_closer(model, processor, images, questions, route="adaptive",
-                             threshold=threshold, max_new_tokens=2, min_size=24,
-                             anchor="peak")  # fmt: skip
+    found = zoom.look_closer(
+        model,
+        processor,
+        images,
+        questions,
+        route="adaptive",
+        threshold=threshold,
+        max_new_tokens=2,
+        min_size=24,
+        anchor="peak",
+    )
     plain, conf = zoom.first_pass(model, processor, images, questions, max_new_tokens=2)
     assert [f.routed for f in found] == [expect] * 3
     assert [f.plain_answer for f in found] == plain
@@ -356,8 +386,9 @@ def test_an_image_the_processor_does_not_shrink_is_not_zoomed(monkeypatch):
     questions = [QUESTION, QUESTION]
     plain, _ = zoom.first_pass(model, processor, images, questions, max_new_tokens=2)
     spy = _Recorder(model, monkeypatch)
-    found = zoom.look_closer(model, processor, images, questions, route="adaptive",
-                             threshold=1.0, max_new_tokens=2)  # fmt: skip
+    found = zoom.look_closer(
+        model, processor, images, questions, route="adaptive", threshold=1.0, max_new_tokens=2
+    )
     assert len(spy.calls) == 1  # the plain pass only: no map, no re-ask
     assert [f.answer for f in found] == plain
     assert all(f.routed and not f.zoomed and f.map is None for f in found)
@@ -396,8 +427,9 @@ def test_calibration_round_trips_and_calibrates_a_model(tmp_path):
     questions = [QUESTION] * 4
     plain, conf = zoom.first_pass(model, processor, images, questions, max_new_tokens=2)
     refs = ["never-said"] * 4  # every plain answer is wrong: all four are hard
-    cal, records = zoom.calibrate_model(model, processor, images, questions, refs, recall=0.5,
-                                        batch_size=3, max_new_tokens=2)  # fmt: skip
+    cal, records = zoom.calibrate_model(
+        model, processor, images, questions, refs, recall=0.5, batch_size=3, max_new_tokens=2
+    )
     assert [r["answer"] for r in records] == plain
     assert [r["confidence"] for r in records] == pytest.approx(conf)
     assert cal.n_hard == 4 and cal.quantile == pytest.approx(sorted(conf)[math.ceil(5 * 0.5) - 1])
@@ -412,8 +444,9 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="min_size=1.5: a share"):
         zoom.ZoomOptions(min_size=1.5)
     with pytest.raises(ValueError, match=r"unknown zoom option\(s\) \['zoom_factor'\]"):
-        zoom.look_closer(make_model("llava"), _processor("llava"), _photo(32, 32), QUESTION,
-                         zoom_factor=2)  # fmt: skip
+        zoom.look_closer(
+            make_model("llava"), _processor("llava"), _photo(32, 32), QUESTION, zoom_factor=2
+        )
     assert zoom.ZoomOptions(route="adaptive", threshold=0.9).to_json()["threshold"] == 0.9
 
 
@@ -436,12 +469,16 @@ def test_zoom_on_a_pruned_model(monkeypatch):
     for a, b in zip(plain, pruned, strict=True):
         assert torch.allclose(a.map.grid, b.map.grid, atol=1e-6)
         assert a.crops == b.crops
-    want = _hand_inputs(processor, [_hand_text("llava", q, 1) for q in questions],
-                        [im.crop(f.crops[0].xyxy) for im, f in zip(images, pruned)])  # fmt: skip
+    want = _hand_inputs(
+        processor,
+        [_hand_text("llava", q, 1) for q in questions],
+        [im.crop(f.crops[0].xyxy) for im, f in zip(images, pruned)],
+    )
     _assert_same_inputs(reasked, want)
     assert [int(k.numel()) for k in trace.kept] == [8, 8]  # the re-ask ran pruned (16 -> 8)
-    texts = processor.batch_decode(sequences[:, want["input_ids"].shape[1] :],
-                                   skip_special_tokens=True)  # fmt: skip
+    texts = processor.batch_decode(
+        sequences[:, want["input_ids"].shape[1] :], skip_special_tokens=True
+    )
     assert [f.answer for f in pruned] == [t.strip() for t in texts]
 
 
