@@ -37,15 +37,10 @@ from vlm_focus import grounding as G
 from vlm_focus import hallucination as H
 from vlm_focus.eval import metrics
 from vlm_focus.eval.coco import coco_gt
+from vlm_focus.eval.pope import evaluate
 from vlm_focus.geometry import Size
 from vlm_focus.organism.data import negative_category
-from vlm_focus.organism.pope import (
-    SPLITS,
-    parse_yes_no,
-    pope_eligible,
-    pope_metrics,
-    pope_questions,
-)
+from vlm_focus.organism.pope import SPLITS, pope_eligible, pope_questions
 from vlm_focus.organism.scenes import (
     CATEGORIES,
     IMAGE_SIZE,
@@ -54,6 +49,7 @@ from vlm_focus.organism.scenes import (
     heldout_scenes,
 )
 from vlm_focus.organism.vocab import CAPTION_PROMPT, NO, POPE_SUFFIX, YES, presence_question
+from vlm_focus.setting import RunSetting
 
 CALIBRATION_SEED_BASE = 8_500_000  # neither training (>= 10M), held-out (9M) nor probe (8M)
 QUERY_SEED = 4242
@@ -313,36 +309,32 @@ def run_captions(model, processor, scenes, batch: int, layers: list[int] | None)
 
 # --- POPE with mitigations ------------------------------------------------------------------
 def run_pope(model, processor, n_images: int, batch: int, methods: list[str]) -> dict:
+    """Per split and method, the POPE scores of ``vlm_focus.eval.pope.evaluate`` (greedy, 3 new
+    tokens, LLaVA's suffix); every mitigation runs as `vlm-focus eval --mitigate` runs it: by its
+    registry name, with the registry's defaults."""
     scenes = {s.seed: s for s in pope_eligible(n_images)}
-    results: dict[str, dict] = {}
-    gen = dict(max_new_tokens=3, do_sample=False)
-    for split in SPLITS:
-        rows = pope_questions(list(scenes.values()), split)
-        for method in methods:
-            preds, unparsed = [], 0
-            for sl in _progress(list(batches(len(rows), batch)), f"POPE {split} {method}"):
-                chunk = rows[sl]
-                scenes_b = [scenes[r["image_id"]] for r in chunk]
-                inputs = make_inputs(processor, scenes_b, [r["text"] + POPE_SUFFIX for r in chunk])
-                # Every mitigation runs as `vlm-focus eval --mitigate` runs it: by its registry
-                # name, with the registry's defaults.
-                name = "none" if method == "greedy" else method
-                prompt = None if name == "none" else H.get_mitigation(name).generic_prompt
-                generic = None
-                if prompt is not None:
-                    generic = make_inputs(processor, scenes_b, [prompt] * len(chunk))
-                with torch.no_grad(), H.mitigate(model, name, inputs, generic_inputs=generic) as m:
-                    out = model.generate(**inputs, **m.generate_kwargs(), **gen)
-                texts = processor.batch_decode(
-                    out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
-                )
-                for t in texts:
-                    label, ok = parse_yes_no(t.strip())
-                    preds.append(label)
-                    unparsed += not ok
-            metrics = pope_metrics([r["label"] for r in rows], preds)
-            metrics["unparsed"] = unparsed
-            results.setdefault(split, {})[method] = metrics
+    rows = [
+        {**r, "split": split}
+        for split in SPLITS
+        for r in pope_questions(list(scenes.values()), split)
+    ]
+    results: dict[str, dict] = {split: {} for split in SPLITS}
+    for method in methods:
+        setting = RunSetting(mitigation="none" if method == "greedy" else method, max_new_tokens=3)
+        result = evaluate(
+            model,
+            processor,
+            rows,
+            setting,
+            images=lambda row: Image.fromarray(scenes[row["image_id"]].image()),
+            suffix=POPE_SUFFIX,
+            batch_size=batch,
+            progress=f"POPE {method}",
+        )
+        for split in SPLITS:
+            scores = result.scores(split)
+            scores["unparsed"] = scores.pop("unparseable")
+            results[split][method] = scores
     return results
 
 

@@ -48,20 +48,17 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 import vlm_focus as vf
 from vlm_focus import FocusConfig
 from vlm_focus.config import QUERY_ROWS, REDUCTIONS
+from vlm_focus.eval.pope import evaluate
+from vlm_focus.loading import build_inputs, load_model
 from vlm_focus.organism import deep_model_path, default_model_path, guide_model_path
-from vlm_focus.organism.pope import (
-    SPLITS,
-    parse_yes_no,
-    pope_eligible,
-    pope_metrics,
-    pope_questions,
-)
-from vlm_focus.pruners import guided_generate
+from vlm_focus.organism.evaluate import answer
+from vlm_focus.organism.pope import SPLITS, pope_eligible, pope_questions
+from vlm_focus.pruners import get_pruner
+from vlm_focus.setting import RunSetting
 
 PROMPT = "USER: <image>\\n{question} ASSISTANT: (chat template, no suffix; greedy, 1 new token)"
 NEW_TOKENS = 1
@@ -69,80 +66,26 @@ TWO_HOP = "twohop"
 
 
 def load(path: Path):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    return model.eval(), AutoProcessor.from_pretrained(path)
-
-
-def build_inputs(processor, images: list[Image.Image], questions: list[str]) -> dict:
-    prompts = [
-        processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
-            add_generation_prompt=True,
-        )
-        for q in questions
-    ]
-    return processor(images=images, text=prompts, padding=True, return_tensors="pt")
-
-
-def make_batches(processor, images, questions, batch: int, guide_processor=None) -> list:
-    """Processor outputs per batch, built once and reused by every configuration."""
-    out = []
-    for i in range(0, len(questions), batch):
-        chunk = slice(i, i + batch)
-        inputs = build_inputs(processor, images[chunk], questions[chunk])
-        guide_inputs = None
-        if guide_processor is not None:
-            guide_inputs = build_inputs(guide_processor, images[chunk], questions[chunk])
-        out.append((inputs, guide_inputs))
-    return out
-
-
-@torch.no_grad()
-def answer_all(
-    model, processor, batches, desc, handle=None, guided=False, profile=None
-) -> list[str]:
-    """Greedy one-token answers (the POPE rule reads the first word); with ``guided``, through
-    guided_generate on the same images and prompts. ``profile`` (a list) collects the first
-    stage's scores per image row, each image normalised to mean 1 (a recency diagnostic)."""
-    answers: list[str] = []
-    for inputs, guide_inputs in tqdm(batches, desc=desc, leave=False):
-        if guided:
-            out = guided_generate(
-                handle, inputs, guide_inputs, max_new_tokens=NEW_TOKENS, do_sample=False
-            ).sequences
-        else:
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        if profile is not None and handle.last_trace is not None:
-            for scores in handle.last_trace.scores:
-                side = math.isqrt(scores.numel())
-                if side * side == scores.numel():
-                    rows = scores.view(side, side).mean(1)
-                    profile.append(rows / rows.mean().clamp(min=1e-12))
-        new = out[:, inputs["input_ids"].shape[1] :]
-        answers += [a.strip() for a in processor.batch_decode(new, skip_special_tokens=True)]
-    return answers
+    return load_model(str(path), dtype=torch.float32)
 
 
 @dataclass
 class QuestionSet:
     """Held-out questions of one task: ``rows`` per split, answered once per distinct
-    ``(image_id, question)`` key (``images`` and ``questions`` in key order)."""
+    ``(image_id, question)`` key (``keys`` sorted)."""
 
     task: str
     scenes: list
     rows: dict[str, list[dict]]
     keys: list[tuple[int, str]]
-    images: list[Image.Image]
+    pictures: dict[int, Image.Image]
 
     @property
     def splits(self) -> list[str]:
         return list(self.rows)
 
-    @property
-    def questions(self) -> list[str]:
-        return [k[1] for k in self.keys]
+    def image(self, row: dict) -> Image.Image:
+        return self.pictures[row["image_id"]]
 
 
 def question_set(task: str, n: int) -> QuestionSet:
@@ -161,48 +104,76 @@ def question_set(task: str, n: int) -> QuestionSet:
         rows = {split: pope_questions(scenes, split) for split in SPLITS}
     keys = sorted({(r["image_id"], r["text"]) for split in rows for r in rows[split]})
     pictures = {s.seed: Image.fromarray(s.image()) for s in scenes}
-    return QuestionSet(task, scenes, rows, keys, [pictures[k[0]] for k in keys])
-
-
-def split_metrics(rows, answers_by_key) -> dict[str, dict]:
-    out = {}
-    if TWO_HOP in rows:  # open answers: the first generated word must equal the answer
-        hits = correct(rows, answers_by_key)
-        return {TWO_HOP: {"accuracy": sum(hits) / len(hits), "n": len(hits)}}
-    for split in SPLITS:
-        parsed = [parse_yes_no(answers_by_key[(r["image_id"], r["text"])]) for r in rows[split]]
-        metrics = pope_metrics([r["label"] for r in rows[split]], [p for p, _ in parsed])
-        metrics["unparseable"] = sum(not ok for _, ok in parsed)
-        out[split] = metrics
-    return out
-
-
-def correct(rows, answers_by_key) -> list[bool]:
-    """Whether each question (every split's rows in turn) was answered right: the first word
-    for two-hop answers, the POPE/LLaVA rule for yes/no ones."""
-    hits = []
-    for split, split_rows in rows.items():
-        for r in split_rows:
-            answer = answers_by_key[(r["image_id"], r["text"])]
-            if split == TWO_HOP:
-                hits.append((answer.split() or [""])[0] == r["label"])
-            else:
-                hits.append(parse_yes_no(answer)[0] == r["label"])
-    return hits
+    return QuestionSet(task, scenes, rows, keys, pictures)
 
 
 def mean_accuracy(metrics: dict[str, dict]) -> float:
     return sum(m["accuracy"] for m in metrics.values()) / len(metrics)
 
 
-def run_setting(model, processor, batches, qset, options, desc, guided=False, profile=None):
-    """(metrics per split, correct per question, seconds) of one pruning setting."""
+def run_setting(model, processor, qset, focus, batch, desc, guide=(None, None)):
+    """(metrics per split, correct per question (every split's rows in turn), seconds) of one
+    pruning setting (``focus``: a FocusConfig, ``None`` unpruned). POPE questions go through
+    ``vlm_focus.eval.pope.evaluate`` (the POPE/LLaVA rule and metrics); two-hop answers are
+    right when their first word is the answer."""
+    setting = RunSetting(focus=focus, max_new_tokens=NEW_TOKENS)
     t0 = time.perf_counter()
-    with vf.wrap(model, **options) as handle:
-        answers = answer_all(model, processor, batches, desc, handle, guided, profile)
-    seconds = time.perf_counter() - t0
-    by_key = dict(zip(qset.keys, answers, strict=True))
-    return split_metrics(qset.rows, by_key), correct(qset.rows, by_key), seconds
+    if qset.task == TWO_HOP:
+        by_seed = {s.seed: s for s in qset.scenes}
+        scenes, questions = [by_seed[i] for i, _ in qset.keys], [q for _, q in qset.keys]
+        answers = answer(
+            model,
+            processor,
+            scenes,
+            questions,
+            batch=batch,
+            setting=setting,
+            guide=guide[0],
+            guide_processor=guide[1],
+        )
+        by_key = dict(zip(qset.keys, answers, strict=True))
+        rows = qset.rows[TWO_HOP]
+        hits = [(by_key[(r["image_id"], r["text"])].split() or [""])[0] == r["label"] for r in rows]
+        metrics = {TWO_HOP: {"accuracy": sum(hits) / len(hits), "n": len(hits)}}
+    else:
+        rows = [{**r, "split": split} for split in qset.splits for r in qset.rows[split]]
+        # asked in key order, as every setting is: the random pruner's draws follow the batches
+        asked = sorted(rows, key=lambda r: (r["image_id"], r["text"]))
+        result = evaluate(
+            model,
+            processor,
+            asked,
+            setting,
+            images=qset.image,
+            suffix="",
+            batch_size=batch,
+            guide=guide[0],
+            guide_processor=guide[1],
+            progress=desc,
+        )
+        metrics = {split: result.scores(split) for split in qset.splits}
+        pred = {(r["split"], r["question_id"]): r["pred"] for r in result.records}
+        hits = [pred[(r["split"], r["question_id"])] == r["label"] for r in rows]
+    return metrics, hits, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def score_rows(model, processor, qset, focus: FocusConfig, batch: int) -> list[float]:
+    """The first stage's score per image row, top to bottom, each image's row means normalised
+    to mean 1, averaged over the distinct questions (a recency diagnostic): one prefill of
+    each batch under ``focus``."""
+    profile = []
+    with vf.wrap(model, config=focus) as handle:
+        for i in range(0, len(qset.keys), batch):
+            keys = qset.keys[i : i + batch]
+            pictures = [qset.pictures[image_id] for image_id, _ in keys]
+            model(**build_inputs(processor, pictures, [q for _, q in keys]))
+            for scores in handle.last_trace.scores:
+                side = math.isqrt(scores.numel())
+                if side * side == scores.numel():
+                    rows = scores.view(side, side).mean(1)
+                    profile.append(rows / rows.mean().clamp(min=1e-12))
+    return torch.stack(profile).mean(0).tolist() if profile else []
 
 
 def plot(
@@ -250,12 +221,14 @@ def machine() -> str:
 def single(args) -> None:
     """Every pruner (or ``--pruners``) at every keep, at one layer, on one model and task."""
     names = args.pruners or vf.pruners()
-    if "guided" in names and not (args.guide / "config.json").exists():
-        print(f"no guide model at {args.guide}: skipping guided")
-        names = [n for n in names if n != "guided"]
+    guided = [n for n in names if get_pruner(n).needs_guide]
+    if guided and not (args.guide / "config.json").exists():
+        print(f"no guide model at {args.guide}: skipping {', '.join(guided)}")
+        names = [n for n in names if n not in guided]
+        guided = []
 
     model, processor = load(args.model)
-    guide = load(args.guide) if "guided" in names else None
+    guide = load(args.guide) if guided else (None, None)
     qset = question_set(args.task, args.images)
     splits = qset.splits
     n_layers = model.config.text_config.num_hidden_layers
@@ -268,13 +241,7 @@ def single(args) -> None:
 
     results: list[dict] = []
     row_profile: list[float] = []
-    start = time.perf_counter()
-    batches = make_batches(
-        processor, qset.images, qset.questions, args.batch, guide[1] if guide else None
-    )
-    full = dict(zip(qset.keys, answer_all(model, processor, batches, "none"), strict=True))
-    base = split_metrics(qset.rows, full)
-    base_seconds = time.perf_counter() - start
+    base, _, base_seconds = run_setting(model, processor, qset, None, args.batch, "none")
     for split in splits:
         results.append(dict(pruner="none", keep=1.0, split=split, **base[split]))
     summary = [dict(pruner="none", keep=1.0, retention=1.0, seconds=base_seconds,
@@ -290,23 +257,18 @@ def single(args) -> None:
         runs = [(f"{label} {q}/{r}", name, q, r, staged) for label, name, q, r, staged in runs]
     for label, name, query, reduce, staged in runs:
         for keep in args.keeps:
-            options = dict(
-                pruner=name, keep=keep, layer=args.layer, query_rows=query, reduce=reduce
-            )
+            schedule = dict(keep=keep, layer=args.layer)
             if staged:  # the same final keep in stages: keep^(1/n), keep^(2/n), ... keep
                 n = len(stage_layers)
-                options["layer"] = stage_layers
-                options["keep"] = tuple(keep ** ((i + 1) / n) for i in range(n))
-            if name == "guided":
-                options["guide"] = guide[0]
-            first = name == "fastv" and keep == args.keeps[0] and (query, reduce) == combos[0]
-            profile = [] if first and not staged else None
+                stages = tuple(keep ** ((i + 1) / n) for i in range(n))
+                schedule = dict(keep=stages, layer=stage_layers)
+            focus = FocusConfig(pruner=name, query_rows=query, reduce=reduce, **schedule)
             metrics, _, seconds = run_setting(
-                model, processor, batches, qset, options, f"{label} {keep}", name == "guided",
-                profile,
-            )  # fmt: skip
-            if profile:
-                row_profile = torch.stack(profile).mean(0).tolist()
+                model, processor, qset, focus, args.batch, f"{label} {keep}", guide
+            )
+            first = name == "fastv" and keep == args.keeps[0] and (query, reduce) == combos[0]
+            if first and not staged:
+                row_profile = score_rows(model, processor, qset, focus, args.batch)
             for split in splits:
                 retention = metrics[split]["accuracy"] / max(base[split]["accuracy"], 1e-9)
                 results.append(
@@ -423,11 +385,9 @@ def defaults(args) -> None:
     for depth in depths:
         model, processor = load(depth["model"])
         qset = question_set(depth["task"], depth["n"])
-        batches = make_batches(processor, qset.images, qset.questions, args.batch)
         print(f"{machine()}; {depth['name']}: {depth['model'].name}, {len(qset.keys)} questions")
         t0 = time.perf_counter()
-        by_key = dict(zip(qset.keys, answer_all(model, processor, batches, "none"), strict=True))
-        base = split_metrics(qset.rows, by_key)
+        base, _, _ = run_setting(model, processor, qset, None, args.batch, "none")
         depth.update(
             images=len(qset.scenes),
             questions=len(qset.keys),
@@ -440,12 +400,11 @@ def defaults(args) -> None:
         runs += [(DEFAULT_FLOOR, None, None)]
         for name, query, reduce in runs:
             for keep in args.keeps:
-                options = dict(pruner=name, keep=keep, layer=depth["layer"])
-                if query is not None:
-                    options.update(query_rows=query, reduce=reduce)
+                rows = {} if query is None else dict(query_rows=query, reduce=reduce)
+                focus = FocusConfig(pruner=name, keep=keep, layer=depth["layer"], **rows)
                 desc = f"{depth['name']} {name} {query}/{reduce} {keep}"
                 metrics, right, seconds = run_setting(
-                    model, processor, batches, qset, options, desc
+                    model, processor, qset, focus, args.batch, desc
                 )
                 accuracy = mean_accuracy(metrics)
                 depth["settings"].append(

@@ -1,19 +1,27 @@
 """POPE question building on a small COCO-format set: labels, the three negative rules, counts,
-seeds, and reading question files."""
+seeds, and reading question files; ``evaluate`` on the embedded organism: one answer per
+distinct prompt, equal to the prompt answered alone, parsed and scored per split."""
 
 import json
 from collections import Counter
 
 import pytest
+import torch
+from PIL import Image
 
+from vlm_focus.eval import generation
+from vlm_focus.eval.metrics import parse_yes_no, pope_metrics
 from vlm_focus.eval.pope import (
     build_questions,
+    evaluate,
     question_text,
     read_questions,
     select_images,
+    summarise,
     write_questions,
 )
 from vlm_focus.organism.scenes import coco_instances, generate_scene
+from vlm_focus.setting import RunSetting
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +137,113 @@ def test_read_questions_round_trip_and_errors(tmp_path, instances):
         read_questions(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="split"):
         build_questions(instances, "hard")
+
+
+# --- evaluate(): POPE rows answered under a run setting --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def organism():
+    """The embedded organism model, its processor, three held-out scenes by seed and their POPE
+    rows of two splits (the same images and positives in both)."""
+    from vlm_focus.loading import load_model
+    from vlm_focus.organism.pope import pope_eligible, pope_questions
+
+    model, processor = load_model(None, dtype=torch.float32)
+    scenes = pope_eligible(3)
+    rows = [
+        {**r, "split": split}
+        for split in ("random", "adversarial")
+        for r in pope_questions(scenes, split)
+    ]
+    return model, processor, {s.seed: s for s in scenes}, rows
+
+
+def _reader(scenes):
+    def read(row):
+        return Image.fromarray(scenes[row["image_id"]].image())
+
+    return read
+
+
+def _key(record):
+    return record["split"], record["question_id"]
+
+
+def test_evaluate_answers_each_prompt_once_and_scores_each_split(organism, monkeypatch):
+    model, processor, scenes, rows = organism
+    setting = RunSetting(max_new_tokens=2)
+    reference = generation.Generator(model, processor, setting)
+    distinct = sorted({(r["image_id"], r["text"]) for r in rows})
+    alone = {  # each prompt answered by itself, batch of one
+        (i, text): reference([_reader(scenes)({"image_id": i})], [text])[0][0]
+        for i, text in distinct
+    }
+    asked, batches = [], []
+    original = generation.Generator.__call__
+
+    def counting(self, images, prompts, **kwargs):
+        asked.extend(prompts)
+        return original(self, images, prompts, **kwargs)
+
+    monkeypatch.setattr(generation.Generator, "__call__", counting)
+    result = evaluate(
+        model,
+        processor,
+        rows,
+        setting,
+        images=_reader(scenes),
+        suffix="",
+        batch_size=5,
+        on_batch=batches.append,
+    )
+    assert len(asked) == len(distinct) < len(rows)  # the shared positives are asked once
+    assert len(batches) == -(-len(distinct) // 5)
+    assert sorted(_key(r) for b in batches for r in b) == sorted(_key(r) for r in rows)
+    for row, record in zip(rows, result.records, strict=True):
+        assert _key(record) == _key(row) and record["label"] == row["label"]
+        assert record["answer"] == alone[(row["image_id"], row["text"])]
+        assert (record["pred"], record["parseable"]) == parse_yes_no(record["answer"])
+        assert record["visual_kept"] == record["visual_total"] == 144
+    assert list(result.metrics) == ["random", "adversarial"]
+    for split, metrics in result.metrics.items():
+        records = [r for r in result.records if r["split"] == split]
+        assert metrics == summarise(records) and metrics["n"] == 18
+        labels, preds = [r["label"] for r in records], [r["pred"] for r in records]
+        assert result.scores(split) == {**pope_metrics(labels, preds), "unparseable": 0}
+    assert result.metrics["random"]["accuracy"] >= 0.9  # the organism knows its scenes
+    assert result.suffix == "" and result.setting == setting.describe()
+
+
+def test_evaluate_reads_an_image_folder_and_prunes_by_the_setting(organism, tmp_path):
+    from vlm_focus.config import FocusConfig, keep_count
+
+    model, processor, scenes, rows = organism
+    rows = rows[:6]
+    for row in rows:
+        _reader(scenes)(row).save(tmp_path / row["image"])
+    plain = RunSetting(max_new_tokens=2)
+    from_files = evaluate(model, processor, rows, plain, images=tmp_path, suffix="")
+    in_memory = evaluate(model, processor, rows, plain, images=_reader(scenes), suffix="")
+    assert from_files.records == [
+        {**r, "prefill_s": f["prefill_s"], "generate_s": f["generate_s"]}
+        for r, f in zip(in_memory.records, from_files.records, strict=True)
+    ]
+    pruned = RunSetting(focus=FocusConfig(pruner="fastv", keep=0.25, layer=1), max_new_tokens=2)
+    result = evaluate(model, processor, rows, pruned, images=tmp_path, suffix="")
+    assert {r["visual_kept"] for r in result.records} == {keep_count(0.25, 144)}
+    assert result.metrics["random"]["visual_kept"] == keep_count(0.25, 144)
+    assert result.metrics["random"]["visual_total"] == 144
+
+
+def test_evaluate_names_bad_questions(organism):
+    model, processor, _, rows = organism
+    setting = RunSetting()
+    with pytest.raises(ValueError, match=r"questions\[1\] must be a POPE row with question_id"):
+        evaluate(model, processor, [rows[0], {"text": "Is there a cat?"}], setting)
+    with pytest.raises(ValueError, match=r"questions\[0\]: label must be 'yes' or 'no'"):
+        evaluate(model, processor, [{**rows[0], "label": "maybe"}], setting)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        evaluate(model, processor, rows, setting, batch_size=0)
+    with pytest.raises(ValueError, match="split='popular'"):
+        evaluate(model, processor, [], setting).scores("popular")

@@ -18,12 +18,13 @@ from ..setting import RunSetting
 from ..zoom import ZoomOptions
 from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
 from .data import resolve_set, split_missing
-from .generation import ZOOMS, Generator
-from .metrics import PARSE_RULE, parse_yes_no
+from .generation import ZOOMS
+from .metrics import PARSE_RULE
 from .pope import (
     LLAVA_SUFFIX,
     SPLITS,
     build_questions,
+    evaluate,
     read_questions,
     running_metric,
     summarise,
@@ -300,40 +301,23 @@ def all_summaries(root: Path) -> list[dict]:
 def _run_setting(config, state, model, processor, guide, setting, sets, root) -> list[dict]:
     """Every split of one setting; the main process returns their summaries."""
     images_dir, suffix, source = sets["_images"], sets["_suffix"], sets["_source"]
-    generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     summaries = []
     for split, rows in sets["splits"].items():
         rows = rows[: config.limit] if config.limit else rows
-        for r in rows:
-            r["image_path"] = str(Path(images_dir) / r["image"])
         present, missing = split_missing(rows, _Folder(images_dir), config.on_missing)
 
-        def process(batch: list[dict], generator=generator) -> list[dict]:
-            images = [r["image_path"] for r in batch]
-            prompts = [r["text"] + suffix for r in batch]
-            if (
-                generator.setting.zoom is not None
-            ):  # the crop follows the queried object's attention
-                focus = [r.get("category") for r in batch]
-                texts, facts = generator(images, prompts, focus=focus)
-            else:
-                texts, facts = generator(images, prompts)
-            out = []
-            for r, text, fact in zip(batch, texts, facts, strict=True):
-                pred, parseable = parse_yes_no(text)
-                out.append(
-                    {
-                        "question_id": r["question_id"],
-                        "image": r["image"],
-                        "question": r["text"],
-                        "label": r["label"],
-                        "answer": text,
-                        "pred": pred,
-                        "parseable": parseable,
-                        **fact,
-                    }
-                )
-            return out
+        def process(batch: list[dict]) -> list[dict]:
+            return evaluate(
+                model,
+                processor,
+                batch,
+                setting,
+                images=images_dir,
+                suffix=suffix,
+                batch_size=len(batch),
+                guide=guide[0],
+                guide_processor=guide[1],
+            ).records
 
         records = run_items(
             present,

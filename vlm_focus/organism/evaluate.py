@@ -1,5 +1,9 @@
 """Held-out measurements of an organism model (greedy decoding, standard chat template).
 
+Every answer comes from the evaluations' :class:`~vlm_focus.eval.generation.Generator`, and every
+yes/no question family (POPE, relations, two-hop yes/no, the pruning retention) is answered and
+scored by :func:`vlm_focus.eval.pope.evaluate` (the POPE/LLaVA parsing rule and metrics).
+
 - POPE yes/no on the three splits (accuracy, precision, recall, F1, predicted yes-ratio);
 - relation questions ("Is the A left of the B?") accuracy;
 - captions: object precision (1 - CHAIR_i), recall, CHAIR_s, position accuracy;
@@ -23,45 +27,79 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .pope import SPLITS, parse_yes_no, pope_eligible, pope_metrics, pope_questions
+from ..config import FocusConfig
+from ..eval.generation import Generator
+from ..eval.pope import PopeResult
+from ..eval.pope import evaluate as evaluate_pope
+from ..loading import build_inputs, load_model
+from ..setting import RunSetting
+from .pope import SPLITS, pope_eligible, pope_questions
 from .scenes import CATEGORIES, POSITIONS, Scene, heldout_scenes
 from .vocab import CAPTION_PROMPT, IMAGE, NO, TOKEN_ID, YES
 
 QUESTION_SEED = 777
+#: New tokens per short answer (the yes/no rule and the two-hop forms read the first word).
+ANSWER_TOKENS = 2
+BATCH = 32
 
 
-def load(path: Path, attn: str = "sdpa"):
-    """(model, processor) from a model folder, offline, in float32 eval mode."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn
-    )
-    return model.eval(), AutoProcessor.from_pretrained(path)
+def _picture(scene: Scene) -> Image.Image:
+    return Image.fromarray(scene.image())
 
 
 def _inputs(processor, scenes: list[Scene], questions: list[str]) -> dict:
-    prompts = [
-        processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
-            add_generation_prompt=True,
-        )
-        for q in questions
-    ]
-    images = [Image.fromarray(s.image()) for s in scenes]
-    return processor(images=images, text=prompts, padding=True, return_tensors="pt")
+    """Model inputs of (scene, question) rows in the chat template, for forward passes."""
+    return build_inputs(processor, [_picture(s) for s in scenes], list(questions))
 
 
-@torch.no_grad()
-def answer(model, processor, scenes, questions, max_new_tokens=2, batch=32) -> list[str]:
-    """Greedy answers to (scene, question) pairs, decoded without special tokens."""
+def answer(
+    model,
+    processor,
+    scenes,
+    questions,
+    max_new_tokens: int = ANSWER_TOKENS,
+    batch: int = BATCH,
+    setting: RunSetting | None = None,
+    guide=None,
+    guide_processor=None,
+) -> list[str]:
+    """Greedy answers to (scene, question) pairs through the evaluations' Generator, decoded
+    without special tokens; under ``setting`` (default: unpruned, ``max_new_tokens``), with
+    ``guide``/``guide_processor`` the guide model of a pruner that needs one."""
+    setting = setting or RunSetting(max_new_tokens=max_new_tokens)
+    generator = Generator(model, processor, setting, guide=guide, guide_processor=guide_processor)
     out: list[str] = []
     for i in range(0, len(questions), batch):
-        inputs = _inputs(processor, scenes[i : i + batch], questions[i : i + batch])
-        gen = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        new = gen[:, inputs["input_ids"].shape[1] :]
-        out += processor.batch_decode(new, skip_special_tokens=True)
-    return [o.strip() for o in out]
+        pictures = [_picture(s) for s in scenes[i : i + batch]]
+        out += generator(pictures, list(questions[i : i + batch]))[0]
+    return out
+
+
+def _rows(scenes: list[Scene], questions: list[str], labels: list[str], split: str | None = None):
+    """POPE rows of (scene, question, yes/no label) triples, the image named as the held-out
+    set's files are."""
+    rows = []
+    for i, (s, q, a) in enumerate(zip(scenes, questions, labels, strict=True)):
+        row = {"question_id": i, "image_id": s.seed, "image": f"scene_{s.seed}.png"}
+        rows.append({**row, "text": q, "label": a, **({"split": split} if split else {})})
+    return rows
+
+
+def _yes_no(
+    model, processor, rows: list[dict], scenes: list[Scene], focus: FocusConfig | None = None
+) -> PopeResult:
+    """:func:`vlm_focus.eval.pope.evaluate` of POPE rows on their scenes (no prompt suffix,
+    short greedy answers), pruned by ``focus`` if given."""
+    by_seed = {s.seed: s for s in scenes}
+    return evaluate_pope(
+        model,
+        processor,
+        rows,
+        RunSetting(focus=focus, max_new_tokens=ANSWER_TOKENS),
+        images=lambda row: _picture(by_seed[row["image_id"]]),
+        suffix="",
+        batch_size=BATCH,
+    )
 
 
 def relation_set(n: int) -> tuple[list[Scene], list[str], list[str]]:
@@ -82,27 +120,20 @@ def relation_set(n: int) -> tuple[list[Scene], list[str], list[str]]:
 
 
 def pope_eval(model, processor, n_images: int) -> dict:
-    """POPE metrics per split; identical (image, question) pairs are answered once."""
+    """POPE metrics per split (no prompt suffix); identical (image, question) pairs are
+    answered once."""
     scenes = pope_eligible(n_images)
-    by_id = {s.seed: s for s in scenes}
-    rows = {split: pope_questions(scenes, split) for split in SPLITS}
-    keys = sorted({(r["image_id"], r["text"]) for split in SPLITS for r in rows[split]})
-    answers = answer(model, processor, [by_id[k[0]] for k in keys], [k[1] for k in keys])
-    cache = dict(zip(keys, answers, strict=True))
-    out = {}
-    for split in SPLITS:
-        parsed = [parse_yes_no(cache[(r["image_id"], r["text"])]) for r in rows[split]]
-        m = pope_metrics([r["label"] for r in rows[split]], [p for p, _ in parsed])
-        m["unparseable"] = sum(not ok for _, ok in parsed)
-        out[split] = m
+    rows = [{**r, "split": split} for split in SPLITS for r in pope_questions(scenes, split)]
+    result = _yes_no(model, processor, rows, scenes)
+    out: dict = {split: result.scores(split) for split in SPLITS}
     out["prompt"] = "USER: <image>\\n{question} ASSISTANT: (no suffix)"
     return out
 
 
 def relation_eval(model, processor, n: int = 400) -> dict:
     scenes, questions, labels = relation_set(n)
-    preds = [parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)]
-    return pope_metrics(labels, preds)
+    result = _yes_no(model, processor, _rows(scenes, questions, labels), scenes)
+    return result.scores()
 
 
 def caption_eval(model, processor, n: int = 300) -> dict:
@@ -261,8 +292,6 @@ def logit_lens(model, processor, kind: str, n: int = 300) -> list[dict]:
 def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     """Accuracy retained under `vlm_focus.wrap` pruning: fastv vs random, yes/no at layer 0 and
     relations at layer 0 and 2 (queries: all text after the image)."""
-    import vlm_focus as vf
-
     from .data import presence_qa
 
     rng = np.random.default_rng(QUESTION_SEED + 3)
@@ -274,31 +303,24 @@ def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     }
     out: dict = {"keep": keep, "query": "text", "reduce": "mean"}  # the cards' setting
     for task, (scenes, questions, labels) in tasks.items():
-        base = pope_metrics(
-            labels, [parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)]
-        )
-        out[task] = {"full_accuracy": base["accuracy"]}
+        rows = _rows(scenes, questions, labels)
+        base = _yes_no(model, processor, rows, scenes).scores()["accuracy"]
+        out[task] = {"full_accuracy": base}
         for layer in [k for k in (0, 2) if k < model.config.text_config.num_hidden_layers]:
             for pruner in ("fastv", "random"):
-                handle = vf.wrap(
-                    model, pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean"
+                focus = FocusConfig(
+                    pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean"
                 )
-                try:
-                    preds = [
-                        parse_yes_no(a)[0] for a in answer(model, processor, scenes, questions)
-                    ]
-                finally:
-                    handle.remove()
-                acc = pope_metrics(labels, preds)["accuracy"]
+                acc = _yes_no(model, processor, rows, scenes, focus).scores()["accuracy"]
                 out[task][f"{pruner}_layer{layer}_accuracy"] = acc
-                out[task][f"{pruner}_layer{layer}_retention"] = acc / max(base["accuracy"], 1e-9)
+                out[task][f"{pruner}_layer{layer}_retention"] = acc / max(base, 1e-9)
     return out
 
 
 def latency(path: Path) -> dict:
     """Seconds to load the model + processor and answer one question (greedy)."""
     t0 = time.perf_counter()
-    model, processor = load(path)
+    model, processor = load_model(str(path))
     t1 = time.perf_counter()
     scene = heldout_scenes(1)[0]
     ans = answer(model, processor, [scene], [f"Is there a {scene.objects[0].name} in the image?"])
@@ -312,17 +334,18 @@ def fixed_eval(model, processor, reported: float | None) -> dict:
     from .export import fixed_questions
 
     rows = fixed_questions()
-    answers = answer(
-        model, processor, [_scene(r["image_id"]) for r in rows], [r["text"] for r in rows]
-    )
-    acc = float(
-        np.mean([parse_yes_no(a)[0] == r["label"] for a, r in zip(answers, rows, strict=True)])
+    scenes = [_scene(r["image_id"]) for r in rows]
+    result = _yes_no(
+        model,
+        processor,
+        _rows(scenes, [r["text"] for r in rows], [r["label"] for r in rows]),
+        scenes,
     )
     return {
-        "reported_accuracy": acc,
+        "reported_accuracy": result.scores()["accuracy"],
         "pope_random_accuracy": reported,
         "questions": rows,
-        "answers": answers,
+        "answers": [r["answer"] for r in result.records],
     }
 
 
@@ -402,14 +425,14 @@ def two_hop_pope(model, processor, n: int = 300) -> dict:
     """POPE-style yes/no on the two-hop family ("Is the object above the red_circle a
     blue_square?"), half true; false ones name another object of the scene (adversarial), a
     frequent absent category (popular) or any absent one (random)."""
-    out = {}
+    rows, scenes = [], []
     for k, split in enumerate(SPLITS):
-        scenes, qas = two_hop_set(n, forms=("is_category",), negative=split, offset=k + 1)
-        preds = [
-            parse_yes_no(a)[0] for a in answer(model, processor, scenes, [q.question for q in qas])
-        ]
-        out[split] = pope_metrics([q.answer for q in qas], preds)
-    return out
+        split_scenes, qas = two_hop_set(n, forms=("is_category",), negative=split, offset=k + 1)
+        questions, labels = [q.question for q in qas], [q.answer for q in qas]
+        rows += _rows(split_scenes, questions, labels, split)
+        scenes += split_scenes
+    result = _yes_no(model, processor, rows, scenes)
+    return {split: result.scores(split) for split in SPLITS}
 
 
 def _candidates(form: str) -> torch.Tensor:
@@ -484,13 +507,12 @@ def two_hop_diagnostics(model, processor, n: int = 200) -> dict:
 def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     """Two-hop accuracy retained under `vlm_focus.wrap` pruning at K = 2 and K = 4: fastv
     against random (queries: all text after the image)."""
-    import vlm_focus as vf
-
     scenes, qas = two_hop_set(n)
     questions = [q.question for q in qas]
 
-    def accuracy() -> float:
-        answers = answer(model, processor, scenes, questions)
+    def accuracy(focus: FocusConfig | None = None) -> float:
+        setting = RunSetting(focus=focus, max_new_tokens=ANSWER_TOKENS)
+        answers = answer(model, processor, scenes, questions, setting=setting)
         return float(
             np.mean([_first_word(a) == q.answer for a, q in zip(answers, qas, strict=True)])
         )
@@ -499,10 +521,9 @@ def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     out: dict = {"keep": keep, "query": "text", "reduce": "mean", "n": n, "full_accuracy": full}
     for layer in (2, 4):
         for pruner in ("fastv", "random"):
-            with vf.wrap(
-                model, pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean"
-            ):
-                acc = accuracy()
+            acc = accuracy(
+                FocusConfig(pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean")
+            )
             out[f"{pruner}_layer{layer}_accuracy"] = acc
             out[f"{pruner}_layer{layer}_retention"] = acc / max(full, 1e-9)
     return out
@@ -560,7 +581,7 @@ def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> 
     results: dict = {"model": str(path)}
     if "latency" in todo:
         results["latency"] = latency(path)
-    model, processor = load(path)
+    model, processor = load_model(str(path))
     steps = {
         "pope": lambda: pope_eval(model, processor, n_images),
         "relation": lambda: relation_eval(model, processor),
@@ -601,7 +622,7 @@ def category_query_pruning(path: Path, n: int = 300, keep: float = 0.11) -> dict
     """
     from .data import presence_qa
 
-    model, processor = load(path, attn="eager")
+    model, processor = load_model(str(path), attn_implementation="eager")
     rng = np.random.default_rng(QUESTION_SEED + 4)
     pick = np.random.default_rng(QUESTION_SEED + 5)
     scenes = heldout_scenes(n)
