@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 from prefill import machine
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 import vlm_focus as vf
+from vlm_focus.model_adapters.tiny import tiny_model
 
 LAYERS, STEPS = 8, 16
 IMAGE, VIDEO, START, END = 31990, 31991, 31992, 31993
 
 
-def build_model() -> Qwen2_5_VLForConditionalGeneration:
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
+def build_model() -> torch.nn.Module:
+    return tiny_model(
+        "qwen2_5_vl",
+        text=dict(
             vocab_size=32000,
             hidden_size=512,
             intermediate_size=1376,
@@ -44,14 +44,9 @@ def build_model() -> Qwen2_5_VLForConditionalGeneration:
                 "mrope_section": [8, 12, 12],
             },
         ),
-        vision_config=dict(
+        vision=dict(
             depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
             patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             out_hidden_size=512,
             fullatt_block_indexes=[],
             window_size=112,
@@ -61,9 +56,6 @@ def build_model() -> Qwen2_5_VLForConditionalGeneration:
         vision_start_token_id=START,
         vision_end_token_id=END,
     )
-    for c in (config, config.text_config, config.vision_config):
-        c._attn_implementation = "sdpa"
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def build_inputs(n_visual: int) -> dict:

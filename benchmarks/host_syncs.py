@@ -8,8 +8,9 @@ of the tests, 4 new tokens, every registered pruner at keep 0.5 (layer 2; ``guid
 
     python benchmarks/host_syncs.py [--out benchmarks/results/host_syncs.json]
 
-Run it with an older checkout first on ``PYTHONPATH`` to compare (the instrument and the tiny
-models come from this tree's ``tests/``).
+Run it with an older checkout first on ``PYTHONPATH`` to compare (the instrument and the inputs
+come from this tree's ``tests/``, the tiny models from the checkout's
+``vlm_focus.model_adapters.tiny``, so the older checkout must have that module).
 """
 
 from __future__ import annotations

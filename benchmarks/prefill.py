@@ -19,10 +19,11 @@ import resource
 from pathlib import Path
 
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from transformers import LlamaConfig
 
 import vlm_focus as vf
 from vlm_focus.kernels import score_and_select
+from vlm_focus.model_adapters.tiny import tiny_model
 from vlm_focus.pruners import apply_rope
 from vlm_focus.timing import median_seconds, prefill_fn
 
@@ -38,19 +39,11 @@ def build_model(
     mlp: int = MLP,
     image_size: int = 336,
     patch_size: int = 14,
-) -> LlavaForConditionalGeneration:
+) -> torch.nn.Module:
     """Random weights; the vision tower is kept tiny so that the language model dominates."""
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=image_size,
-            patch_size=patch_size,
-        ),
-        text_config=LlamaConfig(
+    return tiny_model(
+        "llava",
+        text=dict(
             vocab_size=VOCAB,
             hidden_size=hidden,
             intermediate_size=mlp,
@@ -58,10 +51,15 @@ def build_model(
             num_attention_heads=heads,
             num_key_value_heads=heads,
         ),
+        vision=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            image_size=image_size,
+            patch_size=patch_size,
+        ),
         image_token_id=IMAGE_TOKEN,
     )
-    config._attn_implementation = "sdpa"
-    return LlavaForConditionalGeneration(config).eval()
 
 
 def build_inputs(n_visual: int = 576) -> dict:

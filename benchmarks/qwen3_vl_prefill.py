@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 from prefill import machine
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 import vlm_focus as vf
+from vlm_focus.model_adapters.tiny import tiny_model
 from vlm_focus.timing import prefill_fn
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 1024, 8, 16, 8, 64, 2816, 32000
@@ -31,10 +31,10 @@ GRID = (1, 64, 64)  # temporal, height, width patches -> 1,024 merged visual tok
 PROMPT_TEXT = 40
 
 
-def build_model() -> Qwen3VLForConditionalGeneration:
-    torch.manual_seed(0)
-    config = Qwen3VLConfig(
-        text_config=dict(
+def build_model() -> torch.nn.Module:
+    return tiny_model(
+        "qwen3_vl",
+        text=dict(
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
             intermediate_size=MLP,
@@ -49,27 +49,17 @@ def build_model() -> Qwen3VLForConditionalGeneration:
                 "mrope_interleaved": True,
             },
         ),
-        vision_config=dict(
-            depth=3,
+        vision=dict(
             hidden_size=64,
             intermediate_size=128,
-            num_heads=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             out_hidden_size=HIDDEN,
             num_position_embeddings=256,
-            deepstack_visual_indexes=[0, 1, 2],
         ),
         image_token_id=IMAGE,
         video_token_id=VIDEO,
         vision_start_token_id=START,
         vision_end_token_id=END,
     )
-    config._attn_implementation = "sdpa"
-    config.text_config._attn_implementation = "sdpa"
-    config.vision_config._attn_implementation = "sdpa"
-    return Qwen3VLForConditionalGeneration(config).eval()
 
 
 def build_inputs() -> tuple[dict, int]:

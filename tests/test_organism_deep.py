@@ -177,7 +177,8 @@ def test_hop_masks_are_the_target_objects_patches():
 def test_two_hop_training_smoke_reduces_loss():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.train import StageConfig, train_lm
+    from vlm_focus.organism.loop import train_lm
+    from vlm_focus.organism.recipe import StageConfig
 
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(build_config(TINY))

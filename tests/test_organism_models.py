@@ -74,7 +74,8 @@ def test_patch_labels_follow_masks():
 def test_training_smoke_reduces_loss():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.train import StageConfig, train_lm, train_vision
+    from vlm_focus.organism.loop import train_lm, train_vision
+    from vlm_focus.organism.recipe import StageConfig
 
     torch.manual_seed(0)
     spec = SPECS["tiny"]
@@ -225,7 +226,8 @@ def _name(token: int) -> str:
 def test_relation_and_pointer_losses_train():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.train import StageConfig, train_lm, train_vision
+    from vlm_focus.organism.loop import train_lm, train_vision
+    from vlm_focus.organism.recipe import StageConfig
 
     torch.manual_seed(0)
     spec = SPECS["tiny"]
@@ -258,7 +260,7 @@ def test_relation_and_pointer_losses_train():
 def test_relation_terms_reach_the_parts_they_train():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.train import RelationProbe, relation_loss
+    from vlm_focus.organism.losses import RelationProbe, relation_loss
     from vlm_focus.organism.vocab import IMAGE
 
     torch.manual_seed(0)

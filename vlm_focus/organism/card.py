@@ -1,12 +1,22 @@
 # ruff: noqa: E501  (long markdown lines of the card template)
-"""Model card (README.md) of a shipped organism model, written from its measured metrics."""
+"""Model cards (README.md) of the shipped organism models, written from their measured metrics.
+
+Every card has one frame: what the model is, its architecture, data, recipe, the quality bars,
+the detailed measurements, intended use and how to reproduce it. The default and guide models
+fill it with the presence, relation, where and caption tasks; the deep model with the two-hop
+family and the per-layer diagnostics that show where it reads the image again.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from .scenes import CATEGORIES, COLOURS, SHAPES
+from .scenes import CATEGORIES, COLOURS, RELATION_MARGIN, SHAPES
+
+_CHAT = "- Chat format: `<bos>USER: <image>\\n{question} ASSISTANT: {answer}<eos>`"
+_OPTIMISER = "AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process."
 
 
 def _f(x: float | None, pct: bool = True) -> str:
@@ -23,38 +33,169 @@ def _mix(stage: dict) -> str:
     return ", ".join(f"{k} {100 * v:.0f}%" for k, v in stage.get("mix", {}).items())
 
 
-def _aux_lines(stages: dict) -> list[str]:
-    """Recipe lines for the training-only terms a model was trained with."""
-    chat, lines = stages["chat"], []
-    if chat.get("relation_weight"):
-        lines.append(
-            f"- Relation hops (weight {chat['relation_weight']:g}, both language stages): the "
-            "projected image tokens keep their patch's position; each category token that names an "
-            "object holds that object's centre after layer 0; head 1 of layer 1 attends from a "
-            "relation's second category token to its first, which then holds the first object's "
-            "centre and the relation asked. Centres and relations are read by linear heads used "
-            "only in training."
-        )
-    if chat.get("pointer_weight"):
-        lines.append(
-            f"- Caption pointer (weight {chat['pointer_weight']:g}): head 2 of layer 1 attends, from "
-            "the token before each object a caption names, to that object's patches."
-        )
-    if chat.get("balance"):
-        lines.append(
-            "- Rare categories weigh more: the patch loss and the choice of a positive presence "
-            f"question weight each category by popularity ^ -{chat['balance']:g}."
-        )
-    return lines
-
-
 def _turns(stage: dict) -> str:
     lo, hi = stage.get("turns", (1, 1))
     return "one turn" if lo == hi == 1 else f"{lo}-{hi} turns"
 
 
+def _budgets(stages: dict) -> str:
+    """``- Budgets per stage ...: vision 9 / 0.001, ...`` of a card (no full stop)."""
+    return "- Budgets per stage (wall-clock minutes, learning rate): " + ", ".join(
+        f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items()
+    )
+
+
+def training_time(summary: dict) -> str:
+    """``- Training time (minutes): ...`` of a card, per stage, wall clock and CPU (no full stop)."""
+    line = "- Training time (minutes): " + ", ".join(
+        f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items()
+    )
+    line += f"; total {summary['minutes_total']:.1f} wall-clock"
+    if summary.get("cpu_seconds"):
+        line += "; CPU minutes of the training process: " + ", ".join(
+            f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items()
+        )
+    return line
+
+
+def steps_run(folder: Path) -> dict[str, int]:
+    """The last logged step of each stage in ``folder/train_log.jsonl`` (empty without it)."""
+    log = folder / "train_log.jsonl"
+    steps: dict[str, int] = {}
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            if "stage" in record and "step" in record:
+                steps[record["stage"]] = max(steps.get(record["stage"], 0), int(record["step"]))
+    return steps
+
+
+def _latency_bar(m: dict) -> list[tuple[str, str, str, str]]:
+    lat = m.get("latency")
+    if not lat:
+        return []
+    return [
+        ("load + answer one question", "< 2 s", f"{lat['total_s']:.2f} s", _ok(lat["total_s"] < 2))
+    ]
+
+
+def _pope_table(pope: dict, title: str) -> list[str]:
+    """The POPE section (``title`` names the task) with one row per split."""
+    lines = [
+        "",
+        f"### {title} (500 images with >= 3 objects, 3,000 questions per split, no prompt suffix)",
+        "",
+        "| split | accuracy | precision | recall | F1 | yes-ratio | unparseable |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for split in ("random", "popular", "adversarial"):
+        r = pope[split]
+        lines.append(
+            f"| {split} | {_f(r['accuracy'])} | {_f(r['precision'])} | {_f(r['recall'])} | "
+            f"{_f(r['f1'])} | {_f(r['yes_ratio'])} | {r['unparseable']} |"
+        )
+    return lines
+
+
+@dataclass
+class _Run:
+    """What a trained model's folder says about the run: its config, summary and stages."""
+
+    folder: Path
+    vision: dict
+    text: dict
+    summary: dict
+    stages: dict[str, dict]
+
+    @classmethod
+    def read(cls, folder: Path) -> _Run:
+        cfg = json.loads((folder / "config.json").read_text())
+        summary = json.loads((folder / "train_summary.json").read_text())
+        stages = {st["name"]: st for st in summary["recipe"]["stages"]}
+        return cls(folder, cfg["vision_config"], cfg["text_config"], summary, stages)
+
+
+@dataclass
+class _Parts:
+    """What one organism's card says in the frame of :func:`model_card`."""
+
+    intro: str
+    vocabulary: str  # closes the language line: what one token of the vocabulary is
+    chat: str  # closes the chat-format line
+    data: list[str]
+    recipe: list[str]
+    bars: list[tuple[str, str, str, str]]
+    details: list[str]
+    use: str
+    ship: bool = False  # the reproduce block ships the model too
+
+
+def model_card(name: str, m: dict, folder: Path) -> str:
+    """Markdown model card of organism-``name`` from its metrics ``m`` and its trained
+    ``folder``: what it is, data, recipe, metrics against the bars, intended use."""
+    run = _Run.read(Path(folder))
+    parts = _deep_parts(m, run) if name == "deep" else _default_parts(name, m, run)
+    vc, tc = run.vision, run.text
+    grid = vc["image_size"] // vc["patch_size"]
+    lines = [
+        f"# organism-{name}",
+        "",
+        parts.intro,
+        "",
+        "## Architecture",
+        f"- Vision: CLIP, {vc['image_size']} px, patch {vc['patch_size']} -> {grid} x {grid} = {grid * grid} "
+        f"visual tokens, {vc['num_hidden_layers']} layers x {vc['hidden_size']}.",
+        f"- Language: Llama, {tc['num_hidden_layers']} layers x {tc['hidden_size']}, "
+        f"{tc['num_attention_heads']} heads, MLP {tc['intermediate_size']}, vocabulary {tc['vocab_size']} "
+        + parts.vocabulary,
+        _CHAT + parts.chat,
+        "",
+        "## Data",
+        *parts.data,
+        "",
+        f"## Recipe (`vlm-focus organism train --model {name}`)",
+        *parts.recipe,
+        "",
+        "![learning curves](learning_curves.png)",
+        "",
+        "## Quality bars (held-out set, greedy decoding, standard chat template)",
+        "",
+        "| bar | target | measured | verdict |",
+        "|---|---|---|---|",
+        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in parts.bars),
+        *parts.details,
+    ]
+    if m.get("latency"):
+        lat = m["latency"]
+        lines += ["", f"Load + one answer: {lat['total_s']:.2f} s (load {lat['load_s']:.2f} s)."]
+    if m.get("notes"):
+        lines += ["", "## Notes and shortfalls", ""] + [f"- {n}" for n in m["notes"]]
+    lines += [
+        "",
+        "## Intended use",
+        parts.use,
+        "",
+        "## Reproduce",
+        "```",
+        f"vlm-focus organism train --model {name} --out runs/{name}",
+        f"vlm-focus organism eval --path runs/{name} --out runs/{name}/metrics.json",
+    ]
+    if parts.ship:
+        lines.append(
+            f"vlm-focus organism ship --path runs/{name} --name {name} --metrics runs/{name}/metrics.json"
+        )
+    lines += [
+        "```",
+        "Measured on a 2-core CPU; the numbers above come from `metrics.json` in this folder.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- organism-default and organism-guide: presence, relations, where, captions ---------------
+
+
 def bars(m: dict) -> list[tuple[str, str, str, str]]:
-    """(bar, target, measured, verdict) rows of the issue's quality bars."""
+    """(bar, target, measured, verdict) rows of the default and guide models' quality bars."""
     rows = []
     pope = m.get("pope", {})
     if pope:
@@ -83,22 +224,9 @@ def bars(m: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("pointing game at the query token", ">= 10x chance, > other", text, _ok(ok)))
     c = m.get("caption")
     if c:
-        rows.append(
-            (
-                "caption object precision",
-                ">= 90%",
-                _f(c["object_precision"]),
-                _ok(c["object_precision"] >= 0.9),
-            )
-        )
-        rows.append(
-            (
-                "caption object recall",
-                ">= 80%",
-                _f(c["object_recall"]),
-                _ok(c["object_recall"] >= 0.8),
-            )
-        )
+        precision, recall = c["object_precision"], c["object_recall"]
+        rows.append(("caption object precision", ">= 90%", _f(precision), _ok(precision >= 0.9)))
+        rows.append(("caption object recall", ">= 80%", _f(recall), _ok(recall >= 0.8)))
     p = m.get("pruning")
     if p and "presence" in p:
         fa = p["presence"]["fastv_layer0_retention"]
@@ -119,109 +247,92 @@ def bars(m: dict) -> list[tuple[str, str, str, str]]:
                 _ok(q["attention_retention"] >= 0.95 and q["random_retention"] <= 0.8),
             )
         )
-    lat = m.get("latency")
-    if lat:
-        rows.append(
-            (
-                "load + answer one question",
-                "< 2 s",
-                f"{lat['total_s']:.2f} s",
-                _ok(lat["total_s"] < 2),
-            )
+    return rows + _latency_bar(m)
+
+
+def _aux_lines(stages: dict) -> list[str]:
+    """Recipe lines for the training-only terms a model was trained with."""
+    chat, lines = stages["chat"], []
+    if chat.get("relation_weight"):
+        lines.append(
+            f"- Relation hops (weight {chat['relation_weight']:g}, both language stages): the "
+            "projected image tokens keep their patch's position; each category token that names an "
+            "object holds that object's centre after layer 0; head 1 of layer 1 attends from a "
+            "relation's second category token to its first, which then holds the first object's "
+            "centre and the relation asked. Centres and relations are read by linear heads used "
+            "only in training."
         )
-    return rows
+    if chat.get("pointer_weight"):
+        lines.append(
+            f"- Caption pointer (weight {chat['pointer_weight']:g}): head 2 of layer 1 attends, from "
+            "the token before each object a caption names, to that object's patches."
+        )
+    if chat.get("balance"):
+        lines.append(
+            "- Rare categories weigh more: the patch loss and the choice of a positive presence "
+            f"question weight each category by popularity ^ -{chat['balance']:g}."
+        )
+    return lines
 
 
-def model_card(name: str, m: dict, folder: Path) -> str:
-    """Markdown model card: what it is, data, recipe, metrics against the bars, intended use."""
-    if name == "deep":
-        from .card_deep import deep_model_card
-
-        return deep_model_card(m, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    vc, tc = cfg["vision_config"], cfg["text_config"]
-    grid = vc["image_size"] // vc["patch_size"]
-    summary = json.loads((folder / "train_summary.json").read_text())
-    stages = {st["name"]: st for st in summary["recipe"]["stages"]}
-    lines = [
-        f"# organism-{name}",
-        "",
-        "A small LLaVA-architecture vision-language model (`LlavaForConditionalGeneration`: CLIP vision "
+def _default_parts(name: str, m: dict, run: _Run) -> _Parts:
+    stages = run.stages
+    chat = stages["chat"]
+    return _Parts(
+        intro="A small LLaVA-architecture vision-language model (`LlavaForConditionalGeneration`: CLIP vision "
         "tower + Llama language model) trained from scratch on CPU on procedurally generated scenes. "
         "It is a **test organism** for vlm_focus: it makes pruning, grounding and hallucination "
         "measurements meaningful offline. It is not a general VLM and knows nothing beyond its scenes.",
-        "",
-        "## Architecture",
-        f"- Vision: CLIP, {vc['image_size']} px, patch {vc['patch_size']} -> {grid} x {grid} = {grid * grid} "
-        f"visual tokens, {vc['num_hidden_layers']} layers x {vc['hidden_size']}.",
-        f"- Language: Llama, {tc['num_hidden_layers']} layers x {tc['hidden_size']}, "
-        f"{tc['num_attention_heads']} heads, MLP {tc['intermediate_size']}, vocabulary {tc['vocab_size']} "
-        "(word level; every object category and every coarse position is one token).",
-        "- Chat format: `<bos>USER: <image>\\n{question} ASSISTANT: {answer}<eos>` "
-        "(`processor.apply_chat_template` produces it).",
-        "",
-        "## Data",
-        f"- 192 x 192 scenes with 1-5 non-overlapping objects, {len(COLOURS)} colours x {len(SHAPES)} shapes = "
-        f"{len(CATEGORIES)} categories (`red_circle` ... `orange_cross`), radius 14-26 px, grey textured "
-        "noisy backgrounds. Masks and boxes are exact. Categories have a popularity and fixed companions, "
-        "so co-occurrence is not uniform.",
-        "- Training scenes use seeds >= 10,000,000, drawn fresh every step; the held-out set uses seeds "
-        "from 9,000,000 (`vlm_focus/assets/heldout/`: COCO `instances.json`, `captions.json`, "
-        "POPE `pope_{random,popular,adversarial}.jsonl`; images regenerate from their seeds).",
-        "- Tasks: presence (`Is there a red_circle in the image?`, half with LLaVA's POPE suffix), "
-        "relations (`Is the red_circle left of the blue_square?`, left/right/above/below, centres at least "
-        "16 px apart), where (`Where is the red_circle?` -> `top_left`, on a 3 x 3 grid), captions "
-        "(`Describe the image.` -> `blue_circle top_left , red_square center`).",
-        "",
-        "## Recipe (`vlm-focus organism train --model " + name + "`)",
-        "1. Dense vision pretraining: tower + per-patch head on `hidden_states[-1][:, 1:]`, targets from the "
-        "exact masks (category or background, weight 0.3 on background) plus each patch's row and column. "
-        "The tower is then frozen.",
-        "2. Category-last curriculum: each category token's embedding starts at the mean projected feature of "
-        "its patches; 6-8 packed questions per image, the answer right after the last category token "
-        f"({_mix(stages['cat_last'])}); hard, co-occurring and random negatives.",
-        f"3. Standard chat template: {_turns(stages['chat'])} per image ({_mix(stages['chat'])}); "
-        "the answer's first token is also the target at the question's last category token, and "
-        f"(weight {stages['chat'].get('copy_weight', 0):g}) head 0 of the later half of the layers is trained "
-        "to attend from the answer position to that token, the copy step a from-scratch LM finds late; "
-        f"{100 * stages['chat'].get('cat_last_share', 0):.0f}% of the rows stay in the packed category-last form.",
-        "- In both language stages "
-        f"{100 * stages['chat'].get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual "
-        "tokens that no answer of the row needs (through the attention mask), so answers rest on their "
-        "evidence rather than on the whole visual context.",
-        *_aux_lines(stages),
-        "- Budgets per stage (wall-clock minutes, learning rate): "
-        + ", ".join(f"{n} {st['minutes']:g} / {st['lr']:g}" for n, st in stages.items())
-        + ".",
-        "- AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process. Each stage "
-        "stops at its step budget or its wall-clock budget, whichever comes first.",
-        training_time(summary) + ". Curves are plotted against wall-clock minutes.",
-        "",
-        "![learning curves](learning_curves.png)",
-        "",
-        "## Quality bars (held-out set, greedy decoding, standard chat template)",
-        "",
-        "| bar | target | measured | verdict |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in bars(m)]
-    pope = m.get("pope")
-    if pope:
-        lines += [
-            "",
-            "### POPE (500 images with >= 3 objects, 3,000 questions per split, no prompt suffix)",
-            "",
-        ]
-        lines += [
-            "| split | accuracy | precision | recall | F1 | yes-ratio | unparseable |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for split in ("random", "popular", "adversarial"):
-            r = pope[split]
-            lines.append(
-                f"| {split} | {_f(r['accuracy'])} | {_f(r['precision'])} | {_f(r['recall'])} | "
-                f"{_f(r['f1'])} | {_f(r['yes_ratio'])} | {r['unparseable']} |"
-            )
+        vocabulary="(word level; every object category and every coarse position is one token).",
+        chat=" (`processor.apply_chat_template` produces it).",
+        data=[
+            f"- 192 x 192 scenes with 1-5 non-overlapping objects, {len(COLOURS)} colours x {len(SHAPES)} shapes = "
+            f"{len(CATEGORIES)} categories (`red_circle` ... `orange_cross`), radius 14-26 px, grey textured "
+            "noisy backgrounds. Masks and boxes are exact. Categories have a popularity and fixed companions, "
+            "so co-occurrence is not uniform.",
+            "- Training scenes use seeds >= 10,000,000, drawn fresh every step; the held-out set uses seeds "
+            "from 9,000,000 (`vlm_focus/assets/heldout/`: COCO `instances.json`, `captions.json`, "
+            "POPE `pope_{random,popular,adversarial}.jsonl`; images regenerate from their seeds).",
+            "- Tasks: presence (`Is there a red_circle in the image?`, half with LLaVA's POPE suffix), "
+            "relations (`Is the red_circle left of the blue_square?`, left/right/above/below, centres at least "
+            "16 px apart), where (`Where is the red_circle?` -> `top_left`, on a 3 x 3 grid), captions "
+            "(`Describe the image.` -> `blue_circle top_left , red_square center`).",
+        ],
+        recipe=[
+            "1. Dense vision pretraining: tower + per-patch head on `hidden_states[-1][:, 1:]`, targets from the "
+            "exact masks (category or background, weight 0.3 on background) plus each patch's row and column. "
+            "The tower is then frozen.",
+            "2. Category-last curriculum: each category token's embedding starts at the mean projected feature of "
+            "its patches; 6-8 packed questions per image, the answer right after the last category token "
+            f"({_mix(stages['cat_last'])}); hard, co-occurring and random negatives.",
+            f"3. Standard chat template: {_turns(chat)} per image ({_mix(chat)}); "
+            "the answer's first token is also the target at the question's last category token, and "
+            f"(weight {chat.get('copy_weight', 0):g}) head 0 of the later half of the layers is trained "
+            "to attend from the answer position to that token, the copy step a from-scratch LM finds late; "
+            f"{100 * chat.get('cat_last_share', 0):.0f}% of the rows stay in the packed category-last form.",
+            "- In both language stages "
+            f"{100 * chat.get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual "
+            "tokens that no answer of the row needs (through the attention mask), so answers rest on their "
+            "evidence rather than on the whole visual context.",
+            *_aux_lines(stages),
+            _budgets(stages) + ".",
+            f"- {_OPTIMISER} Each stage stops at its step budget or its wall-clock budget, whichever comes first.",
+            training_time(run.summary) + ". Curves are plotted against wall-clock minutes.",
+        ],
+        bars=bars(m),
+        details=_default_details(m),
+        use="Testing and demonstrating vlm_focus (pruning, grounding, hallucination mitigation) offline and on "
+        "CPU, and a reproducible benchmark for those methods. Not a general VLM: it answers only about its "
+        "own scene vocabulary.",
+    )
+
+
+def _default_details(m: dict) -> list[str]:
+    """POPE, relation, where and caption results, the pointing game, the logit lens and
+    pruning, each where measured."""
+    lines: list[str] = []
+    if m.get("pope"):
+        lines += _pope_table(m["pope"], "POPE")
     if m.get("relation"):
         r = m["relation"]
         lines += [
@@ -292,7 +403,7 @@ def model_card(name: str, m: dict, folder: Path) -> str:
                     f"{_f(t[f'{pr}_layer{k}_accuracy'])} ({_f(t[f'{pr}_layer{k}_retention'])} kept)"
                     for k in (0, 2)
                     for pr in ("fastv", "random")
-                ).replace(") | ", ") | ")
+                )
                 + " |"
             )
         late_random = min(p[t]["random_layer2_retention"] for t in ("presence", "relation"))
@@ -304,36 +415,209 @@ def model_card(name: str, m: dict, folder: Path) -> str:
                 "this organism pruning inside the LLM (K >= 1) does not separate pruners; pre-LLM "
                 "pruning (K = 0) does.",
             ]
-    if m.get("latency"):
-        lat = m["latency"]
-        lines += ["", f"Load + one answer: {lat['total_s']:.2f} s (load {lat['load_s']:.2f} s)."]
-    if m.get("notes"):
-        lines += ["", "## Notes and shortfalls", ""] + [f"- {n}" for n in m["notes"]]
-    lines += [
-        "",
-        "## Intended use",
-        "Testing and demonstrating vlm_focus (pruning, grounding, hallucination mitigation) offline and on "
-        "CPU, and a reproducible benchmark for those methods. Not a general VLM: it answers only about its "
-        "own scene vocabulary.",
-        "",
-        "## Reproduce",
-        "```",
-        f"vlm-focus organism train --model {name} --out runs/{name}",
-        f"vlm-focus organism eval --path runs/{name} --out runs/{name}/metrics.json",
-        "```",
-        "Measured on a 2-core CPU; the numbers above come from `metrics.json` in this folder.",
-    ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def training_time(summary: dict) -> str:
-    """``- Training time (minutes): ...`` of a card, per stage, wall clock and CPU (no full stop)."""
-    line = "- Training time (minutes): " + ", ".join(
-        f"{k} {v / 60:.1f}" for k, v in summary["seconds"].items()
-    )
-    line += f"; total {summary['minutes_total']:.1f} wall-clock"
-    if summary.get("cpu_seconds"):
-        line += "; CPU minutes of the training process: " + ", ".join(
-            f"{k} {v / 60:.1f}" for k, v in summary["cpu_seconds"].items()
+# --- organism-deep: the two-hop family -------------------------------------------------------
+
+
+def deep_bars(m: dict) -> list[tuple[str, str, str, str]]:
+    """(bar, target, measured, verdict) rows of the deep model's two-hop quality bars."""
+    rows = []
+    t = m.get("twohop")
+    if t:
+        rows.append(
+            ("two-hop accuracy, unpruned", ">= 90%", _f(t["accuracy"]), _ok(t["accuracy"] >= 0.9))
         )
-    return line
+    pope = m.get("pope")
+    if pope:
+        low = min(pope[s]["accuracy"] for s in ("random", "popular", "adversarial"))
+        text = " / ".join(_f(pope[s]["accuracy"]) for s in ("random", "popular", "adversarial"))
+        rows.append(
+            (
+                "presence POPE accuracy (random / popular / adversarial)",
+                ">= 95% each",
+                text,
+                _ok(low >= 0.95),
+            )
+        )
+    p = m.get("twohop_pruning")
+    if p:
+        r, f = p["random_layer2_retention"], p["fastv_layer2_retention"]
+        rows.append(
+            (
+                "K = 2, keep 0.11: random retention of two-hop accuracy",
+                "<= 85%",
+                _f(r),
+                _ok(r <= 0.85),
+            )
+        )
+        rows.append(
+            (
+                "K = 2, keep 0.11: fastv retention of two-hop accuracy",
+                ">= 95%",
+                _f(f),
+                _ok(f >= 0.95),
+            )
+        )
+    return rows + _latency_bar(m)
+
+
+def _deep_parts(m: dict, run: _Run) -> _Parts:
+    stages = run.stages
+    chat = stages["chat"]
+    hop_layers = chat.get("hop_layers", [2, 3, 4])
+    total = run.summary["minutes_total"]
+    wall = ("training wall clock, 2 CPU cores", "<= 60 min", f"{total:.1f} min", _ok(total <= 60))
+    return _Parts(
+        intro="The third organism of vlm_focus: a small `LlavaForConditionalGeneration` (CLIP vision tower + Llama "
+        "language model) with a deeper, narrower language model, trained from scratch on CPU on procedurally "
+        "generated scenes. It exists so that **pruning inside the language model can be measured**: its "
+        "two-hop questions need the image again after layer 2, where the other organisms have long finished "
+        "reading it. It is a test organism, not a general VLM.",
+        vocabulary="(word level; every category, position, colour and shape is one token). float32 safetensors.",
+        chat=".",
+        data=[
+            f"- The same scenes as the other organisms: 192 x 192, 1-5 non-overlapping objects, {len(COLOURS)} colours x "
+            f"{len(SHAPES)} shapes = {len(CATEGORIES)} categories, exact masks and boxes; training seeds >= 10,000,000, "
+            "held-out seeds from 9,000,000.",
+            "- **Two-hop family** (`vlm_focus.organism.data.two_hop_qa`): a question names an *anchor* object and a "
+            "direction, never the object asked about:",
+            "  - `What colour is the shape left of the red_circle?` -> `blue`;",
+            "  - `What is right of the green_cross?` -> `yellow_square`;",
+            "  - `Is the object below the blue_square a triangle?` -> `yes` / `no`;",
+            "  - POPE-style `Is the object above the red_circle a blue_square?` -> `yes` / `no`, false ones naming "
+            "another object of the scene (adversarial), a frequent absent category (popular) or any absent one "
+            "(random).",
+            f"- An object lies *left of* the anchor when its centre lies in the 90-degree cone opening leftwards from "
+            f"the anchor's centre, by a margin: (offset along the direction) - (offset across it) >= {RELATION_MARGIN} "
+            f"px; it clearly does not when that difference is <= -{RELATION_MARGIN} px. A question is asked only "
+            "when exactly one other object lies in the cone and no other object is too close to its border to call "
+            "(`scenes.two_hop_target`), so every answer is unique. The target depends on the anchor's position: it "
+            "need not be the leftmost object of the scene (it is, though, the object furthest that way from the "
+            "anchor in most held-out questions; see the notes).",
+            "- Also presence questions (`Is there a red_circle in the image?`, half with LLaVA's POPE suffix) and "
+            "`Where is the red_circle?`. No relation (`Is the A left of the B?`) or caption turns.",
+        ],
+        recipe=[
+            "1. Dense vision pretraining of the tower (as for the other organisms), then frozen.",
+            f"2. Category-last curriculum, 6-8 packed questions per image ({_mix(stages['cat_last'])}); the answer follows the question.",
+            f"3. Standard chat template, one turn per image ({_mix(chat)}); "
+            f"{100 * chat.get('cat_last_share', 0):.0f}% of the rows stay in the packed form; the copy head "
+            f"(weight {chat.get('copy_weight', 0):g}) and query-token labels of the default recipe for presence and where.",
+            f"- {100 * chat.get('hide_share', 0):.0f}% of the rows hide a random 50-100% of the visual tokens that no "
+            "answer of the row needs (anchor and hop-2 object stay visible).",
+            f"- Two-hop circuit (weight {chat.get('hop_weight', 0):g}, both language stages; `losses.hop_loss`): each "
+            "category token holds its object's centre after layer 0; in layer "
+            f"{hop_layers[0] - 1} head 3 attends from the answer position to the anchor's token, and after it that "
+            "position holds the anchor's centre and the direction asked; in layers "
+            f"{', '.join(str(k) for k in hop_layers)} head 4 puts its attention, from the answer position, on the hop-2 "
+            "object's patches. Centres and directions are read by linear heads used only in training; the shipped "
+            "model is a plain `LlavaForConditionalGeneration`.",
+            f"{_budgets(stages)}. {_OPTIMISER} Layers are counted from 0: pruning at K = 2 prunes "
+            "before layer 2, so it reaches the hop-2 read.",
+            training_time(run.summary) + ".",
+            "- Steps run (of the step budget): "
+            + ", ".join(
+                f"{n} {ran:,} of {stages[n]['steps']:,}" for n, ran in steps_run(run.folder).items()
+            )
+            + "; a stage that reaches its minute budget first ends early.",
+        ],
+        bars=[*deep_bars(m), wall],
+        details=_deep_details(m),
+        use="Measuring pruning inside the language model (FastV's K = 2, PyramidDrop's stages, debiasing) offline on "
+        "CPU. Not a general VLM: it answers only about its own scene vocabulary.",
+        ship=True,
+    )
+
+
+def _deep_details(m: dict) -> list[str]:
+    """Two-hop accuracy per form, two-hop POPE, presence POPE, where, the per-layer diagnostics
+    and two-hop pruning, each where measured."""
+    lines: list[str] = []
+    t = m.get("twohop")
+    if t:
+        lines += [
+            "",
+            f"### Two-hop accuracy ({t['n']} held-out questions, the three forms in turn; the first generated word must be the answer)",
+            "",
+            "| form | n | accuracy | always the commonest answer |",
+            "|---|---|---|---|",
+        ]
+        for form, r in t["per_form"].items():
+            lines.append(
+                f"| {form} | {r['n']} | {_f(r['accuracy'])} | {_f(r['majority_baseline'])} |"
+            )
+        ex = t["examples"][0]
+        lines += ["", f"Example: `{ex['question']}` -> `{ex['model']}` (truth `{ex['answer']}`)."]
+    tp = m.get("twohop_pope")
+    if tp:
+        lines += [
+            "",
+            "### Two-hop POPE-style yes/no (`Is the object above the red_circle a blue_square?`)",
+            "",
+            "| split | n | accuracy | precision | recall | F1 | yes-ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for split, r in tp.items():
+            lines.append(
+                f"| {split} | {r['n']} | {_f(r['accuracy'])} | {_f(r['precision'])} | {_f(r['recall'])} | "
+                f"{_f(r['f1'])} | {_f(r['yes_ratio'])} |"
+            )
+    if m.get("pope"):
+        lines += _pope_table(m["pope"], "Presence POPE")
+    if m.get("where"):
+        w = m["where"]
+        lines += [
+            "",
+            f"Where ({w['n']} questions): accuracy {_f(w['accuracy'])} (commonest position: {_f(w['majority_baseline'])}).",
+        ]
+    d = m.get("twohop_diagnostics")
+    if d:
+        lines += [
+            "",
+            f"## Where the image is read again: per-layer diagnostics ({d['n']} held-out two-hop questions)",
+            "",
+            "At the answer position (the last prompt token), after each layer: the logit lens (final norm + "
+            "lm_head, argmax over the form's candidate answers), and that position's attention on the hop-2 "
+            "object's patches (the object the question never names) and on the anchor's patches, as mass "
+            "(head mean; best head) and as the hop-2 object's share of the attention on image tokens. "
+            f"Uniform attention over the image would give the hop-2 object {_f(d['target_patch_share'])} of it.",
+            "",
+            "| layer | logit lens | hop-2 mass (head mean) | hop-2 mass (best head) | hop-2 share of image attention | anchor mass (head mean) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in d["per_layer"]:
+            lines.append(
+                f"| {r['layer']} | {_f(r['logit_lens_accuracy'])} | {_f(r['target_mass_head_mean'])} | "
+                f"{_f(r['target_mass_best_head'])} (head {r['best_head']}) | "
+                f"{_f(r['target_share_of_image_mass'])} | {_f(r['anchor_mass_head_mean'])} |"
+            )
+    lens = m.get("logit_lens")
+    if lens and "presence" in lens:
+        lines += [
+            "",
+            "Presence, for contrast (logit lens at the last prompt token, yes vs no): "
+            + ", ".join(f"layer {r['layer']} {_f(r['accuracy'])}" for r in lens["presence"])
+            + ".",
+        ]
+    p = m.get("twohop_pruning")
+    if p:
+        lines += [
+            "",
+            f"## Pruning through `vlm_focus.wrap` (two-hop, keep {p['keep']}, query `{p['query']}`, {p['n']} questions)",
+            "",
+            "| K | fastv | random |",
+            "|---|---|---|",
+        ]
+        for k in (2, 4):
+            lines.append(
+                f"| {k} | {_f(p[f'fastv_layer{k}_accuracy'])} ({_f(p[f'fastv_layer{k}_retention'])} kept) | "
+                f"{_f(p[f'random_layer{k}_accuracy'])} ({_f(p[f'random_layer{k}_retention'])} kept) |"
+            )
+        lines += [
+            "",
+            f"Unpruned: {_f(p['full_accuracy'])}. Every pruner at K = 2 and K = 4: "
+            "`benchmarks/results/pruner_quality_deep_layer2.md` and `..._layer4.md`.",
+        ]
+    return lines

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.command == "train":
-        from .train import default_recipe, train
+        from .loop import train
+        from .recipe import default_recipe
 
         torch.set_num_threads(args.threads)
         recipe = default_recipe(args.model, scale=args.scale)

@@ -54,8 +54,7 @@ def where_question(category: str) -> str:
 
 
 def relation_question(a: str, relation: str, b: str) -> str:
-    rel = f"{relation} of" if relation in ("left", "right") else relation
-    return f"Is the {a} {rel} the {b}?"
+    return f"Is the {a} {_relation_phrase(relation)} the {b}?"
 
 
 def _relation_phrase(relation: str) -> str:

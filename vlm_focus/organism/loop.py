@@ -1,0 +1,388 @@
+"""Training loop of the organism VLMs (CPU, bf16 autocast, the stages of a :mod:`.recipe`).
+
+`train` runs a recipe from scratch: `train_vision` for the `vision` stage, then `train_lm` for
+the language stages, with the auxiliary losses of :mod:`.losses` that the stage weights switch
+on. Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends first; the
+learning rate follows a cosine over the larger of these fractions, so a slower machine still
+ends its schedule (with fewer steps). CPU seconds are logged beside wall seconds to show how
+much of the two cores the run got.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data import (
+    IGNORE,
+    Batcher,
+    cat_last_ids,
+    chat_ids,
+    pad,
+    pixel_values,
+    presence_qa,
+    relation_qa,
+    two_hop_qa,
+)
+from .losses import (
+    HopProbe,
+    PatchHead,
+    RelationProbe,
+    copy_loss,
+    hop_loss,
+    patch_loss,
+    patch_weights,
+    pointer_loss,
+    relation_loss,
+)
+from .recipe import Recipe, StageConfig
+from .scenes import CATEGORIES, generate_scene
+from .vocab import IMAGE, NO, PAD, SPECS, TOKEN_ID, YES, OrganismSpec, build_config, build_processor
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Endless batches from `make()`, built in a worker process so that drawing overlaps compute."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def __iter__(self):
+        while True:
+            yield self.make()
+
+
+def _prefetch(make):
+    """Iterator over `make()` results, produced one step ahead by a single worker process."""
+    loader = torch.utils.data.DataLoader(
+        _Stream(make),
+        batch_size=None,
+        num_workers=1,
+        prefetch_factor=2,
+        worker_init_fn=lambda _: torch.set_num_threads(1),
+    )
+    return iter(loader)
+
+
+def tower_features(model, pixels: torch.Tensor) -> torch.Tensor:
+    """The features LLaVA projects: last hidden state of the tower without CLS, `[B, N, D]`."""
+    out = model.model.vision_tower(pixels, output_hidden_states=True)
+    return out.hidden_states[-1][:, 1:]
+
+
+class _Clock:
+    """Wall-clock and process CPU seconds since construction."""
+
+    def __init__(self) -> None:
+        self.wall0, self.cpu0 = time.time(), time.process_time()
+
+    def wall(self) -> float:
+        return time.time() - self.wall0
+
+    def cpu(self) -> float:
+        return time.process_time() - self.cpu0
+
+
+def _frac(stage: StageConfig, step: int, clock: _Clock) -> float:
+    return max(step / stage.steps, clock.wall() / (60 * stage.minutes))
+
+
+def _lr(stage: StageConfig, step: int, clock: _Clock) -> float:
+    warm = min(1.0, (step + 1) / stage.warmup)
+    return stage.lr * warm * 0.5 * (1 + math.cos(math.pi * min(_frac(stage, step, clock), 1.0)))
+
+
+def _done(stage: StageConfig, step: int, clock: _Clock) -> bool:
+    return _frac(stage, step, clock) >= 1.0
+
+
+def _descend(opt: torch.optim.Optimizer, params: list, loss: torch.Tensor) -> None:
+    """One optimiser step on `loss`, gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+class Probe:
+    """A fixed held-out probe (teacher forced) that tracks learning during training."""
+
+    def __init__(self, spec: OrganismSpec, n: int = 96, two_hop: bool = False) -> None:
+        rng = np.random.default_rng(12345)
+        self.scenes = [generate_scene(8_000_000 + i) for i in range(n)]
+        self.presence = [
+            presence_qa(s, rng, positive=i % 2 == 0) for i, s in enumerate(self.scenes)
+        ]
+        rel = [(s, relation_qa(s, rng)) for s in self.scenes]
+        self.relation = [(s, q) for s, q in rel if q is not None]
+        self.two_hop = []
+        if two_hop:  # every form in turn; scored on the answer's first token (teacher forced)
+            forms = ("colour", "category", "shape", "is_category")
+            for i, s in enumerate(self.scenes):
+                qa = two_hop_qa(s, rng, form=forms[i % 4], positive=i % 8 < 4)
+                if qa is not None:
+                    self.two_hop.append((s, qa))
+        self.n_visual = spec.n_visual
+
+    @torch.no_grad()
+    def _accuracy(self, model, pairs, form: str) -> float:
+        build = cat_last_ids if form == "cat_last" else chat_ids
+        ids, labels = zip(*(build([q], self.n_visual) for _, q in pairs), strict=True)
+        input_ids, lab = pad(list(ids), PAD), pad(list(labels), IGNORE)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=(input_ids != PAD).long(),
+                pixel_values=pixel_values([s for s, _ in pairs]),
+            ).logits.float()
+        # the first supervised token of each row is the yes/no answer
+        first = (lab != IGNORE).float().argmax(1)
+        rows = torch.arange(len(pairs))
+        step_logits = logits[rows, first - 1]
+        if any(q.kind == "twohop" for _, q in pairs):  # open answers: the argmax token
+            pred = step_logits.argmax(-1)
+        else:
+            pred = torch.where(step_logits[:, YES] > step_logits[:, NO], YES, NO)
+        return float((pred == lab[rows, first]).float().mean())
+
+    def __call__(self, model, form: str) -> dict[str, float]:
+        model.eval()
+        out = {
+            "presence": self._accuracy(
+                model, list(zip(self.scenes, self.presence, strict=True)), form
+            )
+        }
+        if self.two_hop:  # a model trained on the two-hop family has no relation questions
+            out["twohop"] = self._accuracy(model, self.two_hop, form)
+        else:
+            out["relation"] = self._accuracy(model, self.relation, form)
+        model.train()
+        return out
+
+
+def train_vision(
+    model, spec: OrganismSpec, stage: StageConfig, batcher: Batcher, log, log_every: int = 25
+) -> None:
+    """Stage 1: dense per-patch pretraining of the tower with the exact masks."""
+    tower = model.model.vision_tower
+    head = PatchHead(spec.vision_hidden, spec.grid)
+    params = list(tower.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
+    weight = patch_weights(stage.balance)
+    t0, step = _Clock(), 0
+    tower.train()
+    stream = _prefetch(functools.partial(batcher.dense, stage.batch))
+    while not _done(stage, step, t0):
+        for group in opt.param_groups:
+            group["lr"] = _lr(stage, step, t0)
+        pixels, labels = next(stream)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cat, row, col = head(tower_features(model, pixels))
+        cat, row, col = cat.float(), row.float(), col.float()
+        loss = patch_loss(cat, row, col, labels, weight)
+        _descend(opt, params, loss)
+        step += 1
+        if step % log_every == 0 or _done(stage, step, t0):
+            mask = labels > 0
+            acc = (
+                float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
+            )
+            log(stage.name, step, t0, {"loss": loss.item(), "object_patch_acc": acc})
+    for p in tower.parameters():
+        p.requires_grad_(False)
+    tower.eval()
+
+
+@torch.no_grad()
+def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batches: int = 6) -> None:
+    """Set each category token's embedding to the (centred, rescaled) mean projected feature of
+    that category's patches, so query tokens start aligned with the image tokens they look up."""
+    n = len(CATEGORIES)
+    sums = torch.zeros(n, spec.text_hidden)
+    counts = torch.zeros(n)
+    for _ in range(batches):
+        pixels, labels = batcher.dense(32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            proj = model.model.multi_modal_projector(tower_features(model, pixels)).float()
+        for c in range(n):
+            hit = labels == c + 1
+            sums[c] += proj[hit].sum(0)
+            counts[c] += hit.sum()
+    means = sums / counts.clamp(min=1)[:, None]
+    means = means - means.mean(0)
+    emb = model.get_input_embeddings().weight
+    scale = emb.norm(dim=1).mean()
+    for c, name in enumerate(CATEGORIES):
+        if counts[c] > 0:
+            emb[TOKEN_ID[name]] = means[c] / means[c].norm().clamp(min=1e-6) * scale
+
+
+def train_lm(
+    model,
+    stage: StageConfig,
+    batcher: Batcher,
+    probe: Probe | None,
+    log,
+    every: int,
+    log_every: int = 25,
+) -> None:
+    """Stages 2 and 3: projector + language model on question/answer sequences."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    relation_probe = None
+    if stage.relation_weight:
+        relation_probe = RelationProbe(model.config.text_config.hidden_size)
+        params += list(relation_probe.parameters())
+    hop_probe = None
+    if stage.hop_weight:
+        hop_probe = HopProbe(model.config.text_config.hidden_size)
+        params += list(hop_probe.parameters())
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
+    t0, step = _Clock(), 0
+    model.train()
+    model.model.vision_tower.eval()
+    form = stage.name
+    make = functools.partial(
+        batcher.text,
+        stage.batch,
+        form,
+        stage.mix,
+        stage.turns,
+        stage.cat_last_share,
+        stage.hide_share,
+        stage.query_labels,
+        stage.balance,
+    )
+    stream = _prefetch(make)
+    if stage.copy_weight or stage.relation_weight or stage.pointer_weight or stage.hop_weight:
+        model.set_attn_implementation("eager")  # the auxiliary losses read attention probabilities
+    while not _done(stage, step, t0):
+        for group in opt.param_groups:
+            group["lr"] = _lr(stage, step, t0)
+        batch = next(stream)
+        targets = batch.pop("copy_targets")
+        places, relations = batch.pop("position_targets"), batch.pop("relation_targets")
+        pointers, pointer_masks = batch.pop("pointer_targets"), batch.pop("pointer_masks")
+        hops, hop_masks = batch.pop("hop_targets"), batch.pop("hop_masks")
+        copy = stage.copy_weight and len(targets) > 0
+        relate = relation_probe is not None and len(places) + len(relations) > 0
+        point = stage.pointer_weight and len(pointers) > 0
+        hop = hop_probe is not None and len(hops) > 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            attend = bool(copy or relate or point or hop)
+            out = model(**batch, output_attentions=attend, output_hidden_states=relate or hop)
+        loss = out.loss
+        record = {"loss": out.loss.item()}
+        if copy:
+            attn_loss = copy_loss(out.attentions, targets)
+            loss = loss + stage.copy_weight * attn_loss
+            record["copy_loss"] = attn_loss.item()
+        if relate:
+            image = batch["input_ids"] == IMAGE
+            terms = relation_loss(
+                relation_probe, out.hidden_states, out.attentions, places, relations, image
+            )
+            loss = loss + stage.relation_weight * sum(terms.values())
+            record |= {f"{name}_loss": value.item() for name, value in terms.items()}
+        if hop:
+            terms = hop_loss(
+                hop_probe, out.hidden_states, out.attentions, hops, hop_masks, stage.hop_layers
+            )
+            loss = loss + stage.hop_weight * sum(terms.values())
+            record |= {f"{name}_loss": value.item() for name, value in terms.items()}
+        if point:
+            point_loss = pointer_loss(out.attentions, pointers, pointer_masks)
+            loss = loss + stage.pointer_weight * point_loss
+            record["pointer_loss"] = point_loss.item()
+        _descend(opt, params, loss)
+        step += 1
+        if probe is not None and (step % every == 0 or _done(stage, step, t0)):
+            record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
+            if stage.cat_last_share > 0:
+                cat = probe(model, "cat_last")
+                record.update({f"probe_cat_last_{k}": v for k, v in cat.items()})
+            log(stage.name, step, t0, record)
+        elif step % log_every == 0:
+            log(stage.name, step, t0, record)
+    model.set_attn_implementation("sdpa")
+
+
+def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
+    """Run the recipe from scratch; save the HF model, processor, log and curves to `out_dir`.
+
+    Each finished stage is checkpointed (`stage_<name>.pt`) and skipped on a rerun.
+    """
+    from .curves import plot_curves
+
+    torch.manual_seed(recipe.seed)
+    spec = SPECS[recipe.spec]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration(build_config(spec))
+    model.config.use_cache = False
+    batcher = Batcher(spec.n_visual, spec.patch, seed=recipe.seed)
+    two_hop = any("twohop" in st.mix for st in recipe.stages)
+    probe = Probe(spec, two_hop=two_hop)
+    log_path = out_dir / "train_log.jsonl"
+    history: list[dict] = []
+    if log_path.exists():
+        history = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+
+    def log(stage: str, step: int, clock: _Clock, values: dict) -> None:
+        row = {"stage": stage, "step": step, "seconds": round(clock.wall(), 1)}
+        row |= {"cpu_seconds": round(clock.cpu(), 1), **values}
+        history.append(row)
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if not quiet:
+            print(json.dumps(row), flush=True)
+
+    timings: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # stages checkpointed without CPU accounting are left out
+    for stage in recipe.stages:
+        ckpt = out_dir / f"stage_{stage.name}.pt"
+        if ckpt.exists():
+            state = torch.load(ckpt)
+            weights = state["model"]
+            if stage.name == "vision":  # the stage trains only the tower: keep just its weights
+                weights = {k: v for k, v in weights.items() if "vision_tower" in k}
+            model.load_state_dict(weights, strict=stage.name != "vision")
+            timings[stage.name] = state["seconds"]
+            if "cpu" in state:
+                cpu[stage.name] = state["cpu"]
+            if stage.name == "vision":
+                model.model.vision_tower.requires_grad_(False)
+            continue
+        history[:] = [h for h in history if h["stage"] != stage.name]
+        log_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+        clock = _Clock()
+        if stage.name == "vision":
+            train_vision(model, spec, stage, batcher, log)
+        else:
+            if stage.name == "cat_last":
+                init_category_embeddings(model, spec, batcher)
+            train_lm(model, stage, batcher, probe, log, recipe.eval_every)
+        timings[stage.name] = clock.wall()
+        cpu[stage.name] = clock.cpu()
+        torch.save({"model": model.state_dict(), "seconds": clock.wall(), "cpu": clock.cpu()}, ckpt)
+    model.config.use_cache = True
+    model.save_pretrained(out_dir)
+    build_processor(spec).save_pretrained(out_dir)
+    summary = {
+        "recipe": asdict(recipe),
+        "seconds": timings,
+        "cpu_seconds": cpu,
+        "minutes_total": sum(timings.values()) / 60,
+        "cpu_minutes_total": sum(cpu.values()) / 60,
+    }
+    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    plot_curves(history, out_dir / "learning_curves.png", title=spec.name)
+    return summary

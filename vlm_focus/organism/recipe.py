@@ -1,0 +1,141 @@
+"""Training recipes of the organism VLMs: three stages per model, with their budgets and task mixes.
+
+1. `vision`: the CLIP tower plus a per-patch head learns each patch's category (exact masks,
+   background weighted 0.3) and its row and column, on the features LLaVA feeds the projector
+   (`hidden_states[-1][:, 1:]`). The tower is then frozen.
+2. `cat_last`: projector + LM learn packed category-last questions (presence, where, relations),
+   where the answer follows the last category token.
+3. `chat`: the standard chat template with presence, relation, where and caption turns.
+The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions.
+Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends first (see
+:mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageConfig:
+    """One training stage: format, length, optimiser settings and task mix."""
+
+    name: str
+    steps: int
+    minutes: float
+    lr: float
+    batch: int = 16
+    warmup: int = 100
+    mix: dict[str, float] = field(default_factory=dict)
+    turns: tuple[int, int] = (1, 1)
+    cat_last_share: float = 0.0  # chat stage: share of rows kept in the category-last form
+    hide_share: float = 0.0  # share of rows that hide visual tokens no answer needs
+    query_labels: bool = False  # chat rows also answer at the question's last category token
+    copy_weight: float = 0.0  # weight of the copy-head attention loss (see `copy_loss`)
+    relation_weight: float = 0.0  # weight of the relation-circuit losses (see `relation_loss`)
+    pointer_weight: float = 0.0  # weight of the caption pointer loss (see `pointer_loss`)
+    balance: float = 0.0  # oversample rare categories: weight popularity ** -balance
+    hop_weight: float = 0.0  # weight of the two-hop circuit losses (see `hop_loss`)
+    hop_layers: tuple[int, ...] = (2, 3, 4)  # layers whose HOP_HEAD reads the hop-2 object
+
+
+@dataclass
+class Recipe:
+    spec: str
+    stages: list[StageConfig]
+    seed: int = 0
+    eval_every: int = 150
+
+
+def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
+    """The shipped recipe; `scale` multiplies steps and minutes (e.g. 0.01 for a smoke run).
+    The smaller guide trains for half the time; the deep model learns the two-hop family
+    (`deep_recipe`)."""
+    if spec == "deep":
+        return deep_recipe(scale)
+    if spec == "guide":
+        minutes, steps = (5.0, 8.0, 14.0), (4000, 3000, 6000)
+    else:  # 56 minutes in all on 2 cores
+        minutes, steps = (9.0, 15.0, 32.0), (4000, 3000, 6000)
+    return _three_stages(
+        spec,
+        minutes,
+        steps,
+        scale,
+        cat_last_mix={"presence": 0.5, "where": 0.2, "relation": 0.3},
+        chat_mix={"presence": 0.4, "relation": 0.25, "where": 0.1, "caption": 0.25},
+        pointer=0.2,
+    )
+
+
+def deep_recipe(scale: float = 1.0) -> Recipe:
+    """Recipe of the deep model: the same three stages, with two-hop questions in place of the
+    relations and captions, and the two-hop circuit losses. The minute budgets add up to 58, so
+    the whole run fits in an hour on 2 cores; a stage that reaches its step budget first ends
+    early."""
+    minutes, steps = (9.0, 15.0, 34.0), (4000, 1400, 3400)  # stage 1 as the default's
+    return _three_stages(
+        "deep",
+        minutes,
+        steps,
+        scale,
+        cat_last_mix={"presence": 0.35, "where": 0.15, "twohop": 0.5},
+        chat_mix={"presence": 0.45, "twohop": 0.45, "where": 0.1},
+        hop=1.0,
+        eval_every=300,
+    )
+
+
+def _three_stages(
+    spec: str,
+    minutes: tuple[float, float, float],
+    steps: tuple[int, int, int],
+    scale: float,
+    *,
+    cat_last_mix: dict[str, float],
+    chat_mix: dict[str, float],
+    pointer: float = 0.0,
+    hop: float = 0.0,
+    eval_every: int = 150,
+) -> Recipe:
+    """The stages every organism runs (vision, cat_last, chat), budgets scaled by `scale` (at
+    least 3 seconds and 2 steps each); the relation circuit and rare-category balance are on in
+    all of them, the caption pointer (`pointer`) and the two-hop circuit (`hop`) where given."""
+    m = [max(x * scale, 0.05) for x in minutes]
+    s = [max(int(x * scale), 2) for x in steps]
+    relation, balance = 1.0, 0.5
+    return Recipe(
+        spec=spec,
+        eval_every=eval_every,
+        stages=[
+            StageConfig("vision", s[0], m[0], 1e-3, batch=16, balance=balance),
+            StageConfig(
+                "cat_last",
+                s[1],
+                m[1],
+                1e-3,
+                mix=cat_last_mix,
+                turns=(6, 8),
+                hide_share=0.3,
+                relation_weight=relation,
+                hop_weight=hop,
+                balance=balance,
+            ),
+            StageConfig(
+                "chat",
+                s[2],
+                m[2],
+                8e-4,
+                mix=chat_mix,
+                turns=(1, 1),  # one turn: the last token copies from the only question
+                cat_last_share=0.5,
+                hide_share=0.3,
+                query_labels=True,
+                copy_weight=0.2,
+                relation_weight=relation,
+                pointer_weight=pointer,
+                hop_weight=hop,
+                balance=balance,
+            ),
+        ],
+    )
