@@ -209,11 +209,11 @@ def _run(config: RunConfig) -> int:
 
     model, processor, inputs, image, prompt, device = _load(config)
     focus = config.focus()
-    generate = dict(max_new_tokens=config.max_new_tokens, do_sample=False)
+    plain = RunSetting(max_new_tokens=config.max_new_tokens)  # the pruning is wrapped below
     with torch.inference_mode():
-        full = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
+        full = decode_new_tokens(processor, inputs, plain.generate(model, inputs))[0]
         with vf.wrap(model, focus) as handle:
-            pruned = decode_new_tokens(processor, inputs, model.generate(**inputs, **generate))[0]
+            pruned = decode_new_tokens(processor, inputs, plain.generate(model, inputs))[0]
         trace = handle.last_trace
         timing = pruned_prefill_timing(
             model,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation import greedy_generate
 from ._boxes import Box, boxes
 from ._heatmap import HeatMap
 from ._image_attention import HeadSpec
@@ -64,9 +65,9 @@ def describe_and_ground(
     """
     if processor is None:
         raise ValueError("describe_and_ground needs processor= (to decode the answer)")
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, **(generate_kwargs or {}))
-    with torch.no_grad():
-        sequences = model.generate(**inputs, **kwargs)
+    sequences, _ = greedy_generate(
+        model, inputs, max_new_tokens=max_new_tokens, **(generate_kwargs or {})
+    )
     answer = sequences[:, inputs["input_ids"].shape[1] :]
     gp = GroundingPass(
         model,
