@@ -34,7 +34,7 @@ from grounding_layers import (
     organism_parser,
     run_header,
 )
-from grounding_quality import CALIBRATION_SEED_BASE, _progress, auroc, grounding_queries
+from grounding_quality import CALIBRATION_SEED_BASE, _progress, grounding_queries, present_vs_absent
 from PIL import Image
 
 import vlm_focus as vf
@@ -100,8 +100,8 @@ def measure(name: str, model, processor, args) -> dict:
         }
         t = choose_threshold(*split["calibration"])
         out["signals"][signal] = {
-            "calibration_auroc": auroc(*split["calibration"]),
-            "heldout_auroc": auroc(*split["heldout"]),
+            "calibration_auroc": present_vs_absent(*split["calibration"]),
+            "heldout_auroc": present_vs_absent(*split["heldout"]),
             "threshold": t,
             "calibration": rates(*split["calibration"], t),
             "heldout": rates(*split["heldout"], t),

@@ -96,3 +96,14 @@ def test_unknown_model_type_lists_supported_and_registration_works():
         from vlm_focus.model_adapters import _ADAPTERS
 
         _ADAPTERS.pop("my_vlm")
+
+
+def test_every_supported_class_has_a_tiny_config_and_others_are_named():
+    from vlm_focus import supported_models
+    from vlm_focus.model_adapters.tiny import tiny_config, tiny_types
+
+    assert tiny_types() == sorted(supported_models())
+    config = tiny_config("llava", text=dict(num_hidden_layers=3))
+    assert config.model_type == "llava" and config.text_config.num_hidden_layers == 3
+    with pytest.raises(ValueError, match="model_type='gpt2' has no tiny config; allowed: llava"):
+        tiny_config("gpt2")

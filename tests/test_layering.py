@@ -152,7 +152,7 @@ def test_the_layering_checks_find_what_they_look_for():
     assert "vlm_focus.core.pruner" in graph["vlm_focus.pruners.fastv"]
     assert "vlm_focus.core.registry" in graph["vlm_focus.pruners.debiased"]
     assert not any(t.startswith("vlm_focus.pruners") for t in graph["vlm_focus.core.engine"])
-    assert _floor("vlm_focus.core.engine") == 0 and _floor("vlm_focus.organism.train") == 4
+    assert _floor("vlm_focus.core.engine") == 0 and _floor("vlm_focus.organism.loop") == 4
 
 
 def _modules_after(code: str) -> set[str]:
