@@ -61,12 +61,7 @@ def retention_plot(summaries: Sequence[dict], path: str | Path, metric: str = "f
         ax.set_title(split)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
 
 
 @_optional
@@ -106,9 +101,16 @@ def grounding_examples(
             ax.add_patch(Rectangle((x, y), w, h, fill=False, color="red", lw=1.5))
         ax.plot(*r["point"], marker="x", color="yellow", ms=8, mew=2)
         ax.set_title(f"{r['category']}  score {r['score']:.2f}", fontsize=7)
+    return _save(fig, path, dpi=100)
+
+
+def _save(fig: Any, path: str | Path, dpi: int) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (making its folder) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

@@ -225,12 +225,17 @@ def heldout_scenes(n: int = 500, min_objects: int = 1) -> list[Scene]:
 
     Training draws seeds >= 10,000,000 and the training probe uses 8,000,000+, so none meet.
     """
+    return scenes_from(HELDOUT_SEED_BASE, n, min_objects)
+
+
+def scenes_from(first_seed: int, n: int, min_objects: int = 1) -> list[Scene]:
+    """The first ``n`` scenes with at least ``min_objects`` objects, from seed ``first_seed`` on."""
     out: list[Scene] = []
-    seed = HELDOUT_SEED_BASE
+    seed = int(first_seed)
     while len(out) < n:
-        s = generate_scene(seed)
-        if len(s.objects) >= min_objects:
-            out.append(s)
+        scene = generate_scene(seed)
+        if len(scene.objects) >= min_objects:
+            out.append(scene)
         seed += 1
     return out
 

@@ -42,8 +42,8 @@ from .scenes import (
     Scene,
     SceneObject,
     coco_instances,
-    generate_scene,
     heldout_scenes,
+    scenes_from,
 )
 
 LAYOUTS = ("tile", "spread")
@@ -130,14 +130,7 @@ def native_scenes(n: int, min_objects: int = 3, first_seed: int | None = None) -
     (default: the held-out set, the POPE images of the normal organism evaluation)."""
     if first_seed is None:
         return heldout_scenes(n, min_objects=min_objects)
-    out: list[Scene] = []
-    seed = int(first_seed)
-    while len(out) < n:
-        scene = generate_scene(seed)
-        if len(scene.objects) >= min_objects:
-            out.append(scene)
-        seed += 1
-    return out
+    return scenes_from(first_seed, n, min_objects)
 
 
 def highres_scenes(

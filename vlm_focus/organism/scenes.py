@@ -27,6 +27,7 @@ from ..eval.scenes import (
     generate_scene,
     heldout_scenes,
     render,
+    scenes_from,
     shape_mask,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "in_direction",
     "relation_holds",
     "render",
+    "scenes_from",
     "shape_mask",
     "two_hop_pairs",
     "two_hop_target",
