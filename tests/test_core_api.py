@@ -271,3 +271,12 @@ def test_decode_without_mask_or_positions_restores_original_positions(kind):
             token = step.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
     assert torch.equal(torch.cat(tokens, 1), expected)
+
+
+def test_a_config_passes_live_option_objects_as_they_are():
+    """wrap(config=...) must not copy a pruner's options: guided's guide model and its
+    guide_inputs callback are live objects (a copy would read a stale harness state)."""
+    model, guide = make_model("llava"), make_model("llava", seed=3)
+    config = vf.FocusConfig(pruner="guided", keep=0.5, layer=0, options={"guide": guide})
+    with vf.wrap(model, config=config) as handle:
+        assert handle.config.options["guide"] is guide

@@ -105,7 +105,10 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
 
 
 def _build_config(config: FocusConfig | None, options: dict[str, Any]) -> FocusConfig:
-    base = dataclasses.asdict(config) if config is not None else {}
+    # field by field, not dataclasses.asdict: that deep-copies the options, and a pruner's
+    # options may hold live objects (guided's guide model and its guide_inputs callback)
+    fields = dataclasses.fields(FocusConfig)
+    base = {f.name: getattr(config, f.name) for f in fields} if config is not None else {}
     extra = dict(base.pop("options", {}) or {})
     for key, value in options.items():
         if key in _CONFIG_FIELDS:
