@@ -50,6 +50,7 @@ from vlm_focus import grounding as G
 from vlm_focus import zoom
 from vlm_focus.asset_paths import default_model_path
 from vlm_focus.eval.metrics import auroc, parse_yes_no, pope_metrics
+from vlm_focus.geometry import Frame
 from vlm_focus.loading import build_inputs, load_model
 from vlm_focus.organism import highres
 from vlm_focus.organism.pope import pope_questions
@@ -165,7 +166,7 @@ def run_methods(
     return out
 
 
-def chance_cover(crop: zoom.CropBox, box, width: int, height: int) -> float:
+def chance_cover(crop: Frame, box, width: int, height: int) -> float:
     """Probability that a crop of the same size at a uniformly random position covers ``box``."""
     bx, by, bw, bh = box
     nx, ny = width - crop.width + 1, height - crop.height + 1

@@ -155,7 +155,7 @@ class DemoResult:
     timing: PairedTiming | None = None
     seconds: float = 0.0
     #: ``zoom=True``: the pruned model's answer with the crop (``""`` without the zoom), whether
-    #: a crop was asked about at all, the crops (``zoom.CropBox``, image pixels) and the map
+    #: a crop was asked about at all, the crops (``geometry.Frame``, image pixels) and the map
     #: they came from with the crops drawn on it
     answer_zoomed: str = ""
     zoomed: bool = False
