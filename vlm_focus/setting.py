@@ -30,7 +30,7 @@ from . import hallucination as hal
 from .api import FocusHandle, wrap
 from .config import FocusConfig, keeps_everything
 from .core.pruner import Pruner
-from .core.registry import get_pruner
+from .core.registry import get_pruner, pruners_with
 from .generation import greedy_generate
 from .pruners import guided_generate
 from .zoom import ZoomOptions
@@ -107,7 +107,7 @@ class RunSetting:
                 )
         takes_guide = self.focus is not None and get_pruner(self.focus.pruner).needs_guide
         if self.guide is not None and not takes_guide:
-            guided = ", ".join(n for n in _guided_pruners()) or "none"
+            guided = ", ".join(pruners_with("needs_guide")) or "none"
             raise ValueError(f"a guide is an option of the pruners that take one ({guided})")
 
     # --- what the setting is ---------------------------------------------------------------
@@ -119,6 +119,11 @@ class RunSetting:
     @property
     def pruner_class(self) -> type[Pruner] | None:
         return get_pruner(self.focus.pruner) if self.pruned else None
+
+    @property
+    def needs_guide(self) -> bool:
+        """The run prunes with a pruner that scores from a guide model (hand it one)."""
+        return self.pruned and self.pruner_class.needs_guide
 
     @property
     def tag(self) -> str:
@@ -200,7 +205,7 @@ class RunSetting:
             yield None
             return
         options = {**self.focus.options, **run_options}
-        if self.pruner_class.needs_guide:
+        if self.needs_guide:
             if guide is None:
                 raise ValueError(
                     f"pruner {self.focus.pruner!r} needs a guide model (a small VLM; the "
@@ -230,10 +235,9 @@ class RunSetting:
         the guide's processor); ``instruction_contrast`` needs ``generic_inputs`` (the rows
         with the mitigation's ``generic_prompt``)."""
         kwargs = {"max_new_tokens": self.max_new_tokens, **generate_kwargs}
-        pruner = self.pruner_class
-        if pruner is not None and pruner.needs_guide:
+        if self.needs_guide:
             if handle is None or guide_inputs is None:
-                raise ValueError(f"pruner {pruner.name!r} needs the handle and guide_inputs")
+                raise ValueError(f"pruner {self.focus.pruner!r} needs the handle and guide_inputs")
             return guided_generate(
                 handle, inputs, guide_inputs, do_sample=False, **kwargs
             ).sequences
@@ -278,12 +282,6 @@ def _how_it_drives(pruner: type[Pruner]) -> str:
     if pruner.needs_guide:
         return "it runs generate() itself, through its guide"
     return "it drives decoding itself, picking new visual keys at every step"
-
-
-def _guided_pruners() -> list[str]:
-    from .core.registry import pruners
-
-    return [n for n in pruners() if get_pruner(n).needs_guide]
 
 
 __all__ = ["RunSetting", "focus_config"]

@@ -62,6 +62,12 @@ def get_pruner(name: str) -> type[Pruner]:
     return _PRUNERS[name]
 
 
+def pruners_with(capability: str) -> list[str]:
+    """The registered pruners whose class sets ``capability`` (a class attribute of
+    :class:`Pruner`, e.g. ``"needs_guide"`` or ``"attention_based"``)."""
+    return [name for name in pruners() if getattr(_PRUNERS[name], capability)]
+
+
 def pruner_options(name: str) -> list[OptionInfo]:
     """The options of pruner ``name`` (its ``Options`` dataclass), each with its name, type,
     default and help, in field order; pass them to ``vf.wrap`` as keywords. The options every

@@ -142,8 +142,7 @@ def run_chair(config: ChairConfig) -> dict | None:
     items = [{"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids]
     present, missing = split_missing(items, cocoset, config.on_missing)
     model, processor = load(config, state)
-    guided = setting.pruned and setting.pruner_class.needs_guide
-    guide = load_guide(config, state) if guided else (None, None)
+    guide = load_guide(config, state) if setting.needs_guide else (None, None)
     generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     table = ObjectWords.for_categories(cocoset.category_names.values())
     truth = _truth(cocoset, table)

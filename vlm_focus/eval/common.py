@@ -13,7 +13,7 @@ from typing import Any
 from ..asset_paths import guide_model_path, is_embedded
 from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
 from ..core.options import default_of, inherit, show
-from ..core.registry import get_pruner, pruners, read_pruner_options
+from ..core.registry import get_pruner, pruners_with, read_pruner_options
 from ..hallucination import mitigation_choices, mitigation_name
 from ..setting import RunSetting, focus_config
 
@@ -155,7 +155,7 @@ class PruneOptions(EvalOptions):
             self.keep = focus_config(self).keep
         if self.guide is not None and not self._sweeps():
             if self.pruner is None or not get_pruner(self.pruner).needs_guide:
-                takes = [n for n in pruners() if get_pruner(n).needs_guide]
+                takes = pruners_with("needs_guide")
                 raise ValueError(
                     f"guide={self.guide!r} only applies with a pruner that takes a guide "
                     f"({', '.join(takes)})"

@@ -14,7 +14,7 @@ from .. import hallucination as hal
 from .. import zoom as zm
 from ..config import keep_count
 from ..generation import new_token_counts
-from ..loading import build_inputs, load_image, to_model
+from ..loading import build_inputs, decode_new_tokens, load_image, to_model
 from ..model_adapters import get_adapter
 from ..setting import RunSetting
 
@@ -54,7 +54,7 @@ class Generator:
         self.model, self.processor, self.setting = model, processor, setting
         self.adapter = get_adapter(model)
         self.guide, self.guide_processor = guide, guide_processor
-        if setting.pruned and setting.pruner_class.needs_guide and guide is None:
+        if setting.needs_guide and guide is None:
             raise ValueError(f"pruner {setting.focus.pruner!r} needs a guide model (--guide PATH)")
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
@@ -113,7 +113,7 @@ class Generator:
             total = time.perf_counter() - start
         if s.zoom is not None:
             return self._zoom_rows(found, n_visual, clock, start, total)
-        texts = self.decode(inputs, sequences)
+        texts = decode_new_tokens(self.processor, inputs, sequences)
         kept = handle.last_trace.n_kept if handle is not None else n_visual
         prefill = (clock.first or start + total) - start
         new_tokens = new_token_counts(self.model, inputs, sequences)
@@ -177,7 +177,7 @@ class Generator:
     def _generate(self, inputs, images, prompts, gen, handle) -> torch.Tensor:
         s = self.setting
         guide_inputs = generic = None
-        if s.pruned and s.pruner_class.needs_guide:
+        if s.needs_guide:
             guide_inputs = self.inputs(images, prompts, self.guide_processor)
         if s.generic_prompt is not None:
             generic = self.inputs(images, [s.generic_prompt] * len(prompts))
@@ -189,7 +189,3 @@ class Generator:
             generic_inputs=generic,
             **gen,
         )
-
-    def decode(self, inputs: dict, sequences: torch.Tensor) -> list[str]:
-        new = sequences[:, inputs["input_ids"].shape[1] :]
-        return [t.strip() for t in self.processor.batch_decode(new, skip_special_tokens=True)]

@@ -257,7 +257,7 @@ def run_pope(config: PopeConfig) -> list[dict]:
     failed: list[str] = []
     for setting in settings:
         try:
-            if setting.pruned and setting.pruner_class.needs_guide and guide[0] is None:
+            if setting.needs_guide and guide[0] is None:
                 guide = load_guide(config, state)
             summaries += _run_setting(config, state, model, processor, guide, setting, sets, root)
         except (ValueError, FileNotFoundError, RuntimeError) as err:

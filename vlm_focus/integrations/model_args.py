@@ -27,7 +27,7 @@ from typing import Any
 
 from ..config import FocusConfig
 from ..hallucination import Mitigation, get_mitigation, mitigation_name, mitigations
-from ..pruners import get_pruner, pruners
+from ..pruners import get_pruner, pruners, pruners_with
 from ..setting import RunSetting
 
 FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
@@ -148,7 +148,7 @@ def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
             value = _stages(key, value)
         wrap[key] = value
     if guide is not None and "pruner" not in wrap:
-        takes = [n for n in pruners() if get_pruner(n).needs_guide]
+        takes = pruners_with("needs_guide")
         if len(takes) != 1:
             raise ValueError(f"guide={guide!r} needs pruner= (one of {', '.join(takes)})")
         wrap["pruner"] = takes[0]

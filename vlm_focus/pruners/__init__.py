@@ -29,6 +29,7 @@ from ..core.registry import (
     pruner_options,
     pruner_options_markdown,
     pruners,
+    pruners_with,
     read_pruner_options,
     register_pruner,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "pruner_options",
     "pruner_options_markdown",
     "pruners",
+    "pruners_with",
     "read_pruner_options",
     "register_pruner",
     "split_budget",

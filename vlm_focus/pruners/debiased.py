@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core.pruner import Pruner, Selection, StageContext
-from ..core.registry import get_pruner, pruners, register_pruner
+from ..core.registry import get_pruner, pruners_with, register_pruner
 from ..geometry import Frame, Size, as_size, content_fraction, view_frames
 from ..model_adapters import ModelAdapter
 from ._common import ImageTokens, fill_cellless, image_tokens
@@ -21,7 +21,7 @@ SINK_SOURCES = ("activation", "attention", "both")
 
 
 def _attention_pruners() -> list[str]:
-    return [n for n in pruners() if n != "debiased" and get_pruner(n).attention_based]
+    return [n for n in pruners_with("attention_based") if n != "debiased"]
 
 
 @dataclass
