@@ -11,7 +11,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus organism", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one organism model from scratch")
-    t.add_argument("--model", choices=["default", "guide", "deep", "tiny"], default="default")
+    t.add_argument("--model", choices=["default", "guide", "deep", "twohop-guide", "tiny"], default="default")
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
     t.add_argument("--seed", type=int, default=0)

@@ -53,6 +53,8 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
     (`deep_recipe`)."""
     if spec == "deep":
         return deep_recipe(scale)
+    if spec == "twohop-guide":
+        return twohop_guide_recipe(scale)
     if spec == "guide":
         minutes, steps = (5.0, 8.0, 14.0), (4000, 3000, 6000)
     else:  # 56 minutes in all on 2 cores
@@ -86,6 +88,22 @@ def deep_recipe(scale: float = 1.0) -> Recipe:
     )
 
 
+def twohop_guide_recipe(scale: float = 1.0) -> Recipe:
+    """Recipe of the two-hop guide: the deep model's task mix and circuit losses on a guide-sized
+    model, in 20 minutes on 2 cores, with the hop read in its last two layers."""
+    return _three_stages(
+        "twohop-guide",
+        (4.0, 6.0, 10.0),
+        (4000, 1400, 3400),
+        scale,
+        cat_last_mix={"presence": 0.35, "where": 0.15, "twohop": 0.5},
+        chat_mix={"presence": 0.45, "twohop": 0.45, "where": 0.1},
+        hop=1.0,
+        hop_layers=(2, 3),
+        eval_every=300,
+    )
+
+
 def _three_stages(
     spec: str,
     minutes: tuple[float, float, float],
@@ -96,6 +114,7 @@ def _three_stages(
     chat_mix: dict[str, float],
     pointer: float = 0.0,
     hop: float = 0.0,
+    hop_layers: tuple[int, ...] = (2, 3, 4),
     eval_every: int = 150,
 ) -> Recipe:
     """The stages every organism runs (vision, cat_last, chat), budgets scaled by `scale` (at
@@ -119,6 +138,7 @@ def _three_stages(
                 hide_share=0.3,
                 relation_weight=relation,
                 hop_weight=hop,
+                hop_layers=hop_layers,
                 balance=balance,
             ),
             StageConfig(
@@ -135,6 +155,7 @@ def _three_stages(
                 relation_weight=relation,
                 pointer_weight=pointer,
                 hop_weight=hop,
+                hop_layers=hop_layers,
                 balance=balance,
             ),
         ],
