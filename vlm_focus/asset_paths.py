@@ -42,6 +42,11 @@ def deep_model_path() -> Path:
     return ASSETS / "organism-deep"
 
 
+def twohop_guide_model_path() -> Path:
+    """Folder of the deep model's two-hop guide (8 x 8 visual tokens, 4 LM layers), HF format."""
+    return ASSETS / "organism-twohop-guide"
+
+
 def is_embedded(model: str | Path | None) -> bool:
     """True for ``None`` and ``"embedded"``: the shipped default model."""
     return model is None or str(model) == EMBEDDED

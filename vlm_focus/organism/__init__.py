@@ -11,6 +11,7 @@ from ..asset_paths import (
     default_model_path,
     guide_model_path,
     sample_scene_paths,
+    twohop_guide_model_path,
 )
 
 
@@ -28,4 +29,5 @@ __all__ = [
     "default_model_path",
     "guide_model_path",
     "sample_scene_paths",
+    "twohop_guide_model_path",
 ]

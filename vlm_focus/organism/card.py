@@ -134,7 +134,10 @@ def model_card(name: str, m: dict, folder: Path) -> str:
     """Markdown model card of organism-``name`` from its metrics ``m`` and its trained
     ``folder``: what it is, data, recipe, metrics against the bars, intended use."""
     run = _Run.read(Path(folder))
-    parts = _deep_parts(m, run) if name == "deep" else _default_parts(name, m, run)
+    if name in ("deep", "twohop-guide"):
+        parts = _deep_parts(name, m, run)
+    else:
+        parts = _default_parts(name, m, run)
     vc, tc = run.vision, run.text
     grid = vc["image_size"] // vc["patch_size"]
     lines = [
@@ -463,18 +466,41 @@ def deep_bars(m: dict) -> list[tuple[str, str, str, str]]:
     return rows + _latency_bar(m)
 
 
-def _deep_parts(m: dict, run: _Run) -> _Parts:
+_DEEP_INTRO = (
+    "The third organism of vlm_focus: a small `LlavaForConditionalGeneration` (CLIP vision tower + Llama "
+    "language model) with a deeper, narrower language model, trained from scratch on CPU on procedurally "
+    "generated scenes. It exists so that **pruning inside the language model can be measured**: its "
+    "two-hop questions need the image again after layer 2, where the other organisms have long finished "
+    "reading it. It is a test organism, not a general VLM."
+)
+_TWOHOP_GUIDE_INTRO = (
+    'The guide of organism-deep for small-model-guided pruning (`pruner="guided"`, SGL): a '
+    "guide-sized `LlavaForConditionalGeneration` (8 x 8 visual tokens, four narrow LM layers) trained "
+    "from scratch on CPU on the deep model's task family, two-hop questions included, so that its "
+    "attention can point at the object a two-hop question is about. It is a test organism, not a "
+    "general VLM."
+)
+
+
+def _deep_parts(name: str, m: dict, run: _Run) -> _Parts:
+    """The card of a model of the two-hop family: organism-deep, or its guide."""
     stages = run.stages
     chat = stages["chat"]
     hop_layers = chat.get("hop_layers", [2, 3, 4])
     total = run.summary["minutes_total"]
-    wall = ("training wall clock, 2 CPU cores", "<= 60 min", f"{total:.1f} min", _ok(total <= 60))
+    budget = 20 if name == "twohop-guide" else 60
+    wall = (
+        "training wall clock, 2 CPU cores",
+        f"<= {budget} min",
+        f"{total:.1f} min",
+        _ok(total <= budget),
+    )
+    bars = [*deep_bars(m), wall]
+    if name == "twohop-guide":
+        size = (run.folder / "model.safetensors").stat().st_size / 1e6
+        bars.append(("size (float32 safetensors)", "<= 10 MB", f"{size:.1f} MB", _ok(size <= 10)))
     return _Parts(
-        intro="The third organism of vlm_focus: a small `LlavaForConditionalGeneration` (CLIP vision tower + Llama "
-        "language model) with a deeper, narrower language model, trained from scratch on CPU on procedurally "
-        "generated scenes. It exists so that **pruning inside the language model can be measured**: its "
-        "two-hop questions need the image again after layer 2, where the other organisms have long finished "
-        "reading it. It is a test organism, not a general VLM.",
+        intro=_TWOHOP_GUIDE_INTRO if name == "twohop-guide" else _DEEP_INTRO,
         vocabulary="(word level; every category, position, colour and shape is one token). float32 safetensors.",
         chat=".",
         data=[
@@ -523,7 +549,7 @@ def _deep_parts(m: dict, run: _Run) -> _Parts:
             )
             + "; a stage that reaches its minute budget first ends early.",
         ],
-        bars=[*deep_bars(m), wall],
+        bars=bars,
         details=_deep_details(m),
         use="Measuring pruning inside the language model (FastV's K = 2, PyramidDrop's stages, debiasing) offline on "
         "CPU. Not a general VLM: it answers only about its own scene vocabulary.",

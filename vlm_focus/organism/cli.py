@@ -11,7 +11,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus organism", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one organism model from scratch")
-    t.add_argument("--model", choices=["default", "guide", "deep", "twohop-guide", "tiny"], default="default")
+    t.add_argument(
+        "--model", choices=["default", "guide", "deep", "twohop-guide", "tiny"], default="default"
+    )
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
     t.add_argument("--seed", type=int, default=0)
@@ -30,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-images", action="store_true")
     h = sub.add_parser("ship", help="copy a trained model + metrics into vlm_focus/assets")
     h.add_argument("--path", type=Path, required=True, help="trained model folder")
-    h.add_argument("--name", choices=["default", "guide", "deep"], required=True)
+    h.add_argument("--name", choices=["default", "guide", "deep", "twohop-guide"], required=True)
     h.add_argument("--metrics", type=Path, required=True, help="metrics json from `eval`")
     h.add_argument("--heldout", action="store_true", help="also write assets/heldout + samples")
     return p
