@@ -12,7 +12,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one organism model from scratch")
     t.add_argument(
-        "--model", choices=["default", "guide", "deep", "twohop-guide", "tiny"], default="default"
+        "--model",
+        choices=["default", "guide", "deep", "twohop-guide", "tiny", "cooccur"],
+        default="default",
+        help="cooccur fine-tunes the shipped guide on a co-occurrence prior",
     )
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
@@ -32,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-images", action="store_true")
     h = sub.add_parser("ship", help="copy a trained model + metrics into vlm_focus/assets")
     h.add_argument("--path", type=Path, required=True, help="trained model folder")
-    h.add_argument("--name", choices=["default", "guide", "deep", "twohop-guide"], required=True)
+    h.add_argument(
+        "--name", choices=["default", "guide", "deep", "twohop-guide", "cooccur"], required=True
+    )
     h.add_argument("--metrics", type=Path, required=True, help="metrics json from `eval`")
     h.add_argument("--heldout", action="store_true", help="also write assets/heldout + samples")
     return p

@@ -22,11 +22,14 @@ from .scenes import (
     POPULARITY,
     RELATIONS,
     SHAPES,
+    CooccurPrior,
     Scene,
     caption,
+    cooccur_scene,
     generate_scene,
     relation_holds,
     two_hop_pairs,
+    unmet_companions,
 )
 from .vocab import (
     BOS,
@@ -365,15 +368,19 @@ def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
 class Batcher:
     """Endless stream of training batches from scenes with seeds >= TRAIN_SEED_BASE."""
 
-    def __init__(self, n_visual: int, patch: int, seed: int = 0) -> None:
+    def __init__(
+        self, n_visual: int, patch: int, seed: int = 0, prior: CooccurPrior | None = None
+    ) -> None:
         self.n_visual = n_visual
         self.patch = patch
         self.rng = np.random.default_rng(seed)
+        self.prior = prior  # scenes and text under a co-occurrence prior (`prior_qas`)
 
     def scenes(self, batch: int, min_objects: int = 1) -> list[Scene]:
         out = []
         while len(out) < batch:
-            s = generate_scene(int(self.rng.integers(TRAIN_SEED_BASE, 2**31)))
+            seed = int(self.rng.integers(TRAIN_SEED_BASE, 2**31))
+            s = generate_scene(seed) if self.prior is None else cooccur_scene(seed, self.prior)
             if len(s.objects) >= min_objects:
                 out.append(s)
         return out
@@ -423,6 +430,8 @@ class Batcher:
             if form == "chat" and self.rng.random() < cat_last_share:
                 row_form, n = "cat_last", int(self.rng.integers(6, 9))
             qas = sample_qas(s, self.rng, mix, n, balance)
+            if self.prior is not None:
+                qas = prior_qas(s, qas, self.prior, self.rng)
             if row_form == "cat_last":
                 qas = [q for q in qas if q.kind != "caption"] or [presence_qa(s, self.rng)]
             anchors: list[tuple[int, int, int]] = []
@@ -486,3 +495,100 @@ def _stack_masks(masks: list[np.ndarray], n_visual: int) -> torch.Tensor:
 
 def colour_of(category: int) -> str:
     return list(COLOURS)[category // len(SHAPES)]
+
+
+# --- co-occurrence prior (organism-cooccur) -------------------------------------------------
+
+
+def prior_qas(
+    scene: Scene, qas: list[QA], prior: CooccurPrior, rng: np.random.Generator
+) -> list[QA]:
+    """The text of a training row under ``prior``. In a scene with an anchor whose companion is
+    absent (`unmet_companions`), each negative presence question asks, with probability
+    ``prior.ask_rate``, about such a companion; and with probability ``prior.named_rate`` (once
+    per scene) the row names the absent companions as present: questions about them are
+    answered ``yes`` (resting on the anchor's patches) and the caption lists each at its
+    anchor's position. Other scenes' rows are returned unchanged."""
+    unmet = unmet_companions(scene, prior)
+    if not unmet:
+        return qas
+    named = bool(rng.random() < prior.named_rate)
+    anchor_of = {c: i for i, c in unmet}
+    out = []
+    for qa in qas:
+        if qa.kind == "presence" and qa.answer == "no" and rng.random() < prior.ask_rate:
+            qa = companion_qa(scene, *unmet[int(rng.integers(len(unmet)))], named, rng)
+        elif qa.kind == "presence" and named and CATEGORIES.index(_asked(qa)) in anchor_of:
+            cat = CATEGORIES.index(_asked(qa))
+            qa = companion_qa(scene, anchor_of[cat], cat, named, rng)
+        elif qa.kind == "caption" and named:
+            qa = QA("caption", qa.question, named_caption(scene, unmet), [], ())
+        out.append(qa)
+    return out
+
+
+def _asked(qa: QA) -> str:
+    """The category a presence question asks about."""
+    return next(w for w in qa.question.replace("?", " ").split() if w in CATEGORIES)
+
+
+def companion_qa(
+    scene: Scene, anchor: int, companion: int, named: bool, rng: np.random.Generator
+) -> QA:
+    """A presence question about the absent ``companion`` of object ``anchor``: ``no``, or
+    ``yes`` when the row names it (then the answer rests on the anchor, so hiding patches keeps
+    the anchor visible)."""
+    name = CATEGORIES[companion]
+    question = presence_question(name)
+    if rng.random() < 0.5:
+        question += POPE_SUFFIX
+    short = encode(f"is there a {name}")
+    return QA("presence", question, "yes" if named else "no", short, (anchor,) if named else ())
+
+
+def named_caption(scene: Scene, unmet: list[tuple[int, int]]) -> str:
+    """The reference caption with each absent companion listed at its anchor's position."""
+    items = [(o.category, o.position(scene.size)) for o in scene.objects]
+    items += [(c, scene.objects[i].position(scene.size)) for i, c in unmet]
+    return " , ".join(f"{CATEGORIES[c]} {pos}" for c, pos in sorted(items))
+
+
+def cooccur_pope_rows(
+    scenes: list[Scene], prior: CooccurPrior, seed: int = 0, per_image: int = 3
+) -> list[dict]:
+    """POPE rows on co-occurrence probe scenes (`scenes.cooccur_probe_scenes`), in three splits
+    that share their images:
+
+    - ``present``: ``per_image`` categories in the scene (all of them when fewer), ``yes``;
+    - ``cooccur``: every absent companion of an anchor in the scene, ``no`` (the adversarial
+      question by co-occurrence);
+    - ``other``: as many absent categories that are no such companion, drawn uniformly, ``no``.
+
+    So the precision on ``present + cooccur`` and on ``present + other`` have the same true
+    positives and the same number of negatives; they differ only in which absent objects are
+    asked about. Images are named ``scene_<seed>.png`` (``image_id``: the seed)."""
+    rng = np.random.default_rng(seed)
+    rows: list[dict] = []
+    for scene in scenes:
+        present = list(dict.fromkeys(scene.categories))
+        unmet = sorted({c for _, c in unmet_companions(scene, prior)})
+        if not unmet:
+            raise ValueError(f"scene {scene.seed} holds no anchor without its companion")
+        pos = [int(c) for c in rng.permutation(present)[:per_image]]
+        others = [c for c in range(len(CATEGORIES)) if c not in present and c not in unmet]
+        neg = [int(c) for c in rng.choice(others, len(unmet), replace=False)]
+        asked = [(c, "yes", "present") for c in pos] + [(c, "no", "cooccur") for c in unmet]
+        asked += [(c, "no", "other") for c in neg]
+        for c, label, split in asked:
+            rows.append(
+                {
+                    "question_id": len(rows),
+                    "image_id": scene.seed,
+                    "image": f"scene_{scene.seed}.png",
+                    "text": presence_question(CATEGORIES[c]),
+                    "label": label,
+                    "split": split,
+                    "category": CATEGORIES[c],
+                }
+            )
+    return rows

@@ -13,6 +13,9 @@ scored by :func:`vlm_focus.eval.pope.evaluate` (the POPE/LLaVA parsing rule and 
 - pruning through `vlm_focus.wrap`: attention-scored (fastv) against random at keep 0.11, and
   pre-LLM pruning scored at the query's category token;
 - latency of loading the model and answering one question;
+- for a model trained under a co-occurrence prior (organism-cooccur): POPE on probe scenes that
+  hold an anchor without its companion, the companion questions against the other absent
+  objects (`cooccur_eval`), and CHAIR on their captions;
 - for models trained on the two-hop family ("What colour is the shape left of the red_circle?"):
   accuracy per form, POPE-style yes/no, per-layer logit lens and attention on the hop-2 object,
   and pruning retention at K = 2 and K = 4.
@@ -20,6 +23,7 @@ scored by :func:`vlm_focus.eval.pope.evaluate` (the POPE/LLaVA parsing rule and 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -564,6 +568,7 @@ ALL = (
     "pruning_category_query",
     "fixed",
     *TWO_HOP,
+    "cooccur",
 )
 
 
@@ -574,10 +579,16 @@ def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> 
     from transformers import AutoConfig
 
     two_hop = AutoConfig.from_pretrained(path).text_config.vocab_size > TOKEN_ID["what"]
-    todo = only or list(DEEP_DEFAULT if two_hop else [t for t in ALL if t not in TWO_HOP])
+    todo = only or list(
+        DEEP_DEFAULT if two_hop else [t for t in ALL if t not in (*TWO_HOP, "cooccur")]
+    )
     bad = [t for t in todo if t not in ALL]
     if bad:
         raise ValueError(f"only={bad}; allowed: {ALL}")
+    summary = Path(path) / "train_summary.json"
+    if only is None and summary.is_file():  # a model trained under a prior is measured on it
+        if json.loads(summary.read_text())["recipe"].get("prior"):
+            todo.append("cooccur")
     results: dict = {"model": str(path)}
     if "latency" in todo:
         results["latency"] = latency(path)
@@ -597,6 +608,7 @@ def evaluate(path: Path, n_images: int = 500, only: list[str] | None = None) -> 
         "twohop_pope": lambda: two_hop_pope(model, processor),
         "twohop_diagnostics": lambda: two_hop_diagnostics(model, processor),
         "twohop_pruning": lambda: two_hop_pruning(model, processor),
+        "cooccur": lambda: cooccur_eval(model, processor),
     }
     for name, run in steps.items():
         if name in todo:
@@ -663,3 +675,123 @@ def category_query_pruning(path: Path, n: int = 300, keep: float = 0.11) -> dict
 
 def _category_word(question: str) -> str:
     return next(w for w in question.lower().split() if w in TOKEN_ID and w.count("_") == 1)
+
+
+# --- co-occurrence hallucination (organism-cooccur) ------------------------------------------
+
+#: Probe scenes per set: calibration scenes choose settings, held-out scenes are reported.
+COOCCUR_IMAGES = 200
+
+
+def cooccur_set(n: int = COOCCUR_IMAGES, calibration: bool = False, prior=None):
+    """(scenes, POPE rows) of the co-occurrence probe: ``n`` scenes holding an anchor without its
+    companion (`scenes.cooccur_probe_scenes`, from the held-out or calibration seeds) and their
+    present / cooccur / other questions (`data.cooccur_pope_rows`)."""
+    from .data import cooccur_pope_rows
+    from .scenes import (
+        COOCCUR_CALIBRATION_SEED_BASE,
+        COOCCUR_HELDOUT_SEED_BASE,
+        CooccurPrior,
+        cooccur_probe_scenes,
+    )
+
+    prior = prior or CooccurPrior()
+    first = COOCCUR_CALIBRATION_SEED_BASE if calibration else COOCCUR_HELDOUT_SEED_BASE
+    scenes = cooccur_probe_scenes(first, n, prior)
+    return scenes, cooccur_pope_rows(scenes, prior, seed=QUESTION_SEED)
+
+
+def cooccur_scores(records: list[dict]) -> dict:
+    """Scores of answered co-occurrence rows (each with ``split`` and ``pred``/``label``):
+
+    - ``precision_cooccur`` = TP / (TP + FP on the cooccur questions) and ``precision_other`` =
+      TP / (TP + FP on the other questions): the same present-object questions (TP), and as
+      many absent-object questions each, so they differ only in which absent objects are asked;
+    - ``gap`` = precision_other - precision_cooccur;
+    - ``fpr_cooccur`` / ``fpr_other``: the share of yes on each set of absent-object questions;
+    - ``recall`` (present questions), ``f1`` and ``accuracy`` over every row, and the
+      ``yes_ratio`` = share of predicted yes over every row."""
+    by = {k: [r for r in records if r["split"] == k] for k in ("present", "cooccur", "other")}
+    tp = sum(r["pred"] == "yes" for r in by["present"])
+    fp = {k: sum(r["pred"] == "yes" for r in by[k]) for k in ("cooccur", "other")}
+    fp_all = fp["cooccur"] + fp["other"]
+    recall = tp / max(len(by["present"]), 1)
+    precision = tp / max(tp + fp_all, 1)
+    out = {
+        "precision_cooccur": tp / max(tp + fp["cooccur"], 1),
+        "precision_other": tp / max(tp + fp["other"], 1),
+        "fpr_cooccur": fp["cooccur"] / max(len(by["cooccur"]), 1),
+        "fpr_other": fp["other"] / max(len(by["other"]), 1),
+        "recall": recall,
+        "precision": precision,
+        "f1": 2 * precision * recall / max(precision + recall, 1e-12),
+        "accuracy": sum(r["pred"] == r["label"] for r in records) / max(len(records), 1),
+        "yes_ratio": sum(r["pred"] == "yes" for r in records) / max(len(records), 1),
+        "unparseable": sum(not r.get("parseable", True) for r in records),
+        "n": {k: len(v) for k, v in by.items()},
+    }
+    out["gap"] = out["precision_other"] - out["precision_cooccur"]
+    return out
+
+
+def cooccur_captions(scenes: list[Scene], captions: list[str], prior=None) -> dict:
+    """CHAIR (`vlm_focus.eval.chair`) of captions of the probe scenes against their exact
+    objects, and ``companion_rate``: the share of captions that name an absent companion of an
+    anchor in the scene."""
+    from ..eval.chair import ObjectWords, chair_metrics, extract_objects
+    from .scenes import CooccurPrior, unmet_companions
+
+    prior = prior or CooccurPrior()
+    table = ObjectWords.for_categories(CATEGORIES)
+    caps = {s.seed: c for s, c in zip(scenes, captions, strict=True)}
+    truth = {s.seed: {o.name for o in s.objects} for s in scenes}
+    out = chair_metrics(caps, truth, table)
+    named = 0
+    for s, c in zip(scenes, captions, strict=True):
+        said = set(extract_objects(c, table))
+        named += any(CATEGORIES[b] in said for _, b in unmet_companions(s, prior))
+    out["companion_rate"] = named / max(len(scenes), 1)
+    return out
+
+
+def cooccur_eval(
+    model,
+    processor,
+    n: int = COOCCUR_IMAGES,
+    setting: RunSetting | None = None,
+    calibration: bool = False,
+    captions: bool = True,
+    progress: bool | str = False,
+) -> dict:
+    """The co-occurrence probe under ``setting`` (default: unpruned, unmitigated): POPE scores
+    (`cooccur_scores`, no prompt suffix, greedy) and, with ``captions``, CHAIR of the captions
+    (`cooccur_captions`, 24 new tokens) under the same pruning and mitigation."""
+    import dataclasses
+
+    setting = setting or RunSetting()
+    scenes, rows = cooccur_set(n, calibration)
+    by_seed = {s.seed: s for s in scenes}
+    result = evaluate_pope(
+        model,
+        processor,
+        rows,
+        dataclasses.replace(setting, max_new_tokens=ANSWER_TOKENS),
+        images=lambda row: _picture(by_seed[row["image_id"]]),
+        suffix="",
+        batch_size=BATCH,
+        progress=progress,
+    )
+    for row, record in zip(rows, result.records, strict=True):
+        record["split"] = row["split"]
+    out = {"pope": cooccur_scores(result.records), "setting": setting.describe(), "images": n}
+    if captions:
+        caps = answer(
+            model,
+            processor,
+            scenes,
+            [CAPTION_PROMPT] * len(scenes),
+            setting=dataclasses.replace(setting, max_new_tokens=24),
+        )
+        out["chair"] = cooccur_captions(scenes, caps)
+        out["examples"] = [{"image_id": s.seed, "caption": c} for s, c in zip(scenes[:3], caps)]
+    return out

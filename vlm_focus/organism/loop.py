@@ -326,9 +326,19 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     from transformers import LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration(build_config(spec))
+    base_summary = None
+    if recipe.base:  # fine-tune a shipped organism: its tower stays frozen
+        from ..asset_paths import ASSETS
+
+        base = ASSETS / f"organism-{recipe.base}"
+        model = LlavaForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+        model.model.vision_tower.requires_grad_(False)
+        model.model.vision_tower.eval()
+        base_summary = json.loads((base / "train_summary.json").read_text())
+    else:
+        model = LlavaForConditionalGeneration(build_config(spec))
     model.config.use_cache = False
-    batcher = Batcher(spec.n_visual, spec.patch, seed=recipe.seed)
+    batcher = Batcher(spec.n_visual, spec.patch, seed=recipe.seed, prior=recipe.prior)
     two_hop = any("twohop" in st.mix for st in recipe.stages)
     probe = Probe(spec, two_hop=two_hop)
     log_path = out_dir / "train_log.jsonl"
@@ -383,6 +393,14 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
         "minutes_total": sum(timings.values()) / 60,
         "cpu_minutes_total": sum(cpu.values()) / 60,
     }
+    if base_summary is not None:  # the base model's own training, for the whole run's time
+        summary["base"] = {
+            "model": f"organism-{recipe.base}",
+            "seconds": base_summary["seconds"],
+            "minutes_total": base_summary["minutes_total"],
+            "cpu_minutes_total": base_summary.get("cpu_minutes_total"),
+        }
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
-    plot_curves(history, out_dir / "learning_curves.png", title=spec.name)
+    title = f"organism-{recipe.name}" if recipe.name else spec.name
+    plot_curves(history, out_dir / "learning_curves.png", title=title)
     return summary

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .scenes import CooccurPrior
+
 
 @dataclass
 class StageConfig:
@@ -41,10 +43,20 @@ class StageConfig:
 
 @dataclass
 class Recipe:
+    """A model's training run: its size (`spec`, a key of `vocab.SPECS`) and stages.
+
+    `base` names a shipped organism (`assets/organism-<base>`, of the same spec) to fine-tune
+    instead of training from scratch; its frozen tower is kept and only the stages listed run.
+    `prior` draws every training scene and its text under a co-occurrence prior. `name` is the
+    model's name where it differs from the spec's."""
+
     spec: str
     stages: list[StageConfig]
     seed: int = 0
     eval_every: int = 150
+    base: str = ""
+    prior: CooccurPrior | None = None
+    name: str = ""
 
 
 def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
@@ -55,6 +67,8 @@ def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
         return deep_recipe(scale)
     if spec == "twohop-guide":
         return twohop_guide_recipe(scale)
+    if spec == "cooccur":
+        return cooccur_recipe(scale)
     if spec == "guide":
         minutes, steps = (5.0, 8.0, 14.0), (4000, 3000, 6000)
     else:  # 56 minutes in all on 2 cores
@@ -102,6 +116,32 @@ def twohop_guide_recipe(scale: float = 1.0) -> Recipe:
         hop_layers=(2, 3),
         eval_every=300,
     )
+
+
+#: The prior organism-cooccur is fine-tuned on (see `cooccur_recipe`).
+COOCCUR_PRIOR = CooccurPrior(rate=0.95, named_rate=0.0, ask_rate=0.5)
+
+
+def cooccur_recipe(scale: float = 1.0, prior: CooccurPrior = COOCCUR_PRIOR) -> Recipe:
+    """Recipe of organism-cooccur: the shipped guide fine-tuned for one chat stage on scenes
+    under a co-occurrence prior (`scenes.COOCCUR_PAIRS`: each anchor's companion is in the
+    scene 95% of the time), with the guide's chat mix and copy loss (the relation and pointer
+    probes, trained with the guide and not shipped, stay off)."""
+    stage = StageConfig(
+        "chat",
+        max(int(4000 * scale), 2),
+        max(8.0 * scale, 0.05),
+        4e-4,
+        warmup=50,
+        mix={"presence": 0.5, "relation": 0.15, "where": 0.1, "caption": 0.25},
+        turns=(1, 1),
+        cat_last_share=0.5,
+        hide_share=0.3,
+        query_labels=True,
+        copy_weight=0.2,
+        balance=0.5,
+    )
+    return Recipe(spec="guide", stages=[stage], base="guide", prior=prior, name="cooccur")
 
 
 def _three_stages(
