@@ -47,6 +47,12 @@ def twohop_guide_model_path() -> Path:
     return ASSETS / "organism-twohop-guide"
 
 
+def cooccur_model_path() -> Path:
+    """Folder of the co-occurrence organism (the guide fine-tuned on a co-occurrence prior, so
+    that it hallucinates an anchor's companion), HF format."""
+    return ASSETS / "organism-cooccur"
+
+
 def is_embedded(model: str | Path | None) -> bool:
     """True for ``None`` and ``"embedded"``: the shipped default model."""
     return model is None or str(model) == EMBEDDED
@@ -73,6 +79,7 @@ __all__ = [
     "CAPTION_PROMPT",
     "EMBEDDED",
     "HELDOUT_FILES",
+    "cooccur_model_path",
     "deep_model_path",
     "default_model_path",
     "guide_model_path",

@@ -7,6 +7,7 @@ CPU benchmark for pruning and grounding. They are test organisms, not general VL
 from __future__ import annotations
 
 from ..asset_paths import (
+    cooccur_model_path,
     deep_model_path,
     default_model_path,
     guide_model_path,
@@ -25,6 +26,7 @@ def build_prompt(question: str) -> str:
 
 __all__ = [
     "build_prompt",
+    "cooccur_model_path",
     "deep_model_path",
     "default_model_path",
     "guide_model_path",
