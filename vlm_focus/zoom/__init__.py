@@ -5,8 +5,10 @@ attention often already points at them. Training-free zoom reads where the quest
 attention map of its content words, :class:`~vlm_focus.grounding.GroundingPass`), crops that
 region at full resolution and asks again, with the image and the crop or with the crop alone
 (SD-RPN turns mid-layer attention into such region proposals). Adaptive routing zooms only
-when the plain answer's first token is uncertain, with a threshold calibrated conformally on
-held-out questions (LazyMCoT).
+where a routing statistic is low, with a threshold calibrated conformally on held-out questions
+(LazyMCoT): the plain answer's first-token confidence (``top1``, the default, ``margin``) or a
+statistic of the question's attention map (``peak``, ``entropy``, ``outside``; the map is then
+read for every question the zoom can crop, before any answer).
 
     from vlm_focus import zoom
     found = zoom.look_closer(model, processor, image, "Is there a red_circle in the image?")
@@ -14,7 +16,7 @@ held-out questions (LazyMCoT).
 
     cal, _ = zoom.calibrate_model(model, processor, images, questions, labels, recall=0.9)
     found = zoom.look_closer(model, processor, images, questions, route="adaptive",
-                             threshold=cal.threshold)
+                             threshold=cal.threshold, statistic=cal.statistic)
     share = sum(f.routed for f in found) / len(found)
 
     python -m vlm_focus.zoom calibrate --questions pope_random.jsonl --image-dir DIR --out cal.json
@@ -38,22 +40,37 @@ from ._look import (
     first_pass,
     look_closer,
     reask,
+    routing_statistics,
 )
 from ._reask import MODES, chat_text, default_mode, mode_for, multi_image_inputs
-from ._routing import STATISTICS, Calibration, calibrate, first_token_confidence, route
+from ._routing import (
+    MAP_STATISTICS,
+    STATISTICS,
+    TOKEN_STATISTICS,
+    Calibration,
+    calibrate,
+    cell_statistic,
+    first_token_confidence,
+    map_statistic,
+    outside_share,
+    route,
+)
 
 __all__ = [
     "ANCHORS",
     "ASPECTS",
+    "MAP_STATISTICS",
     "MODES",
     "ROUTES",
     "STATISTICS",
+    "TOKEN_STATISTICS",
     "Calibration",
     "ZoomAnswer",
     "ZoomOptions",
     "answers_match",
     "calibrate",
     "calibrate_model",
+    "cell_statistic",
     "chat_text",
     "choose_crops",
     "crop_box",
@@ -62,10 +79,13 @@ __all__ = [
     "first_token_confidence",
     "frame_aspect",
     "look_closer",
+    "map_statistic",
     "mode_for",
     "multi_image_inputs",
     "native_side",
+    "outside_share",
     "reask",
     "route",
+    "routing_statistics",
     "union_box",
 ]

@@ -6,6 +6,9 @@
 Question files are JSONL rows with ``image`` (a file name under ``--image-dir``), ``text`` (the
 question) and ``label`` (the reference answer), as the POPE files are. A row is a hard case when
 the plain answer's first word differs from the label's (:func:`vlm_focus.zoom.answers_match`).
+``--statistic`` picks the routing statistic (:data:`vlm_focus.zoom.STATISTICS`): a first-token
+confidence, or an attention-map statistic read with the zoom's default map (every layer, the
+question's content words); the latter calibrates on the images the zoom can crop only.
 """
 
 from __future__ import annotations
@@ -51,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--model", default=None, help="path or hub id (default: the embedded one)")
     cal.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     cal.add_argument("--recall", type=float, default=0.9, help="share of hard cases to route")
-    cal.add_argument("--statistic", choices=STATISTICS, default="top1")
+    cal.add_argument(
+        "--statistic",
+        choices=STATISTICS,
+        default="top1",
+        help="routing statistic: first-token top1/margin or attention-map peak/entropy/outside",
+    )
     cal.add_argument("--limit", type=int, default=None, help="use the first N questions")
     cal.add_argument("--batch-size", type=int, default=8)
     cal.add_argument("--max-new-tokens", type=int, default=16)

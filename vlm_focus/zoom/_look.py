@@ -6,8 +6,12 @@
 
 The steps, per batch of questions (each row one image and one question):
 
-1. plain pass (``route="adaptive"`` or ``"never"``): ``generate()`` answers every question; the
-   first answer token's distribution gives the routing confidence (:mod:`._routing`);
+1. plain pass (``route="never"``, or ``"adaptive"`` with a first-token ``statistic``):
+   ``generate()`` answers every question; the first answer token's distribution gives the
+   routing score (:mod:`._routing`). With an attention-map ``statistic`` (``peak``,
+   ``entropy``, ``outside``) the map comes first instead: every question the zoom can crop is
+   mapped (step 2), its map's score routes it, and only the rows not routed are answered
+   plainly;
 2. map (routed rows): one :class:`~vlm_focus.grounding.GroundingPass` over the prompts reads
    the attention of the question's content words (its :meth:`mentions`, or ``focus=``) at the
    chosen ``layers`` or localization ``heads``: a :class:`~vlm_focus.grounding.HeatMap` in the
@@ -43,11 +47,15 @@ from ..model_adapters import get_adapter
 from ._crop import crop_box, union_box
 from ._reask import MODES, multi_image_inputs, reask_images, resolve_mode
 from ._routing import (
+    MAP_STATISTICS,
     STATISTICS,
+    TOKEN_STATISTICS,
     Calibration,
     calibrate,
+    check_statistic,
     check_threshold,
     first_token_confidence,
+    map_statistic,
     route,
 )
 
@@ -64,22 +72,27 @@ class ZoomOptions:
     route: str = field(
         default="always",
         metadata={
-            "help": "always zoom, zoom when the plain answer's first-token confidence is below "
-            "threshold (adaptive), or never",
+            "help": "always zoom, zoom when the routing statistic (the plain answer's "
+            "first-token confidence or the question's attention map) is below threshold "
+            "(adaptive), or never",
             "choices": ROUTES,
         },
     )
     threshold: float | None = field(
         default=None,
         metadata={
-            "help": "adaptive routing: zoom when the confidence is below it (0: never, 1: "
-            "always); from zoom.calibrate",
+            "help": "adaptive routing: zoom when the statistic is below it (0: never, 1: "
+            "every question the zoom can crop); from zoom.calibrate",
         },
     )
     statistic: str = field(
         default="top1",
         metadata={
-            "help": "first-token confidence: top-1 probability or top-1 minus top-2",
+            "help": "routing statistic, in [0, 1], low = zoom: the first answer token's top-1 "
+            "probability (top1) or top-1 minus top-2 (margin), or the question's attention "
+            "map's 1 - peak cell share (peak), normalised entropy (entropy) or share of mass "
+            "outside the zoom's crop (outside); top1 measured best on the organism "
+            "(zoom_quality.md)",
             "choices": STATISTICS,
         },
     )
@@ -144,8 +157,7 @@ class ZoomOptions:
             )
         if self.threshold is not None:
             self.threshold = check_threshold(self.threshold)
-        if self.statistic not in STATISTICS:
-            raise ValueError(f"statistic={self.statistic!r}; allowed: {STATISTICS}")
+        check_statistic(self.statistic)
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r}; allowed: {MODES} or None")
         if isinstance(self.regions, bool) or not isinstance(self.regions, int) or self.regions < 1:
@@ -196,15 +208,18 @@ class ZoomAnswer:
     Attributes:
         question: the question asked.
         answer: the final answer (the zoomed one where the row was zoomed).
-        plain_answer: the plain pass's answer (``None`` with ``route="always"``).
-        confidence: the plain pass's first-token confidence (``None`` without a plain pass).
+        plain_answer: the plain pass's answer (``None`` with ``route="always"``, and for a row
+            that an attention-map statistic routed: it is asked zoomed only).
+        confidence: the routing statistic's score (``ZoomOptions.statistic``): the plain
+            pass's first-token confidence, or the attention map's score; ``None`` where it was
+            not computed (``route="always"``; a map statistic on an image the zoom cannot crop).
         routed: whether the row went to the zoom.
         zoomed: whether it was re-asked with a crop (a crop equal to the whole image is not).
         mode: ``"both"`` or ``"crop"``.
         crops: the chosen regions in the image's pixels (empty when not routed).
         boxes: the attention boxes they grew from (a peak gives a 1-pixel box).
-        map: the question's attention map (``None`` when not routed, or when the smallest
-            crop already covers the image).
+        map: the question's attention map (``None`` when no map was read: not routed under a
+            first-token statistic, or the smallest crop already covers the image).
         seconds: this row's share of each phase's batch time (``plain``, ``map``, ``reask``)
             and their sum (``total``); the mean of ``total`` is the batch's wall time per row.
     """
@@ -365,6 +380,99 @@ def _generate(
     return decode_new_tokens(processor, inputs, sequences), first
 
 
+def _croppable(options: ZoomOptions, size: Size, processor: Any) -> bool:
+    """Whether the zoom can crop the image: its smallest allowed crop is smaller than the image
+    (with ``min_size="view"``: the processor shrinks the image)."""
+    return _min_side(options, size, processor) < max(size)
+
+
+def _map_rows(
+    model: nn.Module,
+    processor: Any,
+    pictures: Sequence[Any],
+    questions: Sequence[str],
+    focuses: Sequence[str | None],
+    rows: Sequence[int],
+    options: ZoomOptions,
+    mode: str,
+) -> dict[int, tuple[HeatMap, list[Box], list[Frame]]]:
+    """One :class:`GroundingPass` over ``rows``: each row's question map, its boxes and crops."""
+    if not rows:
+        return {}
+    inputs = to_model(
+        model, build_inputs(processor, [pictures[b] for b in rows], [questions[b] for b in rows])
+    )
+    layers = options.layers
+    if layers is None and options.heads is None:
+        # every layer: the zoom's measured best map on small objects (zoom_quality.md),
+        # unlike grounding's default layers, which point best at native size
+        layers = list(range(len(get_adapter(model).decoder_layers(model))))
+    gp = GroundingPass(
+        model,
+        inputs,
+        processor=processor,
+        images=[pictures[b] for b in rows],
+        layers=layers,
+        heads=options.heads,
+    )
+    out = {}
+    for j, b in enumerate(rows):
+        heat = _focus_map(gp, j, focuses[b], questions[b])
+        found, crops = choose_crops(heat, options, processor=processor, mode=mode)
+        out[b] = (heat, found, crops)
+    return out
+
+
+def routing_statistics(
+    model: nn.Module,
+    processor: Any,
+    images: Sequence[Any],
+    questions: Sequence[str],
+    *,
+    statistics: Sequence[str] = STATISTICS,
+    focus: str | Sequence[str | None] | None = None,
+    config: ZoomOptions | None = None,
+    generate_kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> tuple[list[str], dict[str, list[float | None]]]:
+    """The plain answers of one batch and every requested routing statistic of each question
+    (:mod:`._routing`): first-token ones from the plain pass's logits, attention-map ones from
+    one map pass over the questions the zoom can crop, exactly as :func:`look_closer` reads
+    them (``focus``, ``config`` and keyword ``options`` as there: layers, heads, crop rules,
+    ``max_new_tokens``). A map statistic is ``None`` for an image the zoom cannot crop."""
+    opts = _options(config, options)
+    wanted = [check_statistic(name) for name in statistics]
+    questions = list(questions)
+    if len(images) != len(questions):
+        raise ValueError(f"{len(images)} images but {len(questions)} questions")
+    focuses = _rows_of(focus, len(questions), "focus", False)
+    pictures = [_picture(i) for i in images]
+    texts, logits = _generate(
+        model,
+        processor,
+        [[p] for p in pictures],
+        questions,
+        opts.max_new_tokens,
+        generate_kwargs,
+        logits=True,
+    )
+    values: dict[str, list[float | None]] = {}
+    for name in wanted:
+        if name in TOKEN_STATISTICS:
+            values[name] = first_token_confidence(logits, name).tolist()
+    if any(name in MAP_STATISTICS for name in wanted):
+        mode = resolve_mode(model, opts.mode)
+        rows = [b for b, p in enumerate(pictures) if _croppable(opts, as_size(p), processor)]
+        mapped = _map_rows(model, processor, pictures, questions, focuses, rows, opts, mode)
+        for name in wanted:
+            if name in MAP_STATISTICS:
+                values[name] = [
+                    map_statistic(mapped[b][0], name, mapped[b][2]) if b in mapped else None
+                    for b in range(len(questions))
+                ]
+    return texts, {name: values[name] for name in wanted}
+
+
 def first_pass(
     model: nn.Module,
     processor: Any,
@@ -374,19 +482,25 @@ def first_pass(
     statistic: str = "top1",
     max_new_tokens: int = 16,
     generate_kwargs: dict[str, Any] | None = None,
-) -> tuple[list[str], list[float]]:
-    """The plain answers of one batch and their first-token confidences (:mod:`._routing`)."""
-    pictures = [_picture(i) for i in images]
-    texts, logits = _generate(
+    focus: str | Sequence[str | None] | None = None,
+    config: ZoomOptions | None = None,
+    **options: Any,
+) -> tuple[list[str], list[float | None]]:
+    """The plain answers of one batch and their routing scores (:mod:`._routing`): the
+    first-token confidence, or an attention-map statistic (``None`` for an image the zoom
+    cannot crop; map settings as in :func:`routing_statistics`)."""
+    texts, values = routing_statistics(
         model,
         processor,
-        [[p] for p in pictures],
+        images,
         questions,
-        max_new_tokens,
-        generate_kwargs,
-        logits=True,
+        statistics=[statistic],
+        focus=focus,
+        config=config,
+        generate_kwargs=generate_kwargs,
+        **{**options, "max_new_tokens": max_new_tokens},
     )
-    return texts, first_token_confidence(logits, statistic).tolist()
+    return texts, values[statistic]
 
 
 def _focus_map(gp: GroundingPass, row: int, focus: str | None, question: str) -> HeatMap:
@@ -457,64 +571,75 @@ def look_closer(
     n = len(questions)
     now = _clock(model)
     spent = {"plain": [0.0] * n, "map": [0.0] * n, "reask": [0.0] * n}
+    # where the smallest allowed crop already covers the image (an image the processor does
+    # not shrink), every crop is the whole image: no map is needed
+    croppable = [_croppable(opts, sizes[b], processor) for b in range(n)]
 
     plain: list[str | None] = [None] * n
     confidence: list[float | None] = [None] * n
     routed = [True] * n
-    if opts.route != "always":
-        start = now()
-        texts, logits = _generate(
-            model,
-            processor,
-            [[p] for p in pictures],
-            questions,
-            opts.max_new_tokens,
-            generate_kwargs,
-            logits=True,
-        )
-        share = (now() - start) / n
-        spent["plain"] = [share] * n
-        plain = list(texts)
-        confidence = first_token_confidence(logits, opts.statistic).tolist()
-        routed = [False] * n if opts.route == "never" else route(confidence, opts.threshold)
-
-    answers: list[str | None] = list(plain)
     heats: list[HeatMap | None] = [None] * n
     found: list[list[Box]] = [[] for _ in range(n)]
     crops: list[list[Frame]] = [[] for _ in range(n)]
+
+    def read_maps(rows: list[int]) -> None:
+        if not rows:
+            return
+        start = now()
+        mapped = _map_rows(model, processor, pictures, questions, focuses, rows, opts, mode)
+        share = (now() - start) / len(rows)
+        for b, (heat, boxes_b, crops_b) in mapped.items():
+            heats[b], found[b], crops[b] = heat, boxes_b, crops_b
+            spent["map"][b] = share
+
+    def ask_plainly(rows: list[int], logits: bool) -> torch.Tensor | None:
+        if not rows:
+            return None
+        start = now()
+        texts, first = _generate(
+            model,
+            processor,
+            [[pictures[b]] for b in rows],
+            [questions[b] for b in rows],
+            opts.max_new_tokens,
+            generate_kwargs,
+            logits=logits,
+        )
+        share = (now() - start) / len(rows)
+        for b, text in zip(rows, texts, strict=True):
+            plain[b] = text
+            spent["plain"][b] = share
+        return first
+
+    by_map = opts.route == "adaptive" and opts.statistic in MAP_STATISTICS
+    if by_map:
+        # map first: the map's score routes; only the rows not routed are answered plainly
+        read_maps([b for b in range(n) if croppable[b]])
+        for b in range(n):
+            if heats[b] is not None:
+                confidence[b] = map_statistic(heats[b], opts.statistic, crops[b])
+        routed = [c is not None and route([c], opts.threshold)[0] for c in confidence]
+        for b in range(n):
+            if not routed[b]:
+                found[b], crops[b] = [], []
+        ask_plainly([b for b in range(n) if not routed[b]], logits=False)
+    elif opts.route != "always":
+        logits = ask_plainly(list(range(n)), logits=opts.statistic in TOKEN_STATISTICS)
+        if logits is not None:
+            confidence = first_token_confidence(logits, opts.statistic).tolist()
+        if opts.route == "never":
+            routed = [False] * n
+        else:
+            routed = route(confidence, opts.threshold)
+
+    answers: list[str | None] = list(plain)
     zoomed = [False] * n
     rows = [b for b in range(n) if routed[b]]
-    # where the smallest allowed crop already covers the image (an image the processor does
-    # not shrink), every crop is the whole image: no map is needed
-    whole = {b for b in rows if _min_side(opts, sizes[b], processor) >= max(sizes[b])}
-    for b in whole:
-        crops[b] = [Frame(0, 0, sizes[b].width, sizes[b].height)]
-    mapped = [b for b in rows if b not in whole]
-    if mapped:
-        start = now()
-        inputs = build_inputs(
-            processor, [pictures[b] for b in mapped], [questions[b] for b in mapped]
-        )
-        inputs = to_model(model, inputs)
-        layers = opts.layers
-        if layers is None and opts.heads is None:
-            # every layer: the zoom's measured best map on small objects (zoom_quality.md),
-            # unlike grounding's default layers, which point best at native size
-            layers = list(range(len(get_adapter(model).decoder_layers(model))))
-        gp = GroundingPass(
-            model,
-            inputs,
-            processor=processor,
-            images=[pictures[b] for b in mapped],
-            layers=layers,
-            heads=opts.heads,
-        )
-        for j, b in enumerate(mapped):
-            heats[b] = _focus_map(gp, j, focuses[b], questions[b])
-            found[b], crops[b] = choose_crops(heats[b], opts, processor=processor, mode=mode)
-        share = (now() - start) / len(mapped)
-        for b in mapped:
-            spent["map"][b] = share
+    for b in rows:
+        if not croppable[b]:
+            crops[b] = [Frame(0, 0, sizes[b].width, sizes[b].height)]
+    if not by_map:
+        read_maps([b for b in rows if croppable[b]])
     if rows:
         # a crop equal to the whole image shows nothing new: keep (or get) the plain answer
         ask = []
@@ -625,14 +750,21 @@ def calibrate_model(
     batch_size: int = 8,
     max_new_tokens: int = 16,
     generate_kwargs: dict[str, Any] | None = None,
+    focus: str | Sequence[str | None] | None = None,
+    config: ZoomOptions | None = None,
+    **options: Any,
 ) -> tuple[Calibration, list[dict]]:
-    """Calibrate the routing threshold on held-out questions: plain answers and first-token
-    confidences in batches (:func:`first_pass`), hard = ``not correct(answer, reference)``
-    (default :func:`answers_match`), then :func:`calibrate`.
+    """Calibrate the routing threshold on held-out questions: plain answers and routing scores
+    in batches (:func:`first_pass`; an attention-map ``statistic`` reads the map as
+    :func:`look_closer` does, with ``focus``, ``config`` and keyword ``options``), hard =
+    ``not correct(answer, reference)`` (default :func:`answers_match`), then :func:`calibrate`
+    over the questions that have a score (a map statistic has none where the zoom cannot crop:
+    such a question is never routed).
 
-    Returns the :class:`Calibration` and one record per question (``answer``, ``confidence``,
-    ``hard``).
+    Returns the :class:`Calibration` and one record per question (``answer``, ``confidence``:
+    the score or ``None``, ``hard``).
     """
+    check_statistic(statistic)
     if not len(images) == len(questions) == len(references):
         raise ValueError(
             f"{len(images)} images, {len(questions)} questions, {len(references)} references"
@@ -640,6 +772,7 @@ def calibrate_model(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
     correct = correct or answers_match
+    focuses = _rows_of(focus, len(questions), "focus", False)
     records: list[dict] = []
     for start in range(0, len(questions), batch_size):
         part = slice(start, start + batch_size)
@@ -651,12 +784,22 @@ def calibrate_model(
             statistic=statistic,
             max_new_tokens=max_new_tokens,
             generate_kwargs=generate_kwargs,
+            focus=focuses[part],
+            config=config,
+            **options,
         )
         for text, c, ref in zip(texts, conf, references[part], strict=True):
             records.append({"answer": text, "confidence": c, "hard": not correct(text, ref)})
+    scored = [r for r in records if r["confidence"] is not None]
+    if not scored:
+        raise ValueError(
+            f"statistic={statistic!r}: no calibration image is larger than the zoom's smallest "
+            "crop, so no question has an attention-map score; calibrate on images the zoom "
+            "can crop, or use a first-token statistic"
+        )
     calibration = calibrate(
-        [r["confidence"] for r in records],
-        [r["hard"] for r in records],
+        [r["confidence"] for r in scored],
+        [r["hard"] for r in scored],
         recall=recall,
         statistic=statistic,
     )
