@@ -436,6 +436,89 @@ def test_calibration_round_trips_and_calibrates_a_model(tmp_path):
     assert zoom.answers_match("Yes, there is.", "yes") and not zoom.answers_match("no", "yes")
 
 
+def test_map_statistics_arithmetic():
+    cells = torch.tensor([[1.0, 1.0], [2.0, 0.0]])  # p = 1/4, 1/4, 1/2, 0 over n = 4 cells
+    assert zoom.cell_statistic(cells, "peak") == pytest.approx(0.5)
+    h = -(2 * 0.25 * math.log(0.25) + 0.5 * math.log(0.5))
+    assert zoom.cell_statistic(cells, "entropy") == pytest.approx(h / math.log(4))
+    uniform = torch.ones(3, 4)
+    assert zoom.cell_statistic(uniform, "entropy") == pytest.approx(1.0)
+    assert zoom.cell_statistic(uniform, "peak") == pytest.approx(11 / 12)
+    assert zoom.cell_statistic(torch.zeros(2, 2), "peak") == 1.0  # no mass: never routed below 1
+    assert zoom.cell_statistic(torch.zeros(2, 2), "entropy") == 1.0
+    assert zoom.cell_statistic(torch.tensor([3.0]), "entropy") == 0.0
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        zoom.cell_statistic(torch.tensor([1.0, -1.0]), "peak")
+    pixels = torch.zeros(4, 6)
+    pixels[0, 0], pixels[3, 5], pixels[1, 1] = 1.0, 2.0, 1.0
+    assert zoom.outside_share(pixels, [Frame(0, 0, 2, 2)]) == pytest.approx(0.5)
+    # overlapping crops count their union once; together they hold everything
+    both = [Frame(0, 0, 2, 2), Frame(1, 1, 5, 3)]
+    assert zoom.outside_share(pixels, both) == pytest.approx(0.0)
+    assert zoom.outside_share(torch.zeros(4, 6), [Frame(0, 0, 2, 2)]) == 1.0
+    # a map of two views: peak and entropy read every view's cells, outside the pixel density
+    size = Size(48, 48)
+    views = [torch.tensor([[3.0, 1.0], [0.0, 0.0]]), torch.zeros(4, 4)]
+    heat = HeatMap(views[0], views, size, [Frame(0, 0, 48, 48), Frame(0, 0, 48, 48)])
+    assert zoom.map_statistic(heat, "peak") == pytest.approx(0.25)
+    assert zoom.map_statistic(heat, "entropy") == pytest.approx(
+        -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)) / math.log(20)
+    )
+    inside = float(heat.pixels[:24, :24].sum() / heat.pixels.sum())
+    assert zoom.map_statistic(heat, "outside", [Frame(0, 0, 24, 24)]) == pytest.approx(1 - inside)
+    with pytest.raises(ValueError, match="needs the zoom's crops"):
+        zoom.map_statistic(heat, "outside")
+    with pytest.raises(ValueError, match="attention-map statistics"):
+        zoom.map_statistic(heat, "top1")
+
+
+def test_routing_statistic_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"statistic='peak_share'; allowed: \('top1'"):
+        zoom.ZoomOptions(statistic="peak_share")
+    with pytest.raises(ValueError, match="is read from the attention map"):
+        zoom.first_token_confidence(torch.zeros(1, 3), "entropy")
+    with pytest.raises(ValueError, match="statistic='bogus'"):
+        zoom.calibrate([0.1], [True], statistic="bogus")
+    assert zoom.ZoomOptions(route="adaptive", threshold=0.5, statistic="outside").statistic == (
+        "outside"
+    )
+    cal = zoom.calibrate([0.2, 0.4, 0.9], [True, True, False], recall=0.5, statistic="entropy")
+    cal.save(tmp_path / "cal.json")
+    assert zoom.Calibration.load(tmp_path / "cal.json") == cal and cal.statistic == "entropy"
+
+
+@pytest.mark.parametrize("statistic", ["peak", "outside"])
+def test_map_routing_reads_the_map_first_and_asks_only_what_it_does_not_route(statistic):
+    model = make_model("llava")
+    processor = _processor("llava")  # the encoder's input is 32 x 32
+    images = [_photo(96, 64, 3), _photo(32, 32, 8), _photo(80, 80, 5)]
+    questions = [QUESTION, QUESTION, "Is there a blue_square ?"]
+    kwargs = dict(max_new_tokens=2, anchor="peak", statistic=statistic)
+    plain, scores = zoom.first_pass(model, processor, images, questions, **kwargs)
+    assert scores[1] is None  # 32 x 32: the zoom cannot crop it
+    assert all(0.0 <= scores[b] <= 1.0 for b in (0, 2))
+    never = zoom.look_closer(
+        model, processor, images, questions, route="adaptive", threshold=0.0, **kwargs
+    )
+    assert [f.routed for f in never] == [False] * 3
+    assert [f.answer for f in never] == [f.plain_answer for f in never] == plain
+    assert [f.confidence for f in never] == pytest.approx(scores)
+    assert never[0].map is not None and never[1].map is None and not never[0].crops
+    every = zoom.look_closer(
+        model, processor, images, questions, route="adaptive", threshold=1.0, **kwargs
+    )
+    assert [f.routed for f in every] == [True, False, True]
+    assert [f.plain_answer for f in every] == [None, plain[1], None]  # routed: zoomed only
+    assert every[0].zoomed and every[2].zoomed and every[1].answer == plain[1]
+    always = zoom.look_closer(model, processor, images, questions, **kwargs)
+    assert [every[b].crops == always[b].crops for b in (0, 2)] == [True, True]
+    cal, records = zoom.calibrate_model(
+        model, processor, images, questions, ["never-said"] * 3, recall=0.5, **kwargs
+    )
+    assert [r["confidence"] for r in records] == pytest.approx(scores)
+    assert (cal.n, cal.n_hard, cal.statistic) == (2, 2, statistic)  # the 32 x 32 row left out
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="route='adaptive' needs threshold="):
         zoom.ZoomOptions(route="adaptive")
