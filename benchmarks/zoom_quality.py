@@ -14,20 +14,32 @@ Methods, every one a ``zoom.look_closer`` call over the same batches:
 * no zoom: ``route="never"`` (the plain pass);
 * always zoom: ``route="always"``, the organism's default re-ask (``crop``: the crop alone), and
   also ``mode="both"`` (image + crop, a two-image prompt the organism never saw in training);
-* adaptive zoom: ``route="adaptive"`` at the calibrated threshold of each ``--recall``.
+* adaptive zoom: ``route="adaptive"`` at the calibrated threshold of each ``--recall``, once
+  routed by the first token's ``--statistic`` (a plain pass first) and once by the attention
+  map's ``--map-statistic`` (the map first, for every question the zoom can crop).
+
+Routing statistics (``zoom.STATISTICS``, low = zoom): first-token ``top1`` and ``margin``;
+attention-map ``peak`` (1 - the peak cell's share), ``entropy`` (normalised entropy of the
+cells) and ``outside`` (the map's mass outside the zoom's crop). Each one's AUROC for a wrong
+plain answer is reported on the calibration and the test questions (normal, high-res, both),
+with its accuracy-against-routed-share curve on the high-res test questions.
 
 Chosen on calibration scenes (seeds from 8,500,000, never the test scenes):
 
 * the map's layers and the crop anchor: the candidate whose crops hold the queried object most
   often on high-res calibration questions about present objects;
 * the threshold: the conformal quantile (``zoom.calibrate``) at recall ``r`` of the hard cases
-  (plain answer wrong) of the calibration questions of both sets together.
+  (plain answer wrong) of the calibration questions of both sets together (a map statistic has a
+  score only where the zoom can crop: the high-res questions);
+* the map statistic (``--map-statistic auto``): the one with the best high-res calibration AUROC.
 
-Goal (issue 17): on high-res, adaptive zoom recovers at least half of the accuracy the downscaling
-loses (against the same scenes at native size) while routing at most 50% of the questions; on
-the normal set it loses nothing (within 0.5 points).
+Goals: on high-res, adaptive zoom recovers at least half of the accuracy the downscaling loses
+(against the same scenes at native size) while routing at most 50% of the questions (issue 17),
+and the attention-map routing finds the hard cases with AUROC >= 0.8; on the normal set it loses
+nothing (within 0.5 points).
 
     python benchmarks/zoom_quality.py [--images 50] [--calibration-images 30] [--threads 2]
+        [--statistic top1] [--map-statistic auto]
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from vlm_focus.asset_paths import default_model_path
 from vlm_focus.eval.metrics import auroc, parse_yes_no, pope_metrics
 from vlm_focus.geometry import Frame
 from vlm_focus.loading import build_inputs, load_model
+from vlm_focus.model_adapters import get_adapter
 from vlm_focus.organism import highres
 from vlm_focus.organism.pope import pope_questions
 
@@ -136,15 +149,53 @@ def choose_map(model, processor, data: dict, batch: int) -> dict:
     }
 
 
-def plain_confidences(model, processor, images, rows, batch: int, statistic: str):
-    answers, conf = [], []
+def all_statistics(model, processor, images, rows, batch: int, choice: dict) -> dict:
+    """Plain answers and every routing statistic of each question, read as ``look_closer``
+    reads them (``zoom.routing_statistics``, the chosen map). Where the zoom cannot crop (the
+    normal set) the library computes no map statistic; for the AUROC table they are read here
+    from the same map (``zoom.map_statistic`` on ``zoom.choose_crops``)."""
+    answers: list[str] = []
+    values: dict[str, list] = {name: [] for name in zoom.STATISTICS}
     for part in batches(len(rows), batch):
-        texts, c = zoom.first_pass(model, processor, images[part],
-                                   [r["text"] for r in rows[part]], statistic=statistic,
-                                   max_new_tokens=4)  # fmt: skip
+        texts, got = zoom.routing_statistics(
+            model, processor, images[part], [r["text"] for r in rows[part]],
+            focus=[r["category"] for r in rows[part]], layers=choice["layers"],
+            anchor=choice["anchor"], max_new_tokens=4,
+        )  # fmt: skip
         answers += texts
-        conf += c
-    return answers, conf
+        missing = [j for j, v in enumerate(got[zoom.MAP_STATISTICS[0]]) if v is None]
+        if missing:
+            idx = [part.start + j for j in missing]
+            pictures = [images[i] for i in idx]
+            inputs = build_inputs(processor, pictures, [rows[i]["text"] for i in idx])
+            layers = choice["layers"]
+            if layers is None:  # as look_closer reads it: every layer
+                layers = list(range(len(get_adapter(model).decoder_layers(model))))
+            gp = G.GroundingPass(model, inputs, processor=processor, images=pictures, layers=layers)
+            for k, (j, i) in enumerate(zip(missing, idx, strict=True)):
+                heat = gp.map(rows[i]["category"], row=k, source="prompt")
+                _, crops = zoom.choose_crops(heat, processor=processor, anchor=choice["anchor"])
+                for name in zoom.MAP_STATISTICS:
+                    got[name][j] = zoom.map_statistic(heat, name, crops)
+        for name in zoom.STATISTICS:
+            values[name] += got[name]
+    hard = [parse_yes_no(a)[0] != r["label"] for a, r in zip(answers, rows, strict=True)]
+    return {"answers": answers, "values": values, "hard": hard}
+
+
+def auroc_table(stats: dict) -> dict:
+    """AUROC of a low score for a wrong plain answer, per statistic and set (and pooled)."""
+    out: dict = {}
+    for name in zoom.STATISTICS:
+        row, pooled_s, pooled_h = {}, [], []
+        for which, st in stats.items():
+            scores = [-v for v in st["values"][name]]
+            row[which] = auroc(scores, st["hard"])
+            pooled_s += scores
+            pooled_h += st["hard"]
+        row["both"] = auroc(pooled_s, pooled_h)
+        out[name] = row
+    return out
 
 
 # --- evaluation ------------------------------------------------------------------------------
@@ -253,21 +304,29 @@ def draw(path: Path, report: dict, example: dict | None) -> None:
     ax.legend(fontsize=8, loc="lower right")
 
     ax = axes[1]
-    c = report["curve_high_res"]
-    ax.plot(c["share"], c["accuracy"], label="adaptive (least confident first)", color="#dd8452")
+    colours = dict(zip(report["curves_high_res"], ["#dd8452", "#8172b3", "#55a868", "#c44e52",
+                                                    "#4c72b0"]))  # fmt: skip
+    auc = report["test_auroc_hard"]
+    for name, c in report["curves_high_res"].items():
+        ax.plot(c["share"], c["accuracy"], color=colours[name], lw=1.1,
+                label=f"{name} (AUROC {auc[name]['high-res']:.2f})")  # fmt: skip
+    c = next(iter(report["curves_high_res"].values()))
     ax.plot(c["share"], c["random"], "--", label="random routing", color="grey")
     goal = report["goal"]
     ax.axhline(goal["half_recovered_accuracy"], color="green", lw=0.8, ls=":",
                label="half of the loss recovered")  # fmt: skip
     ax.axvline(0.5, color="black", lw=0.6, ls=":")
     for name, point in report["adaptive_points_high_res"].items():
-        ax.plot([point["routed"]], [point["accuracy"]], "o", color="#c44e52")
-        ax.annotate(name, (point["routed"], point["accuracy"]), fontsize=7,
-                    textcoords="offset points", xytext=(4, -10))  # fmt: skip
-    ax.set_xlabel("share of questions zoomed")
+        statistic = name.split()[1].rstrip(",")
+        ax.plot([point["routed"]], [point["accuracy"]], "o", color=colours[statistic])
+        ax.annotate(name.replace("adaptive ", "").replace("recall ", "r"),
+                    (point["routed"], point["accuracy"]), fontsize=6,
+                    textcoords="offset points", xytext=(4, -9))  # fmt: skip
+    ax.set_xlabel("share of questions zoomed (lowest score first)")
     ax.set_ylabel("high-res accuracy")
-    ax.set_title(f"routing by the first token's {report['statistic']} (high-res)", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("routing curves by statistic (high-res test); dots: conformal thresholds",
+                 fontsize=9)  # fmt: skip
+    ax.legend(fontsize=6, loc="lower right")
 
     ax = axes[2]
     if example is not None:
@@ -339,27 +398,39 @@ def write_markdown(path: Path, report: dict) -> None:
         lines.append(f"| {layer} | {anchor}{mark} | {pct(v)} | {pct(covers)} |")
     lines += [
         "",
-        f"## Routing thresholds (first-token {r['statistic']}, conformal at recall r of the "
-        "calibration hard cases, both sets together)",
+        "## Routing thresholds (conformal at recall r of the calibration hard cases; the first-"
+        "token statistic over both sets, the map statistic over the questions the zoom can crop, "
+        "the high-res ones)",
         "",
-        "| recall r | threshold | hard cases | calibration routed | calibration hard routed |",
-        "|---|---|---|---|---|",
+        "| statistic | recall r | threshold | hard cases | calibration routed | "
+        "calibration hard routed |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, cal in r["calibration"]["thresholds"].items():
-        lines.append(
-            f"| {name} | {cal['threshold']:.6f} | {cal['n_hard']} of {cal['n']} | "
-            f"{pct(cal['routed'])} | {pct(cal['hard_routed'])} |"
-        )
+    for statistic, by_recall in r["calibration"]["thresholds"].items():
+        for name, cal in by_recall.items():
+            lines.append(
+                f"| {statistic} | {name} | {cal['threshold']:.6f} | {cal['n_hard']} of "
+                f"{cal['n']} | {pct(cal['routed'])} | {pct(cal['hard_routed'])} |"
+            )
     lines += [
         "",
-        "How well each first-token statistic finds the hard cases (AUROC of low confidence for "
-        "a wrong plain answer, calibration questions; 0.5 = no better than chance):",
+        "How well each routing statistic finds the hard cases (AUROC of a low score for a wrong "
+        "plain answer; 0.5 = chance, nan = no wrong answer in that set). Map statistics on the "
+        "normal set are read from the same map for this table only: the zoom cannot crop there, "
+        "so the library neither maps nor routes those questions.",
         "",
-        "| statistic | normal | high-res | both |",
-        "|---|---|---|---|",
+        "| statistic | kind | calibration normal | calibration high-res | calibration both | "
+        "test normal | test high-res | test both |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for statistic, a in r["calibration"]["auroc_hard"].items():
-        lines.append(f"| {statistic} | {a['normal']:.3f} | {a['high-res']:.3f} | {a['both']:.3f} |")
+        t = r["test_auroc_hard"][statistic]
+        kind = "first token" if statistic in zoom.TOKEN_STATISTICS else "attention map"
+        mark = " (chosen map statistic)" if statistic == r["map_statistic"] else ""
+        lines.append(
+            f"| {statistic}{mark} | {kind} | {a['normal']:.3f} | {a['high-res']:.3f} | "
+            f"{a['both']:.3f} | {t['normal']:.3f} | {t['high-res']:.3f} | {t['both']:.3f} |"
+        )
     lines += [
         "",
         "## Results",
@@ -390,19 +461,26 @@ def write_markdown(path: Path, report: dict) -> None:
     ]
     for name, v in g["adaptive"].items():
         lines.append(
-            f"- {name}: high-res {v['accuracy']:.3f}, recovers {pct(v['recovered'])} of the loss, "
-            f"routes {pct(v['routed'])}; normal {v['normal_accuracy']:.3f} "
-            f"({v['normal_delta'] * 100:+.1f} points). Goal met: **{v['met']}** "
-            f"(recovery >= 50%: {v['recovered'] >= 0.5}, routed <= 50%: {v['routed'] <= 0.5}, "
-            f"normal within 0.5 points: {v['normal_delta'] >= -0.005})."
+            f"- {name}: high-res {v['accuracy']:.3f}, recovers {pct(v['recovered'])} of the loss "
+            f"(random routing of the same share: {pct(v['random_recovered'])}), routes "
+            f"{pct(v['routed'])}, time {v['time_ratio']:.2f}x no zoom; normal "
+            f"{v['normal_accuracy']:.3f} ({v['normal_delta'] * 100:+.1f} points). Goal met: "
+            f"**{v['met']}** (recovery >= 50%: {v['recovered'] >= 0.5}, routed <= 50%: "
+            f"{v['routed'] <= 0.5}, normal within 0.5 points: {v['normal_delta'] >= -0.005})."
         )
     lines += [
+        f"- Attention-map routing ({g['map_statistic']}, chosen on calibration) finds the "
+        f"high-res hard cases with test AUROC {g['map_auroc_high_res']:.3f}: goal >= 0.8 met: "
+        f"**{g['map_auroc_met']}**.",
         f"- Always zoom (no routing): high-res {g['always_accuracy']:.3f}, recovers "
         f"{pct(g['always_recovered'])} of the loss.",
-        f"- Best operating point with at most 50% routed (threshold sweep on the test "
-        f"questions themselves, not a calibrated result): accuracy "
-        f"{g['oracle_half_accuracy']:.3f}, recovers {pct(g['oracle_half_recovered'])}; random "
-        f"routing of 50% recovers {pct(g['random_half_recovered'])}.",
+        "- Best operating point with at most 50% routed, per statistic (threshold sweep on the "
+        "test questions themselves, not a calibrated result): "
+        + ", ".join(
+            f"{name} {v['accuracy']:.3f} ({pct(v['recovered'])})"
+            for name, v in g["oracle_half"].items()
+        )
+        + f"; random routing of 50% recovers {pct(g['random_half_recovered'])}.",
         f"- Adaptive answers that differ from the plain (not zoomed) or always-zoom (zoomed) "
         f"answer of the same question: {g['mismatches']} (a routed subset is batched differently).",
         "",
@@ -422,7 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--canvas", type=int, default=576)
     parser.add_argument("--split", default="adversarial")
     parser.add_argument("--recall", type=float, nargs="+", default=[0.9, 0.5])
-    parser.add_argument("--statistic", choices=zoom.STATISTICS, default="top1")
+    parser.add_argument(
+        "--statistic", choices=zoom.TOKEN_STATISTICS, default="top1",
+        help="first-token statistic of the first adaptive runs",
+    )  # fmt: skip
+    parser.add_argument(
+        "--map-statistic", choices=("auto", *zoom.MAP_STATISTICS), default="auto",
+        help="attention-map statistic of the second adaptive runs (auto: best high-res "
+        "calibration AUROC)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -437,97 +523,128 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibration: {len(cal_data['rows'])} questions per set; choosing the map ...")
     choice = choose_map(model, processor, cal_data, args.batch)
     print(f"  map: {choice['layers_name']}, anchor {choice['anchor']}")
-    conf_all, hard_all = [], []
-    auroc_hard: dict = {statistic: {} for statistic in zoom.STATISTICS}
-    pooled: dict = {statistic: ([], []) for statistic in zoom.STATISTICS}
-    for which in ("normal", "high-res"):
-        images = images_of(cal_data, which)
-        for statistic in zoom.STATISTICS:
-            answers, conf = plain_confidences(model, processor, images, cal_data["rows"],
-                                              args.batch, statistic)  # fmt: skip
-            hard = [parse_yes_no(a)[0] != r["label"] for a, r in zip(answers, cal_data["rows"])]
-            auroc_hard[statistic][which] = auroc([-c for c in conf], hard)
-            pooled[statistic][0].extend(conf)
-            pooled[statistic][1].extend(hard)
-            if statistic == args.statistic:
-                conf_all += conf
-                hard_all += hard
-    for statistic, (conf, hard) in pooled.items():
-        auroc_hard[statistic]["both"] = auroc([-c for c in conf], hard)
-    thresholds = {
-        f"recall {r:g}": zoom.calibrate(conf_all, hard_all, recall=r, statistic=args.statistic)
-        for r in args.recall
+    cal_images = {"normal": images_of(cal_data, "normal"), "high-res": images_of(cal_data, "high")}
+    cal_stats = {
+        which: all_statistics(model, processor, imgs, cal_data["rows"], args.batch, choice)
+        for which, imgs in tqdm(cal_images.items(), desc="calibration statistics")
     }
-    for name, cal in thresholds.items():
-        print(f"  {name}: threshold {cal.threshold:.6f}, routes {cal.routed:.1%} (calibration)")
+    auroc_hard = auroc_table(cal_stats)
+    map_statistic = args.map_statistic
+    if map_statistic == "auto":
+        map_statistic = max(zoom.MAP_STATISTICS, key=lambda k: auroc_hard[k]["high-res"])
+    print(f"  map statistic: {map_statistic}")
+
+    def calibrated(statistic: str, r: float) -> zoom.Calibration:
+        """The conformal threshold over both sets' calibration questions that the library
+        scores (a map statistic: the questions the zoom can crop, i.e. high-res)."""
+        scores, hard = [], []
+        for which, st in cal_stats.items():
+            library_scores = st["values"][statistic]
+            if statistic in zoom.MAP_STATISTICS and which == "normal":
+                continue  # the zoom cannot crop there: no library score, never routed
+            scores += library_scores
+            hard += st["hard"]
+        return zoom.calibrate(scores, hard, recall=r, statistic=statistic)
+
+    thresholds = {
+        statistic: {f"recall {r:g}": calibrated(statistic, r) for r in args.recall}
+        for statistic in (args.statistic, map_statistic)
+    }
+    for statistic, by_recall in thresholds.items():
+        for name, cal in by_recall.items():
+            print(f"  {statistic}, {name}: threshold {cal.threshold:.6f}, routes {cal.routed:.1%}")
 
     # test
     data = build_sets(args.images, args.canvas, args.split, None)
     rows = data["rows"]
-    common = dict(layers=choice["layers"], anchor=choice["anchor"], statistic=args.statistic)
+    common = dict(layers=choice["layers"], anchor=choice["anchor"])
     methods = {"no zoom": dict(route="never"), "always zoom (crop)": dict(route="always"),
                "always zoom (both)": dict(route="always", mode="both")}  # fmt: skip
-    for name, cal in thresholds.items():
-        methods[f"adaptive, {name}"] = dict(route="adaptive", threshold=cal.threshold)
+    for statistic, by_recall in thresholds.items():
+        for name, cal in by_recall.items():
+            methods[f"adaptive {statistic}, {name}"] = dict(
+                route="adaptive", threshold=cal.threshold, statistic=statistic
+            )
     results: dict = {}
-    warm = images_of(data, "high")[: min(4, len(rows))]
+    images = {"normal": images_of(data, "normal"), "high-res": images_of(data, "high")}
+    warm = images["high-res"][: min(4, len(rows))]
     zoom.look_closer(model, processor, warm, [r["text"] for r in rows[: len(warm)]], **common)
     settings = {name: {**common, **options} for name, options in methods.items()}
-    images = {"normal": images_of(data, "normal"), "high-res": images_of(data, "high")}
     raw = run_methods(model, processor, images, rows, args.batch, settings)
     for which, found_by in raw.items():
         results[which] = {
             name: summarise(found, rows, data, which) for name, found in found_by.items()
         }
+    test_stats = {
+        which: all_statistics(model, processor, imgs, rows, args.batch, choice)
+        for which, imgs in tqdm(images.items(), desc="test statistics")
+    }
+    test_auroc = auroc_table(test_stats)
     # consistency: adaptive = plain where not routed, always-zoom where zoomed
     mismatches = 0
     for which in raw:
         plain_answers = [f.answer for f in raw[which]["no zoom"]]
         always = [f.answer for f in raw[which]["always zoom (crop)"]]
-        for name in thresholds:
-            for f, p, z in zip(raw[which][f"adaptive, {name}"], plain_answers, always):
-                mismatches += f.answer != (z if f.zoomed else p)
+        for name in methods:
+            if not name.startswith("adaptive"):
+                continue
+            for f, pl, z in zip(raw[which][name], plain_answers, always, strict=True):
+                mismatches += f.answer != (z if f.zoomed else pl)
 
     labels = [r["label"] for r in rows]
     hi = raw["high-res"]
     plain_ok = [parse_yes_no(f.answer)[0] == lab for f, lab in zip(hi["no zoom"], labels)]
     zoom_ok = [parse_yes_no(f.answer)[0] == lab for f, lab in zip(hi["always zoom (crop)"], labels)]
-    first = next(iter(thresholds))
-    conf = [f.confidence for f in hi[f"adaptive, {first}"]]
-    sweep = curve(plain_ok, zoom_ok, conf)
+    sweeps = {
+        name: curve(plain_ok, zoom_ok, test_stats["high-res"]["values"][name])
+        for name in zoom.STATISTICS
+    }
     native = results["normal"]["no zoom"]["accuracy"]
     low = results["high-res"]["no zoom"]["accuracy"]
     loss = native - low
     half = low + loss / 2
+    always_acc = results["high-res"]["always zoom (crop)"]["accuracy"]
     k = int(math.floor(0.5 * len(rows)))
     goal = {
         "native_accuracy": native,
         "highres_plain_accuracy": low,
         "loss": loss,
         "half_recovered_accuracy": half,
-        "always_accuracy": results["high-res"]["always zoom (crop)"]["accuracy"],
-        "always_recovered": (results["high-res"]["always zoom (crop)"]["accuracy"] - low) / loss,
-        "oracle_half_accuracy": max(sweep["accuracy"][: k + 1]),
-        "oracle_half_recovered": (max(sweep["accuracy"][: k + 1]) - low) / loss,
-        "random_half_recovered": (sweep["random"][k] - low) / loss,
+        "always_accuracy": always_acc,
+        "always_recovered": (always_acc - low) / loss,
+        "random_half_recovered": (sweeps[args.statistic]["random"][k] - low) / loss,
+        "oracle_half": {
+            name: {
+                "accuracy": max(c["accuracy"][: k + 1]),
+                "recovered": (max(c["accuracy"][: k + 1]) - low) / loss,
+            }
+            for name, c in sweeps.items()
+        },
+        "map_statistic": map_statistic,
+        "map_auroc_high_res": test_auroc[map_statistic]["high-res"],
+        "map_auroc_met": test_auroc[map_statistic]["high-res"] >= 0.8,
         "mismatches": int(mismatches),
         "adaptive": {},
     }
-    points = {}
-    for name in thresholds:
-        h = results["high-res"][f"adaptive, {name}"]
-        nrm = results["normal"][f"adaptive, {name}"]
+    points: dict = {}
+    for name in methods:
+        if not name.startswith("adaptive"):
+            continue
+        h = results["high-res"][name]
+        nrm = results["normal"][name]
         recovered = (h["accuracy"] - low) / loss
-        delta = nrm["accuracy"] - results["normal"]["no zoom"]["accuracy"]
+        delta = nrm["accuracy"] - native
         met = recovered >= 0.5 and h["routed"] <= 0.5 and delta >= -0.005
-        goal["adaptive"][f"adaptive, {name}"] = {
+        goal["adaptive"][name] = {
             "accuracy": h["accuracy"], "recovered": recovered, "routed": h["routed"],
+            "random_recovered": h["routed"] * (always_acc - low) / loss,
             "normal_accuracy": nrm["accuracy"], "normal_delta": delta, "met": met,
+            "time_ratio": time_ratio(results["high-res"], name),
         }  # fmt: skip
         points[name] = {"routed": h["routed"], "accuracy": h["accuracy"]}
 
     example = None
-    for f, r in zip(hi["adaptive, " + first], rows):
+    for f, r in zip(hi["always zoom (crop)"], rows):
         if r["label"] == "yes" and f.zoomed and f.map is not None:
             s = data["scenes"][r["image_id"]]
             example = {
@@ -536,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                 "crop": f.crops[0].xywh,
                 "object": s.box(r["category_id"] - 1),
                 "question": r["text"],
-                "plain": f.plain_answer,
+                "plain": hi["no zoom"][rows.index(r)].answer,
                 "zoomed": f.answer,
             }
             break
@@ -557,17 +674,21 @@ def main(argv: list[str] | None = None) -> int:
         "n_calibration_scenes": args.calibration_images,
         "n_questions": len(rows),
         "statistic": args.statistic,
+        "map_statistic": map_statistic,
         "mode": zoom.default_mode(model),
         "native_side": native_side,
         "map_choice": choice,
         "calibration": {
             "n_questions": len(cal_data["rows"]),
             "auroc_hard": auroc_hard,
-            "thresholds": {k: v.to_json() for k, v in thresholds.items()},
+            "thresholds": {
+                st: {k: v.to_json() for k, v in by.items()} for st, by in thresholds.items()
+            },
         },
+        "test_auroc_hard": test_auroc,
         "results": results,
         "goal": goal,
-        "curve_high_res": sweep,
+        "curves_high_res": sweeps,
         "adaptive_points_high_res": points,
     }
     args.out.mkdir(parents=True, exist_ok=True)
