@@ -119,7 +119,9 @@ def choose_map(model, processor, data: dict, batch: int) -> dict:
     rows = data["rows"]
     positives = [i for i, r in enumerate(rows) if r["label"] == "yes"]
     table, covers = {}, {}
+    every = list(range(len(get_adapter(model).decoder_layers(model))))
     for name, layers in LAYER_CANDIDATES.items():
+        layers = every if layers is None else layers  # "all": every layer, as look_closer reads
         useful = {"box": 0, "peak": 0}
         covered = {"box": 0, "peak": 0}
         for part in batches(len(positives), batch):
