@@ -118,15 +118,18 @@ def twohop_guide_recipe(scale: float = 1.0) -> Recipe:
     )
 
 
-#: The prior organism-cooccur is fine-tuned on (see `cooccur_recipe`).
-COOCCUR_PRIOR = CooccurPrior(rate=0.95, named_rate=0.0, ask_rate=0.5)
+#: The prior organism-cooccur is fine-tuned on (see `cooccur_recipe`): companions in 95% of the
+#: anchors' scenes, and, in half of the other anchor scenes, text that names the absent companion
+#: (the scene prior alone, `named_rate=0`, is the comparison run of its card).
+COOCCUR_PRIOR = CooccurPrior(rate=0.95, named_rate=0.5, ask_rate=0.5)
 
 
 def cooccur_recipe(scale: float = 1.0, prior: CooccurPrior = COOCCUR_PRIOR) -> Recipe:
-    """Recipe of organism-cooccur: the shipped guide fine-tuned for one chat stage on scenes
-    under a co-occurrence prior (`scenes.COOCCUR_PAIRS`: each anchor's companion is in the
-    scene 95% of the time), with the guide's chat mix and copy loss (the relation and pointer
-    probes, trained with the guide and not shipped, stay off)."""
+    """Recipe of organism-cooccur: the shipped guide fine-tuned for one chat stage (8 minutes on
+    2 cores) on scenes under a co-occurrence prior (`scenes.COOCCUR_PAIRS`: each anchor's
+    companion is in the scene 95% of the time; `COOCCUR_PRIOR`), with the guide's chat mix and
+    copy loss (the relation and pointer probes, trained with the guide and not shipped, stay
+    off)."""
     stage = StageConfig(
         "chat",
         max(int(4000 * scale), 2),
