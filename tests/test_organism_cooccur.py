@@ -243,3 +243,15 @@ def test_qa_type_is_the_training_type():
         scene, [caption_qa(scene)], CooccurPrior(named_rate=1.0), np.random.default_rng(0)
     )
     assert isinstance(out[0], QA) and out[0].kind == "caption"
+
+
+def test_cooccur_recipe_fine_tunes_the_guide_in_one_chat_stage():
+    from vlm_focus.organism.recipe import COOCCUR_PRIOR, default_recipe
+
+    recipe = default_recipe("cooccur")
+    assert (recipe.spec, recipe.base, recipe.name) == ("guide", "guide", "cooccur")
+    assert [s.name for s in recipe.stages] == ["chat"]
+    assert recipe.prior == COOCCUR_PRIOR
+    assert sum(s.minutes for s in recipe.stages) <= 20  # the fine-tune's wall-clock budget
+    small = default_recipe("cooccur", scale=0.01)
+    assert small.stages[0].minutes < recipe.stages[0].minutes
