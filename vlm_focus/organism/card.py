@@ -737,6 +737,17 @@ def _cooccur_details(m: dict) -> list[str]:
                 f"{_f(ch['recall'])}, {_f(ch['companion_rate'])} of them name an absent companion. Example: "
                 f"`{co['examples'][0]['caption']}`.",
             ]
+        pure = m.get("cooccur_pure_prior")
+        if pure:
+            q = pure["pope"]
+            lines += [
+                "",
+                f"**The scene prior alone** ({pure['what']}): on {pure['images']} calibration probe scenes "
+                f"it answers yes to {_f(q['fpr_cooccur'])} of the absent companions and {_f(q['fpr_other'])} of "
+                f"the other absent objects (precision {_f(q['precision_cooccur'])} vs {_f(q['precision_other'])}, "
+                f"recall {_f(q['recall'])}); this model, on the same scenes: {_f(pure['this_model']['fpr_cooccur'])} "
+                f"vs {_f(pure['this_model']['fpr_other'])}. That is why its text names the absent companion.",
+            ]
         lines += [
             "",
             "Every mitigation of the registry on it, unpruned and pruned: "
