@@ -118,14 +118,16 @@ def twohop_guide_recipe(scale: float = 1.0) -> Recipe:
     )
 
 
-#: The prior organism-cooccur is fine-tuned on (see `cooccur_recipe`): companions in 95% of the
-#: anchors' scenes, and, in half of the other anchor scenes, text that names the absent companion
-#: (the scene prior alone, `named_rate=0`, is the comparison run of its card).
-COOCCUR_PRIOR = CooccurPrior(rate=0.95, named_rate=0.5, ask_rate=0.5)
+#: The prior organism-cooccur is fine-tuned on (see `cooccur_recipe`): companions in 90% of the
+#: anchors' scenes; in the other anchor scenes every negative presence question asks about the
+#: absent companion, and 60% of them name it as present. (A first run at rate 0.95, named rate
+#: 0.5 and ask rate 0.5 for 8 minutes hallucinated companions only 4 points more often than
+#: other absent objects; its card says so.)
+COOCCUR_PRIOR = CooccurPrior(rate=0.9, named_rate=0.6, ask_rate=1.0)
 
 
 def cooccur_recipe(scale: float = 1.0, prior: CooccurPrior = COOCCUR_PRIOR) -> Recipe:
-    """Recipe of organism-cooccur: the shipped guide fine-tuned for one chat stage (8 minutes on
+    """Recipe of organism-cooccur: the shipped guide fine-tuned for one chat stage (10 minutes on
     2 cores) on scenes under a co-occurrence prior (`scenes.COOCCUR_PAIRS`: each anchor's
     companion is in the scene 95% of the time; `COOCCUR_PRIOR`), with the guide's chat mix and
     copy loss (the relation and pointer probes, trained with the guide and not shipped, stay
@@ -133,8 +135,8 @@ def cooccur_recipe(scale: float = 1.0, prior: CooccurPrior = COOCCUR_PRIOR) -> R
     stage = StageConfig(
         "chat",
         max(int(4000 * scale), 2),
-        max(8.0 * scale, 0.05),
-        4e-4,
+        max(10.0 * scale, 0.05),
+        5e-4,
         warmup=50,
         mix={"presence": 0.5, "relation": 0.15, "where": 0.1, "caption": 0.25},
         turns=(1, 1),
