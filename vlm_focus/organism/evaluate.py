@@ -509,8 +509,8 @@ def two_hop_diagnostics(model, processor, n: int = 200) -> dict:
 
 
 def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
-    """Two-hop accuracy retained under `vlm_focus.wrap` pruning at K = 2 and K = 4: fastv
-    against random (queries: all text after the image)."""
+    """Two-hop accuracy retained under `vlm_focus.wrap` pruning at K = 2 and K = 4 (those the
+    model has): fastv against random (queries: all text after the image)."""
     scenes, qas = two_hop_set(n)
     questions = [q.question for q in qas]
 
@@ -523,7 +523,8 @@ def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
 
     full = accuracy()
     out: dict = {"keep": keep, "query": "text", "reduce": "mean", "n": n, "full_accuracy": full}
-    for layer in (2, 4):
+    depth = model.config.text_config.num_hidden_layers
+    for layer in (k for k in (2, 4) if k < depth):
         for pruner in ("fastv", "random"):
             acc = accuracy(
                 FocusConfig(pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean")
