@@ -19,6 +19,19 @@ _CHAT = "- Chat format: `<bos>USER: <image>\\n{question} ASSISTANT: {answer}<eos
 _OPTIMISER = "AdamW, cosine with warm-up, bf16 autocast, two CPU threads plus one data process."
 
 
+def optimiser(summary: dict) -> str:
+    """The optimiser sentence of a card: precision and threads as the run recorded them (runs
+    that recorded neither used bf16 autocast on two threads)."""
+    if "dtype" not in summary:
+        return _OPTIMISER
+    precision = "bf16 autocast" if summary["dtype"] == "bfloat16" else "float32"
+    threads = summary.get("threads", 2)
+    return (
+        f"AdamW, cosine with warm-up, {precision} (the faster on the training CPU), {threads} "
+        f"CPU thread{'s' if threads != 1 else ''} plus one data process."
+    )
+
+
 def _f(x: float | None, pct: bool = True) -> str:
     if x is None:
         return "pending"
@@ -321,7 +334,7 @@ def _default_parts(name: str, m: dict, run: _Run) -> _Parts:
             "evidence rather than on the whole visual context.",
             *_aux_lines(stages),
             _budgets(stages) + ".",
-            f"- {_OPTIMISER} Each stage stops at its step budget or its wall-clock budget, whichever comes first.",
+            f"- {optimiser(run.summary)} Each stage stops at its step budget or its wall-clock budget, whichever comes first.",
             training_time(run.summary) + ". Curves are plotted against wall-clock minutes.",
         ],
         bars=bars(m),
@@ -528,7 +541,7 @@ def _deep_parts(name: str, m: dict, run: _Run) -> _Parts:
             "`Where is the red_circle?`. No relation (`Is the A left of the B?`) or caption turns.",
         ],
         recipe=[
-            "1. Dense vision pretraining of the tower (as for the other organisms), then frozen.",
+            _tower_step(run),
             f"2. Category-last curriculum, 6-8 packed questions per image ({_mix(stages['cat_last'])}); the answer follows the question.",
             f"3. Standard chat template, one turn per image ({_mix(chat)}); "
             f"{100 * chat.get('cat_last_share', 0):.0f}% of the rows stay in the packed form; the copy head "
@@ -542,7 +555,7 @@ def _deep_parts(name: str, m: dict, run: _Run) -> _Parts:
             f"{', '.join(str(k) for k in hop_layers)} head 4 puts its attention, from the answer position, on the hop-2 "
             "object's patches. Centres and directions are read by linear heads used only in training; the shipped "
             "model is a plain `LlavaForConditionalGeneration`.",
-            f"{_budgets(stages)}. {_OPTIMISER} Layers are counted from 0: pruning at K = 2 prunes "
+            f"{_budgets(_trained(stages, run))}. {optimiser(run.summary)} Layers are counted from 0: pruning at K = 2 prunes "
             "before layer 2, so it reaches the hop-2 read.",
             training_time(run.summary) + ".",
             "- Steps run (of the step budget): "
@@ -553,10 +566,35 @@ def _deep_parts(name: str, m: dict, run: _Run) -> _Parts:
         ],
         bars=bars,
         details=_deep_details(m),
-        use="Measuring pruning inside the language model (FastV's K = 2, PyramidDrop's stages, debiasing) offline on "
-        "CPU. Not a general VLM: it answers only about its own scene vocabulary.",
+        use=(
+            'Guiding `pruner="guided"` on organism-deep (its guide for SGL-style pruning), offline on CPU. '
+            "Not a general VLM: it answers only about its own scene vocabulary, and its own two-hop answers are "
+            "poor."
+            if name == "twohop-guide"
+            else "Measuring pruning inside the language model (FastV's K = 2, PyramidDrop's stages, debiasing) "
+            "offline on CPU. Not a general VLM: it answers only about its own scene vocabulary."
+        ),
         ship=True,
     )
+
+
+def _tower_step(run: _Run) -> str:
+    """Recipe step 1: the tower's dense pretraining, or the shipped tower it was taken from."""
+    source = run.summary.get("recipe", {}).get("tower_from")
+    if not source:
+        return "1. Dense vision pretraining of the tower (as for the other organisms), then frozen."
+    minutes = run.summary["seconds"]["vision"] / 60
+    return (
+        f"1. The trained tower of organism-{source} (its dense vision pretraining, {minutes:.1f} "
+        "minutes, counted in the training time below), frozen."
+    )
+
+
+def _trained(stages: dict, run: _Run) -> dict:
+    """The stages this run trained itself (not a tower it took from another model)."""
+    if run.summary.get("recipe", {}).get("tower_from"):
+        return {n: st for n, st in stages.items() if n != "vision"}
+    return stages
 
 
 def _deep_details(m: dict) -> list[str]:
@@ -638,7 +676,7 @@ def _deep_details(m: dict) -> list[str]:
             "| K | fastv | random |",
             "|---|---|---|",
         ]
-        for k in (2, 4):
+        for k in (k for k in (2, 4) if f"fastv_layer{k}_accuracy" in p):
             lines.append(
                 f"| {k} | {_f(p[f'fastv_layer{k}_accuracy'])} ({_f(p[f'fastv_layer{k}_retention'])} kept) | "
                 f"{_f(p[f'random_layer{k}_accuracy'])} ({_f(p[f'random_layer{k}_retention'])} kept) |"
@@ -800,7 +838,7 @@ def _cooccur_parts(m: dict, run: _Run) -> _Parts:
             f"taught at the question's last category token, copy-head loss weight {chat.get('copy_weight', 0):g}; "
             "the guide's relation and pointer probes (training-only heads, not shipped) stay off.",
             _budgets(run.stages) + f", {steps} steps run (budget {chat['steps']}).",
-            f"- {_OPTIMISER}",
+            f"- {optimiser(run.summary)}",
             training_time(run.summary) + " (the fine-tune).",
             f"- **Training time in all: {total:.1f} minutes** (organism-guide {base.get('minutes_total', 0.0):.1f} "
             f"+ fine-tune {run.summary['minutes_total']:.1f}).",

@@ -1,15 +1,17 @@
-"""Training loop of the organism VLMs (CPU, bf16 autocast, the stages of a :mod:`.recipe`).
+"""Training loop of the organism VLMs (CPU, the stages of a :mod:`.recipe`).
 
 `train` runs a recipe from scratch: `train_vision` for the `vision` stage, then `train_lm` for
 the language stages, with the auxiliary losses of :mod:`.losses` that the stage weights switch
 on. Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends first; the
 learning rate follows a cosine over the larger of these fractions, so a slower machine still
 ends its schedule (with fewer steps). CPU seconds are logged beside wall seconds to show how
-much of the two cores the run got.
+much of the two cores the run got. Steps run under bf16 autocast where the CPU multiplies bf16
+faster than float32, and in float32 elsewhere (:func:`training_dtype`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -99,6 +101,30 @@ def _lr(stage: StageConfig, step: int, clock: _Clock) -> float:
     return stage.lr * warm * 0.5 * (1 + math.cos(math.pi * min(_frac(stage, step, clock), 1.0)))
 
 
+@functools.cache
+def training_dtype() -> torch.dtype:
+    """bfloat16 where this CPU multiplies it faster than float32 (native bf16 units), else
+    float32: without them, bf16 autocast is emulated and runs tens of times slower."""
+    a = torch.randn(384, 384)
+
+    def seconds(bf16: bool) -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            a @ a  # warm-up
+            start = time.perf_counter()
+            for _ in range(4):
+                a @ a
+            return time.perf_counter() - start
+
+    return torch.bfloat16 if seconds(True) < seconds(False) else torch.float32
+
+
+def _autocast() -> contextlib.AbstractContextManager:
+    """The training steps' precision (:func:`training_dtype`)."""
+    if training_dtype() == torch.bfloat16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def _done(stage: StageConfig, step: int, clock: _Clock) -> bool:
     return _frac(stage, step, clock) >= 1.0
 
@@ -136,7 +162,7 @@ class Probe:
         build = cat_last_ids if form == "cat_last" else chat_ids
         ids, labels = zip(*(build([q], self.n_visual) for _, q in pairs), strict=True)
         input_ids, lab = pad(list(ids), PAD), pad(list(labels), IGNORE)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _autocast():
             logits = model(
                 input_ids=input_ids,
                 attention_mask=(input_ids != PAD).long(),
@@ -183,7 +209,7 @@ def train_vision(
         for group in opt.param_groups:
             group["lr"] = _lr(stage, step, t0)
         pixels, labels = next(stream)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _autocast():
             cat, row, col = head(tower_features(model, pixels))
         cat, row, col = cat.float(), row.float(), col.float()
         loss = patch_loss(cat, row, col, labels, weight)
@@ -209,7 +235,7 @@ def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batche
     counts = torch.zeros(n)
     for _ in range(batches):
         pixels, labels = batcher.dense(32)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _autocast():
             proj = model.model.multi_modal_projector(tower_features(model, pixels)).float()
         for c in range(n):
             hit = labels == c + 1
@@ -274,7 +300,7 @@ def train_lm(
         relate = relation_probe is not None and len(places) + len(relations) > 0
         point = stage.pointer_weight and len(pointers) > 0
         hop = hop_probe is not None and len(hops) > 0
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _autocast():
             attend = bool(copy or relate or point or hop)
             out = model(**batch, output_attentions=attend, output_hidden_states=relate or hop)
         loss = out.loss
@@ -311,6 +337,26 @@ def train_lm(
         elif step % log_every == 0:
             log(stage.name, step, t0, record)
     model.set_attn_implementation("sdpa")
+
+
+def _tower_checkpoint(model, source: str, ckpt: Path) -> None:
+    """The vision stage's checkpoint taken from the shipped organism-``source`` (same tower
+    size): its frozen tower, and its vision stage's time, which counts towards this run's."""
+    from safetensors.torch import load_file
+
+    from ..asset_paths import ASSETS
+
+    folder = ASSETS / f"organism-{source}"
+    saved = load_file(folder / "model.safetensors")  # saved without the "model." prefix
+    weights = {f"model.{k}": v for k, v in saved.items() if k.startswith("vision_tower.")}
+    own = {k: v.shape for k, v in model.state_dict().items() if "vision_tower" in k}
+    if {k: v.shape for k, v in weights.items()} != own:
+        raise ValueError(f"organism-{source}'s tower does not fit this model's")
+    summary = json.loads((folder / "train_summary.json").read_text())
+    seconds = summary["seconds"]["vision"]
+    cpu = summary.get("cpu_seconds", {}).get("vision")
+    state = {"model": weights, "seconds": seconds, "from": f"organism-{source}"}
+    torch.save(state if cpu is None else {**state, "cpu": cpu}, ckpt)
 
 
 def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
@@ -359,6 +405,8 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     cpu: dict[str, float] = {}  # stages checkpointed without CPU accounting are left out
     for stage in recipe.stages:
         ckpt = out_dir / f"stage_{stage.name}.pt"
+        if stage.name == "vision" and recipe.tower_from and not ckpt.exists():
+            _tower_checkpoint(model, recipe.tower_from, ckpt)
         if ckpt.exists():
             state = torch.load(ckpt)
             weights = state["model"]
@@ -392,6 +440,8 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
         "cpu_seconds": cpu,
         "minutes_total": sum(timings.values()) / 60,
         "cpu_minutes_total": sum(cpu.values()) / 60,
+        "dtype": str(training_dtype()).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
     }
     if base_summary is not None:  # the base model's own training, for the whole run's time
         summary["base"] = {

@@ -57,6 +57,7 @@ class Recipe:
     base: str = ""
     prior: CooccurPrior | None = None
     name: str = ""
+    tower_from: str = ""  # take the trained, frozen tower of this shipped organism
 
 
 def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
@@ -103,12 +104,13 @@ def deep_recipe(scale: float = 1.0) -> Recipe:
 
 
 def twohop_guide_recipe(scale: float = 1.0) -> Recipe:
-    """Recipe of the two-hop guide: the deep model's task mix and circuit losses on a guide-sized
-    model, in 20 minutes on 2 cores, with the hop read in its last two layers."""
-    return _three_stages(
+    """Recipe of the two-hop guide: organism-guide's trained tower, then the deep model's task
+    mix and circuit losses on a guide-sized LM, 20 minutes on 2 cores in all (the tower's 5
+    included), with the hop read in its last two layers."""
+    recipe = _three_stages(
         "twohop-guide",
-        (4.0, 6.0, 10.0),
-        (4000, 1400, 3400),
+        (0.0, 6.0, 9.0),  # the tower is organism-guide's (5 minutes of its own recipe)
+        (0, 1400, 3400),
         scale,
         cat_last_mix={"presence": 0.35, "where": 0.15, "twohop": 0.5},
         chat_mix={"presence": 0.45, "twohop": 0.45, "where": 0.1},
@@ -116,6 +118,8 @@ def twohop_guide_recipe(scale: float = 1.0) -> Recipe:
         hop_layers=(2, 3),
         eval_every=300,
     )
+    recipe.tower_from = "guide"
+    return recipe
 
 
 #: The prior organism-cooccur is fine-tuned on (see `cooccur_recipe`): companions in 90% of the

@@ -158,11 +158,11 @@ SPECS: dict[str, OrganismSpec] = {
     "deep": OrganismSpec(
         "organism-deep", text_hidden=160, text_layers=8, text_heads=5, text_mlp=576
     ),
-    # a guide for the deep model: small enough to run first (8 x 8 tokens, 4 narrow layers), deep
+    # a guide for the deep model: organism-guide's tower (6 x 6 tokens) and a 4-layer LM, deep
     # enough for the two-hop read (layers 2-3)
     "twohop-guide": OrganismSpec(
         "organism-twohop-guide",
-        patch=24,
+        patch=32,
         vision_hidden=128,
         vision_layers=3,
         vision_heads=4,
