@@ -107,13 +107,17 @@ def calibrate(model, processor, focus, n: int, bar) -> tuple[dict[str, dict], li
     return chosen, rows
 
 
-def measure(model, processor, focus, chosen: dict[str, dict], n: int, bar) -> list[dict]:
-    """Held-out rows: unmitigated, each mitigation at its defaults and at its chosen setting."""
+def measure(
+    model, processor, focus, chosen: dict[str, dict], n: int, bar, only: str | None = None
+) -> list[dict]:
+    """Held-out rows: unmitigated, each mitigation at its defaults and at its chosen setting
+    (``only``: those of one mitigation, or ``"none"``)."""
     runs = [("none", {})]
     for name in hal.mitigations():
         runs.append((name, {}))
         if chosen.get(name):
             runs.append((name, chosen[name]))
+    runs = [r for r in runs if only is None or r[0] == only]
     out = []
     for name, options in runs:
         r = cooccur_eval(model, processor, n, _setting(focus, name, options))
@@ -128,6 +132,11 @@ def measure(model, processor, focus, chosen: dict[str, dict], n: int, bar) -> li
             }
         )
         bar.update()
+    return out
+
+
+def _scored(out: list[dict]) -> list[dict]:
+    """Rows of one pruning, the first unmitigated, with gap closed, recall cost and goal."""
     base = out[0]
     for row in out:
         row["closed"] = closed(row["gap"], base["gap"])
@@ -291,7 +300,21 @@ def main(argv: list[str] | None = None) -> int:
                 chosen[name], calibration[name] = {}, []
                 bar.total -= n_cal
             bar.total -= sum(not chosen[name].get(m) for m in hal.mitigations())
-            rows += measure(model, processor, focus, chosen[name], args.images, bar)
+        order = ["none", *sorted(hal.mitigations(), key=lambda m: m == "instruction_contrast")]
+        done: dict[str, list[dict]] = {name: [] for name in settings}
+        for mitigation in order:  # the slowest method last; the report is rewritten per row
+            for name, focus in settings.items():
+                done[name] += measure(
+                    model, processor, focus, chosen[name], args.images, bar, only=mitigation
+                )
+                rows = [_scored(done[n]) for n in settings if done[n]]
+                rows = [r for part in rows for r in part]
+                write(args, argv, start, path, chosen, calibration, rows)
+    return 0
+
+
+def write(args, argv, start, path, chosen, calibration, rows) -> None:
+    """Write the report's JSON, markdown and plot from the rows measured so far."""
     import transformers
 
     report = {
@@ -319,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
     write_markdown(report, args.out / "hallucination_quality.md")
     plot(report, args.out / "hallucination_quality.png")
     print((args.out / "hallucination_quality.md").read_text())
-    return 0
 
 
 if __name__ == "__main__":
