@@ -592,3 +592,13 @@ def test_highres_scenes_keep_exact_boxes(layout):
     assert len(rows) == 6 and {r["label"] for r in rows} == {"yes", "no"}
     for r in rows:
         assert (scene.box(r["category_id"] - 1) is not None) == (r["label"] == "yes")
+
+
+def test_an_evaluation_routes_on_the_statistic_its_calibration_was_made_with(tmp_path):
+    from vlm_focus.eval.pope_run import PopeConfig, parse_sweep
+
+    path = tmp_path / "cal.json"
+    zoom.calibrate([0.2, 0.4], [True, True], recall=0.5, statistic="margin").save(path)
+    (setting,) = parse_sweep(PopeConfig(zoom="adaptive", zoom_calibration=path))
+    assert setting.zoom.statistic == "margin"
+    assert setting.zoom.threshold == zoom.Calibration.load(path).threshold

@@ -174,10 +174,19 @@ def parse_sweep(config: PopeConfig) -> list[RunSetting]:
     """The settings of a run: one, or unpruned + every (pruner, keep < 1) of a sweep."""
     import vlm_focus as vf
 
+    from ..zoom import Calibration
+
     zoom = None
     if config.zoom != "never":
+        # a calibrated threshold holds only for the statistic it was calibrated on
+        routed_by = {}
+        if config.zoom_calibration is not None:
+            routed_by["statistic"] = Calibration.load(config.zoom_calibration).statistic
         zoom = ZoomOptions(
-            route=config.zoom, threshold=config.zoom_threshold, layers=config.zoom_layers
+            route=config.zoom,
+            threshold=config.zoom_threshold,
+            layers=config.zoom_layers,
+            **routed_by,
         )
     calibration = None if config.zoom_calibration is None else str(config.zoom_calibration)
     common = dict(max_new_tokens=config.max_new_tokens, zoom=zoom, zoom_calibration=calibration)
