@@ -12,9 +12,12 @@ hold an anchor but not its companion (`vlm_focus.organism.evaluate.cooccur_set`)
 
 ``precision_cooccur = TP / (TP + FP_cooccur)`` and ``precision_other = TP / (TP + FP_other)``
 share their true positives (the present questions) and have as many negatives each, so their
-gap is the cost of the co-occurrence alone. A mitigation's ``gap closed`` is
-``1 - gap(mitigated) / gap(unmitigated)`` and its recall cost ``recall(unmitigated) -
-recall(mitigated)``, both against the unmitigated run of the same pruning. The goal: a mitigation
+gap is the cost of the co-occurrence alone. A mitigation's ``gap closed`` is the share of that
+gap it closes by raising the co-occurring precision towards the others' unmitigated one,
+``(P_cooc(mitigated) - P_cooc(unmitigated)) / (P_other(unmitigated) - P_cooc(unmitigated))``
+(a run that says yes to everything shrinks the gap by lowering both precisions, and closes
+nothing by this measure), and its recall cost ``recall(unmitigated) - recall(mitigated)``, both
+against the unmitigated run of the same pruning. The goal: a mitigation
 that closes at least half of the gap at a recall cost of at most 1 point.
 
 Each mitigation runs with the registry's defaults and with a setting chosen on calibration
@@ -63,9 +66,13 @@ GRID: dict[str, list[dict]] = {
 GOAL_CLOSED, GOAL_RECALL = 0.5, 0.01
 
 
-def closed(gap: float, base_gap: float) -> float:
-    """Share of the unmitigated gap a run closes: ``1 - gap / base_gap`` (NaN without a gap)."""
-    return 1.0 - gap / base_gap if base_gap > 0 else float("nan")
+def closed(run: dict, base: dict) -> float:
+    """Share of the unmitigated gap a run closes by raising the co-occurring precision towards
+    the others' unmitigated precision (NaN without a gap)."""
+    gap = base["precision_other"] - base["precision_cooccur"]
+    if not gap > 0:
+        return float("nan")
+    return (run["precision_cooccur"] - base["precision_cooccur"]) / gap
 
 
 def _setting(focus, mitigation: str, options: dict | None = None) -> RunSetting:
@@ -95,7 +102,7 @@ def calibrate(model, processor, focus, n: int, bar) -> tuple[dict[str, dict], li
                 model, processor, n, _setting(focus, name, options), True, captions=False
             )
             pope = run["pope"]
-            shut = closed(pope["gap"], base["pope"]["gap"])
+            shut = closed(pope, base["pope"])
             cost = base["pope"]["recall"] - pope["recall"]
             rows.append(
                 {"mitigation": name, "options": options, **pope, "closed": shut, "cost": cost}
@@ -139,7 +146,7 @@ def _scored(out: list[dict]) -> list[dict]:
     """Rows of one pruning, the first unmitigated, with gap closed, recall cost and goal."""
     base = out[0]
     for row in out:
-        row["closed"] = closed(row["gap"], base["gap"])
+        row["closed"] = closed(row, base)
         row["recall_cost"] = base["recall"] - row["recall"]
         row["goal"] = bool(row["closed"] >= GOAL_CLOSED and row["recall_cost"] <= GOAL_RECALL)
     return out
@@ -176,7 +183,8 @@ def write_markdown(report: dict, path: Path) -> None:
         f"{report['calibration']} calibration scenes (seeds from 8,700,000). "
         "P_cooc / P_other: precision with the cooccur / the other absent-object questions "
         "(the same present-object questions); FPR: share of yes on those absent-object "
-        "questions; closed: share of the unmitigated gap (same pruning) closed; cost: recall "
+        "questions; closed: share of the unmitigated gap (same pruning) closed by raising P_cooc; "
+        "cost: recall "
         "points lost against it. Yes-ratio, F1 over every question. CHAIR on the captions of "
         "the same scenes; companion: captions naming an absent companion. In percent.",
         "",
