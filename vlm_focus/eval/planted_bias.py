@@ -72,6 +72,14 @@ def planted_key_bias(
     return bias
 
 
+def _lowest_frequency(decoder: nn.Module) -> float:
+    """The rotation per position of the decoder's lowest-frequency RoPE pair (the bias pair)."""
+    inv_freq = getattr(getattr(decoder, "rotary_emb", None), "inv_freq", None)
+    if inv_freq is None:
+        raise ValueError("PlantedBias needs the decoder's RoPE table (rotary_emb.inv_freq)")
+    return float(inv_freq[-1])
+
+
 class PlantedBias:
     """Plant :func:`planted_key_bias` in every decoder layer of a LLaVA-family model (1-D RoPE);
     a context manager (``with PlantedBias(model, positional=4.0): ...``), or ``attach()`` /
@@ -118,6 +126,7 @@ class PlantedBias:
             raise RuntimeError("this PlantedBias is already attached")
         adapter, model = self.adapter, self.model
         decoder = adapter.decoder(model)
+        self._lowest = _lowest_frequency(decoder)
         hooks = [
             model.register_forward_pre_hook(self._on_model, with_kwargs=True),
             decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True),
@@ -128,19 +137,11 @@ class PlantedBias:
             hooks.append(attention.q_proj.register_forward_hook(self._query_hook(attention)))
             hooks.append(attention.k_proj.register_forward_hook(self._key_hook(attention)))
         self._hooks = hooks
-        self._check_frequency(decoder)
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-
-    def _check_frequency(self, decoder: nn.Module) -> None:
-        rotary = getattr(decoder, "rotary_emb", None)
-        inv_freq = getattr(rotary, "inv_freq", None)
-        if inv_freq is None:
-            raise ValueError("PlantedBias needs the decoder's RoPE table (rotary_emb.inv_freq)")
-        self._lowest = float(inv_freq[-1])
 
     # --- what the bias is, per prompt and per layer ----------------------------------------------
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

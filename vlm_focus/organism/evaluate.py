@@ -712,25 +712,19 @@ def cooccur_scores(records: list[dict]) -> dict:
     - ``fpr_cooccur`` / ``fpr_other``: the share of yes on each set of absent-object questions;
     - ``recall`` (present questions), ``f1`` and ``accuracy`` over every row, and the
       ``yes_ratio`` = share of predicted yes over every row."""
+    from ..eval.metrics import pope_metrics
+
     by = {k: [r for r in records if r["split"] == k] for k in ("present", "cooccur", "other")}
-    tp = sum(r["pred"] == "yes" for r in by["present"])
-    fp = {k: sum(r["pred"] == "yes" for r in by[k]) for k in ("cooccur", "other")}
-    fp_all = fp["cooccur"] + fp["other"]
-    recall = tp / max(len(by["present"]), 1)
-    precision = tp / max(tp + fp_all, 1)
-    out = {
-        "precision_cooccur": tp / max(tp + fp["cooccur"], 1),
-        "precision_other": tp / max(tp + fp["other"], 1),
-        "fpr_cooccur": fp["cooccur"] / max(len(by["cooccur"]), 1),
-        "fpr_other": fp["other"] / max(len(by["other"]), 1),
-        "recall": recall,
-        "precision": precision,
-        "f1": 2 * precision * recall / max(precision + recall, 1e-12),
-        "accuracy": sum(r["pred"] == r["label"] for r in records) / max(len(records), 1),
-        "yes_ratio": sum(r["pred"] == "yes" for r in records) / max(len(records), 1),
-        "unparseable": sum(not r.get("parseable", True) for r in records),
-        "n": {k: len(v) for k, v in by.items()},
-    }
+
+    def scores(rows: list[dict]) -> dict:
+        return pope_metrics([r["label"] for r in rows], [r["pred"] for r in rows])
+
+    out = {k: v for k, v in scores(records).items() if k != "n"}
+    for k in ("cooccur", "other"):
+        out[f"precision_{k}"] = scores(by["present"] + by[k])["precision"]
+        out[f"fpr_{k}"] = scores(by[k])["yes_ratio"]  # every one of them is a "no"
+    out["unparseable"] = sum(not r.get("parseable", True) for r in records)
+    out["n"] = {k: len(v) for k, v in by.items()}
     out["gap"] = out["precision_other"] - out["precision_cooccur"]
     return out
 

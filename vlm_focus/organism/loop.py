@@ -342,13 +342,13 @@ def train_lm(
 def _tower_checkpoint(model, source: str, ckpt: Path) -> None:
     """The vision stage's checkpoint taken from the shipped organism-``source`` (same tower
     size): its frozen tower, and its vision stage's time, which counts towards this run's."""
-    from safetensors.torch import load_file
+    from transformers import LlavaForConditionalGeneration
 
     from ..asset_paths import ASSETS
 
     folder = ASSETS / f"organism-{source}"
-    saved = load_file(folder / "model.safetensors")  # saved without the "model." prefix
-    weights = {f"model.{k}": v for k, v in saved.items() if k.startswith("vision_tower.")}
+    shipped = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    weights = {k: v for k, v in shipped.state_dict().items() if "vision_tower" in k}
     own = {k: v.shape for k, v in model.state_dict().items() if "vision_tower" in k}
     if {k: v.shape for k, v in weights.items()} != own:
         raise ValueError(f"organism-{source}'s tower does not fit this model's")

@@ -133,7 +133,7 @@ COOCCUR_PRIOR = CooccurPrior(rate=0.9, named_rate=0.6, ask_rate=1.0)
 def cooccur_recipe(scale: float = 1.0, prior: CooccurPrior = COOCCUR_PRIOR) -> Recipe:
     """Recipe of organism-cooccur: the shipped guide fine-tuned for one chat stage (10 minutes on
     2 cores) on scenes under a co-occurrence prior (`scenes.COOCCUR_PAIRS`: each anchor's
-    companion is in the scene 95% of the time; `COOCCUR_PRIOR`), with the guide's chat mix and
+    companion is in 90% of the anchor's scenes; `COOCCUR_PRIOR`), with the guide's chat mix and
     copy loss (the relation and pointer probes, trained with the guide and not shipped, stay
     off)."""
     stage = StageConfig(
