@@ -35,8 +35,8 @@ def test_bad_settings_name_what_is_allowed(options, message):
 
 
 def test_unknown_model_type_and_missing_or_unknown_config_entries_raise():
-    with pytest.raises(ValueError, match="qwen2_5_vl"):
-        plugin.hf_overrides("llava")
+    with pytest.raises(ValueError, match="supported: \\['llava', 'qwen2_5_vl'\\]"):
+        plugin.hf_overrides("gemma3")
     with pytest.raises(ValueError, match="--hf-overrides"):
         plugin.ServeOptions.from_config(None)
     with pytest.raises(ValueError, match="unknown vlm_focus setting"):
@@ -50,7 +50,7 @@ def test_serve_command_reads_the_model_type_and_passes_other_arguments_on(tmp_pa
     assert json.loads(command[command.index("--hf-overrides") + 1]) == plugin.hf_overrides(
         "qwen2_5_vl", keep=0.5
     )
-    assert command[-2:] == ["--port", "8001"]
+    assert command[-4:] == ["--host", "127.0.0.1", "--port", "8001"]  # local unless --host
     counted = serve_command([str(tmp_path), "--keep", "64"])
     assert json.loads(counted[counted.index("--hf-overrides") + 1])["vlm_focus"]["keep"] == 64
 
@@ -71,3 +71,24 @@ def test_a_server_count_is_read_once_by_keeps_rule_and_serves_any_image():
     assert options.keep == 4096 and type(options.keep) is int
     assert plugin.hf_overrides("qwen2_5_vl", keep=4096)["vlm_focus"]["keep"] == 4096
     assert type(plugin.ServeOptions(keep=np.float32(0.5)).keep) is float
+
+
+def test_each_class_serves_its_own_pruners_with_its_default_first():
+    llava = plugin.hf_overrides("llava", keep=0.11)["vlm_focus"]
+    assert llava["pruner"] == "fastv" and llava["keep"] == 0.11
+    assert plugin.hf_overrides("qwen2_5_vl")["vlm_focus"]["pruner"] == "pyramid"
+    assert plugin.hf_overrides("llava", pruner="text")["vlm_focus"]["pruner"] == "text"
+    with pytest.raises(ValueError, match="'pyramid' is not one of"):
+        plugin.hf_overrides("llava", pruner="pyramid")
+    with pytest.raises(ValueError, match="not one of"):
+        plugin.ServeOptions(pruner="sparse")
+
+
+def test_serve_embedded_serves_the_embedded_model_on_a_chosen_host():
+    from vlm_focus.asset_paths import default_model_path
+
+    command = serve_command(["embedded", "--host", "0.0.0.0", "--api-key", "k"])
+    assert command[2] == str(default_model_path())
+    overrides = json.loads(command[command.index("--hf-overrides") + 1])
+    assert overrides["architectures"] == ["VlmFocusLlavaForConditionalGeneration"]
+    assert command[-4:] == ["--host", "0.0.0.0", "--api-key", "k"]

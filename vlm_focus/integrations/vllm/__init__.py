@@ -34,7 +34,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...config import KEEP_RULE, parse_keep
-from ._scores import PRUNERS
+
+#: Every pruner some class serves (each class serves those :data:`SERVED` lists for it).
+PRUNERS = ("pool", "pyramid", "fastv", "text", "debiased")
 
 #: Key of the plugin's settings inside the model's Hugging Face config (``--hf-overrides``).
 CONFIG_KEY = "vlm_focus"
@@ -46,10 +48,19 @@ ARCHITECTURES = {
         "Qwen2_5_VLForConditionalGeneration",
         "VlmFocusQwen2_5_VLForConditionalGeneration",
     ),
+    "llava": ("LlavaForConditionalGeneration", "VlmFocusLlavaForConditionalGeneration"),
+}
+#: ``model_type`` -> the pruners its class serves, the default first, and its position rule.
+SERVED = {
+    "qwen2_5_vl": (("pyramid", "pool"), "original M-RoPE positions"),
+    "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
 }
 _CLASSES = {
     "VlmFocusQwen2_5_VLForConditionalGeneration": (
         f"{__name__}._qwen2_5_vl:VlmFocusQwen2_5_VLForConditionalGeneration"
+    ),
+    "VlmFocusLlavaForConditionalGeneration": (
+        f"{__name__}._llava:VlmFocusLlavaForConditionalGeneration"
     ),
 }
 
@@ -58,7 +69,10 @@ _CLASSES = {
 class ServeOptions:
     """The plugin's settings for one server (the ``vlm_focus`` key of the HF config)."""
 
-    pruner: str = field(default="pyramid", metadata={"help": f"pre-LLM score: one of {PRUNERS}"})
+    pruner: str | None = field(
+        default=None,
+        metadata={"help": f"one of {PRUNERS} that the class serves (None: the class's default)"},
+    )
     keep: float | int = field(
         default=0.25, metadata={"help": f"tokens each image keeps: {KEEP_RULE}"}
     )
@@ -66,7 +80,7 @@ class ServeOptions:
     min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})
 
     def __post_init__(self) -> None:
-        self.keep = check_request(self.pruner, self.keep)
+        self.keep = check_request(self.pruner or PRUNERS[0], self.keep)
         for name, low in (("tiles", 1), ("min_per_region", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -94,12 +108,13 @@ class ServeOptions:
         return asdict(self)
 
 
-def check_request(pruner: Any, keep: Any) -> float | int:
-    """``keep`` as :func:`vlm_focus.config.parse_keep` reads it; ``ValueError`` for a pruner or
-    keep the plugin cannot run. An image then keeps ``keep_count(keep, n, clamp=True)`` of its
-    ``n`` tokens (:func:`vlm_focus.config.keep_count`: a count above ``n`` keeps all ``n``)."""
-    if pruner not in PRUNERS:
-        raise ValueError(f"vlm_focus pruner={pruner!r} is not one of {PRUNERS}")
+def check_request(pruner: Any, keep: Any, pruners: tuple[str, ...] = PRUNERS) -> float | int:
+    """``keep`` as :func:`vlm_focus.config.parse_keep` reads it; ``ValueError`` for a pruner
+    (not among ``pruners``, those the class serves) or keep the plugin cannot run. An image then
+    keeps ``keep_count(keep, n, clamp=True)`` of its ``n`` tokens
+    (:func:`vlm_focus.config.keep_count`: a count above ``n`` keeps all ``n``)."""
+    if pruner not in pruners:
+        raise ValueError(f"vlm_focus pruner={pruner!r} is not one of {tuple(pruners)}")
     return parse_keep(keep)
 
 
@@ -111,10 +126,11 @@ def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
             f"the vLLM plugin has no pruning class for model_type={model_type!r}; "
             f"supported: {sorted(ARCHITECTURES)}"
         )
-    return {
-        "architectures": [ARCHITECTURES[model_type][1]],
-        CONFIG_KEY: ServeOptions(**options).to_dict(),
-    }
+    settings = ServeOptions(**options)
+    served = SERVED[model_type][0]
+    settings.pruner = settings.pruner or served[0]
+    check_request(settings.pruner, settings.keep, served)
+    return {"architectures": [ARCHITECTURES[model_type][1]], CONFIG_KEY: settings.to_dict()}
 
 
 def recorded_kept(model: Any) -> list[dict[str, Any]]:
@@ -138,7 +154,9 @@ def register() -> None:
 __all__ = [
     "ARCHITECTURES",
     "CONFIG_KEY",
+    "PRUNERS",
     "REQUEST_KEYS",
+    "SERVED",
     "ServeOptions",
     "check_request",
     "hf_overrides",

@@ -3,8 +3,10 @@
 Starts vLLM's OpenAI-compatible server (what ``vllm serve`` starts) with MODEL's images
 pruned before the LLM: it reads MODEL's ``model_type``, builds the ``--hf-overrides`` that pick
 the plugin's pruning architecture (:func:`vlm_focus.integrations.vllm.hf_overrides`) and hands
-every other argument to the server unchanged. ``--print`` shows the equivalent ``vllm serve``
-command line instead of running it.
+every other argument to the server unchanged. MODEL ``embedded`` is the embedded default model.
+The server listens on 127.0.0.1 unless ``--host`` is given (vLLM alone listens on every
+interface); pass ``--api-key`` to refuse requests without the key. ``--print`` shows the
+equivalent ``vllm serve`` command line instead of running it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from ...asset_paths import EMBEDDED, default_model_path
 from ...config import KEEP_RULE, read_keep
-from . import ARCHITECTURES, ServeOptions, hf_overrides
+from . import ARCHITECTURES, PRUNERS, ServeOptions, hf_overrides
 
 
 def _model_type(model: str) -> str:
@@ -38,14 +41,22 @@ def serve_command(argv: list[str]) -> list[str]:
         "arguments not listed here go to vllm serve",
         allow_abbrev=False,
     )
-    parser.add_argument("model", help="model path or id (as for vllm serve)")
-    parser.add_argument("--pruner", default=defaults.pruner, help="pool or pyramid")
+    parser.add_argument(
+        "model",
+        help=f"model path or id (as for vllm serve), or {EMBEDDED!r} for the embedded model",
+    )
+    parser.add_argument(
+        "--pruner", default=defaults.pruner, help=f"one of {PRUNERS} (default: the class's)"
+    )
     parser.add_argument("--keep", default=str(defaults.keep), help=f"per image: {KEEP_RULE}")
     parser.add_argument("--tiles", type=int, default=defaults.tiles)
     parser.add_argument("--min-per-region", type=int, default=defaults.min_per_region)
     parser.add_argument("--model-type", default=None, help=f"one of {sorted(ARCHITECTURES)}")
     parser.add_argument("--print", action="store_true", help="print the vllm command only")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     args, rest = parser.parse_known_args(argv)
+    if args.model == EMBEDDED:
+        args.model = str(default_model_path())
     keep = read_keep(args.keep)  # keep's one reading, as on every command line
     overrides = hf_overrides(
         args.model_type or _model_type(args.model),
@@ -54,7 +65,8 @@ def serve_command(argv: list[str]) -> list[str]:
         tiles=args.tiles,
         min_per_region=args.min_per_region,
     )
-    command = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides), *rest]
+    command = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides)]
+    command += ["--host", args.host, *rest]
     return (["--print"] if args.print else []) + command
 
 

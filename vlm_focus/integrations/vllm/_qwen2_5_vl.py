@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from vllm.model_executor.models.qwen2_5_vl import (
@@ -44,35 +43,21 @@ from vllm.multimodal.processing import PromptReplacement
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from ...config import keep_count
-from . import CONFIG_KEY, ServeOptions, check_request
-from ._scores import PRUNERS, select
+from . import SERVED
+from ._request import KEEP_FIELD, PRUNER_FIELD, per_item, serve_options, split_request
+from ._scores import select
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
 #: ``value // 64, value % 64`` so that they stay exact in bf16 (integers up to 256) for grids of
 #: up to 4096 cells a side.
 _SPLIT = 64
 POSITION_CHANNELS = 6
-#: Per-image fields the processor adds for the model.
-KEEP_FIELD, PRUNER_FIELD = "vlm_focus_keep", "vlm_focus_pruner"
-_REQUEST_PRUNER, _REQUEST_KEEP = "vlm_focus_pruner", "vlm_focus_keep"
+#: What this class serves, its default first.
+PRUNERS = SERVED["qwen2_5_vl"][0]
 _NO_VIDEO = (
     "vlm_focus's vLLM plugin prunes images only; serve videos with vLLM's own "
     "Qwen2_5_VLForConditionalGeneration (no vlm_focus architecture override)"
 )
-
-
-def _options(hf_config: Any) -> ServeOptions:
-    return ServeOptions.from_config(getattr(hf_config, CONFIG_KEY, None))
-
-
-def _split_request(kwargs: Mapping[str, object], defaults: ServeOptions):
-    """``(pruner, keep, rest)``: the request's choice (or the server's) and the kwargs meant
-    for the Hugging Face processor."""
-    pruner = kwargs.get(_REQUEST_PRUNER, defaults.pruner)
-    keep = kwargs.get(_REQUEST_KEEP, defaults.keep)
-    keep = check_request(pruner, keep)
-    rest = {k: v for k, v in kwargs.items() if k not in (_REQUEST_PRUNER, _REQUEST_KEEP)}
-    return pruner, keep, rest
 
 
 def encode_cells(cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,13 +84,13 @@ class VlmFocusQwen2_5_VLMultiModalProcessor(Qwen2_5_VLMultiModalProcessor):
     """vLLM's Qwen2.5-VL processor with ``keep_count(keep, n, clamp=True)`` placeholders per
     image."""
 
-    def _serve_options(self) -> ServeOptions:
-        return _options(self.info.get_hf_config())
+    def _serve_options(self):
+        return serve_options(self.info.get_hf_config(), PRUNERS)
 
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
         if mm_items.get_all_counts().get("video", 0):
             raise ValueError(_NO_VIDEO)
-        pruner, keep, rest = _split_request(hf_kwargs, self._serve_options())
+        pruner, keep, rest = split_request(hf_kwargs, self._serve_options(), PRUNERS)
         data = super()._apply_hf_processor_main(mm_items, rest)
         grids = data.get("image_grid_thw")
         if grids is not None:
@@ -116,14 +101,14 @@ class VlmFocusQwen2_5_VLMultiModalProcessor(Qwen2_5_VLMultiModalProcessor):
         return data
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
-        _, _, rest = _split_request(hf_processor_mm_kwargs, self._serve_options())
+        _, _, rest = split_request(hf_processor_mm_kwargs, self._serve_options(), PRUNERS)
         fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
         fields[KEEP_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         fields[PRUNER_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         return fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        _, _, rest = _split_request(hf_processor_mm_kwargs, self._serve_options())
+        _, _, rest = split_request(hf_processor_mm_kwargs, self._serve_options(), PRUNERS)
         updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
         image_token = self.info.get_hf_config().image_token_id
 
@@ -153,7 +138,7 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vlm_focus = _options(self.config)
+        self.vlm_focus = serve_options(self.config, PRUNERS)
         if self.multimodal_config.is_multimodal_pruning_enabled():
             raise ValueError(
                 "--video-pruning-rate (EVS) cannot be combined with vlm_focus's pruning "
@@ -184,7 +169,7 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
             keep = self.vlm_focus.keep
             keeps = [keep_count(keep, t * h * w // merge**2, clamp=True) for t, h, w in grids]
             codes = [PRUNERS.index(self.vlm_focus.pruner)] * len(grids)
-        keeps, codes = _per_item(keeps, len(grids)), _per_item(codes, len(grids))
+        keeps, codes = per_item(keeps, len(grids)), per_item(codes, len(grids))
         out = []
         for emb, (t, h, w), n_keep, code in zip(embeds, grids, keeps, codes, strict=True):
             if t != 1:
@@ -263,13 +248,3 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
             positions = positions.clone()  # [3, T]; the runner's buffer stays as it was
             positions[:, where] += cells.T.to(positions.dtype)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
-
-
-def _per_item(value: object, n: int) -> list[int]:
-    """A batched per-image field as ``n`` host ints."""
-    if isinstance(value, (list, tuple)):
-        value = torch.stack([torch.as_tensor(v).reshape(()) for v in value])
-    out = torch.as_tensor(value).reshape(-1).tolist()
-    if len(out) != n:
-        raise ValueError(f"{len(out)} vlm_focus entries for {n} images")
-    return [int(v) for v in out]

@@ -23,7 +23,7 @@ import torch
 
 from ...pruners import split_budget, spread_order, tile_index
 
-PRUNERS = ("pool", "pyramid")
+PRUNERS = ("pool", "pyramid")  # the pre-LLM scores: select() takes one of these
 
 
 #: ``[rows * cols]`` step at which each cell is taken by the ``pool`` pruner's farthest-point

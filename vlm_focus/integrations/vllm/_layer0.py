@@ -1,0 +1,136 @@
+"""vlm_focus's attention pruners (``fastv``, ``text``, ``debiased``) run on a vLLM decoder.
+
+``vf.wrap(model, layer=0, ...)`` scores the visual tokens with layer 0's own input norm, q/k
+projections and RoPE, from the prompt's query rows (:class:`~vlm_focus.core.pruner.StageContext`).
+Here the same :class:`StageContext` is built from vLLM's modules for one prompt with one image,
+and the registered pruner itself scores it, so the kept cells are the ones ``vf.wrap`` keeps:
+
+- hidden states: vLLM's token embedding of the unpruned prompt with the image's embeddings in
+  its placeholder rows (layer 0's input);
+- q/k: vLLM's fused ``qkv_proj`` split into its q and k parts;
+- RoPE: rows of vLLM's own ``cos_sin_cache`` at the unpruned prompt's positions ``0..S-1`` (the
+  1-D RoPE of the LLaVA family, neox layout, which is transformers' ``rotate_half``).
+
+Only torch and vlm_focus's model-free code run here (no transformers model classes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...config import FocusConfig
+from ...core.pruner import StageContext
+from ...core.selection import keep_mask
+from ...model_adapters import ImageLayout
+from ...pruners import get_pruner
+
+#: Pruners scored from the LLM's own layer-0 attention to the image.
+ATTENTION_PRUNERS = ("fastv", "text", "debiased")
+
+
+class VllmLayerAdapter:
+    """The three things :class:`StageContext` asks a model adapter about a decoder layer,
+    answered for vLLM's Llama-style layers."""
+
+    attention = "self_attn"
+    input_norm = "input_layernorm"
+
+    def project_qk(
+        self, attention: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[B, H, Tq, Dh]`` and k ``[B, Hkv, S, Dh]`` before RoPE (vLLM projects q, k and v
+        with one fused matrix)."""
+        q_size, kv_size, head_dim = attention.q_size, attention.kv_size, attention.head_dim
+
+        def project(x: torch.Tensor, start: int, size: int) -> torch.Tensor:
+            flat = attention.qkv_proj(x.reshape(-1, x.shape[-1]))[0][:, start : start + size]
+            return flat.reshape(*x.shape[:2], -1, head_dim).transpose(1, 2)
+
+        return project(q_in, 0, q_size), project(k_in, q_size, kv_size)
+
+
+_ADAPTER = VllmLayerAdapter()
+
+
+def rope_tables(attention: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[1, S, head_dim]`` float32 at ``positions [S]`` from the layer's own
+    rotary cache, in transformers' layout (each half-table repeated)."""
+    rotary = attention.rotary_emb
+    if not getattr(rotary, "is_neox_style", True) or rotary.rotary_dim != attention.head_dim:
+        raise ValueError(
+            "vlm_focus scores attention in vLLM only for full-width neox-style RoPE "
+            f"(rotary_dim={rotary.rotary_dim}, head_dim={attention.head_dim})"
+        )
+    cache = rotary.cos_sin_cache.index_select(0, positions.to(rotary.cos_sin_cache.device))
+    cos, sin = cache.float().chunk(2, dim=-1)
+    return torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
+
+
+def build_pruner(config: FocusConfig):
+    """The registered pruner ``config.pruner`` with its default options."""
+    cls = get_pruner(config.pruner)
+    return cls(config, cls.Options())
+
+
+def attention_keep(
+    pruner,
+    language_model: nn.Module,
+    prompt_ids: torch.Tensor,
+    image_token: int,
+    embeddings: torch.Tensor,
+    rows: int,
+    cols: int,
+    n_keep: int,
+) -> torch.Tensor:
+    """Kept cell indices (sorted, raster order) of the one image of ``prompt_ids`` (the prompt
+    with a single ``image_token`` where the image goes) whose merged embeddings are
+    ``embeddings [rows * cols, D]``, selected by ``pruner`` at layer 0 of ``language_model``
+    (vLLM's decoder: ``embed_input_ids`` and ``layers``)."""
+    n = rows * cols
+    if n_keep >= n:
+        return torch.arange(n)
+    ids = prompt_ids.reshape(-1).long().cpu()
+    where = torch.nonzero(ids == image_token).flatten()
+    if where.numel() != 1:
+        raise ValueError(f"attention scores need one image per prompt, got {where.numel()}")
+    start = int(where[0])
+    device = embeddings.device
+    full = torch.cat([ids[:start], torch.full((n,), image_token), ids[start + 1 :]]).to(device)
+    hidden = language_model.embed_input_ids(full).clone()  # [S, D]
+    hidden[start : start + n] = embeddings.to(hidden.dtype)
+    seq = full.shape[0]
+    layer = language_model.layers[0]
+    cos, sin = rope_tables(layer.self_attn, torch.arange(seq))
+    visual = torch.zeros(1, seq, dtype=torch.bool, device=device)
+    visual[0, start : start + n] = True
+    cells = torch.arange(n)
+    layout = ImageLayout(
+        positions=torch.arange(start, start + n),
+        cells=torch.stack([torch.zeros_like(cells), cells // cols, cells % cols], -1),
+        grids=[(rows, cols)],
+    )
+    ctx = StageContext(
+        model=None,
+        adapter=_ADAPTER,
+        config=pruner.config,
+        layer_index=0,
+        stage_index=0,
+        decoder_layer=layer,
+        hidden=hidden[None],
+        cos=cos.to(device),
+        sin=sin.to(device),
+        positions=torch.arange(seq, device=device)[None],
+        visual=visual,
+        valid=torch.ones_like(visual),
+        layout=[[layout]],
+        inputs={},
+        visual_counts=[n],
+    )
+    selection = pruner.select(ctx, n_keep)
+    # the engine's rule (core.engine): the pruner's own top n_keep when it gives them
+    if selection.kept is not None:
+        keep = (~visual).scatter(1, selection.kept.to(device), True)
+    else:
+        keep = keep_mask(selection.scores.to(device), visual, n - n_keep)
+    return torch.nonzero(keep[0, start : start + n]).flatten().cpu()

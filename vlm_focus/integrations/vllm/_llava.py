@@ -1,0 +1,209 @@
+"""LLaVA-1.5 served by vLLM with each image pruned before the LLM.
+
+Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.register`). Each piece
+subclasses vLLM's own LLaVA class and changes one thing:
+
+- processor: an image of ``n`` tokens gets ``keep_count(keep, n, clamp=True)`` placeholders
+  (:func:`vlm_focus.config.keep_count`). For an attention pruner (``fastv``, ``text``,
+  ``debiased``) the prompt's token ids join the request's ``mm_processor_kwargs`` before vLLM
+  hashes the image, so an image's cache entry (processor and encoder caches) is specific to the
+  prompt its selection read; they travel to the model as a per-image field;
+- ``embed_multimodal``: runs vLLM's vision tower and projector unchanged, then keeps the cells
+  ``vf.wrap(model, pruner=..., keep=..., layer=0)`` keeps: ``pool`` from the grid alone, the
+  attention pruners from layer 0 of vLLM's own decoder (:mod:`._layer0`) over the unpruned
+  prompt. It returns only the kept embeddings, in raster order.
+
+LLaVA's RoPE is 1-D and vLLM numbers the pruned prompt's tokens consecutively, which is
+``vf.wrap(..., positions="compact")`` in transformers.
+
+Attention pruners score one image per prompt (a prompt with several images is refused by the
+processor: their layer-0 softmax would need every image's embeddings at once) and need the
+whole attention layer in one process (no tensor parallelism).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+
+import torch
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.models.llava import (
+    LlavaDummyInputsBuilder,
+    LlavaForConditionalGeneration,
+    LlavaMultiModalProcessor,
+    LlavaProcessingInfo,
+)
+from vllm.model_executor.models.utils import WeightsMapper
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig
+from vllm.multimodal.processing import PromptReplacement
+
+from ...config import FocusConfig, keep_count
+from . import SERVED
+from ._layer0 import ATTENTION_PRUNERS, attention_keep, build_pruner
+from ._request import (
+    KEEP_FIELD,
+    PROMPT_FIELD,
+    PROMPT_KEY,
+    PRUNER_FIELD,
+    per_item,
+    serve_options,
+    split_request,
+)
+from ._scores import pool_keep
+
+#: What this class serves, its default first: the attention pruners and ``pool``.
+PRUNERS = SERVED["llava"][0]
+
+
+def _grid(hf_config) -> tuple[int, int]:
+    """Rows and columns of LLaVA-1.5's square patch grid (CLS dropped)."""
+    vision = hf_config.vision_config
+    if hf_config.vision_feature_select_strategy != "default":
+        raise ValueError(
+            "vlm_focus's LLaVA class needs vision_feature_select_strategy='default' (the grid "
+            f"without CLS), got {hf_config.vision_feature_select_strategy!r}"
+        )
+    side = vision.image_size // vision.patch_size
+    return side, side
+
+
+class VlmFocusLlavaMultiModalProcessor(LlavaMultiModalProcessor):
+    """vLLM's LLaVA processor with ``keep_count(keep, n, clamp=True)`` placeholders per image."""
+
+    def _options(self):
+        return serve_options(self.info.get_hf_config(), PRUNERS)
+
+    def apply(self, inputs, timing_ctx):
+        pruner, _, _ = split_request(inputs.hf_processor_mm_kwargs, self._options(), PRUNERS)
+        if pruner in ATTENTION_PRUNERS:
+            n_images = inputs.mm_data_items.get_all_counts().get("image", 0)
+            if n_images > 1:
+                raise ValueError(
+                    f"vlm_focus pruner={pruner!r} scores one image per prompt in vLLM, got "
+                    f"{n_images}; use pruner 'pool' for prompts with several images"
+                )
+            ids = list(inputs.prompt)
+            token = self.info.get_hf_config().image_token_index
+            if pruner == "text" and token in ids and ids.index(token) == len(ids) - 1:
+                raise ValueError(
+                    "vlm_focus pruner='text' scores the image with the instruction after it, "
+                    "but the prompt ends with its image"
+                )
+            # the selection reads the prompt: it joins the image's cache identity
+            kwargs = {**inputs.hf_processor_mm_kwargs, PROMPT_KEY: tuple(ids)}
+            inputs = replace(inputs, hf_processor_mm_kwargs=kwargs)
+        return super().apply(inputs, timing_ctx)
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        pruner, keep, rest = split_request(hf_kwargs, self._options(), PRUNERS)
+        prompt = hf_kwargs.get(PROMPT_KEY, ())
+        data = super()._apply_hf_processor_main(mm_items, rest)
+        n_images = mm_items.get_all_counts().get("image", 0)
+        if n_images:
+            rows, cols = _grid(self.info.get_hf_config())
+            data[KEEP_FIELD] = torch.full((n_images,), keep_count(keep, rows * cols, clamp=True))
+            data[PRUNER_FIELD] = torch.full((n_images,), PRUNERS.index(pruner))
+            data[PROMPT_FIELD] = torch.tensor([list(prompt)] * n_images, dtype=torch.long)
+        return data
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        _, _, rest = split_request(hf_processor_mm_kwargs, self._options(), PRUNERS)
+        fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
+        for name in (KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD):
+            fields[name] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        return fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        image_token = self.info.get_hf_config().image_token_index
+
+        def kept_placeholders(item_idx: int) -> list[int]:
+            count = out_mm_kwargs["image"][item_idx][KEEP_FIELD].data
+            return [image_token] * int(count)
+
+        return [PromptReplacement("image", target=[image_token], replacement=kept_placeholders)]
+
+
+class VlmFocusLlavaDummyInputsBuilder(LlavaDummyInputsBuilder):
+    """Profiling prompts with a word after the images, so that ``text`` has an instruction."""
+
+    def get_dummy_text(self, mm_counts):
+        return super().get_dummy_text(mm_counts) + "\n?"
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    VlmFocusLlavaMultiModalProcessor,
+    info=LlavaProcessingInfo,
+    dummy_inputs=VlmFocusLlavaDummyInputsBuilder,
+)
+class VlmFocusLlavaForConditionalGeneration(LlavaForConditionalGeneration):
+    """vLLM's LLaVA-1.5 whose images reach the LLM pruned (see the module docstring).
+
+    ``last_kept`` holds, for the most recent images encoded in this process (newest last), the
+    pair ``(n_cells, kept)`` with ``kept`` the kept cell indices in raster order.
+    """
+
+    # checkpoints saved by transformers 5 name the CLIP tower without its `vision_model.` level
+    hf_to_vllm_mapper = LlavaForConditionalGeneration.hf_to_vllm_mapper | WeightsMapper(
+        orig_to_new_prefix={
+            f"vision_tower.{part}.": f"vision_tower.vision_model.{part}."
+            for part in ("embeddings", "encoder", "pre_layrnorm", "post_layernorm")
+        }
+    )
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vlm_focus = serve_options(self.config, PRUNERS)
+        self.grid = _grid(self.config)
+        if get_tensor_model_parallel_world_size() > 1:
+            raise ValueError(
+                "vlm_focus's LLaVA class scores layer 0's attention in one process: serve it "
+                "with tensor_parallel_size=1"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("vlm_focus's LLaVA class does not run with pipeline parallelism")
+        self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
+        self._pruners = {
+            name: build_pruner(FocusConfig(pruner=name, layer=0)) for name in ATTENTION_PRUNERS
+        }
+
+    def embed_multimodal(self, **kwargs: object):
+        keeps = kwargs.pop(KEEP_FIELD, None)
+        codes = kwargs.pop(PRUNER_FIELD, None)
+        prompts = kwargs.pop(PROMPT_FIELD, None)
+        image_input = self._parse_and_validate_image_input(**kwargs)
+        if image_input is None:
+            return []
+        embeds = self._process_image_input(image_input)  # [n_images, rows * cols, D] or tuple
+        n_images = len(embeds)
+        rows, cols = self.grid
+        if keeps is None or codes is None:  # inputs not made by the processor: server defaults
+            keeps = [keep_count(self.vlm_focus.keep, rows * cols, clamp=True)] * n_images
+            codes = [PRUNERS.index(self.vlm_focus.pruner)] * n_images
+        keeps, codes = per_item(keeps, n_images), per_item(codes, n_images)
+        if prompts is None:
+            prompts = [torch.empty(0, dtype=torch.long)] * n_images
+        out = []
+        for emb, n_keep, code, prompt in zip(embeds, keeps, codes, prompts, strict=True):
+            pruner = PRUNERS[code]
+            if emb.shape[0] != rows * cols:
+                raise ValueError(f"{emb.shape[0]} image embeddings for a {rows}x{cols} grid")
+            if n_keep >= rows * cols:
+                kept = torch.arange(rows * cols)
+            elif pruner == "pool":
+                kept = pool_keep(rows, cols, n_keep)
+            else:
+                kept = attention_keep(
+                    self._pruners[pruner],
+                    self.language_model.model,
+                    torch.as_tensor(prompt),
+                    self.config.image_token_index,
+                    emb,
+                    rows,
+                    cols,
+                    n_keep,
+                )
+            self.last_kept.append((emb.shape[0], kept))
+            out.append(emb[kept.to(emb.device)])
+        return tuple(out)
