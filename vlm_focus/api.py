@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import FocusConfig
 from .core.engine import FocusEngine
-from .model_adapters import get_adapter
+from .model_adapters import ModelAdapter, get_adapter, supported_models
 from .pruners import get_pruner
 from .trace import FocusTrace
 
@@ -97,11 +97,32 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
             raise ValueError(
                 f"layer={layer} is out of range: this model has layers [0, {n_layers})"
             )
+    if config.positions == "compact":
+        _check_compact(config, adapter)
     engine = FocusEngine(model, adapter, config, pruner_cls(config, pruner_options))
     engine.attach()
     handle = FocusHandle(model, engine)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _check_compact(config: FocusConfig, adapter: ModelAdapter) -> None:
+    """``positions="compact"`` renumbers the prompt that every layer sees, which is the pruned
+    prompt's own numbering only when nothing ran on the full prompt first (one stage at layer 0)
+    and the model counts positions in 1-D."""
+    if [layer for layer, _ in config.stages] != [0]:
+        raise ValueError(
+            f"positions='compact' supports one pruning stage at layer=0 (pruning before the "
+            f"first decoder layer), got layer={config.layer!r}; use positions='original' for "
+            "other schedules"
+        )
+    if not adapter.consecutive_positions:
+        allowed = ", ".join(supported_models(consecutive_positions=True))
+        raise ValueError(
+            f"positions='compact' supports models with 1-D RoPE positions ({allowed}); "
+            f"'{adapter.model_type}' positions visual tokens by their grid cells (M-RoPE): use "
+            "positions='original'"
+        )
 
 
 def _build_config(config: FocusConfig | None, options: dict[str, Any]) -> FocusConfig:

@@ -39,6 +39,7 @@ class InputOptions(LoadOptions):
     query_rows: str = inherit(FocusConfig, "query_rows")
     reduce: str = inherit(FocusConfig, "reduce")
     budget: str = inherit(FocusConfig, "budget")
+    positions: str = inherit(FocusConfig, "positions")
     pruner_option: list[str] = pruner_option_field()
     repeats: int = field(
         default=5,

@@ -12,6 +12,7 @@ from typing import Any
 QUERY_ROWS = ("last", "text")
 REDUCTIONS = ("mean", "max")
 BUDGETS = ("span", "frame")
+POSITIONS = ("original", "compact")
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
 KEEP_RULE = "a float ratio in (0, 1] (1.0 keeps every visual token) or an int count >= 2"
 
@@ -120,6 +121,16 @@ class FocusConfig:
             "choices": BUDGETS,
         },
     )
+    positions: str = field(
+        default="original",
+        metadata={
+            "help": "RoPE positions of the kept tokens: 'original' = where the unpruned prompt "
+            "had them, 'compact' = renumbered consecutively as if the pruned visual tokens had "
+            "never been in the prompt, as vLLM and VisionZip position a pruned LLaVA prompt "
+            "(one stage at layer 0, 1-D RoPE models only)",
+            "choices": POSITIONS,
+        },
+    )
     warm_kernels: bool = field(
         default=True,
         metadata={
@@ -165,6 +176,8 @@ class FocusConfig:
             raise ValueError(f"reduce={self.reduce!r} is not one of {REDUCTIONS}")
         if self.budget not in BUDGETS:
             raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions={self.positions!r} is not one of {POSITIONS}")
         if not isinstance(self.warm_kernels, bool):
             raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):

@@ -36,7 +36,7 @@ from .pruners import guided_generate
 from .zoom import ZoomOptions
 
 #: What a tag writes for FocusConfig's fields away from their defaults.
-_TAG_LETTERS = (("query_rows", "q"), ("reduce", "r"), ("budget", "b"))
+_TAG_LETTERS = (("query_rows", "q"), ("reduce", "r"), ("budget", "b"), ("positions", "p"))
 
 
 def _tag_word(name: str, value: Any) -> str:
@@ -170,6 +170,8 @@ class RunSetting:
         options = {k: v for k, v in f.options.items() if k != "guide"} if f else {}
         if options:
             extra["pruner_options"] = options
+        if f and f.positions != FocusConfig.positions:  # earlier logs, which resume, lack it
+            extra["positions"] = f.positions
         if self.guide is not None:
             extra["guide"] = self.guide
         if self.zoom is not None:

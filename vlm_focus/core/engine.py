@@ -7,7 +7,9 @@ hands the same objects to every layer. So:
   out the visual tokens (via the model adapter);
 * a pre-hook on every layer ``>= K`` slices ``hidden_states`` (only at a stage layer), cos/sin,
   the 4-D (or 2-D) mask and ``position_ids`` down to the tokens it keeps. Kept tokens keep their
-  ORIGINAL positions, so RoPE sees exactly what the unpruned model would;
+  ORIGINAL positions, so RoPE sees exactly what the unpruned model would; with
+  ``positions="compact"`` (one stage at layer 0, 1-D RoPE) they are renumbered as the prompt
+  without its pruned tokens would be, and decode positions count on from that prompt;
 * in decode, each layer's own cache length tells prefill from decode; a layer ``>= K`` holds a
   shorter cache, so a materialised mask (``S + t`` wide) is column-sliced to
   ``kept ++ [S, S + t)``. With ``K = 0`` every cache is short, so the decoder's 2-D mask is
@@ -85,6 +87,9 @@ class _Prefill:
     static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     prefilling: bool = True  # the prompt's own call (False from the first decode step on)
     compact_mask: bool = False  # this decode step's mask spans layer 0's kept prompt (K = 0)
+    # positions="compact": the visual tokens every row dropped, on the device (a tensor, so a
+    # compiled decode step does not specialise on the count)
+    dropped: torch.Tensor | None = None
 
 
 def _gather_seq(
@@ -329,7 +334,15 @@ class FocusEngine:
             # which cached keys are padding (a 2-D mask, whatever mask the call has; a static
             # cache's step uses the prompt's own, mapped once when the prompt ended)
             state.fixation.begin_step(None if state.static else call.valid)
-        if self.first_layer == 0 and kwargs.get("position_ids") is None:
+        if self.config.positions == "compact":
+            # Compact positions count on from the pruned prompt: the original ones minus what
+            # every row dropped. Without position_ids the decoder counts on from layer 0's cache,
+            # which holds the pruned prompt: compact already.
+            position_ids = kwargs.get("position_ids")
+            if position_ids is not None:
+                kwargs = dict(kwargs)
+                kwargs["position_ids"] = position_ids - _on(state.dropped, position_ids)
+        elif self.first_layer == 0 and kwargs.get("position_ids") is None:
             if call.compiled:
                 raise ValueError(
                     "vlm_focus with layer=0 under torch.compile needs the decode step's "
@@ -401,6 +414,11 @@ class FocusEngine:
             frames=(
                 _frame_ids(layout, (batch, seq), input_ids.device)
                 if self.config.budget == "frame"
+                else None
+            ),
+            dropped=(
+                torch.full((), sum(drops), dtype=torch.long, device=input_ids.device)
+                if self.config.positions == "compact"
                 else None
             ),
         )
@@ -527,8 +545,8 @@ class FocusEngine:
         # The decoder hands every layer the same full-length cos/sin, mask and position ids, and
         # the kept set changes only at a stage: slice each once per stage (on its own device).
         kwargs["position_embeddings"] = (
-            self._once("cos", cos, current, lambda: _gather_seq(cos, _on(current, cos), 1)),
-            self._once("sin", sin, current, lambda: _gather_seq(sin, _on(current, sin), 1)),
+            self._once("cos", cos, current, lambda: self._kept_positions(cos, current, 1)),
+            self._once("sin", sin, current, lambda: self._kept_positions(sin, current, 1)),
         )
         mask = kwargs.get("attention_mask")
         if state.static:
@@ -556,9 +574,7 @@ class FocusEngine:
                 "position_ids",
                 position_ids,
                 current,
-                lambda: _gather_seq(
-                    position_ids, _on(current, position_ids), position_ids.dim() - 1
-                ),
+                lambda: self._kept_positions(position_ids, current, position_ids.dim() - 1),
             )
         if index == len(self.layers) - 1:
             state.trace.sequence = current
@@ -596,6 +612,16 @@ class FocusEngine:
                 "fixed_mask", mask, columns, lambda: _slice_mask(mask, None, _on(columns, mask))
             )
         return kwargs
+
+    def _kept_positions(self, x: torch.Tensor, current: torch.Tensor, dim: int) -> torch.Tensor:
+        """``x`` (cos, sin or position ids along ``dim``) for the tokens a layer holding
+        ``current`` keeps: theirs (``positions="original"``), or, compact, the first ``S'``: the
+        j-th kept token takes what the unpruned row gives its j-th token. Padding comes first
+        and is never pruned, so this is the numbering of the prompt without its pruned tokens
+        (``generate()`` counts from each row's first token, a plain forward from column 0)."""
+        if self.config.positions == "compact":
+            return x.narrow(dim, 0, current.shape[1])
+        return _gather_seq(x, _on(current, x), dim)
 
     def _columns(self, current: torch.Tensor) -> torch.Tensor:
         """Prefill columns of the decode mask a layer holding ``current`` keeps: the decode mask

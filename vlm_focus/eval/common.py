@@ -19,7 +19,7 @@ from ..setting import RunSetting, focus_config
 
 ON_MISSING = ("skip", "stop")
 #: The pruning options of the evaluations, each as FocusConfig defines it.
-PRUNE_FIELDS = ("keep", "layer", "query_rows", "reduce", "budget")
+PRUNE_FIELDS = ("keep", "layer", "query_rows", "reduce", "budget", "positions")
 
 
 def _focus(name: str) -> Any:
@@ -112,6 +112,7 @@ class PruneOptions(EvalOptions):
     query_rows: str | None = _focus("query_rows")
     reduce: str | None = _focus("reduce")
     budget: str | None = _focus("budget")
+    positions: str | None = _focus("positions")
     pruner_option: list[str] = pruner_option_field()
     mitigate: str = field(
         default="none",

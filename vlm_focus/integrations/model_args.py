@@ -4,7 +4,7 @@ Harnesses such as lmms-eval hand a model every ``--model_args`` item as one keyw
 takes out the ones that belong to vlm_focus and checks them, before any weights load:
 
 - :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query_rows``,
-  ``reduce``, ``budget``;
+  ``reduce``, ``budget``, ``positions``;
   ``layer`` and ``keep`` take multi-stage schedules as colon lists (``layer=2:8:16,
   keep=0.5:0.25:0.125``), since the harness splits its arguments on commas;
 - the chosen pruner's own options (``base``, ``alpha``, ``seed``, ...), checked by that pruner's

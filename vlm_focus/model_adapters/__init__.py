@@ -41,9 +41,14 @@ def register_adapter(adapter: ModelAdapter, *, replace: bool = False) -> None:
     _ADAPTERS[name] = adapter
 
 
-def supported_models() -> list[str]:
-    """The model types with a registered adapter."""
-    return sorted(_ADAPTERS)
+def supported_models(*, consecutive_positions: bool | None = None) -> list[str]:
+    """The model types with a registered adapter (with ``consecutive_positions``, those whose
+    adapter declares it so)."""
+    return sorted(
+        name
+        for name, adapter in _ADAPTERS.items()
+        if consecutive_positions is None or adapter.consecutive_positions == consecutive_positions
+    )
 
 
 def get_adapter(model: nn.Module) -> ModelAdapter:

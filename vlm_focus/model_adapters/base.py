@@ -128,6 +128,11 @@ class ModelAdapter:
     #: calls the engine must position itself (pruning before layer 0 leaves every cache short):
     #: the ids the model would give with its unpruned cache, whose length ``positions`` counts on.
     decode_positions: Callable[..., torch.Tensor] = text_positions
+    #: the model numbers a prompt's tokens with one 1-D count per row, so the kept tokens can
+    #: be renumbered consecutively (``positions="compact"``); ``False`` for M-RoPE, where a
+    #: visual token's position is its grid cell's and the text after an image counts on from
+    #: the grid's extent.
+    consecutive_positions: bool = True
     qk_norms: tuple[str, str] | None = None
     sequence_hooks: Callable[[nn.Module, Callable[[int], torch.Tensor | None]], list] | None = None
 
