@@ -172,6 +172,14 @@ def test_without_the_override_vllm_runs_its_own_unpruned_model(model_dir, refere
         assert output["tokens"] == reference[(prompt_text(question), None, 1.0)]["tokens"]
 
 
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)  # the server and the engine it started
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -221,11 +229,7 @@ def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, refer
         image = base64.b64encode((model_dir / "image.png").read_bytes()).decode()
         answers = [_chat(base, model_dir, image, None), _chat(base, model_dir, image, POOL_HALF)]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)  # the server and the engine it started
+        _stop(server)
         log.close()
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
     for answer, setting in zip(answers, (("pyramid", 0.25), ("pool", 0.5)), strict=True):

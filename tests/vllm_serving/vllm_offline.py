@@ -2,8 +2,9 @@
 
     python tests/vllm_serving/vllm_offline.py MODEL_DIR CASES.json OUT.json [HF_OVERRIDES_JSON]
 
-Each case is ``{"prompt", "request": {mm_processor_kwargs} | null}``; all cases go to one
-``LLM.generate`` call (one batch). Writes the greedy tokens and prompt token ids per case, the
+Each case is ``{"prompt" or "prompt_token_ids", "request": {mm_processor_kwargs} | null}``,
+with ``"image"`` (a path; default MODEL_DIR/image.png); all cases go to one ``LLM.generate``
+call (one batch). Writes the greedy tokens and prompt token ids per case, the
 kept sets the pruning model recorded (if any), and whether the plugin module was loaded before
 this script imported anything of vlm_focus (it imports only ``recorded_kept``, after the run):
 vLLM finds the plugin through its entry point.
@@ -32,11 +33,12 @@ def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None =
         enforce_eager=True,
         seed=0,
     )
-    image = Image.open(Path(model_dir) / "image.png").convert("RGB")
     cases = json.loads(Path(cases_path).read_text())
     requests = []
     for case in cases:
-        request = {"prompt": case["prompt"], "multi_modal_data": {"image": image}}
+        image = Image.open(case.get("image") or Path(model_dir) / "image.png").convert("RGB")
+        prompt = {k: case[k] for k in ("prompt", "prompt_token_ids") if k in case}
+        request = {**prompt, "multi_modal_data": {"image": image}}
         if case.get("request"):
             request["mm_processor_kwargs"] = case["request"]
         requests.append(request)

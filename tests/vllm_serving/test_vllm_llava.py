@@ -1,0 +1,198 @@
+"""The embedded default model (LLaVA-1.5 architecture) served by vLLM with the plugin equals
+``vf.wrap(..., layer=0, positions="compact")`` in transformers.
+
+Runs in the vLLM environment (see ``test_vllm_plugin.py``); the transformers side
+(``transformers_llava.py``) runs in the main environment. Two sample scenes x two questions x
+``fastv``, ``text``, ``debiased`` and ``pool`` at keeps 0.25 and 0.11 go through one engine in one
+batch: greedy tokens, the pruned prompt's ids and the kept cells equal transformers'. The same
+image under two questions keeps different cells (the prompt is part of its cache identity). The
+served model behind ``--api-key`` refuses a request without the key, answers one with it as
+transformers does, answers a bad setting with a 400 that names it, and stays healthy.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM environment")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from test_vllm_plugin import (  # noqa: E402
+    ENGINE_TIMEOUT,
+    _env,
+    _free_port,
+    _offline,
+    _reference_python,
+    _stop,
+)
+
+from vlm_focus.asset_paths import default_model_path  # noqa: E402
+
+MODEL = default_model_path()
+IMAGES = sorted(str(p) for p in (MODEL.parent / "samples").glob("*.png"))[:2]
+QUESTIONS = ("Is there a red_circle in the image?", "Describe the image.")
+SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs or None for the server default)
+    ("fastv", 0.25, None),
+    ("fastv", 0.11, {"vlm_focus_keep": 0.11}),
+    ("text", 0.25, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.25}),
+    ("text", 0.11, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.11}),
+    ("debiased", 0.25, {"vlm_focus_pruner": "debiased", "vlm_focus_keep": 0.25}),
+    ("pool", 0.11, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.11}),
+]
+OVERRIDES = {
+    "architectures": ["VlmFocusLlavaForConditionalGeneration"],
+    "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """transformers outputs keyed by (image, question, pruner, keep); pruner None = unpruned."""
+    work = tmp_path_factory.mktemp("reference")
+    cases = [
+        {"image": image, "question": q, "pruner": pruner, "keep": keep}
+        for image in IMAGES
+        for q in QUESTIONS
+        for pruner, keep in [(None, 1.0)] + [s[:2] for s in SETTINGS]
+    ]
+    (work / "cases.json").write_text(json.dumps(cases))
+    subprocess.run(
+        [
+            _reference_python(),
+            str(HERE / "transformers_llava.py"),
+            str(work / "cases.json"),
+            str(work / "out.json"),
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    out = json.loads((work / "out.json").read_text())
+    return {(c["image"], c["question"], c["pruner"], c["keep"]): c for c in out}
+
+
+@pytest.fixture(scope="module")
+def pruned(reference, tmp_path_factory) -> tuple[list[tuple], dict]:
+    keys, cases = [], []
+    for image in IMAGES:
+        for question in QUESTIONS:
+            prompt_ids = reference[(image, question, None, 1.0)]["prompt_ids"]
+            for pruner, keep, request in SETTINGS:
+                keys.append((image, question, pruner, keep))
+                cases.append({"prompt_token_ids": prompt_ids, "image": image, "request": request})
+    work = tmp_path_factory.mktemp("pruned")
+    return keys, _offline(MODEL, cases, work, OVERRIDES)
+
+
+def test_served_embedded_model_equals_transformers_compact(pruned, reference):
+    keys, result = pruned
+    assert result["plugin_loaded"]
+    recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
+    for key, output in zip(keys, result["outputs"], strict=True):
+        expected = reference[key]
+        assert output["prompt_token_ids"] == expected["pruned_ids"], key
+        assert output["tokens"] == expected["tokens"], key
+        assert (expected["n"], tuple(expected["kept"])) in recorded, key
+
+
+def test_an_images_attention_selection_follows_its_prompt(reference):
+    # the same image keeps different cells under different questions, and vLLM kept both
+    # (previous test): its cache entry is specific to the prompt
+    for image in IMAGES:
+        kept = {tuple(reference[(image, q, "text", 0.11)]["kept"]) for q in QUESTIONS}
+        assert len(kept) == 2, image
+
+
+def _post(url: str, body: dict, key: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_embedded_server_with_api_key(reference, tmp_path):
+    port, key = _free_port(), "vf-test-key"
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_focus.integrations.vllm",
+        "serve",
+        "embedded",
+        "--keep",
+        "0.25",
+        "--port",
+        str(port),
+        "--api-key",
+        key,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--limit-mm-per-prompt",
+        '{"image": 1}',
+        "--enforce-eager",
+        "--trust-request-mm-kwargs",
+    ]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    image, question = IMAGES[0], QUESTIONS[0]
+    data = base64.b64encode(Path(image).read_bytes()).decode()
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+        {"type": "text", "text": question},
+    ]
+    body = {
+        "model": str(MODEL),
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up in time"
+            time.sleep(2)
+        url = f"{base}/v1/chat/completions"
+        refused, _ = _post(url, body, None)
+        answered, answer = _post(url, body, key)
+        bad, error = _post(
+            url, {**body, "mm_processor_kwargs": {"vlm_focus_pruner": "pyramid"}}, key
+        )
+        again, answer_again = _post(url, body, key)
+    finally:
+        _stop(server)
+        log.close()
+    assert refused == 401
+    assert answered == 200 and again == 200
+    expected = reference[(image, question, "fastv", 0.25)]
+    assert answer["choices"][0]["token_ids"] == expected["tokens"]
+    assert answer_again["choices"][0]["token_ids"] == expected["tokens"]
+    assert bad == 400 and "pyramid" in json.dumps(error), error
