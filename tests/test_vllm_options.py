@@ -23,7 +23,7 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"pruner": "fastv"}, "not one of"),
+        ({"pruner": "sparsevlm"}, "not one of"),
         ({"keep": 0.0}, "ratio"),
         ({"keep": 0}, "count"),
         ({"tiles": 0}, "tiles"),
@@ -76,7 +76,7 @@ def test_a_server_count_is_read_once_by_keeps_rule_and_serves_any_image():
 def test_each_class_serves_its_own_pruners_with_its_default_first():
     llava = plugin.hf_overrides("llava", keep=0.11)["vlm_focus"]
     assert llava["pruner"] == "fastv" and llava["keep"] == 0.11
-    assert plugin.hf_overrides("qwen2_5_vl")["vlm_focus"]["pruner"] == "pyramid"
+    assert plugin.hf_overrides("qwen2_5_vl")["vlm_focus"]["pruner"] == "fastv"
     assert plugin.hf_overrides("llava", pruner="text")["vlm_focus"]["pruner"] == "text"
     with pytest.raises(ValueError, match="'pyramid' is not one of"):
         plugin.hf_overrides("llava", pruner="pyramid")

@@ -7,7 +7,9 @@ Runs in the vLLM environment (see ``test_vllm_plugin.py``); the transformers sid
 batch: greedy tokens, the pruned prompt's ids and the kept cells equal transformers'. The same
 image under two questions keeps different cells (the prompt is part of its cache identity). The
 served model behind ``--api-key`` refuses a request without the key, answers one with it as
-transformers does, answers a bad setting with a 400 that names it, and stays healthy.
+transformers does, answers a bad setting with a 400 that names it, and under 32 requests at once
+(24 good, 8 bad) answers every good one as transformers does and every bad one with its 400,
+then stays healthy.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,7 @@ from test_vllm_plugin import (  # noqa: E402
     _env,
     _free_port,
     _offline,
+    _post,
     _reference_python,
     _stop,
 )
@@ -50,6 +53,26 @@ SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs or None for the s
     ("debiased", 0.25, {"vlm_focus_pruner": "debiased", "vlm_focus_keep": 0.25}),
     ("pool", 0.11, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.11}),
 ]
+TEXT = {"mm_processor_kwargs": {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.11}}
+POOL = {"mm_processor_kwargs": {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.11}}
+#: good requests: (their key in the reference, extra body)
+GOOD = [(("fastv", 0.25), {}), (("text", 0.11), TEXT), (("pool", 0.11), POOL)]
+#: bad requests: (what their 400 must name, extra body)
+BAD = [
+    (name, {"mm_processor_kwargs": request})
+    for name, request in [
+        ("pyramid", {"vlm_focus_pruner": "pyramid"}),
+        ("keep=0", {"vlm_focus_keep": 0}),
+        ("keep=1 is ambiguous", {"vlm_focus_keep": 1}),
+        ("keep=1.5", {"vlm_focus_keep": 1.5}),
+        ("keep='half'", {"vlm_focus_keep": "half"}),
+        ("sparsevlm", {"vlm_focus_pruner": "sparsevlm"}),
+        ("pyramid", {"vlm_focus_pruner": "pyramid", "vlm_focus_keep": 0.5}),
+        ("keep=-3", {"vlm_focus_keep": -3}),
+    ]
+]
+#: 32 requests sent at once, three good to one bad, interleaved
+LOAD = [request for bad in BAD for request in (*GOOD, bad)]
 OVERRIDES = {
     "architectures": ["VlmFocusLlavaForConditionalGeneration"],
     "vlm_focus": {"pruner": "fastv", "keep": 0.25},
@@ -114,18 +137,6 @@ def test_an_images_attention_selection_follows_its_prompt(reference):
         assert len(kept) == 2, image
 
 
-def _post(url: str, body: dict, key: str | None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
-
-
 def test_embedded_server_with_api_key(reference, tmp_path):
     port, key = _free_port(), "vf-test-key"
     command = [
@@ -187,6 +198,11 @@ def test_embedded_server_with_api_key(reference, tmp_path):
             url, {**body, "mm_processor_kwargs": {"vlm_focus_pruner": "pyramid"}}, key
         )
         again, answer_again = _post(url, body, key)
+        # under load: 32 at once, good and bad mixed; every one answered, none lost
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            load = list(pool.map(lambda r: _post(url, {**body, **r[1]}, key), LOAD))
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+            healthy = r.status == 200
     finally:
         _stop(server)
         log.close()
@@ -196,3 +212,11 @@ def test_embedded_server_with_api_key(reference, tmp_path):
     assert answer["choices"][0]["token_ids"] == expected["tokens"]
     assert answer_again["choices"][0]["token_ids"] == expected["tokens"]
     assert bad == 400 and "pyramid" in json.dumps(error), error
+    for (expect, request), (status, reply) in zip(LOAD, load, strict=True):
+        if isinstance(expect, str):  # a bad setting: a 400 that names it
+            assert status == 400 and expect in json.dumps(reply), (request, reply)
+        else:
+            assert status == 200, (request, reply)
+            want = reference[(image, question, *expect)]["tokens"]
+            assert reply["choices"][0]["token_ids"] == want, request
+    assert healthy

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,6 +43,9 @@ SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs or None for the s
     ("pool", 0.25, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.25}),
     ("pool", 0.5, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}),
     ("pyramid", 1.0, {"vlm_focus_keep": 1.0}),
+    ("fastv", 0.25, {"vlm_focus_pruner": "fastv", "vlm_focus_keep": 0.25}),
+    ("text", 0.5, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.5}),
+    ("debiased", 0.25, {"vlm_focus_pruner": "debiased", "vlm_focus_keep": 0.25}),
 ]
 ARCH = "VlmFocusQwen2_5_VLForConditionalGeneration"
 OVERRIDES = {"architectures": [ARCH], "vlm_focus": {"pruner": "pyramid", "keep": 0.25}}
@@ -228,9 +232,16 @@ def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, refer
             time.sleep(2)
         image = base64.b64encode((model_dir / "image.png").read_bytes()).decode()
         answers = [_chat(base, model_dir, image, None), _chat(base, model_dir, image, POOL_HALF)]
+        # two images under the server's pyramid: refused by the plugin, which keeps serving
+        two = _chat_body(model_dir, image, None)
+        two["messages"][0]["content"].insert(0, two["messages"][0]["content"][0])
+        refused, error = _post(f"{base}/v1/chat/completions", two, None)
+        after = _chat(base, model_dir, image, None)
     finally:
         _stop(server)
         log.close()
+    assert refused == 400 and "pyramid" in json.dumps(error), error
+    assert after["choices"][0]["token_ids"] == answers[0]["choices"][0]["token_ids"]
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
     for answer, setting in zip(answers, (("pyramid", 0.25), ("pool", 0.5)), strict=True):
         expected = reference[(prompt_text(QUESTIONS[0]), *setting)]
@@ -243,6 +254,12 @@ POOL_HALF = {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}
 
 def _chat(base: str, model_dir: Path, image: str, request: dict | None) -> dict:
     """One chat completion with the image and QUESTIONS[0], greedy, with token ids."""
+    status, answer = _post(f"{base}/v1/chat/completions", _chat_body(model_dir, image, request))
+    assert status == 200, answer
+    return answer
+
+
+def _chat_body(model_dir: Path, image: str, request: dict | None) -> dict:
     content = [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
         {"type": "text", "text": QUESTIONS[0]},
@@ -257,10 +274,77 @@ def _chat(base: str, model_dir: Path, image: str, request: dict | None) -> dict:
     }
     if request is not None:
         body["mm_processor_kwargs"] = request
-    post = urllib.request.Request(
-        f"{base}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+    return body
+
+
+def _post(url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+MULTI = [  # (images, keep, budget of the transformers reference), all with pruner pool
+    (["image.png", "square.png"], 0.25, "frame"),
+    (["image.png", "square.png"], 0.25, "span"),
+    (["square.png", "wide.png", "image.png"], 23, "frame"),
+    (["square.png", "wide.png", "image.png"], 0.11, "span"),
+    (["wide.png", "square.png", "image.png"], 0.5, "frame"),
+    (["wide.png", "image.png"], 0.11, "frame"),
+]
+
+
+def test_prompts_with_several_images_share_the_prompts_budget_as_vf_wrap(
+    model_dir, tmp_path_factory
+):
+    """Two- and three-image prompts: the prompt keeps keep_count(keep, all its tokens), shared
+    out by budget="frame"'s rule (for pool that is also budget="span"'s choice)."""
+    question = QUESTIONS[1]
+    work = tmp_path_factory.mktemp("multi")
+    reference_cases = [
+        {
+            "prompt": prompt_text(question, len(images)),
+            "images": images,
+            "pruner": "pool",
+            "keep": keep,
+            "budget": budget,
+        }
+        for images, keep, budget in MULTI
+    ]
+    (work / "reference.json").write_text(json.dumps(reference_cases))
+    subprocess.run(
+        [
+            _reference_python(),
+            str(HERE / "transformers_side.py"),
+            "run",
+            str(model_dir),
+            str(work / "reference.json"),
+            str(work / "expected.json"),
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=600,
     )
-    with urllib.request.urlopen(post, timeout=120) as r:
-        return json.loads(r.read())
+    expected = json.loads((work / "expected.json").read_text())
+    cases = [
+        {
+            "prompt": prompt_text(question, len(images)),
+            "images": [str(model_dir / name) for name in images],
+            "request": {"vlm_focus_pruner": "pool", "vlm_focus_keep": keep},
+        }
+        for images, keep, _ in MULTI
+    ]
+    result = _offline(model_dir, cases, work, OVERRIDES)
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
+    for setting, want, output in zip(MULTI, expected, result["outputs"], strict=True):
+        kept = want["kept_per_image"]
+        assert output["prompt_token_ids"].count(image_token) == sum(map(len, kept)), setting
+        assert output["tokens"] == want["tokens"], setting
+        for n, cells in zip(want["n_per_image"], kept, strict=True):
+            assert (n, tuple(cells)) in recorded, setting

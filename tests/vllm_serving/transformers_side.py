@@ -9,10 +9,12 @@ vLLM's CPU attention takes) with ``save_pretrained``, a word-level tokenizer wit
 tokens and a chat template, the image processor's config, and ``image.png`` (48 x 64 px, so
 the merged grid is 8 rows x 6 columns and the processor does not resize it).
 
-``run`` reads cases ``[{"prompt": str, "pruner": str | null, "keep": float}]`` and writes, per
-case, the greedy continuation of ``vf.wrap(model, pruner, keep, layer=0, budget="frame")``
-(``alpha=0`` for ``pyramid``; unwrapped for ``pruner: null``) and the kept cells (indices into
-the image's merged grid, raster order).
+``run`` reads cases ``[{"prompt": str, "pruner": str | null, "keep": float}]`` (optionally
+``"images"``: file names, one per placeholder of the prompt, default ``["image.png"]``, and
+``"budget"``, default ``"frame"``) and writes, per case, the greedy continuation of
+``vf.wrap(model, pruner, keep, layer=0, budget=budget)`` (``alpha=0`` for ``pyramid``; unwrapped
+for ``pruner: null``) and the kept cells of each image (indices into its merged grid, raster
+order).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ WORDS = (
 VOCAB = 128
 MAX_NEW_TOKENS = 12
 IMAGE_SIZE = (48, 64)  # (width, height) in pixels: patches 12 x 16, merged grid 6 x 8
+#: Images saved by ``build``, (width, height) in pixels, none resized by the processor: merged
+#: grids of 8 x 6, 4 x 4 and 6 x 10 cells.
+IMAGES = {"image.png": IMAGE_SIZE, "square.png": (32, 32), "wide.png": (80, 48)}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -138,19 +143,20 @@ def build(path: Path, seed: int = 0) -> None:
     video = dict(processor, video_processor_type="Qwen2VLVideoProcessor")
     video.pop("image_processor_type")
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    rng = np.random.default_rng(seed)
-    width, height = IMAGE_SIZE
-    array = (rng.random((height, width, 3)) * 255).astype(np.uint8)
     from PIL import Image
 
-    Image.fromarray(array).save(path / "image.png")
+    rng = np.random.default_rng(seed)
+    for name, (width, height) in IMAGES.items():
+        array = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+        Image.fromarray(array).save(path / name)
 
 
-def prompt_text(question: str) -> str:
-    """The prompt the chat template makes for one image and ``question``."""
+def prompt_text(question: str, images: int = 1) -> str:
+    """The prompt the chat template makes for ``images`` images and ``question``."""
     return (
-        "<|im_start|>user <|vision_start|><|image_pad|><|vision_end|>"
-        f"{question}<|im_end|><|im_start|>assistant "
+        "<|im_start|>user "
+        + "<|vision_start|><|image_pad|><|vision_end|>" * images
+        + f"{question}<|im_end|><|im_start|>assistant "
     )
 
 
@@ -168,17 +174,26 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
     model.generation_config.eos_token_id = None  # exactly MAX_NEW_TOKENS, as vLLM's ignore_eos
     model.generation_config.pad_token_id = 0
     tokenizer = AutoTokenizer.from_pretrained(path)
-    image = Image.open(path / "image.png").convert("RGB")
-    visual = Qwen2VLImageProcessor.from_pretrained(path)(images=[image], return_tensors="pt")
-    grid = visual["image_grid_thw"]
-    n_cells = int(grid.prod()) // 4
+    processor = Qwen2VLImageProcessor.from_pretrained(path)
     image_id = model.config.image_token_id
     out = []
     for case in cases:
+        names = case.get("images", ["image.png"])
+        images = [Image.open(path / name).convert("RGB") for name in names]
+        visual = processor(images=images, return_tensors="pt")
+        grid = visual["image_grid_thw"]
+        cells = (grid.prod(-1) // 4).tolist()  # merged cells per image
         ids = tokenizer(case["prompt"], add_special_tokens=False)["input_ids"]
-        at = ids.index(image_id)
-        ids = ids[:at] + [image_id] * n_cells + ids[at + 1 :]
-        input_ids = torch.tensor([ids])
+        expanded, starts = [], []
+        for token in ids:
+            if token == image_id:
+                starts.append(len(expanded))
+                expanded += [image_id] * cells[len(starts) - 1]
+            else:
+                expanded.append(token)
+        if len(starts) != len(images):
+            raise ValueError(f"{len(starts)} image placeholders for {len(images)} images")
+        input_ids = torch.tensor([expanded])
         inputs = dict(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -190,7 +205,7 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
         with torch.no_grad():
             if case["pruner"] is None:
                 tokens = model.generate(**inputs, **generate)
-                kept = list(range(n_cells))
+                kept_positions = torch.nonzero(input_ids[0] == image_id).flatten()
             else:
                 options = {"alpha": 0.0} if case["pruner"] == "pyramid" else {}
                 with vf.wrap(
@@ -198,13 +213,24 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
                     pruner=case["pruner"],
                     keep=case["keep"],
                     layer=0,
-                    budget="frame",
+                    budget=case.get("budget", "frame"),
                     **options,
                 ) as handle:
                     tokens = model.generate(**inputs, **generate)
-                    kept = (handle.last_trace.kept[0] - at).tolist()
+                    kept_positions = handle.last_trace.kept[0]
+        kept = [
+            [p - start for p in kept_positions.tolist() if start <= p < start + n]
+            for start, n in zip(starts, cells, strict=True)
+        ]
         out.append(
-            dict(case, tokens=tokens[0, input_ids.shape[1] :].tolist(), kept=kept, n=n_cells)
+            dict(
+                case,
+                tokens=tokens[0, input_ids.shape[1] :].tolist(),
+                kept=kept[0],
+                n=cells[0],
+                kept_per_image=kept,
+                n_per_image=cells,
+            )
         )
     return out
 

@@ -3,11 +3,12 @@
     python tests/vllm_serving/vllm_offline.py MODEL_DIR CASES.json OUT.json [HF_OVERRIDES_JSON]
 
 Each case is ``{"prompt" or "prompt_token_ids", "request": {mm_processor_kwargs} | null}``,
-with ``"image"`` (a path; default MODEL_DIR/image.png); all cases go to one ``LLM.generate``
-call (one batch). Writes the greedy tokens and prompt token ids per case, the
-kept sets the pruning model recorded (if any), and whether the plugin module was loaded before
-this script imported anything of vlm_focus (it imports only ``recorded_kept``, after the run):
-vLLM finds the plugin through its entry point.
+with ``"image"`` (a path; default MODEL_DIR/image.png) or ``"images"`` (paths, one per
+placeholder); all cases go to one ``LLM.generate`` call (one batch), on an engine that takes as
+many images per prompt as the largest case has. Writes the greedy tokens and prompt token ids
+per case, the kept sets the pruning model recorded (if any), and whether the plugin module was
+loaded before this script imported anything of vlm_focus (it imports only ``recorded_kept``,
+after the run): vLLM finds the plugin through its entry point.
 """
 
 from __future__ import annotations
@@ -23,22 +24,26 @@ def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None =
     from PIL import Image
     from vllm import LLM, SamplingParams
 
+    cases = json.loads(Path(cases_path).read_text())
     llm = LLM(
         model=model_dir,
         dtype="float32",
         hf_overrides=json.loads(overrides) if overrides else None,
         max_model_len=512,
         max_num_seqs=16,
-        limit_mm_per_prompt={"image": 1},
+        limit_mm_per_prompt={"image": max(len(c.get("images", [0])) for c in cases)},
         enforce_eager=True,
         seed=0,
     )
-    cases = json.loads(Path(cases_path).read_text())
     requests = []
     for case in cases:
-        image = Image.open(case.get("image") or Path(model_dir) / "image.png").convert("RGB")
+        paths = case.get("images") or [case.get("image") or Path(model_dir) / "image.png"]
+        images = [Image.open(p).convert("RGB") for p in paths]
         prompt = {k: case[k] for k in ("prompt", "prompt_token_ids") if k in case}
-        request = {**prompt, "multi_modal_data": {"image": image}}
+        request = {
+            **prompt,
+            "multi_modal_data": {"image": images if "images" in case else images[0]},
+        }
         if case.get("request"):
             request["mm_processor_kwargs"] = case["request"]
         requests.append(request)

@@ -52,7 +52,7 @@ ARCHITECTURES = {
 }
 #: ``model_type`` -> the pruners its class serves, the default first, and its position rule.
 SERVED = {
-    "qwen2_5_vl": (("pyramid", "pool"), "original M-RoPE positions"),
+    "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
 }
 _CLASSES = {

@@ -8,8 +8,10 @@ and the registered pruner itself scores it, so the kept cells are the ones ``vf.
 - hidden states: vLLM's token embedding of the unpruned prompt with the image's embeddings in
   its placeholder rows (layer 0's input);
 - q/k: vLLM's fused ``qkv_proj`` split into its q and k parts;
-- RoPE: rows of vLLM's own ``cos_sin_cache`` at the unpruned prompt's positions ``0..S-1`` (the
-  1-D RoPE of the LLaVA family, neox layout, which is transformers' ``rotate_half``).
+- RoPE: rows of vLLM's own ``cos_sin_cache`` at the unpruned prompt's positions (neox layout,
+  which is transformers' ``rotate_half``): ``0..S-1`` for the 1-D RoPE of the LLaVA family;
+  for Qwen2.5-VL's M-RoPE, the ``(t, h, w)`` positions its ``get_rope_index`` gives a prompt
+  with one image, each ``mrope_section`` of the table read at its own channel.
 
 Only torch and vlm_focus's model-free code run here (no transformers model classes).
 """
@@ -42,6 +44,8 @@ class VllmLayerAdapter:
         """q ``[B, H, Tq, Dh]`` and k ``[B, Hkv, S, Dh]`` before RoPE (vLLM projects q, k and v
         with one fused matrix)."""
         q_size, kv_size, head_dim = attention.q_size, attention.kv_size, attention.head_dim
+        if getattr(attention, "qk_norm", False):
+            raise ValueError("vlm_focus scores attention in vLLM only for layers without q/k norms")
 
         def project(x: torch.Tensor, start: int, size: int) -> torch.Tensor:
             flat = attention.qkv_proj(x.reshape(-1, x.shape[-1]))[0][:, start : start + size]
@@ -53,17 +57,45 @@ class VllmLayerAdapter:
 _ADAPTER = VllmLayerAdapter()
 
 
+def prompt_positions(seq: int, start: int, rows: int, cols: int, mrope: bool) -> torch.Tensor:
+    """RoPE positions of a prompt of ``seq`` tokens whose one image (``rows x cols`` tokens)
+    starts at ``start``: ``[seq]`` consecutive, or with ``mrope`` ``[3, seq]`` as Qwen2.5-VL
+    lays them out (text shares one position in all three channels; the image's token at cell
+    ``(r, c)`` sits at ``start + (0, r, c)``; the text after it resumes at
+    ``start + max(rows, cols)``)."""
+    if not mrope:
+        return torch.arange(seq)
+    n = rows * cols
+    cells = torch.arange(n)
+    image = torch.stack([torch.zeros_like(cells), cells // cols, cells % cols]) + start
+    after = torch.arange(seq - start - n) + start + max(rows, cols)
+    text = torch.arange(start)
+    return torch.cat([text.expand(3, -1), image, after.expand(3, -1)], dim=1)
+
+
 def rope_tables(attention: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[1, S, head_dim]`` float32 at ``positions [S]`` from the layer's own
-    rotary cache, in transformers' layout (each half-table repeated)."""
+    """``(cos, sin)`` ``[1, S, head_dim]`` float32 at ``positions`` (``[S]``, or ``[3, S]`` for
+    M-RoPE) from the layer's own rotary cache, in transformers' layout (each half-table
+    repeated; M-RoPE's half-table takes section ``i`` of ``mrope_section`` from channel ``i``)."""
     rotary = attention.rotary_emb
     if not getattr(rotary, "is_neox_style", True) or rotary.rotary_dim != attention.head_dim:
         raise ValueError(
             "vlm_focus scores attention in vLLM only for full-width neox-style RoPE "
             f"(rotary_dim={rotary.rotary_dim}, head_dim={attention.head_dim})"
         )
-    cache = rotary.cos_sin_cache.index_select(0, positions.to(rotary.cos_sin_cache.device))
-    cos, sin = cache.float().chunk(2, dim=-1)
+    table = rotary.cos_sin_cache
+    cache = table[positions.to(table.device)].float()  # [S, rot] or [3, S, rot]
+    if positions.dim() == 2:
+        section = getattr(rotary, "mrope_section", None)
+        if not section or getattr(rotary, "mrope_interleaved", False):
+            raise ValueError("vlm_focus scores M-RoPE attention in vLLM only for sectioned M-RoPE")
+        channel = torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(table.device)
+        half = cache.shape[-1] // 2
+        index = torch.arange(half, device=table.device)
+        cos = cache[channel, :, index].T  # [S, half]: dim j from its section's channel
+        sin = cache[channel, :, index + half].T
+    else:
+        cos, sin = cache.chunk(2, dim=-1)
     return torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
 
 
@@ -82,11 +114,14 @@ def attention_keep(
     rows: int,
     cols: int,
     n_keep: int,
+    *,
+    mrope: bool = False,
 ) -> torch.Tensor:
     """Kept cell indices (sorted, raster order) of the one image of ``prompt_ids`` (the prompt
     with a single ``image_token`` where the image goes) whose merged embeddings are
     ``embeddings [rows * cols, D]``, selected by ``pruner`` at layer 0 of ``language_model``
-    (vLLM's decoder: ``embed_input_ids`` and ``layers``)."""
+    (vLLM's decoder: ``embed_input_ids`` and ``layers``), with the prompt positioned by
+    :func:`prompt_positions`."""
     n = rows * cols
     if n_keep >= n:
         return torch.arange(n)
@@ -101,7 +136,7 @@ def attention_keep(
     hidden[start : start + n] = embeddings.to(hidden.dtype)
     seq = full.shape[0]
     layer = language_model.layers[0]
-    cos, sin = rope_tables(layer.self_attn, torch.arange(seq))
+    cos, sin = rope_tables(layer.self_attn, prompt_positions(seq, start, rows, cols, mrope))
     visual = torch.zeros(1, seq, dtype=torch.bool, device=device)
     visual[0, start : start + n] = True
     cells = torch.arange(n)

@@ -24,7 +24,6 @@ whole attention layer in one process (no tensor parallelism).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 
 import torch
 from vllm.distributed import get_tensor_model_parallel_world_size
@@ -36,20 +35,18 @@ from vllm.model_executor.models.llava import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement
 
 from ...config import FocusConfig, keep_count
 from . import SERVED
 from ._layer0 import ATTENTION_PRUNERS, attention_keep, build_pruner
+from ._processor import PruningProcessorMixin
 from ._request import (
     KEEP_FIELD,
     PROMPT_FIELD,
-    PROMPT_KEY,
     PRUNER_FIELD,
     per_item,
     serve_options,
-    split_request,
 )
 from ._scores import pool_keep
 
@@ -69,51 +66,18 @@ def _grid(hf_config) -> tuple[int, int]:
     return side, side
 
 
-class VlmFocusLlavaMultiModalProcessor(LlavaMultiModalProcessor):
-    """vLLM's LLaVA processor with ``keep_count(keep, n, clamp=True)`` placeholders per image."""
+class VlmFocusLlavaMultiModalProcessor(PruningProcessorMixin, LlavaMultiModalProcessor):
+    """vLLM's LLaVA processor with each image's kept count of placeholders
+    (:class:`._processor.PruningProcessorMixin`)."""
 
-    def _options(self):
-        return serve_options(self.info.get_hf_config(), PRUNERS)
+    pruners = PRUNERS
 
-    def apply(self, inputs, timing_ctx):
-        pruner, _, _ = split_request(inputs.hf_processor_mm_kwargs, self._options(), PRUNERS)
-        if pruner in ATTENTION_PRUNERS:
-            n_images = inputs.mm_data_items.get_all_counts().get("image", 0)
-            if n_images > 1:
-                raise ValueError(
-                    f"vlm_focus pruner={pruner!r} scores one image per prompt in vLLM, got "
-                    f"{n_images}; use pruner 'pool' for prompts with several images"
-                )
-            ids = list(inputs.prompt)
-            token = self.info.get_hf_config().image_token_index
-            if pruner == "text" and token in ids and ids.index(token) == len(ids) - 1:
-                raise ValueError(
-                    "vlm_focus pruner='text' scores the image with the instruction after it, "
-                    "but the prompt ends with its image"
-                )
-            # the selection reads the prompt: it joins the image's cache identity
-            kwargs = {**inputs.hf_processor_mm_kwargs, PROMPT_KEY: tuple(ids)}
-            inputs = replace(inputs, hf_processor_mm_kwargs=kwargs)
-        return super().apply(inputs, timing_ctx)
+    def _image_token(self) -> int:
+        return self.info.get_hf_config().image_token_index
 
-    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        pruner, keep, rest = split_request(hf_kwargs, self._options(), PRUNERS)
-        prompt = hf_kwargs.get(PROMPT_KEY, ())
-        data = super()._apply_hf_processor_main(mm_items, rest)
-        n_images = mm_items.get_all_counts().get("image", 0)
-        if n_images:
-            rows, cols = _grid(self.info.get_hf_config())
-            data[KEEP_FIELD] = torch.full((n_images,), keep_count(keep, rows * cols, clamp=True))
-            data[PRUNER_FIELD] = torch.full((n_images,), PRUNERS.index(pruner))
-            data[PROMPT_FIELD] = torch.tensor([list(prompt)] * n_images, dtype=torch.long)
-        return data
-
-    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
-        _, _, rest = split_request(hf_processor_mm_kwargs, self._options(), PRUNERS)
-        fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
-        for name in (KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD):
-            fields[name] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
-        return fields
+    def _image_sizes(self, data) -> list[int]:
+        rows, cols = _grid(self.info.get_hf_config())
+        return [rows * cols] * len(data["pixel_values"])
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
         image_token = self.info.get_hf_config().image_token_index

@@ -16,7 +16,10 @@ Qwen2.5-VL class that changes one thing:
   tokens are kept) and gives every image token the image's base position; ``embed_input_ids``
   strips the cell channels off the embeddings it scatters into the batch and keeps them, and
   ``forward`` adds each kept token's ``(t, h, w)`` cell to its base position before the LLM
-  runs, which gives it its original position.
+  runs, which gives it its original position. The addition is made in place, in the model
+  runner's persistent positions buffer (rewritten by the runner every step): a CUDA-graph replay
+  of the decoder reads that buffer, never a copy. ``forward`` itself must run eagerly for
+  prefill batches, so ``cudagraph_mode=FULL`` (whole-model graphs for mixed batches) is refused.
 
 vLLM's own hook for this (``SupportsMultiModalPruning.recompute_mrope_positions``, used by EVS)
 is only called while its video-pruning switch is on, and vLLM's CPU model runner never calls it;
@@ -38,13 +41,14 @@ from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
-from ...config import keep_count
+from ...config import FocusConfig, keep_count
 from . import SERVED
-from ._request import KEEP_FIELD, PRUNER_FIELD, per_item, serve_options, split_request
+from ._layer0 import ATTENTION_PRUNERS, attention_keep, build_pruner
+from ._processor import PruningProcessorMixin
+from ._request import KEEP_FIELD, PROMPT_FIELD, PRUNER_FIELD, per_item, serve_options
 from ._scores import select
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
@@ -80,35 +84,26 @@ class VlmFocusQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
         return {"image": None}
 
 
-class VlmFocusQwen2_5_VLMultiModalProcessor(Qwen2_5_VLMultiModalProcessor):
-    """vLLM's Qwen2.5-VL processor with ``keep_count(keep, n, clamp=True)`` placeholders per
-    image."""
+class VlmFocusQwen2_5_VLMultiModalProcessor(PruningProcessorMixin, Qwen2_5_VLMultiModalProcessor):
+    """vLLM's Qwen2.5-VL processor with each image's kept count of placeholders
+    (:class:`._processor.PruningProcessorMixin`)."""
 
-    def _serve_options(self):
-        return serve_options(self.info.get_hf_config(), PRUNERS)
+    pruners = PRUNERS
+
+    def _image_token(self) -> int:
+        return self.info.get_hf_config().image_token_id
+
+    def _image_sizes(self, data) -> list[int]:
+        merge = self.info.get_hf_config().vision_config.spatial_merge_size
+        return (data["image_grid_thw"].prod(-1) // merge**2).tolist()
 
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
         if mm_items.get_all_counts().get("video", 0):
             raise ValueError(_NO_VIDEO)
-        pruner, keep, rest = split_request(hf_kwargs, self._serve_options(), PRUNERS)
-        data = super()._apply_hf_processor_main(mm_items, rest)
-        grids = data.get("image_grid_thw")
-        if grids is not None:
-            merge = self.info.get_hf_config().vision_config.spatial_merge_size
-            cells = (grids.prod(-1) // merge**2).tolist()
-            data[KEEP_FIELD] = torch.tensor([keep_count(keep, n, clamp=True) for n in cells])
-            data[PRUNER_FIELD] = torch.full((len(cells),), PRUNERS.index(pruner))
-        return data
-
-    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
-        _, _, rest = split_request(hf_processor_mm_kwargs, self._serve_options(), PRUNERS)
-        fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
-        fields[KEEP_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
-        fields[PRUNER_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
-        return fields
+        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        _, _, rest = split_request(hf_processor_mm_kwargs, self._serve_options(), PRUNERS)
+        _, _, rest = self._split(hf_processor_mm_kwargs)
         updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
         image_token = self.info.get_hf_config().image_token_id
 
@@ -148,7 +143,18 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
             raise ValueError(
                 "vlm_focus's pruning architecture does not run with pipeline parallelism"
             )
+        graphs = vllm_config.compilation_config.cudagraph_mode
+        if graphs is not None and graphs.mixed_mode() == graphs.FULL:
+            # a full graph of a prefill batch would replay without forward()'s position fix
+            raise ValueError(
+                "vlm_focus's pruning architecture needs piecewise CUDA graphs for prefill: use "
+                "cudagraph_mode FULL_AND_PIECEWISE (vLLM's default), PIECEWISE or "
+                "FULL_DECODE_ONLY, not FULL"
+            )
         self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
+        self._pruners = {
+            name: build_pruner(FocusConfig(pruner=name, layer=0)) for name in ATTENTION_PRUNERS
+        }
         # (flattened token indices, [n, 3] cells) of the image tokens of the step being run
         self._step_cells: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -156,6 +162,7 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
     def embed_multimodal(self, **kwargs: object):
         keeps = kwargs.pop(KEEP_FIELD, None)
         codes = kwargs.pop(PRUNER_FIELD, None)
+        prompts = kwargs.pop(PROMPT_FIELD, None)
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if "video" in inputs:
             raise ValueError(_NO_VIDEO)
@@ -170,20 +177,38 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
             keeps = [keep_count(keep, t * h * w // merge**2, clamp=True) for t, h, w in grids]
             codes = [PRUNERS.index(self.vlm_focus.pruner)] * len(grids)
         keeps, codes = per_item(keeps, len(grids)), per_item(codes, len(grids))
+        if prompts is None:
+            prompts = [torch.empty(0, dtype=torch.long)] * len(grids)
         out = []
-        for emb, (t, h, w), n_keep, code in zip(embeds, grids, keeps, codes, strict=True):
+        for emb, (t, h, w), n_keep, code, prompt in zip(
+            embeds, grids, keeps, codes, prompts, strict=True
+        ):
             if t != 1:
                 raise ValueError(f"an image has one frame, got image_grid_thw={[t, h, w]}")
             rows, cols = h // merge, w // merge
-            kept = select(
-                PRUNERS[code],
-                emb,
-                rows,
-                cols,
-                n_keep,
-                tiles=self.vlm_focus.tiles,
-                min_per_region=self.vlm_focus.min_per_region,
-            )
+            pruner = PRUNERS[code]
+            if pruner in ATTENTION_PRUNERS and n_keep < rows * cols:
+                kept = attention_keep(
+                    self._pruners[pruner],
+                    self.language_model.model,
+                    torch.as_tensor(prompt),
+                    self.config.image_token_id,
+                    emb,
+                    rows,
+                    cols,
+                    n_keep,
+                    mrope=True,
+                )
+            else:
+                kept = select(
+                    pruner,
+                    emb,
+                    rows,
+                    cols,
+                    n_keep,
+                    tiles=self.vlm_focus.tiles,
+                    min_per_region=self.vlm_focus.min_per_region,
+                )
             self.last_kept.append((emb.shape[0], kept))
             cells = torch.stack(
                 [torch.zeros_like(kept), torch.div(kept, cols, rounding_mode="floor"), kept % cols],
@@ -245,6 +270,7 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGenerat
         if self._step_cells is not None:
             where, cells = self._step_cells
             self._step_cells = None
-            positions = positions.clone()  # [3, T]; the runner's buffer stays as it was
+            # In place: `positions` is the runner's persistent buffer, which a CUDA-graph replay
+            # of the decoder reads (a copy would be ignored); the runner rewrites it every step.
             positions[:, where] += cells.T.to(positions.dtype)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)

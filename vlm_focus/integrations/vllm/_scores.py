@@ -100,3 +100,17 @@ def select(
             saliency, rows, cols, n_keep, tiles=tiles, min_per_region=min_per_region
         )
     raise ValueError(f"pruner={pruner!r} is not one of {PRUNERS}")
+
+
+def frame_counts(sizes: list[int], total: int) -> list[int]:
+    """Tokens each image of one prompt keeps when the prompt keeps ``total`` of its
+    ``sum(sizes)``: ``vf.wrap(..., budget="frame")``'s rule. Every token of an image of ``n``
+    tokens is worth its share ``-(rank + 0.5) / n`` (rank 0: the image's best) and the prompt
+    keeps its ``total`` largest shares, ties to the earlier image; so the counts depend on the
+    sizes alone, never on the scores. One image keeps ``total``."""
+    shares = torch.cat(
+        [-(torch.arange(n, dtype=torch.float32) + 0.5) / float(n) for n in sizes]
+    )  # float32, as the engine computes them
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    order = torch.sort(shares, descending=True, stable=True).indices[:total]
+    return torch.bincount(owner[order], minlength=len(sizes)).tolist()
