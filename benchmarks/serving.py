@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -97,7 +98,7 @@ def stop(server: subprocess.Popen) -> None:
         os.killpg(server.pid, signal.SIGKILL)
 
 
-def client_run(args, port: int, concurrency: int, seed: int, keep: float | None, out: Path):
+def client_run(args, port: int, concurrency: int, seed: int, keep: float | None) -> dict:
     """One pass of vLLM's benchmark client; ``keep=None``: the server's own setting."""
     from vllm.benchmarks import serve as bench
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -141,11 +142,6 @@ def client_run(args, port: int, concurrency: int, seed: int, keep: float | None,
         "--seed",
         str(seed),
         "--disable-tqdm",
-        "--save-result",
-        "--result-dir",
-        str(out),
-        "--result-filename",
-        f"c{concurrency}_s{seed}_{'unpruned' if keep == 1.0 else 'pruned'}.json",
     ]
     if extra:
         argv += ["--extra-body", json.dumps(extra)]
@@ -221,11 +217,11 @@ def main() -> None:
 
         args.model = str(default_model_path())
     args.out.mkdir(parents=True, exist_ok=True)
-    raw = args.out / "serving_runs"
-    raw.mkdir(exist_ok=True)
     started = time.monotonic()
     port = free_port()
-    server = start_server(args, port, args.out / "serving_server.log")
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    print(f"server log: {log}", flush=True)
+    server = start_server(args, port, log)
     rows = []
     try:
         for concurrency in args.concurrency:
@@ -233,7 +229,7 @@ def main() -> None:
             for round_index in range(args.rounds):
                 seed = 1000 * concurrency + round_index
                 for name, keep in (("unpruned", 1.0), ("pruned", None)):
-                    runs[name].append(client_run(args, port, concurrency, seed, keep, raw))
+                    runs[name].append(client_run(args, port, concurrency, seed, keep))
             medians = {name: summarise(r) for name, r in runs.items()}
             ratio = {k: medians["pruned"][k] / medians["unpruned"][k] for k in medians["pruned"]}
             rows.append({"concurrency": concurrency, **medians, "ratio": ratio, "runs": runs})
