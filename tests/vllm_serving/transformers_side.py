@@ -1,7 +1,7 @@
 """The transformers side of the vLLM plugin tests; runs in the MAIN environment (the
 transformers vlm_focus supports), called by the tests in the vLLM environment as a script:
 
-    python tests/vllm_serving/transformers_side.py build DIR  # tiny Qwen2.5-VL, processor files
+    python tests/vllm_serving/transformers_side.py build DIR [qwen3_vl]  # tiny model + processor
     python tests/vllm_serving/transformers_side.py run DIR CASES.json OUT.json
 
 ``build`` saves a random-weight Qwen2.5-VL (text hidden 128, head_dim 32: the smallest head
@@ -56,13 +56,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(path: Path, seed: int = 0) -> None:
+def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-    )
+    from transformers import PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = dict(SPECIAL)
@@ -83,49 +79,12 @@ def build(path: Path, seed: int = 0) -> None:
     fast.save_pretrained(path)
 
     torch.manual_seed(seed)
-    config = Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            num_heads=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            out_hidden_size=128,
-            intermediate_size=64,
-            fullatt_block_indexes=[1],
-            window_size=16,
-        ),
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [4, 6, 6],
-            },
-            pad_token_id=0,
-            eos_token_id=2,
-            tie_word_embeddings=False,
-        ),
-        image_token_id=SPECIAL["<|image_pad|>"],
-        video_token_id=SPECIAL["<|video_pad|>"],
-        vision_start_token_id=SPECIAL["<|vision_start|>"],
-        vision_end_token_id=SPECIAL["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = (qwen3_vl_model if family == "qwen3_vl" else qwen2_5_vl_model)()
     model.save_pretrained(path)
     pixels = {"min_pixels": 16, "max_pixels": 64 * 64}
     processor = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
+        "processor_class": "Qwen3VLProcessor" if family == "qwen3_vl" else "Qwen2_5_VLProcessor",
         "do_resize": True,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
@@ -140,7 +99,8 @@ def build(path: Path, seed: int = 0) -> None:
         **pixels,
     }
     (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
-    video = dict(processor, video_processor_type="Qwen2VLVideoProcessor")
+    kind = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    video = dict(processor, video_processor_type=kind)
     video.pop("image_processor_type")
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     from PIL import Image
@@ -149,6 +109,92 @@ def build(path: Path, seed: int = 0) -> None:
     for name, (width, height) in IMAGES.items():
         array = (rng.random((height, width, 3)) * 255).astype(np.uint8)
         Image.fromarray(array).save(path / name)
+
+
+def _text_config(**extra) -> dict:
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+_TOKENS = dict(
+    image_token_id=SPECIAL["<|image_pad|>"],
+    video_token_id=SPECIAL["<|video_pad|>"],
+    vision_start_token_id=SPECIAL["<|vision_start|>"],
+    vision_end_token_id=SPECIAL["<|vision_end|>"],
+    tie_word_embeddings=False,
+)
+
+
+def qwen2_5_vl_model():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            out_hidden_size=128,
+            intermediate_size=64,
+            fullatt_block_indexes=[1],
+            window_size=16,
+        ),
+        text_config=_text_config(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+            }
+        ),
+        **_TOKENS,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def qwen3_vl_model():
+    """Qwen3-VL: interleaved M-RoPE, per-head q/k norms, DeepStack after layers 0 and 1."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            num_heads=2,
+            intermediate_size=64,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            out_hidden_size=128,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        text_config=_text_config(
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        ),
+        **_TOKENS,
+    )
+    return Qwen3VLForConditionalGeneration(config).eval()
 
 
 def prompt_text(question: str, images: int = 1) -> str:
@@ -162,15 +208,11 @@ def prompt_text(question: str, images: int = 1) -> str:
 
 def run(path: Path, cases: list[dict]) -> list[dict]:
     from PIL import Image
-    from transformers import (
-        AutoTokenizer,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-    )
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessor
 
     import vlm_focus as vf
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # exactly MAX_NEW_TOKENS, as vLLM's ignore_eos
     model.generation_config.pad_token_id = 0
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -236,8 +278,8 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["build"] and len(argv) == 2:
-        build(Path(argv[1]))
+    if argv[:1] == ["build"] and len(argv) in (2, 3):
+        build(Path(argv[1]), *argv[2:])
     elif argv[:1] == ["run"] and len(argv) == 4:
         cases = json.loads(Path(argv[2]).read_text())
         Path(argv[3]).write_text(json.dumps(run(Path(argv[1]), cases)))

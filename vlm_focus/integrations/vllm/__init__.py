@@ -6,26 +6,28 @@ classes to vLLM's model registry. A server opts in per model through ``--hf-over
 
     vllm serve PATH --hf-overrides \
       '{"architectures": ["VlmFocusQwen2_5_VLForConditionalGeneration"],
-        "vlm_focus": {"pruner": "pyramid", "keep": 0.25}}'
+        "vlm_focus": {"pruner": "fastv", "keep": 0.25}}'
 
 (:func:`hf_overrides` builds that dict; ``python -m vlm_focus.integrations.vllm serve PATH
---pruner pyramid --keep 0.25`` runs that command line). A request may change ``pruner`` and
+--pruner fastv --keep 0.25`` runs that command line). A request may change ``pruner`` and
 ``keep`` for its own images with ``mm_processor_kwargs={"vlm_focus_pruner": "pool",
 "vlm_focus_keep": 0.5}``.
 
-Pruning happens once per image, before the LLM, at a fixed rate: the processor emits
-``keep_count(keep, n, clamp=True)`` placeholders for an image of ``n`` tokens
-(:func:`vlm_focus.config.keep_count`: ``round(keep * n)`` for a ratio; a count above ``n`` keeps
-all ``n``, since one server-wide count serves images of every size), the model scores the
-image's ``n`` embeddings before the LLM (``pool``: spatially uniform; ``pyramid``: PTP's
-bottom-up saliency, the embedding norm on Qwen2.5-VL) and returns exactly the kept ones, in
-prompt order, with their original M-RoPE positions. This equals ``vf.wrap(model,
-pruner=..., keep=..., layer=0, budget="frame")`` (``alpha=0`` for ``pyramid``) in transformers,
-where a count above an image's tokens raises instead.
+Pruning happens once per image, before the LLM: the processor gives a prompt's images
+``keep_count(keep, N, clamp=True)`` placeholders in all (:func:`vlm_focus.config.keep_count`,
+``N`` the prompt's image tokens; a count above ``N`` keeps all ``N``, since one server-wide count
+serves prompts of every size), shared out by ``budget="frame"``'s rule. The model scores each
+image before the LLM (:data:`SERVED` lists each class's pruners: the attention pruners score with
+layer 0 of vLLM's own decoder over the unpruned prompt; ``pool`` is spatially uniform;
+``pyramid`` is PTP's bottom-up saliency, the embedding norm) and returns exactly the kept
+embeddings, in prompt order: at their original M-RoPE positions on Qwen-VL, consecutively on
+LLaVA. This equals ``vf.wrap(model, pruner=..., keep=..., layer=0, budget="frame")`` in
+transformers (``alpha=0`` for ``pyramid``; ``positions="compact"`` for LLaVA), where a count
+above the prompt's tokens raises instead.
 
-The vLLM side imports torch, vLLM, :mod:`._scores` and :mod:`vlm_focus.config` (keep's rule)
-only; it never calls vlm_focus's transformers code (vLLM pins an older transformers than
-vlm_focus supports).
+The vLLM side imports torch, vLLM and vlm_focus's model-free code (keep's rule, the pruners and
+their scoring math); it never runs vlm_focus's transformers code (vLLM pins an older
+transformers than vlm_focus supports).
 """
 
 from __future__ import annotations
@@ -48,16 +50,21 @@ ARCHITECTURES = {
         "Qwen2_5_VLForConditionalGeneration",
         "VlmFocusQwen2_5_VLForConditionalGeneration",
     ),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "VlmFocusQwen3VLForConditionalGeneration"),
     "llava": ("LlavaForConditionalGeneration", "VlmFocusLlavaForConditionalGeneration"),
 }
 #: ``model_type`` -> the pruners its class serves, the default first, and its position rule.
 SERVED = {
     "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
+    "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
 }
 _CLASSES = {
     "VlmFocusQwen2_5_VLForConditionalGeneration": (
         f"{__name__}._qwen2_5_vl:VlmFocusQwen2_5_VLForConditionalGeneration"
+    ),
+    "VlmFocusQwen3VLForConditionalGeneration": (
+        f"{__name__}._qwen3_vl:VlmFocusQwen3VLForConditionalGeneration"
     ),
     "VlmFocusLlavaForConditionalGeneration": (
         f"{__name__}._llava:VlmFocusLlavaForConditionalGeneration"

@@ -10,8 +10,9 @@ and the registered pruner itself scores it, so the kept cells are the ones ``vf.
 - q/k: vLLM's fused ``qkv_proj`` split into its q and k parts;
 - RoPE: rows of vLLM's own ``cos_sin_cache`` at the unpruned prompt's positions (neox layout,
   which is transformers' ``rotate_half``): ``0..S-1`` for the 1-D RoPE of the LLaVA family;
-  for Qwen2.5-VL's M-RoPE, the ``(t, h, w)`` positions its ``get_rope_index`` gives a prompt
-  with one image, each ``mrope_section`` of the table read at its own channel.
+  for the Qwen-VL M-RoPE, the ``(t, h, w)`` positions ``get_rope_index`` gives a prompt with one
+  image, each rotary frequency read at its own channel (:func:`mrope_channels`);
+- Qwen3's per-head q/k norms, when the layer has them.
 
 Only torch and vlm_focus's model-free code run here (no transformers model classes).
 """
@@ -44,14 +45,15 @@ class VllmLayerAdapter:
         """q ``[B, H, Tq, Dh]`` and k ``[B, Hkv, S, Dh]`` before RoPE (vLLM projects q, k and v
         with one fused matrix)."""
         q_size, kv_size, head_dim = attention.q_size, attention.kv_size, attention.head_dim
-        if getattr(attention, "qk_norm", False):
-            raise ValueError("vlm_focus scores attention in vLLM only for layers without q/k norms")
 
-        def project(x: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        def project(x: torch.Tensor, start: int, size: int, norm: str) -> torch.Tensor:
             flat = attention.qkv_proj(x.reshape(-1, x.shape[-1]))[0][:, start : start + size]
-            return flat.reshape(*x.shape[:2], -1, head_dim).transpose(1, 2)
+            heads = flat.reshape(*x.shape[:2], -1, head_dim)  # [B, T, H, Dh]
+            if hasattr(attention, norm):  # Qwen3's per-head q/k RMSNorm, before RoPE
+                heads = getattr(attention, norm)(heads)
+            return heads.transpose(1, 2)
 
-        return project(q_in, 0, q_size), project(k_in, q_size, kv_size)
+        return project(q_in, 0, q_size, "q_norm"), project(k_in, q_size, kv_size, "k_norm")
 
 
 _ADAPTER = VllmLayerAdapter()
@@ -73,6 +75,22 @@ def prompt_positions(seq: int, start: int, rows: int, cols: int, mrope: bool) ->
     return torch.cat([text.expand(3, -1), image, after.expand(3, -1)], dim=1)
 
 
+def mrope_channels(rotary: nn.Module, half: int) -> torch.Tensor:
+    """``[half]``: the position channel (0 = t, 1 = h, 2 = w) each rotary frequency reads:
+    consecutive ``mrope_section`` blocks (Qwen2-VL, Qwen2.5-VL) or, with ``mrope_interleaved``
+    (Qwen3-VL), t/h/w in turn over the first ``3 * section`` frequencies, t after."""
+    section = getattr(rotary, "mrope_section", None)
+    if not section or sum(section) != half:
+        raise ValueError(f"M-RoPE sections {section} do not cover {half} rotary frequencies")
+    if not getattr(rotary, "mrope_interleaved", False):
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    j = torch.arange(half)
+    channel = torch.zeros(half, dtype=torch.long)
+    channel[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    channel[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return channel
+
+
 def rope_tables(attention: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` ``[1, S, head_dim]`` float32 at ``positions`` (``[S]``, or ``[3, S]`` for
     M-RoPE) from the layer's own rotary cache, in transformers' layout (each half-table
@@ -86,11 +104,8 @@ def rope_tables(attention: nn.Module, positions: torch.Tensor) -> tuple[torch.Te
     table = rotary.cos_sin_cache
     cache = table[positions.to(table.device)].float()  # [S, rot] or [3, S, rot]
     if positions.dim() == 2:
-        section = getattr(rotary, "mrope_section", None)
-        if not section or getattr(rotary, "mrope_interleaved", False):
-            raise ValueError("vlm_focus scores M-RoPE attention in vLLM only for sectioned M-RoPE")
-        channel = torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(table.device)
         half = cache.shape[-1] // 2
+        channel = mrope_channels(rotary, half).to(table.device)
         index = torch.arange(half, device=table.device)
         cos = cache[channel, :, index].T  # [S, half]: dim j from its section's channel
         sin = cache[channel, :, index + half].T

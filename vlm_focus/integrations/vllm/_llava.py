@@ -3,8 +3,8 @@
 Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.register`). Each piece
 subclasses vLLM's own LLaVA class and changes one thing:
 
-- processor: an image of ``n`` tokens gets ``keep_count(keep, n, clamp=True)`` placeholders
-  (:func:`vlm_focus.config.keep_count`). For an attention pruner (``fastv``, ``text``,
+- processor: each image gets its kept count of placeholders
+  (:class:`._processor.PruningProcessorMixin`). For an attention pruner (``fastv``, ``text``,
   ``debiased``) the prompt's token ids join the request's ``mm_processor_kwargs`` before vLLM
   hashes the image, so an image's cache entry (processor and encoder caches) is specific to the
   prompt its selection read; they travel to the model as a per-image field;
@@ -35,7 +35,6 @@ from vllm.model_executor.models.llava import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.processing import PromptReplacement
 
 from ...config import FocusConfig, keep_count
 from . import SERVED
@@ -78,15 +77,6 @@ class VlmFocusLlavaMultiModalProcessor(PruningProcessorMixin, LlavaMultiModalPro
     def _image_sizes(self, data) -> list[int]:
         rows, cols = _grid(self.info.get_hf_config())
         return [rows * cols] * len(data["pixel_values"])
-
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        image_token = self.info.get_hf_config().image_token_index
-
-        def kept_placeholders(item_idx: int) -> list[int]:
-            count = out_mm_kwargs["image"][item_idx][KEEP_FIELD].data
-            return [image_token] * int(count)
-
-        return [PromptReplacement("image", target=[image_token], replacement=kept_placeholders)]
 
 
 class VlmFocusLlavaDummyInputsBuilder(LlavaDummyInputsBuilder):

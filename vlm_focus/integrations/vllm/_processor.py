@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.inputs import MultiModalFieldConfig
+from vllm.multimodal.processing import PromptReplacement
 
 from ...config import keep_count
 from ._layer0 import ATTENTION_PRUNERS
@@ -101,6 +102,18 @@ class PruningProcessorMixin:
         for name in (KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD):
             fields[name] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         return fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        """vLLM's updates, with each image's placeholder run cut to its kept count."""
+        _, _, rest = self._split(hf_processor_mm_kwargs)
+        updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
+        token = self._image_token()
+
+        def kept_placeholders(item_idx: int) -> list[int]:
+            return [token] * int(out_mm_kwargs["image"][item_idx][KEEP_FIELD].data)
+
+        image = PromptReplacement("image", target=[token], replacement=kept_placeholders)
+        return [image if update.modality == "image" else update for update in updates]
 
     def _cached_apply_hf_processor(self, inputs, timing_ctx):
         if inputs.mm_data_items.get_all_counts().get("image", 0) > 1:

@@ -1,0 +1,112 @@
+"""Qwen3-VL served by vLLM with the plugin equals ``vf.wrap(..., layer=0, budget="frame")`` in
+transformers (see ``test_vllm_plugin.py`` for the set-up).
+
+On a tiny random-weight Qwen3-VL (interleaved M-RoPE, per-head q/k norms, DeepStack after layers
+0 and 1), every pruner the class serves, prompts with one, two and three images of different
+shapes (``pool``), all through one engine in one batch: greedy tokens, the pruned prompt's
+placeholder count and the kept cells equal transformers'. The unpruned reference is checked
+against vLLM's own Qwen3-VL class first, so a difference can only come from the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM environment")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from test_vllm_plugin import _offline, _reference_python  # noqa: E402
+from transformers_side import prompt_text  # noqa: E402
+
+QUESTION = "where are the red shapes"
+CASES = [  # (images, pruner, keep, per-request mm_processor_kwargs or None: the server's)
+    (["image.png"], "fastv", 0.25, None),
+    (["image.png"], "text", 0.5, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.5}),
+    (["wide.png"], "debiased", 0.25, {"vlm_focus_pruner": "debiased"}),
+    (["image.png"], "pyramid", 0.25, {"vlm_focus_pruner": "pyramid"}),
+    (["square.png"], "pool", 0.5, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}),
+    (["image.png", "square.png"], "pool", 0.25, {"vlm_focus_pruner": "pool"}),
+    (
+        ["wide.png", "square.png", "image.png"],
+        "pool",
+        19,
+        {"vlm_focus_pruner": "pool", "vlm_focus_keep": 19},
+    ),
+]
+OVERRIDES = {
+    "architectures": ["VlmFocusQwen3VLForConditionalGeneration"],
+    "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_qwen3_vl")
+    subprocess.run(
+        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), "qwen3_vl"],
+        check=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> list[dict]:
+    work = tmp_path_factory.mktemp("reference")
+    cases = [
+        {"prompt": prompt_text(QUESTION, len(images)), "images": images, "pruner": p, "keep": k}
+        for images, p, k, _ in [(["image.png"], None, 1.0, None), *CASES]
+    ]
+    (work / "cases.json").write_text(json.dumps(cases))
+    subprocess.run(
+        [
+            _reference_python(),
+            str(HERE / "transformers_side.py"),
+            "run",
+            str(model_dir),
+            str(work / "cases.json"),
+            str(work / "out.json"),
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    return json.loads((work / "out.json").read_text())
+
+
+def _cases(model_dir: Path, settings) -> list[dict]:
+    return [
+        {
+            "prompt": prompt_text(QUESTION, len(images)),
+            "images": [str(model_dir / name) for name in images],
+            "request": request,
+        }
+        for images, _, _, request in settings
+    ]
+
+
+def test_vllms_own_qwen3_vl_equals_transformers_unpruned(model_dir, reference, tmp_path):
+    result = _offline(
+        model_dir, _cases(model_dir, [(["image.png"], None, 1.0, None)]), tmp_path, None
+    )
+    assert result["outputs"][0]["tokens"] == reference[0]["tokens"]
+
+
+def test_served_qwen3_vl_equals_transformers(model_dir, reference, tmp_path):
+    result = _offline(model_dir, _cases(model_dir, CASES), tmp_path, OVERRIDES)
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
+    for setting, want, output in zip(CASES, reference[1:], result["outputs"], strict=True):
+        kept = want["kept_per_image"]
+        assert output["prompt_token_ids"].count(image_token) == sum(map(len, kept)), setting
+        for n, cells in zip(want["n_per_image"], kept, strict=True):
+            assert (n, tuple(cells)) in recorded, setting
+        assert output["tokens"] == want["tokens"], setting
