@@ -110,7 +110,13 @@ def reference(model_dir, tmp_path_factory) -> dict:
     return {(c["prompt"], c["pruner"], c["keep"]): c for c in out}
 
 
-def _offline(model_dir: Path, cases: list[dict], work: Path, overrides: dict | None) -> dict:
+def _offline(
+    model_dir: Path,
+    cases: list[dict],
+    work: Path,
+    overrides: dict | None,
+    engine: dict | None = None,
+) -> dict:
     (work / "cases.json").write_text(json.dumps(cases))
     command = [
         sys.executable,
@@ -119,8 +125,10 @@ def _offline(model_dir: Path, cases: list[dict], work: Path, overrides: dict | N
         str(work / "cases.json"),
         str(work / "out.json"),
     ]
-    if overrides is not None:
+    if overrides is not None or engine is not None:
         command.append(json.dumps(overrides))
+    if engine is not None:
+        command.append(json.dumps(engine))
     subprocess.run(command, check=True, cwd=work, env=_env(), timeout=ENGINE_TIMEOUT)
     return json.loads((work / "out.json").read_text())
 
@@ -348,3 +356,19 @@ def test_prompts_with_several_images_share_the_prompts_budget_as_vf_wrap(
         assert output["tokens"] == want["tokens"], setting
         for n, cells in zip(want["n_per_image"], kept, strict=True):
             assert (n, tuple(cells)) in recorded, setting
+
+
+def test_tensor_parallel_two_ranks_give_the_same_tokens_and_cells(model_dir, reference, tmp_path):
+    """Two ranks each project half the heads; the attention pruners gather them, so both ranks
+    keep the cells one rank keeps, and the tokens equal transformers'."""
+    settings = [s for s in SETTINGS if s[0] in ("fastv", "text", "pool") and s[1] < 1.0]
+    cases = [{"prompt": prompt_text(QUESTIONS[0]), "request": r} for _, _, r in settings]
+    engine = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    result = _offline(model_dir, cases, tmp_path, OVERRIDES, engine)
+    first, second = result["kept_per_rank"]
+    assert first == second  # both ranks kept the same cells for every image
+    recorded = {(r["n"], tuple(r["kept"])) for r in first}
+    for (pruner, keep, _), output in zip(settings, result["outputs"], strict=True):
+        expected = reference[(prompt_text(QUESTIONS[0]), pruner, keep)]
+        assert output["tokens"] == expected["tokens"], (pruner, keep)
+        assert (expected["n"], tuple(expected["kept"])) in recorded, (pruner, keep)

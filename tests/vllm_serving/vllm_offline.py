@@ -1,6 +1,7 @@
 """One offline vLLM engine on the tiny model, in its own process (an engine per process):
 
-    python tests/vllm_serving/vllm_offline.py MODEL_DIR CASES.json OUT.json [HF_OVERRIDES_JSON]
+    python tests/vllm_serving/vllm_offline.py MODEL_DIR CASES.json OUT.json \
+        [HF_OVERRIDES_JSON [ENGINE_KWARGS_JSON]]
 
 Each case is ``{"prompt" or "prompt_token_ids", "request": {mm_processor_kwargs} | null}``,
 with ``"image"`` (a path; default MODEL_DIR/image.png) or ``"images"`` (paths, one per
@@ -20,7 +21,13 @@ from pathlib import Path
 MAX_NEW_TOKENS = 12
 
 
-def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None = None) -> None:
+def main(
+    model_dir: str,
+    cases_path: str,
+    out_path: str,
+    overrides: str | None = None,
+    engine: str | None = None,
+) -> None:
     from PIL import Image
     from vllm import LLM, SamplingParams
 
@@ -34,6 +41,7 @@ def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None =
         limit_mm_per_prompt={"image": max(len(c.get("images", [0])) for c in cases)},
         enforce_eager=True,
         seed=0,
+        **json.loads(engine or "{}"),
     )
     requests = []
     for case in cases:
@@ -52,13 +60,14 @@ def main(model_dir: str, cases_path: str, out_path: str, overrides: str | None =
     plugin_loaded = "vlm_focus.integrations.vllm" in sys.modules  # by vLLM, not by this script
     from vlm_focus.integrations.vllm import recorded_kept  # by reference, for the worker
 
-    (kept,) = llm.apply_model(recorded_kept)
+    per_rank = llm.apply_model(recorded_kept)  # one list per worker
     result = {
         "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "prompt_token_ids": list(o.prompt_token_ids)}
             for o in outputs
         ],
-        "kept": kept,
+        "kept": per_rank[0],
+        "kept_per_rank": per_rank,
         "plugin_loaded": plugin_loaded,
     }
     Path(out_path).write_text(json.dumps(result))

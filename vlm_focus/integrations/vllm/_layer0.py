@@ -14,13 +14,19 @@ and the registered pruner itself scores it, so the kept cells are the ones ``vf.
   image, each rotary frequency read at its own channel (:func:`mrope_channels`);
 - Qwen3's per-head q/k norms, when the layer has them.
 
-Only torch and vlm_focus's model-free code run here (no transformers model classes).
+Under tensor parallelism each rank projects its own heads; they are gathered, so every rank
+scores with all heads and keeps the same cells. Only torch, vLLM and vlm_focus's model-free code
+run here (no transformers model classes).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.distributed import (
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+)
 
 from ...config import FocusConfig
 from ...core.pruner import StageContext
@@ -45,9 +51,17 @@ class VllmLayerAdapter:
         """q ``[B, H, Tq, Dh]`` and k ``[B, Hkv, S, Dh]`` before RoPE (vLLM projects q, k and v
         with one fused matrix)."""
         q_size, kv_size, head_dim = attention.q_size, attention.kv_size, attention.head_dim
+        ranks = get_tensor_model_parallel_world_size()
+        if ranks > 1 and getattr(attention, "total_num_kv_heads", ranks) < ranks:
+            raise ValueError(
+                "vlm_focus scores attention under tensor parallelism only when every rank holds "
+                f"its own kv heads ({attention.total_num_kv_heads} kv heads, {ranks} ranks)"
+            )
 
         def project(x: torch.Tensor, start: int, size: int, norm: str) -> torch.Tensor:
             flat = attention.qkv_proj(x.reshape(-1, x.shape[-1]))[0][:, start : start + size]
+            if ranks > 1:  # each rank projects its own heads: every rank scores with all of them
+                flat = tensor_model_parallel_all_gather(flat.contiguous(), dim=-1)
             heads = flat.reshape(*x.shape[:2], -1, head_dim)  # [B, T, H, Dh]
             if hasattr(attention, norm):  # Qwen3's per-head q/k RMSNorm, before RoPE
                 heads = getattr(attention, norm)(heads)

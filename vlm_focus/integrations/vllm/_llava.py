@@ -17,8 +17,7 @@ LLaVA's RoPE is 1-D and vLLM numbers the pruned prompt's tokens consecutively, w
 ``vf.wrap(..., positions="compact")`` in transformers.
 
 Attention pruners score one image per prompt (a prompt with several images is refused by the
-processor: their layer-0 softmax would need every image's embeddings at once) and need the
-whole attention layer in one process (no tensor parallelism).
+processor: their layer-0 softmax would need every image's embeddings at once).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.models.llava import (
     LlavaDummyInputsBuilder,
     LlavaForConditionalGeneration,
@@ -110,11 +108,6 @@ class VlmFocusLlavaForConditionalGeneration(LlavaForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vlm_focus = serve_options(self.config, PRUNERS)
         self.grid = _grid(self.config)
-        if get_tensor_model_parallel_world_size() > 1:
-            raise ValueError(
-                "vlm_focus's LLaVA class scores layer 0's attention in one process: serve it "
-                "with tensor_parallel_size=1"
-            )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("vlm_focus's LLaVA class does not run with pipeline parallelism")
         self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)

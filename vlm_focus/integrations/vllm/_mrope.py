@@ -42,9 +42,22 @@ from ._scores import select
 _SPLIT = 64
 POSITION_CHANNELS = 6
 NO_VIDEO = (
-    "vlm_focus's vLLM plugin prunes images only; serve videos with vLLM's own class "
-    "(no vlm_focus architecture override)"
+    "vlm_focus's vLLM plugin prunes images only: this model's vlm_focus class takes no video; "
+    "serve videos with vLLM's own class (no vlm_focus architecture override)"
 )
+
+
+class ImagesOnlyInfo:
+    """Mixed in before vLLM's processing info of a Qwen-VL class: the class serves images, and a
+    request with a video gets the plugin's own message (not vLLM's "At most 0 video(s)")."""
+
+    def get_supported_mm_limits(self):
+        return {"image": None}
+
+    def validate_num_items(self, modality: str, num_items: int) -> None:
+        if modality == "video" and num_items:
+            raise ValueError(NO_VIDEO)
+        super().validate_num_items(modality, num_items)
 
 
 def encode_cells(cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

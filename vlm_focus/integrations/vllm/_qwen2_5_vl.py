@@ -9,8 +9,6 @@ them their original M-RoPE positions (:class:`._mrope.MRopePruningModel`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from vllm.model_executor.models.qwen2_5_vl import (
     Qwen2_5_VLDummyInputsBuilder,
     Qwen2_5_VLForConditionalGeneration,
@@ -20,18 +18,15 @@ from vllm.model_executor.models.qwen2_5_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
-from ._mrope import NO_VIDEO, MRopePruningModel
+from ._mrope import NO_VIDEO, ImagesOnlyInfo, MRopePruningModel
 from ._processor import PruningProcessorMixin
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen2_5_vl"][0]
 
 
-class VlmFocusQwen2_5_VLProcessingInfo(Qwen2_5_VLProcessingInfo):
+class VlmFocusQwen2_5_VLProcessingInfo(ImagesOnlyInfo, Qwen2_5_VLProcessingInfo):
     """Images only: vLLM then neither profiles nor accepts videos for this architecture."""
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
 
 
 class VlmFocusQwen2_5_VLMultiModalProcessor(PruningProcessorMixin, Qwen2_5_VLMultiModalProcessor):

@@ -11,8 +11,6 @@ only, which is what the LLM's first layer receives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from vllm.model_executor.models.qwen3_vl import (
     Qwen3VLDummyInputsBuilder,
     Qwen3VLForConditionalGeneration,
@@ -22,18 +20,15 @@ from vllm.model_executor.models.qwen3_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
-from ._mrope import NO_VIDEO, MRopePruningModel
+from ._mrope import NO_VIDEO, ImagesOnlyInfo, MRopePruningModel
 from ._processor import PruningProcessorMixin
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen3_vl"][0]
 
 
-class VlmFocusQwen3VLProcessingInfo(Qwen3VLProcessingInfo):
+class VlmFocusQwen3VLProcessingInfo(ImagesOnlyInfo, Qwen3VLProcessingInfo):
     """Images only: vLLM then neither profiles nor accepts videos for this architecture."""
-
-    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
-        return {"image": None}
 
     def get_supported_mm_processor_kwargs(self) -> dict[str, set[str]]:
         # Qwen3-VL's own adds video options to a scope that exists only when videos are served
