@@ -32,7 +32,7 @@ def main(
     from vllm import LLM, SamplingParams
 
     cases = json.loads(Path(cases_path).read_text())
-    llm = LLM(
+    settings = dict(
         model=model_dir,
         dtype="float32",
         hf_overrides=json.loads(overrides) if overrides else None,
@@ -41,8 +41,8 @@ def main(
         limit_mm_per_prompt={"image": max(len(c.get("images", [0])) for c in cases)},
         enforce_eager=True,
         seed=0,
-        **json.loads(engine or "{}"),
     )
+    llm = LLM(**{**settings, **json.loads(engine or "{}")})
     requests = []
     for case in cases:
         paths = case.get("images") or [case.get("image") or Path(model_dir) / "image.png"]
