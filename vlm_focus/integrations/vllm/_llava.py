@@ -22,9 +22,6 @@ processor: their layer-0 softmax would need every image's embeddings at once).
 
 from __future__ import annotations
 
-from collections import deque
-
-import torch
 from vllm.model_executor.models.llava import (
     LlavaDummyInputsBuilder,
     LlavaForConditionalGeneration,
@@ -34,18 +31,9 @@ from vllm.model_executor.models.llava import (
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from ...config import FocusConfig, keep_count
 from . import SERVED
-from ._layer0 import ATTENTION_PRUNERS, attention_keep, build_pruner
+from ._model import PruningModel
 from ._processor import PruningProcessorMixin
-from ._request import (
-    KEEP_FIELD,
-    PROMPT_FIELD,
-    PRUNER_FIELD,
-    per_item,
-    serve_options,
-)
-from ._scores import pool_keep
 
 #: What this class serves, its default first: the attention pruners and ``pool``.
 PRUNERS = SERVED["llava"][0]
@@ -89,12 +77,8 @@ class VlmFocusLlavaDummyInputsBuilder(LlavaDummyInputsBuilder):
     info=LlavaProcessingInfo,
     dummy_inputs=VlmFocusLlavaDummyInputsBuilder,
 )
-class VlmFocusLlavaForConditionalGeneration(LlavaForConditionalGeneration):
-    """vLLM's LLaVA-1.5 whose images reach the LLM pruned (see the module docstring).
-
-    ``last_kept`` holds, for the most recent images encoded in this process (newest last), the
-    pair ``(n_cells, kept)`` with ``kept`` the kept cell indices in raster order.
-    """
+class VlmFocusLlavaForConditionalGeneration(PruningModel, LlavaForConditionalGeneration):
+    """vLLM's LLaVA-1.5 whose images reach the LLM pruned (see the module docstring)."""
 
     # checkpoints saved by transformers 5 name the CLIP tower without its `vision_model.` level
     hf_to_vllm_mapper = LlavaForConditionalGeneration.hf_to_vllm_mapper | WeightsMapper(
@@ -104,53 +88,26 @@ class VlmFocusLlavaForConditionalGeneration(LlavaForConditionalGeneration):
         }
     )
 
+    pruners = PRUNERS
+
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vlm_focus = serve_options(self.config, PRUNERS)
         self.grid = _grid(self.config)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("vlm_focus's LLaVA class does not run with pipeline parallelism")
-        self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
-        self._pruners = {
-            name: build_pruner(FocusConfig(pruner=name, layer=0)) for name in ATTENTION_PRUNERS
-        }
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_index
 
     def embed_multimodal(self, **kwargs: object):
-        keeps = kwargs.pop(KEEP_FIELD, None)
-        codes = kwargs.pop(PRUNER_FIELD, None)
-        prompts = kwargs.pop(PROMPT_FIELD, None)
+        fields = self.pop_fields(kwargs)
         image_input = self._parse_and_validate_image_input(**kwargs)
         if image_input is None:
             return []
         embeds = self._process_image_input(image_input)  # [n_images, rows * cols, D] or tuple
-        n_images = len(embeds)
         rows, cols = self.grid
-        if keeps is None or codes is None:  # inputs not made by the processor: server defaults
-            keeps = [keep_count(self.vlm_focus.keep, rows * cols, clamp=True)] * n_images
-            codes = [PRUNERS.index(self.vlm_focus.pruner)] * n_images
-        keeps, codes = per_item(keeps, n_images), per_item(codes, n_images)
-        if prompts is None:
-            prompts = [torch.empty(0, dtype=torch.long)] * n_images
+        requests = self.image_requests(fields, [rows * cols] * len(embeds))
         out = []
-        for emb, n_keep, code, prompt in zip(embeds, keeps, codes, prompts, strict=True):
-            pruner = PRUNERS[code]
-            if emb.shape[0] != rows * cols:
-                raise ValueError(f"{emb.shape[0]} image embeddings for a {rows}x{cols} grid")
-            if n_keep >= rows * cols:
-                kept = torch.arange(rows * cols)
-            elif pruner == "pool":
-                kept = pool_keep(rows, cols, n_keep)
-            else:
-                kept = attention_keep(
-                    self._pruners[pruner],
-                    self.language_model.model,
-                    torch.as_tensor(prompt),
-                    self.config.image_token_index,
-                    emb,
-                    rows,
-                    cols,
-                    n_keep,
-                )
-            self.last_kept.append((emb.shape[0], kept))
+        for emb, request in zip(embeds, requests, strict=True):
+            kept = self.keep_cells(request, emb, rows, cols)
             out.append(emb[kept.to(emb.device)])
         return tuple(out)

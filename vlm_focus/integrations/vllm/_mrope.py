@@ -26,15 +26,10 @@ stages would not see the cells).
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
-from ...config import FocusConfig, keep_count
-from ._layer0 import ATTENTION_PRUNERS, attention_keep, build_pruner
-from ._request import KEEP_FIELD, PROMPT_FIELD, PRUNER_FIELD, per_item, serve_options
-from ._scores import select
+from ._model import PruningModel
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
 #: ``value // 64, value % 64`` so that they stay exact in bf16 (integers up to 256) for grids of
@@ -73,29 +68,20 @@ def decode_cells(channels: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0] * _SPLIT + pairs[..., 1]
 
 
-class MRopePruningModel:
-    """Mixed in before vLLM's Qwen-VL model class. The class sets ``pruners`` (what it serves,
-    default first); ``scored_width`` is how many leading features of an image row the LLM's
-    first layer receives (all of them, unless the class packs more after them).
+class MRopePruningModel(PruningModel):
+    """Mixed in before vLLM's Qwen-VL model class (see the module docstring).
+    ``scored_width`` is how many leading features of an image row the LLM's first layer
+    receives (all of them, unless the class packs more after them)."""
 
-    ``last_kept`` holds, for the most recent images encoded in this process (newest last), the
-    pair ``(n_cells, kept)`` with ``kept`` the kept cell indices in raster order.
-    """
-
-    pruners: tuple[str, ...]
+    mrope = True
     scored_width: int | None = None
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vlm_focus = serve_options(self.config, self.pruners)
         if self.multimodal_config.is_multimodal_pruning_enabled():
             raise ValueError(
                 "--video-pruning-rate (EVS) cannot be combined with vlm_focus's pruning "
                 "architecture; " + NO_VIDEO
-            )
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "vlm_focus's pruning architecture does not run with pipeline parallelism"
             )
         graphs = vllm_config.compilation_config.cudagraph_mode
         if graphs is not None and graphs.mixed_mode() == graphs.FULL:
@@ -105,18 +91,16 @@ class MRopePruningModel:
                 "cudagraph_mode FULL_AND_PIECEWISE (vLLM's default), PIECEWISE or "
                 "FULL_DECODE_ONLY, not FULL"
             )
-        self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
-        self._pruners = {
-            name: build_pruner(FocusConfig(pruner=name, layer=0)) for name in ATTENTION_PRUNERS
-        }
         # (flattened token indices, [n, 3] cells) of the image tokens of the step being run
         self._step_cells: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
     # --- the LLM's input: kept embeddings with their cells -----------------------------------
     def embed_multimodal(self, **kwargs: object):
-        keeps = kwargs.pop(KEEP_FIELD, None)
-        codes = kwargs.pop(PRUNER_FIELD, None)
-        prompts = kwargs.pop(PROMPT_FIELD, None)
+        fields = self.pop_fields(kwargs)
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if "video" in inputs:
             raise ValueError(NO_VIDEO)
@@ -126,45 +110,16 @@ class MRopePruningModel:
         embeds = self._process_image_input(image_input)  # per image: [rows * cols, D (+ D')]
         grids = image_input["image_grid_thw"].tolist()
         merge = self.visual.spatial_merge_size
-        if keeps is None or codes is None:  # inputs not made by the processor: server defaults
-            keep = self.vlm_focus.keep
-            keeps = [keep_count(keep, t * h * w // merge**2, clamp=True) for t, h, w in grids]
-            codes = [self.pruners.index(self.vlm_focus.pruner)] * len(grids)
-        keeps, codes = per_item(keeps, len(grids)), per_item(codes, len(grids))
-        if prompts is None:
-            prompts = [torch.empty(0, dtype=torch.long)] * len(grids)
+        sizes = [t * h * w // merge**2 for t, h, w in grids]
         out = []
-        for emb, (t, h, w), n_keep, code, prompt in zip(
-            embeds, grids, keeps, codes, prompts, strict=True
+        for emb, (t, h, w), request in zip(
+            embeds, grids, self.image_requests(fields, sizes), strict=True
         ):
             if t != 1:
                 raise ValueError(f"an image has one frame, got image_grid_thw={[t, h, w]}")
             rows, cols = h // merge, w // merge
-            pruner = self.pruners[code]
-            scored = emb[:, : self.scored_width]  # what the LLM's first layer receives
-            if pruner in ATTENTION_PRUNERS and n_keep < rows * cols:
-                kept = attention_keep(
-                    self._pruners[pruner],
-                    self.language_model.model,
-                    torch.as_tensor(prompt),
-                    self.config.image_token_id,
-                    scored,
-                    rows,
-                    cols,
-                    n_keep,
-                    mrope=True,
-                )
-            else:
-                kept = select(
-                    pruner,
-                    scored,
-                    rows,
-                    cols,
-                    n_keep,
-                    tiles=self.vlm_focus.tiles,
-                    min_per_region=self.vlm_focus.min_per_region,
-                )
-            self.last_kept.append((emb.shape[0], kept))
+            # the score reads what the LLM's first layer receives
+            kept = self.keep_cells(request, emb[:, : self.scored_width], rows, cols)
             cells = torch.stack(
                 [torch.zeros_like(kept), torch.div(kept, cols, rounding_mode="floor"), kept % cols],
                 dim=-1,
