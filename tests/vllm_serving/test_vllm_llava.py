@@ -18,7 +18,6 @@ import base64
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,12 +30,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from test_vllm_plugin import (  # noqa: E402
-    ENGINE_TIMEOUT,
-    _env,
     _free_port,
     _offline,
     _post,
     _reference_python,
+    _start_server,
     _stop,
 )
 
@@ -161,9 +159,7 @@ def test_embedded_server_with_api_key(reference, tmp_path):
         "--trust-request-mm-kwargs",
     ]
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    server = _start_server(command, log, tmp_path / "server.log")
     base = f"http://127.0.0.1:{port}"
     image, question = IMAGES[0], QUESTIONS[0]
     data = base64.b64encode(Path(image).read_bytes()).decode()
@@ -180,17 +176,6 @@ def test_embedded_server_with_api_key(reference, tmp_path):
         "return_token_ids": True,
     }
     try:
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up in time"
-            time.sleep(2)
         url = f"{base}/v1/chat/completions"
         refused, _ = _post(url, body, None)
         answered, answer = _post(url, body, key)

@@ -92,6 +92,12 @@ def reference(model_dir, tmp_path_factory) -> dict:
         for q in QUESTIONS
         for pruner, keep, _ in SETTINGS
     ]
+    out = _transformers_run(model_dir, cases, work)
+    return {(c["prompt"], c["pruner"], c["keep"]): c for c in out}
+
+
+def _transformers_run(model_dir: Path, cases: list[dict], work: Path) -> list[dict]:
+    """``transformers_side.py run`` on ``cases``, in the main environment."""
     (work / "cases.json").write_text(json.dumps(cases))
     subprocess.run(
         [
@@ -106,8 +112,7 @@ def reference(model_dir, tmp_path_factory) -> dict:
         cwd=REPO,
         timeout=600,
     )
-    out = json.loads((work / "out.json").read_text())
-    return {(c["prompt"], c["pruner"], c["keep"]): c for c in out}
+    return json.loads((work / "out.json").read_text())
 
 
 def _offline(
@@ -186,6 +191,29 @@ def test_without_the_override_vllm_runs_its_own_unpruned_model(model_dir, refere
         assert output["tokens"] == reference[(prompt_text(question), None, 1.0)]["tokens"]
 
 
+def _start_server(command: list[str], log, log_path: Path) -> subprocess.Popen:
+    """Start a server from ``command`` (its ``--port``) and wait until ``/health`` answers."""
+    server = subprocess.Popen(
+        command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    port = command[command.index("--port") + 1]
+    deadline = time.monotonic() + ENGINE_TIMEOUT
+    while True:
+        if server.poll() is not None:
+            log.close()
+            raise AssertionError(log_path.read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(server)
+            raise AssertionError("server did not come up in time")
+        time.sleep(2)
+
+
 def _stop(server: subprocess.Popen) -> None:
     server.terminate()
     try:
@@ -224,22 +252,9 @@ def test_documented_serve_command_answers_a_pruned_chat_request(model_dir, refer
         "--trust-request-mm-kwargs",  # lets a request choose its own pruner and keep
     ]
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    server = _start_server(command, log, tmp_path / "server.log")
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up in time"
-            time.sleep(2)
         image = base64.b64encode((model_dir / "image.png").read_bytes()).decode()
         answers = [_chat(base, model_dir, image, None), _chat(base, model_dir, image, POOL_HALF)]
         # two images under the server's pyramid: refused by the plugin, which keeps serving
@@ -326,21 +341,7 @@ def test_prompts_with_several_images_share_the_prompts_budget_as_vf_wrap(
         }
         for images, keep, budget in MULTI
     ]
-    (work / "reference.json").write_text(json.dumps(reference_cases))
-    subprocess.run(
-        [
-            _reference_python(),
-            str(HERE / "transformers_side.py"),
-            "run",
-            str(model_dir),
-            str(work / "reference.json"),
-            str(work / "expected.json"),
-        ],
-        check=True,
-        cwd=REPO,
-        timeout=600,
-    )
-    expected = json.loads((work / "expected.json").read_text())
+    expected = _transformers_run(model_dir, reference_cases, work)
     cases = [
         {
             "prompt": prompt_text(question, len(images)),

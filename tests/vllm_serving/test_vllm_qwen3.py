@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM enviro
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from test_vllm_plugin import _offline, _reference_python  # noqa: E402
+from test_vllm_plugin import _offline, _reference_python, _transformers_run  # noqa: E402
 from transformers_side import prompt_text  # noqa: E402
 
 QUESTION = "where are the red shapes"
@@ -65,21 +65,7 @@ def reference(model_dir, tmp_path_factory) -> list[dict]:
         {"prompt": prompt_text(QUESTION, len(images)), "images": images, "pruner": p, "keep": k}
         for images, p, k, _ in [(["image.png"], None, 1.0, None), *CASES]
     ]
-    (work / "cases.json").write_text(json.dumps(cases))
-    subprocess.run(
-        [
-            _reference_python(),
-            str(HERE / "transformers_side.py"),
-            "run",
-            str(model_dir),
-            str(work / "cases.json"),
-            str(work / "out.json"),
-        ],
-        check=True,
-        cwd=REPO,
-        timeout=600,
-    )
-    return json.loads((work / "out.json").read_text())
+    return _transformers_run(model_dir, cases, work)
 
 
 def _cases(model_dir: Path, settings) -> list[dict]:

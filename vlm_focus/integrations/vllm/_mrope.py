@@ -30,6 +30,7 @@ import torch
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from ._model import PruningModel
+from ._processor import PruningProcessorMixin
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
 #: ``value // 64, value % 64`` so that they stay exact in bf16 (integers up to 256) for grids of
@@ -40,6 +41,23 @@ NO_VIDEO = (
     "vlm_focus's vLLM plugin prunes images only: this model's vlm_focus class takes no video; "
     "serve videos with vLLM's own class (no vlm_focus architecture override)"
 )
+
+
+class MRopeImageProcessor(PruningProcessorMixin):
+    """The Qwen-VL processors' share of :class:`._processor.PruningProcessorMixin`: the image
+    token, an image's tokens from its grid, and the plugin's own message for a video."""
+
+    def _image_token(self) -> int:
+        return self.info.get_hf_config().image_token_id
+
+    def _image_sizes(self, data) -> list[int]:
+        merge = self.info.get_hf_config().vision_config.spatial_merge_size
+        return (data["image_grid_thw"].prod(-1) // merge**2).tolist()
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        if mm_items.get_all_counts().get("video", 0):
+            raise ValueError(NO_VIDEO)
+        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
 
 class ImagesOnlyInfo:

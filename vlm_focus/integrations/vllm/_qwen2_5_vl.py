@@ -18,8 +18,7 @@ from vllm.model_executor.models.qwen2_5_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
-from ._mrope import NO_VIDEO, ImagesOnlyInfo, MRopePruningModel
-from ._processor import PruningProcessorMixin
+from ._mrope import ImagesOnlyInfo, MRopeImageProcessor, MRopePruningModel
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen2_5_vl"][0]
@@ -29,22 +28,10 @@ class VlmFocusQwen2_5_VLProcessingInfo(ImagesOnlyInfo, Qwen2_5_VLProcessingInfo)
     """Images only: vLLM then neither profiles nor accepts videos for this architecture."""
 
 
-class VlmFocusQwen2_5_VLMultiModalProcessor(PruningProcessorMixin, Qwen2_5_VLMultiModalProcessor):
+class VlmFocusQwen2_5_VLMultiModalProcessor(MRopeImageProcessor, Qwen2_5_VLMultiModalProcessor):
     """vLLM's Qwen2.5-VL processor with each image's kept count of placeholders."""
 
     pruners = PRUNERS
-
-    def _image_token(self) -> int:
-        return self.info.get_hf_config().image_token_id
-
-    def _image_sizes(self, data) -> list[int]:
-        merge = self.info.get_hf_config().vision_config.spatial_merge_size
-        return (data["image_grid_thw"].prod(-1) // merge**2).tolist()
-
-    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        if mm_items.get_all_counts().get("video", 0):
-            raise ValueError(NO_VIDEO)
-        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
 
 @MULTIMODAL_REGISTRY.register_processor(

@@ -20,8 +20,7 @@ from vllm.model_executor.models.qwen3_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
-from ._mrope import NO_VIDEO, ImagesOnlyInfo, MRopePruningModel
-from ._processor import PruningProcessorMixin
+from ._mrope import ImagesOnlyInfo, MRopeImageProcessor, MRopePruningModel
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen3_vl"][0]
@@ -35,22 +34,10 @@ class VlmFocusQwen3VLProcessingInfo(ImagesOnlyInfo, Qwen3VLProcessingInfo):
         return super(Qwen3VLProcessingInfo, self).get_supported_mm_processor_kwargs()
 
 
-class VlmFocusQwen3VLMultiModalProcessor(PruningProcessorMixin, Qwen3VLMultiModalProcessor):
+class VlmFocusQwen3VLMultiModalProcessor(MRopeImageProcessor, Qwen3VLMultiModalProcessor):
     """vLLM's Qwen3-VL processor with each image's kept count of placeholders."""
 
     pruners = PRUNERS
-
-    def _image_token(self) -> int:
-        return self.info.get_hf_config().image_token_id
-
-    def _image_sizes(self, data) -> list[int]:
-        merge = self.info.get_hf_config().vision_config.spatial_merge_size
-        return (data["image_grid_thw"].prod(-1) // merge**2).tolist()
-
-    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        if mm_items.get_all_counts().get("video", 0):
-            raise ValueError(NO_VIDEO)
-        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
