@@ -85,3 +85,23 @@ def test_regions_are_the_pyramid_pruners_tiles(rows, cols, tiles):
     assert tile_index(r, c, rows, cols, tiles).tolist() == want
     # renumbered 0.. in tile order: tiles without cells (a grid thinner than tiles) drop out
     assert region.tolist() == [sorted(set(want)).index(w) for w in want]
+
+
+@pytest.mark.parametrize("sizes", [[48], [48, 16], [16, 60, 48], [3, 1], [7, 7, 7], [1, 5, 2, 9]])
+def test_frame_counts_are_the_engines_frame_budget(sizes):
+    """The processor's per-image counts equal what vf.wrap's budget="frame" selection keeps of
+    each image, whatever the scores (its shares depend on the sizes alone)."""
+    from vlm_focus.core.engine import _frame_shares
+    from vlm_focus.core.selection import keep_mask
+
+    n = sum(sizes)
+    frames = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))[None]
+    visual = torch.ones(1, n, dtype=torch.bool)
+    for total in range(1, n + 1):
+        counts = _scores.frame_counts(sizes, total)
+        assert sum(counts) == total
+        for seed in range(3):
+            scores = torch.rand(1, n, generator=torch.Generator().manual_seed(seed))
+            keep = keep_mask(_frame_shares(scores, visual, frames), visual, n - total)
+            kept = torch.bincount(frames[keep], minlength=len(sizes)).tolist()
+            assert kept == counts, (total, seed)
