@@ -18,7 +18,7 @@ from vlm_focus.core.selection import keep_mask as engine_keep_mask
 from vlm_focus.geometry import Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import _image_cells, _image_patches
+from vlm_focus.model_adapters.llava_next import image_cells, _image_patches
 from vlm_focus.pruners import get_pruner
 from vlm_focus.pruners.guided import GuideResult
 
@@ -37,7 +37,7 @@ def _image(draw, start: int) -> ImageLayout:
         positions = torch.arange(start, start + rows * cols)
         return ImageLayout(positions, grid_cells(rows, cols), [(rows, cols)])
     size = [draw(st.integers(8, 40)), draw(st.integers(8, 40))]
-    cells, grids = _image_cells(_NEXT, size, anyres=True)
+    cells, grids = image_cells(_NEXT, size, anyres=True)
     patches, n_crops = _image_patches(_NEXT, size, anyres=True)
     positions = torch.arange(start, start + cells.shape[0])
     return ImageLayout(

@@ -15,7 +15,7 @@ import vlm_focus as vf
 from vlm_focus.config import FocusConfig
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import _image_cells, _image_patches
+from vlm_focus.model_adapters.llava_next import image_cells, _image_patches
 from vlm_focus.pruners import get_pruner
 from vlm_focus.pruners._common import ImageTokens
 from vlm_focus.pruners._math import (
@@ -239,7 +239,7 @@ def test_pyramid_splits_anyres_budget_by_base_image_saliency():
             image_grid_pinpoints=[[32, 32]],
         )
     )
-    cells, grids = _image_cells(model, [32, 32], anyres=True)
+    cells, grids = image_cells(model, [32, 32], anyres=True)
     patches, n_crops = _image_patches(model, [32, 32], anyres=True)
     assert n_crops == 5 and grids == [(4, 4), (8, 8)]
     layout = ImageLayout(
@@ -294,7 +294,7 @@ def test_guide_map_onto_anyres_grid_lands_in_the_right_cells():
     model = SimpleNamespace(
         config=SimpleNamespace(vision_config=vision, image_grid_pinpoints=[[336, 672]])
     )
-    cells, grids = _image_cells(model, [300, 672], anyres=True)
+    cells, grids = image_cells(model, [300, 672], anyres=True)
     assert grids == [(16, 16), (14, 32)]  # the 1 x 2 crop canvas, unpadded to 14 rows
     layout = ImageLayout(torch.arange(cells.shape[0]), cells, grids)
     tokens = ImageTokens(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_focus.model_adapters.llava_next import _image_cells
+from vlm_focus.model_adapters.llava_next import image_cells
 from vlm_focus.model_adapters.tiny import (
     BOS,
     IMAGE,
@@ -59,7 +59,7 @@ def make_inputs(
     elif kind == "llava_next":
         sizes = [[[40, 70], [64, 30], [50, 50]][b % 3] for b in range(batch)]
         for b, size in enumerate(sizes):
-            cells, _ = _image_cells(model, size, anyres=True)
+            cells, _ = image_cells(model, size, anyres=True)
             rows.append(
                 [BOS] + _text(2, gen) + [IMAGE] * cells.shape[0] + _text(prompt_len + b, gen)
             )

@@ -33,8 +33,11 @@ def anyres_canvas(model: nn.Module, image_size: list[int]) -> tuple[torch.Tensor
     return unpad_image(torch.stack([rows, cols]), image_size), crops_h, crops_w
 
 
-def _image_cells(model: nn.Module, image_size: list[int], anyres: bool):
-    """Cells of one image's tokens: base grid, then the unpadded hi-res grid plus newlines."""
+def image_cells(model: nn.Module, image_size: list[int], anyres: bool):
+    """``([n, 3] (view, row, col), grids)`` of one image's tokens, in the model's order: the
+    base grid (view 0), then the unpadded hi-res grid (view 1) with a newline (row = col = -1)
+    closing each of its rows. ``image_size`` is ``[height, width]``; ``model`` is anything with
+    the model's Hugging Face config as ``.config`` (a vLLM model too)."""
     config = model.config
     side = config.vision_config.image_size // config.vision_config.patch_size
     base = grid_cells(side, side, view=0)
@@ -50,7 +53,7 @@ def _image_cells(model: nn.Module, image_size: list[int], anyres: bool):
 
 
 def _image_patches(model: nn.Module, image_size: list[int], anyres: bool):
-    """``([n, 2] (crop, patch) per token, crops)`` in the order of :func:`_image_cells`: crop 0
+    """``([n, 2] (crop, patch) per token, crops)`` in the order of :func:`image_cells`: crop 0
     is the base image, crops 1.. the anyres crops in row-major order; newlines get -1."""
     config = model.config
     side = config.vision_config.image_size // config.vision_config.patch_size
@@ -86,10 +89,10 @@ def llava_next_layout(
         if (b + 1) % repeat == 0:  # beam copies of a prompt share its images
             first += per_row[b]
         anyres = True
-        cells = [_image_cells(model, s, anyres=True) for s in row_sizes]
+        cells = [image_cells(model, s, anyres=True) for s in row_sizes]
         if sum(c.shape[0] for c, _ in cells) != positions.numel():
             anyres = False
-            cells = [_image_cells(model, s, anyres=False) for s in row_sizes]
+            cells = [image_cells(model, s, anyres=False) for s in row_sizes]
         patches = [_image_patches(model, s, anyres) for s in row_sizes]
         chunks = chunk_positions(positions, [c.shape[0] for c, _ in cells], f"row {b}")
         layouts.append(

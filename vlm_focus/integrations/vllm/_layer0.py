@@ -134,46 +134,57 @@ def build_pruner(config: FocusConfig):
     return cls(config, cls.Options())
 
 
-def attention_keep(
+def grid_layout(rows: int, cols: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """``(cells [n, 3], grids)`` of an image that is one ``rows x cols`` grid (raster order)."""
+    index = torch.arange(rows * cols)
+    return torch.stack([torch.zeros_like(index), index // cols, index % cols], -1), [(rows, cols)]
+
+
+def layer0_keep(
     pruner,
-    language_model: nn.Module,
-    prompt_ids: torch.Tensor,
-    image_token: int,
     embeddings: torch.Tensor,
-    rows: int,
-    cols: int,
+    layout: tuple[torch.Tensor, list[tuple[int, int]]],
     n_keep: int,
     *,
+    language_model: nn.Module | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    image_token: int | None = None,
     mrope: bool = False,
 ) -> torch.Tensor:
-    """Kept cell indices (sorted, raster order) of the one image of ``prompt_ids`` (the prompt
-    with a single ``image_token`` where the image goes) whose merged embeddings are
-    ``embeddings [rows * cols, D]``, selected by ``pruner`` at layer 0 of ``language_model``
-    (vLLM's decoder: ``embed_input_ids`` and ``layers``), with the prompt positioned by
-    :func:`prompt_positions`."""
-    n = rows * cols
+    """Kept token indices (sorted, the image's own order) of one image whose LLM-input
+    embeddings are ``embeddings [n, D]`` and whose tokens sit at ``layout = (cells [n, 3]
+    (view, row, col), grids)``, selected by the registered ``pruner`` at layer 0.
+
+    An attention pruner reads layer 0 of ``language_model`` (vLLM's decoder: ``embed_input_ids``
+    and ``layers``) over ``prompt_ids``, the prompt with a single ``image_token`` where the image
+    goes, positioned by :func:`prompt_positions`. Other pruners read the layout alone."""
+    cells, grids = layout
+    n = cells.shape[0]
+    if embeddings.shape[0] != n:
+        raise ValueError(f"{embeddings.shape[0]} image embeddings for {n} image tokens")
     if n_keep >= n:
         return torch.arange(n)
-    ids = prompt_ids.reshape(-1).long().cpu()
-    where = torch.nonzero(ids == image_token).flatten()
-    if where.numel() != 1:
-        raise ValueError(f"attention scores need one image per prompt, got {where.numel()}")
-    start = int(where[0])
     device = embeddings.device
-    full = torch.cat([ids[:start], torch.full((n,), image_token), ids[start + 1 :]]).to(device)
-    hidden = language_model.embed_input_ids(full).clone()  # [S, D]
-    hidden[start : start + n] = embeddings.to(hidden.dtype)
-    seq = full.shape[0]
-    layer = language_model.layers[0]
-    cos, sin = rope_tables(layer.self_attn, prompt_positions(seq, start, rows, cols, mrope))
+    ids = torch.empty(0, dtype=torch.long) if prompt_ids is None else prompt_ids.reshape(-1)
+    if ids.numel() == 0:  # the image alone: a pruner that reads no attention
+        start, seq, layer = 0, n, None
+        hidden = embeddings[None]
+        cos = sin = torch.zeros(1, n, 1, device=device)
+    else:
+        ids = ids.long().cpu()
+        where = torch.nonzero(ids == image_token).flatten()
+        if where.numel() != 1:
+            raise ValueError(f"attention scores need one image per prompt, got {where.numel()}")
+        start = int(where[0])
+        full = torch.cat([ids[:start], torch.full((n,), image_token), ids[start + 1 :]])
+        hidden = language_model.embed_input_ids(full.to(device)).clone()  # [S, D]
+        hidden[start : start + n] = embeddings.to(hidden.dtype)
+        hidden, seq, layer = hidden[None], full.shape[0], language_model.layers[0]
+        rows, cols = grids[0]
+        cos, sin = rope_tables(layer.self_attn, prompt_positions(seq, start, rows, cols, mrope))
     visual = torch.zeros(1, seq, dtype=torch.bool, device=device)
     visual[0, start : start + n] = True
-    cells = torch.arange(n)
-    layout = ImageLayout(
-        positions=torch.arange(start, start + n),
-        cells=torch.stack([torch.zeros_like(cells), cells // cols, cells % cols], -1),
-        grids=[(rows, cols)],
-    )
+    image = ImageLayout(positions=torch.arange(start, start + n), cells=cells, grids=grids)
     ctx = StageContext(
         model=None,
         adapter=_ADAPTER,
@@ -181,13 +192,13 @@ def attention_keep(
         layer_index=0,
         stage_index=0,
         decoder_layer=layer,
-        hidden=hidden[None],
+        hidden=hidden,
         cos=cos.to(device),
         sin=sin.to(device),
         positions=torch.arange(seq, device=device)[None],
         visual=visual,
         valid=torch.ones_like(visual),
-        layout=[[layout]],
+        layout=[[image]],
         inputs={},
         visual_counts=[n],
     )

@@ -32,6 +32,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
+from ._layer0 import grid_layout
 from ._model import PruningModel
 from ._processor import PruningProcessorMixin
 
@@ -108,6 +109,6 @@ class VlmFocusLlavaForConditionalGeneration(PruningModel, LlavaForConditionalGen
         requests = self.image_requests(fields, [rows * cols] * len(embeds))
         out = []
         for emb, request in zip(embeds, requests, strict=True):
-            kept = self.keep_cells(request, emb, rows, cols)
+            kept = self.keep_cells(request, emb, grid_layout(rows, cols))
             out.append(emb[kept.to(emb.device)])
         return tuple(out)

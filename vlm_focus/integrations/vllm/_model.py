@@ -8,7 +8,7 @@ from collections import deque
 import torch
 
 from ...config import FocusConfig, keep_count
-from ._layer0 import ATTENTION_PRUNERS, attention_keep, build_pruner
+from ._layer0 import ATTENTION_PRUNERS, build_pruner, layer0_keep
 from ._request import KEEP_FIELD, PROMPT_FIELD, PRUNER_FIELD, per_item, serve_options
 from ._scores import select
 
@@ -37,7 +37,9 @@ class PruningModel:
             )
         self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
         self._pruners = {
-            name: build_pruner(FocusConfig(pruner=name, layer=0)) for name in ATTENTION_PRUNERS
+            name: build_pruner(FocusConfig(pruner=name, layer=0))
+            for name in self.pruners
+            if name != "pyramid"  # served by its pre-LLM variant (._scores.select)
         }
 
     @staticmethod
@@ -66,28 +68,16 @@ class PruningModel:
         self,
         request: Request,
         scored: torch.Tensor,
-        rows: int,
-        cols: int,
+        layout: tuple[torch.Tensor, list[tuple[int, int]]],
     ) -> torch.Tensor:
-        """Kept cell indices (raster order) of one image whose LLM-input embeddings are
-        ``scored [rows * cols, D]``; recorded in ``last_kept``."""
+        """Kept token indices (the image's order) of one image whose LLM-input embeddings are
+        ``scored [n, D]``, its tokens at ``layout`` (``(cells, grids)``); recorded in
+        ``last_kept``. Registered pruners choose as in ``vf.wrap`` (:func:`._layer0.layer0_keep`);
+        ``pyramid`` uses its pre-LLM variant on a one-grid image (:func:`._scores.select`)."""
         pruner, n_keep, prompt = request
-        if scored.shape[0] != rows * cols:
-            raise ValueError(f"{scored.shape[0]} image embeddings for a {rows}x{cols} grid")
-        if pruner in ATTENTION_PRUNERS and n_keep < rows * cols:
-            kept = attention_keep(
-                self._pruners[pruner],
-                self.language_model.model,
-                prompt,
-                self.image_token_id,
-                scored,
-                rows,
-                cols,
-                n_keep,
-                mrope=self.mrope,
-            )
-        else:
-            options = self.vlm_focus
+        cells, grids = layout
+        if pruner == "pyramid":
+            (rows, cols), options = grids[0], self.vlm_focus
             kept = select(
                 pruner,
                 scored,
@@ -97,5 +87,17 @@ class PruningModel:
                 tiles=options.tiles,
                 min_per_region=options.min_per_region,
             )
-        self.last_kept.append((rows * cols, kept))
+        else:
+            attention = pruner in ATTENTION_PRUNERS
+            kept = layer0_keep(
+                self._pruners[pruner],
+                scored,
+                layout,
+                n_keep,
+                language_model=self.language_model.model if attention else None,
+                prompt_ids=prompt if attention else None,
+                image_token=self.image_token_id,
+                mrope=self.mrope,
+            )
+        self.last_kept.append((cells.shape[0], kept))
         return kept

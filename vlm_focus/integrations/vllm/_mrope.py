@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
+from ._layer0 import grid_layout
 from ._model import PruningModel
 from ._processor import PruningProcessorMixin
 
@@ -137,7 +138,7 @@ class MRopePruningModel(PruningModel):
                 raise ValueError(f"an image has one frame, got image_grid_thw={[t, h, w]}")
             rows, cols = h // merge, w // merge
             # the score reads what the LLM's first layer receives
-            kept = self.keep_cells(request, emb[:, : self.scored_width], rows, cols)
+            kept = self.keep_cells(request, emb[:, : self.scored_width], grid_layout(rows, cols))
             cells = torch.stack(
                 [torch.zeros_like(kept), torch.div(kept, cols, rounding_mode="floor"), kept % cols],
                 dim=-1,
