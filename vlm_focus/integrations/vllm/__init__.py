@@ -52,12 +52,17 @@ ARCHITECTURES = {
     ),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "VlmFocusQwen3VLForConditionalGeneration"),
     "llava": ("LlavaForConditionalGeneration", "VlmFocusLlavaForConditionalGeneration"),
+    "llava_next": (
+        "LlavaNextForConditionalGeneration",
+        "VlmFocusLlavaNextForConditionalGeneration",
+    ),
 }
 #: ``model_type`` -> the pruners its class serves, the default first, and its position rule.
 SERVED = {
     "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
+    "llava_next": (("fastv", "text", "pool"), 'consecutive (positions="compact")'),
 }
 _CLASSES = {
     "VlmFocusQwen2_5_VLForConditionalGeneration": (
@@ -68,6 +73,9 @@ _CLASSES = {
     ),
     "VlmFocusLlavaForConditionalGeneration": (
         f"{__name__}._llava:VlmFocusLlavaForConditionalGeneration"
+    ),
+    "VlmFocusLlavaNextForConditionalGeneration": (
+        f"{__name__}._llava_next:VlmFocusLlavaNextForConditionalGeneration"
     ),
 }
 

@@ -36,6 +36,13 @@ from ._layer0 import grid_layout
 from ._model import PruningModel
 from ._processor import PruningProcessorMixin
 
+#: Checkpoints saved by transformers 5 name the CLIP tower without its ``vision_model.`` level.
+CLIP_WITHOUT_VISION_MODEL = WeightsMapper(
+    orig_to_new_prefix={
+        f"vision_tower.{part}.": f"vision_tower.vision_model.{part}."
+        for part in ("embeddings", "encoder", "pre_layrnorm", "post_layernorm")
+    }
+)
 #: What this class serves, its default first: the attention pruners and ``pool``.
 PRUNERS = SERVED["llava"][0]
 
@@ -81,12 +88,8 @@ class VlmFocusLlavaDummyInputsBuilder(LlavaDummyInputsBuilder):
 class VlmFocusLlavaForConditionalGeneration(PruningModel, LlavaForConditionalGeneration):
     """vLLM's LLaVA-1.5 whose images reach the LLM pruned (see the module docstring)."""
 
-    # checkpoints saved by transformers 5 name the CLIP tower without its `vision_model.` level
-    hf_to_vllm_mapper = LlavaForConditionalGeneration.hf_to_vllm_mapper | WeightsMapper(
-        orig_to_new_prefix={
-            f"vision_tower.{part}.": f"vision_tower.vision_model.{part}."
-            for part in ("embeddings", "encoder", "pre_layrnorm", "post_layernorm")
-        }
+    hf_to_vllm_mapper = LlavaForConditionalGeneration.hf_to_vllm_mapper | (
+        CLIP_WITHOUT_VISION_MODEL
     )
 
     pruners = PRUNERS

@@ -1,0 +1,155 @@
+"""The transformers side of the vLLM LLaVA-NeXT tests; runs in the MAIN environment:
+
+    python tests/vllm_serving/transformers_next.py build DIR
+    python tests/vllm_serving/transformers_next.py run DIR INPUTS.pt OUT.json
+
+``build`` saves a random-weight LLaVA-NeXT (CLIP 32 px / patch 8, so a 4 x 4 base grid; anyres
+pinpoints 32x64, 64x32, 64x64; Llama text with head_dim 32, the smallest vLLM's CPU attention
+takes), a word-level tokenizer, the processor's configs and two images (64 x 32 px, and 50 x 38
+px, whose unpadded grid is cut). ``run`` reads the processor outputs the vLLM environment's own
+processor made (``INPUTS.pt``: ``[{"inputs": {...}, "pruner", "keep"}]``; the same pixels vLLM
+sees) and writes, per case, the greedy continuation of ``vf.wrap(model, pruner, keep, layer=0,
+positions="compact")`` and the kept tokens (indices into the image's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers_side import VOCAB, WORDS
+
+IMAGE_TOKEN = 120
+MAX_NEW_TOKENS = 12  # as vllm_offline.py
+IMAGES = {"wide.png": (64, 32), "odd.png": (50, 38)}  # (width, height) in pixels
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def build(path: Path, seed: int = 0) -> None:
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        PreTrainedTokenizerFast,
+    )
+
+    path.mkdir(parents=True, exist_ok=True)
+    special = {"<pad>": 0, "<s>": 1, "</s>": 2, "<image>": IMAGE_TOKEN}
+    vocab = dict(special)
+    free = [i for i in range(VOCAB) if i not in special.values()]
+    filler = [f"w{i}" for i in range(len(free) - len(WORDS) - 1)]
+    for token_id, word in zip(free, [*WORDS, *filler, "<unk>"], strict=True):
+        vocab[word] = token_id
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<image>"],
+    ).save_pretrained(path)
+    torch.manual_seed(seed)
+    config = LlavaNextConfig(
+        vision_config=dict(
+            model_type="clip_vision_model",
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            projection_dim=32,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=1024,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        ),
+        image_token_index=IMAGE_TOKEN,
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    LlavaNextForConditionalGeneration(config).eval().save_pretrained(path)
+    image_processor = {
+        "image_processor_type": "LlavaNextImageProcessor",
+        "size": {"shortest_edge": 32},
+        "crop_size": {"height": 32, "width": 32},
+        "image_grid_pinpoints": PINPOINTS,
+        "do_resize": True,
+        "do_center_crop": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_pad": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    processor = {
+        "image_processor": image_processor,
+        "processor_class": "LlavaNextProcessor",
+        "image_token": "<image>",
+        "patch_size": 8,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+    }
+    (path / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    preprocessor = dict(image_processor, processor_class="LlavaNextProcessor")
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    rng = np.random.default_rng(seed)
+    for name, (width, height) in IMAGES.items():
+        array = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+        Image.fromarray(array).save(path / name)
+
+
+def run(path: Path, cases: list[dict]) -> list[dict]:
+    from transformers import LlavaNextForConditionalGeneration
+
+    import vlm_focus as vf
+
+    model = LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # exactly MAX_NEW_TOKENS, as vLLM's ignore_eos
+    out = []
+    for case in cases:
+        inputs = case["inputs"]
+        ids = inputs["input_ids"][0].tolist()
+        start, n = ids.index(IMAGE_TOKEN), ids.count(IMAGE_TOKEN)
+        with (
+            torch.no_grad(),
+            vf.wrap(
+                model, pruner=case["pruner"], keep=case["keep"], layer=0, positions="compact"
+            ) as handle,
+        ):
+            tokens = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+            kept = (handle.last_trace.kept[0] - start).tolist()
+        out.append({"tokens": tokens[0, len(ids) :].tolist(), "kept": kept, "n": n})
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["build"] and len(sys.argv) == 3:
+        build(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["run"] and len(sys.argv) == 5:
+        result = run(Path(sys.argv[2]), torch.load(sys.argv[3]))
+        Path(sys.argv[4]).write_text(json.dumps(result))
+    else:
+        raise SystemExit(__doc__)
