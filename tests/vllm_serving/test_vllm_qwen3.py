@@ -98,7 +98,7 @@ def test_served_qwen3_vl_equals_transformers(model_dir, reference, tmp_path):
         assert output["tokens"] == want["tokens"], setting
 
 
-@pytest.mark.parametrize("module", ["_qwen2_5_vl", "_qwen3_vl"])
+@pytest.mark.parametrize("module", ["_qwen2_5_vl", "_qwen3_vl", "_llava_onevision"])
 def test_a_video_gets_the_plugins_own_message(module):
     import importlib
 

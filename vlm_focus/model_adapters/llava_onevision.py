@@ -69,6 +69,15 @@ def _anyres_tokens(model: nn.Module, image_size: list[int]):
     return cells, patches, [(side, side), (out_h, out_w)], 1 + crops_h * crops_w
 
 
+def image_cells(model: nn.Module, image_size: list[int]):
+    """``([n, 3] (view, row, col), grids)`` of the tokens of an image that is its prompt's only
+    image (anyres: base grid, then the unpadded, maybe downscaled grid with row newlines).
+    ``image_size`` is ``[height, width]``; ``model`` is anything with the model's Hugging Face
+    config as ``.config`` (a vLLM model too)."""
+    cells, _, grids, _ = _anyres_tokens(model, image_size)
+    return cells, grids
+
+
 def _single_view_tokens(model: nn.Module):
     """(cells, patches, grids, crops) of an image shown as its base grid plus one newline."""
     side = _side(model)

@@ -56,6 +56,10 @@ ARCHITECTURES = {
         "LlavaNextForConditionalGeneration",
         "VlmFocusLlavaNextForConditionalGeneration",
     ),
+    "llava_onevision": (
+        "LlavaOnevisionForConditionalGeneration",
+        "VlmFocusLlavaOnevisionForConditionalGeneration",
+    ),
 }
 #: ``model_type`` -> the pruners its class serves, the default first, and its position rule.
 SERVED = {
@@ -63,6 +67,7 @@ SERVED = {
     "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
     "llava_next": (("fastv", "text", "pool"), 'consecutive (positions="compact")'),
+    "llava_onevision": (("fastv", "text", "pool"), 'consecutive (positions="compact")'),
 }
 _CLASSES = {
     "VlmFocusQwen2_5_VLForConditionalGeneration": (
@@ -76,6 +81,9 @@ _CLASSES = {
     ),
     "VlmFocusLlavaNextForConditionalGeneration": (
         f"{__name__}._llava_next:VlmFocusLlavaNextForConditionalGeneration"
+    ),
+    "VlmFocusLlavaOnevisionForConditionalGeneration": (
+        f"{__name__}._llava_onevision:VlmFocusLlavaOnevisionForConditionalGeneration"
     ),
 }
 

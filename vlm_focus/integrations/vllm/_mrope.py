@@ -31,17 +31,13 @@ from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from ._layer0 import grid_layout
 from ._model import PruningModel
-from ._processor import PruningProcessorMixin
+from ._processor import NO_VIDEO, PruningProcessorMixin
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
 #: ``value // 64, value % 64`` so that they stay exact in bf16 (integers up to 256) for grids of
 #: up to 4096 cells a side.
 _SPLIT = 64
 POSITION_CHANNELS = 6
-NO_VIDEO = (
-    "vlm_focus's vLLM plugin prunes images only: this model's vlm_focus class takes no video; "
-    "serve videos with vLLM's own class (no vlm_focus architecture override)"
-)
 
 
 class MRopeImageProcessor(PruningProcessorMixin):
@@ -59,19 +55,6 @@ class MRopeImageProcessor(PruningProcessorMixin):
         if mm_items.get_all_counts().get("video", 0):
             raise ValueError(NO_VIDEO)
         return super()._apply_hf_processor_main(mm_items, hf_kwargs)
-
-
-class ImagesOnlyInfo:
-    """Mixed in before vLLM's processing info of a Qwen-VL class: the class serves images, and a
-    request with a video gets the plugin's own message (not vLLM's "At most 0 video(s)")."""
-
-    def get_supported_mm_limits(self):
-        return {"image": None}
-
-    def validate_num_items(self, modality: str, num_items: int) -> None:
-        if modality == "video" and num_items:
-            raise ValueError(NO_VIDEO)
-        super().validate_num_items(modality, num_items)
 
 
 def encode_cells(cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,10 @@ from ._request import (
 )
 from ._scores import frame_counts
 
+NO_VIDEO = (
+    "vlm_focus's vLLM plugin prunes images only: this model's vlm_focus class takes no video; "
+    "serve videos with vLLM's own class (no vlm_focus architecture override)"
+)
 #: Pruners whose choice for one image reads every image of its prompt at once, which vLLM's
 #: per-image encoder outputs cannot give them: they serve prompts with one image.
 ONE_IMAGE = (*ATTENTION_PRUNERS, "pyramid")
@@ -58,6 +62,8 @@ class PruningProcessorMixin:
     """
 
     pruners: tuple[str, ...]
+    #: why the class serves one image per prompt whatever the pruner (``None``: it need not)
+    one_image_only: str | None = None
 
     def _serve_options(self):
         return serve_options(self.info.get_hf_config(), self.pruners)
@@ -68,6 +74,11 @@ class PruningProcessorMixin:
     def apply(self, inputs, timing_ctx):
         pruner, _, _ = self._split(inputs.hf_processor_mm_kwargs)
         n_images = inputs.mm_data_items.get_all_counts().get("image", 0)
+        if self.one_image_only and n_images > 1:
+            raise ValueError(
+                f"vlm_focus serves one image per prompt for this model ({self.one_image_only}); "
+                f"this prompt has {n_images} images"
+            )
         if pruner in ONE_IMAGE and n_images > 1:
             raise ValueError(
                 f"vlm_focus pruner={pruner!r} chooses from every image of a prompt at once, "
@@ -134,3 +145,16 @@ class PruningProcessorMixin:
             for i, (parent, item) in enumerate(zip(result.hashes["image"], items, strict=True))
         ]
         return result._replace(hashes=hashes)
+
+
+class ImagesOnlyInfo:
+    """Mixed in before vLLM's processing info of a Qwen-VL class: the class serves images, and a
+    request with a video gets the plugin's own message (not vLLM's "At most 0 video(s)")."""
+
+    def get_supported_mm_limits(self):
+        return {"image": None}
+
+    def validate_num_items(self, modality: str, num_items: int) -> None:
+        if modality == "video" and num_items:
+            raise ValueError(NO_VIDEO)
+        super().validate_num_items(modality, num_items)

@@ -18,7 +18,8 @@ from vllm.model_executor.models.qwen2_5_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
-from ._mrope import ImagesOnlyInfo, MRopeImageProcessor, MRopePruningModel
+from ._mrope import MRopeImageProcessor, MRopePruningModel
+from ._processor import ImagesOnlyInfo
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen2_5_vl"][0]

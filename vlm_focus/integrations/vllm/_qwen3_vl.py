@@ -20,7 +20,8 @@ from vllm.model_executor.models.qwen3_vl import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from . import SERVED
-from ._mrope import ImagesOnlyInfo, MRopeImageProcessor, MRopePruningModel
+from ._mrope import MRopeImageProcessor, MRopePruningModel
+from ._processor import ImagesOnlyInfo
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen3_vl"][0]

@@ -1,7 +1,7 @@
-"""LLaVA-NeXT served by vLLM with the plugin equals ``vf.wrap(..., layer=0,
+"""LLaVA-NeXT and LLaVA-OneVision served by vLLM with the plugin equal ``vf.wrap(..., layer=0,
 positions="compact")`` in transformers (see ``test_vllm_plugin.py`` for the set-up).
 
-On a tiny random-weight LLaVA-NeXT: two images whose anyres layouts differ (64 x 32 px: two
+On a tiny random-weight model of each class: two images whose anyres layouts differ (64 x 32 px: two
 crops; 50 x 38 px: an unpadded, cut grid), ``fastv``, ``text`` and ``pool`` set per request, all
 through one engine in one batch: greedy tokens and kept tokens equal transformers'. Both sides
 read the pixels the vLLM environment's own processor makes (the main environment lacks
@@ -31,9 +31,9 @@ SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs)
     ("pool", 0.25, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.25}),
 ]
 IMAGES = ("wide.png", "odd.png")
-OVERRIDES = {
-    "architectures": ["VlmFocusLlavaNextForConditionalGeneration"],
-    "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+CLASSES = {
+    "llava_next": "VlmFocusLlavaNextForConditionalGeneration",
+    "llava_onevision": "VlmFocusLlavaOnevisionForConditionalGeneration",
 }
 
 
@@ -42,14 +42,19 @@ def _main_env(*args: str) -> None:
     subprocess.run(command, check=True, cwd=REPO, timeout=600)
 
 
+@pytest.fixture(scope="module", params=sorted(CLASSES))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llava_next")
-    _main_env("build", str(path))
+def model_dir(family, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
+    _main_env("build", str(path), family)
     return path
 
 
-def test_served_llava_next_equals_transformers(model_dir, tmp_path):
+def test_served_anyres_llava_equals_transformers(family, model_dir, tmp_path):
     import torch
     from PIL import Image
     from transformers import AutoProcessor
@@ -70,7 +75,8 @@ def test_served_llava_next_equals_transformers(model_dir, tmp_path):
         for name in IMAGES
         for _, _, request in SETTINGS
     ]
-    result = _offline(model_dir, requests, tmp_path, OVERRIDES, {"max_model_len": 512})
+    overrides = {"architectures": [CLASSES[family]], "vlm_focus": {"pruner": "fastv", "keep": 0.25}}
+    result = _offline(model_dir, requests, tmp_path, overrides)
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_index"]
     recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
     for key, want, output in zip(keys, expected, result["outputs"], strict=True):

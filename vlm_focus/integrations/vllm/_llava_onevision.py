@@ -1,0 +1,102 @@
+"""LLaVA-OneVision served by vLLM with each image pruned before the LLM.
+
+Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.register`). An image
+is its base grid, then its anyres crops stitched into one grid (unpadded, downscaled past
+``anyres_max_N``) with a newline closing each row; the tokens' layout comes from vlm_focus's own
+OneVision adapter (:func:`vlm_focus.model_adapters.llava_onevision.image_cells`). Positions are
+consecutive: the transformers reference is ``vf.wrap(..., layer=0, positions="compact")``.
+
+One image per prompt: vLLM tiles every image of a prompt, while the model (and
+``vf.wrap``) shows each image of a several-image prompt as its base grid alone, so there is no
+reference for those. Videos are refused with the plugin's own message.
+"""
+
+from __future__ import annotations
+
+from vllm.model_executor.models.llava_onevision import (
+    LlavaOnevisionDummyInputsBuilder,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionMultiModalProcessor,
+    LlavaOnevisionProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+
+from ...model_adapters.llava_onevision import image_cells
+from . import SERVED
+from ._llava import CLIP_WITHOUT_VISION_MODEL
+from ._model import PruningModel
+from ._processor import NO_VIDEO, ImagesOnlyInfo, PruningProcessorMixin
+
+#: What this class serves, its default first.
+PRUNERS = SERVED["llava_onevision"][0]
+
+
+class VlmFocusLlavaOnevisionProcessingInfo(ImagesOnlyInfo, LlavaOnevisionProcessingInfo):
+    """Images only: vLLM then neither profiles nor accepts videos for this architecture."""
+
+
+class VlmFocusLlavaOnevisionMultiModalProcessor(
+    PruningProcessorMixin, LlavaOnevisionMultiModalProcessor
+):
+    """vLLM's OneVision processor with each image's kept count of placeholders."""
+
+    pruners = PRUNERS
+    one_image_only = "vLLM tiles every image, the model only a prompt's only image"
+
+    def _image_token(self) -> int:
+        return self.info.get_hf_config().image_token_index
+
+    def _image_sizes(self, data) -> list[int]:
+        return [
+            self.info.get_num_image_tokens(image_width=int(w), image_height=int(h))
+            for h, w in data["image_sizes"].tolist()
+        ]
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        if mm_items.get_all_counts().get("video", 0):
+            raise ValueError(NO_VIDEO)
+        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
+
+
+class VlmFocusLlavaOnevisionDummyInputsBuilder(LlavaOnevisionDummyInputsBuilder):
+    """Profiling prompts with a word after the images, so that ``text`` has an instruction."""
+
+    def get_dummy_text(self, mm_counts):
+        return super().get_dummy_text(mm_counts) + "\n?"
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    VlmFocusLlavaOnevisionMultiModalProcessor,
+    info=VlmFocusLlavaOnevisionProcessingInfo,
+    dummy_inputs=VlmFocusLlavaOnevisionDummyInputsBuilder,
+)
+class VlmFocusLlavaOnevisionForConditionalGeneration(
+    PruningModel, LlavaOnevisionForConditionalGeneration
+):
+    """vLLM's LLaVA-OneVision whose images reach the LLM pruned (see the module docstring)."""
+
+    hf_to_vllm_mapper = LlavaOnevisionForConditionalGeneration.hf_to_vllm_mapper | (
+        CLIP_WITHOUT_VISION_MODEL
+    )
+    pruners = PRUNERS
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_index
+
+    def embed_multimodal(self, **kwargs: object):
+        fields = self.pop_fields(kwargs)
+        inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
+        if "video" in inputs:
+            raise ValueError(NO_VIDEO)
+        if "image" not in inputs:
+            return []
+        image_input = inputs["image"]
+        embeds = self._process_image_input(image_input)  # per image: [n_i, D], layout order
+        sizes = [[int(v) for v in s] for s in image_input["image_sizes"].tolist()]
+        requests = self.image_requests(fields, [emb.shape[0] for emb in embeds])
+        out = []
+        for emb, size, request in zip(embeds, sizes, requests, strict=True):
+            kept = self.keep_cells(request, emb, image_cells(self, size))  # size: [h, w]
+            out.append(emb[kept.to(emb.device)])
+        return tuple(out)
