@@ -18,7 +18,7 @@ from vlm_focus.core.selection import keep_mask as engine_keep_mask
 from vlm_focus.geometry import Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import image_cells, _image_patches
+from vlm_focus.model_adapters.llava_next import _image_patches, image_cells
 from vlm_focus.pruners import get_pruner
 from vlm_focus.pruners.guided import GuideResult
 

@@ -15,7 +15,7 @@ import vlm_focus as vf
 from vlm_focus.config import FocusConfig
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import image_cells, _image_patches
+from vlm_focus.model_adapters.llava_next import _image_patches, image_cells
 from vlm_focus.pruners import get_pruner
 from vlm_focus.pruners._common import ImageTokens
 from vlm_focus.pruners._math import (
