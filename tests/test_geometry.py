@@ -26,7 +26,7 @@ from vlm_focus import geometry as geo
 from vlm_focus.geometry import Frame, Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import _image_cells, anyres_canvas
+from vlm_focus.model_adapters.llava_next import anyres_canvas, image_cells
 from vlm_focus.model_adapters.llava_onevision import _anyres_tokens
 
 PATCH = 8  # encoder pixels per token side (anyres and dynamic resolution)
@@ -150,7 +150,7 @@ def test_llava_next_anyres_base_and_composite_views(shape):
     size = SIZES[shape]
     for x, y in _points(size):
         pixels = ip(images=_image(size, x, y), return_tensors="np")["pixel_values"][0]
-        cells, grids = _image_cells(model, [size.height, size.width], anyres=True)
+        cells, grids = image_cells(model, [size.height, size.width], anyres=True)
         layout = ImageLayout(torch.arange(cells.shape[0]), cells, grids, image_size=size)
         frames = geo.view_frames(layout, size, processor=ip)
         # base view: patch 0

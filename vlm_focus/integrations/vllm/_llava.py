@@ -22,6 +22,7 @@ processor: their layer-0 softmax would need every image's embeddings at once).
 
 from __future__ import annotations
 
+import torch
 from vllm.model_executor.models.llava import (
     LlavaDummyInputsBuilder,
     LlavaForConditionalGeneration,
@@ -59,25 +60,65 @@ def _grid(hf_config) -> tuple[int, int]:
     return side, side
 
 
-class VlmFocusLlavaMultiModalProcessor(PruningProcessorMixin, LlavaMultiModalProcessor):
-    """vLLM's LLaVA processor with each image's kept count of placeholders
-    (:class:`._processor.PruningProcessorMixin`)."""
-
-    pruners = PRUNERS
+class LlavaFamilyProcessor(PruningProcessorMixin):
+    """The LLaVA processors' share of :class:`._processor.PruningProcessorMixin`: the image
+    token, and an image's tokens (vLLM's own count from ``image_sizes`` for anyres classes,
+    the fixed grid for LLaVA-1.5)."""
 
     def _image_token(self) -> int:
         return self.info.get_hf_config().image_token_index
 
     def _image_sizes(self, data) -> list[int]:
-        rows, cols = _grid(self.info.get_hf_config())
-        return [rows * cols] * len(data["pixel_values"])
+        if "image_sizes" not in data:
+            rows, cols = _grid(self.info.get_hf_config())
+            return [rows * cols] * len(data["pixel_values"])
+        return [
+            self.info.get_num_image_tokens(image_width=int(w), image_height=int(h))
+            for h, w in data["image_sizes"].tolist()
+        ]
 
 
-class VlmFocusLlavaDummyInputsBuilder(LlavaDummyInputsBuilder):
-    """Profiling prompts with a word after the images, so that ``text`` has an instruction."""
+class WithInstruction:
+    """Mixed into a dummy-inputs builder: profiling prompts get a word after their images, so
+    that ``text`` has an instruction to score with."""
 
     def get_dummy_text(self, mm_counts):
         return super().get_dummy_text(mm_counts) + "\n?"
+
+
+class LlavaFamilyModel(PruningModel):
+    """The LLaVA model classes' share: the image token, and kept rows chosen on each image's
+    layout (:meth:`image_layout`, the class's)."""
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_index
+
+    def image_layout(self, size: list[int] | None) -> tuple[torch.Tensor, list]:
+        """``(cells, grids)`` of an image of ``size`` ``[height, width]`` (``None``: unknown)."""
+        raise NotImplementedError
+
+    def embed_images(self, fields: tuple, image_input) -> tuple[torch.Tensor, ...]:
+        """The kept embeddings of each image of ``image_input``, in the image's token order."""
+        embeds = self._process_image_input(image_input)  # per image: [n_i, D], layout order
+        sizes = image_input.get("image_sizes")
+        sizes = [None] * len(embeds) if sizes is None else [list(map(int, s)) for s in sizes]
+        requests = self.image_requests(fields, [emb.shape[0] for emb in embeds])
+        out = []
+        for emb, size, request in zip(embeds, sizes, requests, strict=True):
+            kept = self.keep_cells(request, emb, self.image_layout(size))
+            out.append(emb[kept.to(emb.device)])
+        return tuple(out)
+
+
+class VlmFocusLlavaMultiModalProcessor(LlavaFamilyProcessor, LlavaMultiModalProcessor):
+    """vLLM's LLaVA processor with each image's kept count of placeholders."""
+
+    pruners = PRUNERS
+
+
+class VlmFocusLlavaDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuilder):
+    """vLLM's LLaVA profiling inputs, with an instruction."""
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -85,33 +126,22 @@ class VlmFocusLlavaDummyInputsBuilder(LlavaDummyInputsBuilder):
     info=LlavaProcessingInfo,
     dummy_inputs=VlmFocusLlavaDummyInputsBuilder,
 )
-class VlmFocusLlavaForConditionalGeneration(PruningModel, LlavaForConditionalGeneration):
+class VlmFocusLlavaForConditionalGeneration(LlavaFamilyModel, LlavaForConditionalGeneration):
     """vLLM's LLaVA-1.5 whose images reach the LLM pruned (see the module docstring)."""
 
     hf_to_vllm_mapper = LlavaForConditionalGeneration.hf_to_vllm_mapper | (
         CLIP_WITHOUT_VISION_MODEL
     )
-
     pruners = PRUNERS
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.grid = _grid(self.config)
 
-    @property
-    def image_token_id(self) -> int:
-        return self.config.image_token_index
+    def image_layout(self, size):
+        return grid_layout(*self.grid)
 
     def embed_multimodal(self, **kwargs: object):
         fields = self.pop_fields(kwargs)
         image_input = self._parse_and_validate_image_input(**kwargs)
-        if image_input is None:
-            return []
-        embeds = self._process_image_input(image_input)  # [n_images, rows * cols, D] or tuple
-        rows, cols = self.grid
-        requests = self.image_requests(fields, [rows * cols] * len(embeds))
-        out = []
-        for emb, request in zip(embeds, requests, strict=True):
-            kept = self.keep_cells(request, emb, grid_layout(rows, cols))
-            out.append(emb[kept.to(emb.device)])
-        return tuple(out)
+        return [] if image_input is None else self.embed_images(fields, image_input)

@@ -20,34 +20,25 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ...model_adapters.llava_next import image_cells
 from . import SERVED
-from ._llava import CLIP_WITHOUT_VISION_MODEL
-from ._model import PruningModel
-from ._processor import PruningProcessorMixin
+from ._llava import (
+    CLIP_WITHOUT_VISION_MODEL,
+    LlavaFamilyModel,
+    LlavaFamilyProcessor,
+    WithInstruction,
+)
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["llava_next"][0]
 
 
-class VlmFocusLlavaNextMultiModalProcessor(PruningProcessorMixin, LlavaNextMultiModalProcessor):
+class VlmFocusLlavaNextMultiModalProcessor(LlavaFamilyProcessor, LlavaNextMultiModalProcessor):
     """vLLM's LLaVA-NeXT processor with each image's kept count of placeholders."""
 
     pruners = PRUNERS
 
-    def _image_token(self) -> int:
-        return self.info.get_hf_config().image_token_index
 
-    def _image_sizes(self, data) -> list[int]:
-        return [
-            self.info.get_num_image_tokens(image_width=int(w), image_height=int(h))
-            for h, w in data["image_sizes"].tolist()
-        ]
-
-
-class VlmFocusLlavaNextDummyInputsBuilder(LlavaDummyInputsBuilder):
-    """Profiling prompts with a word after the images, so that ``text`` has an instruction."""
-
-    def get_dummy_text(self, mm_counts):
-        return super().get_dummy_text(mm_counts) + "\n?"
+class VlmFocusLlavaNextDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuilder):
+    """vLLM's LLaVA-NeXT profiling inputs, with an instruction."""
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -55,7 +46,9 @@ class VlmFocusLlavaNextDummyInputsBuilder(LlavaDummyInputsBuilder):
     info=LlavaNextProcessingInfo,
     dummy_inputs=VlmFocusLlavaNextDummyInputsBuilder,
 )
-class VlmFocusLlavaNextForConditionalGeneration(PruningModel, LlavaNextForConditionalGeneration):
+class VlmFocusLlavaNextForConditionalGeneration(
+    LlavaFamilyModel, LlavaNextForConditionalGeneration
+):
     """vLLM's LLaVA-NeXT whose images reach the LLM pruned (see the module docstring)."""
 
     hf_to_vllm_mapper = LlavaNextForConditionalGeneration.hf_to_vllm_mapper | (
@@ -63,21 +56,10 @@ class VlmFocusLlavaNextForConditionalGeneration(PruningModel, LlavaNextForCondit
     )
     pruners = PRUNERS
 
-    @property
-    def image_token_id(self) -> int:
-        return self.config.image_token_index
+    def image_layout(self, size):
+        return image_cells(self, size, anyres=True)
 
     def embed_multimodal(self, **kwargs: object):
         fields = self.pop_fields(kwargs)
         image_input = self._parse_and_validate_image_input(**kwargs)
-        if image_input is None:
-            return []
-        embeds = self._process_image_input(image_input)  # per image: [n_i, D], layout order
-        sizes = [[int(v) for v in s] for s in image_input["image_sizes"].tolist()]
-        requests = self.image_requests(fields, [emb.shape[0] for emb in embeds])
-        out = []
-        for emb, size, request in zip(embeds, sizes, requests, strict=True):
-            layout = image_cells(self, size, anyres=True)  # [height, width]
-            kept = self.keep_cells(request, emb, layout)
-            out.append(emb[kept.to(emb.device)])
-        return tuple(out)
+        return [] if image_input is None else self.embed_images(fields, image_input)

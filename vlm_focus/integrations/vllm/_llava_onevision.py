@@ -23,9 +23,13 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ...model_adapters.llava_onevision import image_cells
 from . import SERVED
-from ._llava import CLIP_WITHOUT_VISION_MODEL
-from ._model import PruningModel
-from ._processor import NO_VIDEO, ImagesOnlyInfo, PruningProcessorMixin
+from ._llava import (
+    CLIP_WITHOUT_VISION_MODEL,
+    LlavaFamilyModel,
+    LlavaFamilyProcessor,
+    WithInstruction,
+)
+from ._processor import NO_VIDEO, ImagesOnlyInfo
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["llava_onevision"][0]
@@ -36,21 +40,12 @@ class VlmFocusLlavaOnevisionProcessingInfo(ImagesOnlyInfo, LlavaOnevisionProcess
 
 
 class VlmFocusLlavaOnevisionMultiModalProcessor(
-    PruningProcessorMixin, LlavaOnevisionMultiModalProcessor
+    LlavaFamilyProcessor, LlavaOnevisionMultiModalProcessor
 ):
     """vLLM's OneVision processor with each image's kept count of placeholders."""
 
     pruners = PRUNERS
     one_image_only = "vLLM tiles every image, the model only a prompt's only image"
-
-    def _image_token(self) -> int:
-        return self.info.get_hf_config().image_token_index
-
-    def _image_sizes(self, data) -> list[int]:
-        return [
-            self.info.get_num_image_tokens(image_width=int(w), image_height=int(h))
-            for h, w in data["image_sizes"].tolist()
-        ]
 
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
         if mm_items.get_all_counts().get("video", 0):
@@ -58,11 +53,8 @@ class VlmFocusLlavaOnevisionMultiModalProcessor(
         return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
 
-class VlmFocusLlavaOnevisionDummyInputsBuilder(LlavaOnevisionDummyInputsBuilder):
-    """Profiling prompts with a word after the images, so that ``text`` has an instruction."""
-
-    def get_dummy_text(self, mm_counts):
-        return super().get_dummy_text(mm_counts) + "\n?"
+class VlmFocusLlavaOnevisionDummyInputsBuilder(WithInstruction, LlavaOnevisionDummyInputsBuilder):
+    """vLLM's OneVision profiling inputs, with an instruction."""
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -71,7 +63,7 @@ class VlmFocusLlavaOnevisionDummyInputsBuilder(LlavaOnevisionDummyInputsBuilder)
     dummy_inputs=VlmFocusLlavaOnevisionDummyInputsBuilder,
 )
 class VlmFocusLlavaOnevisionForConditionalGeneration(
-    PruningModel, LlavaOnevisionForConditionalGeneration
+    LlavaFamilyModel, LlavaOnevisionForConditionalGeneration
 ):
     """vLLM's LLaVA-OneVision whose images reach the LLM pruned (see the module docstring)."""
 
@@ -80,23 +72,12 @@ class VlmFocusLlavaOnevisionForConditionalGeneration(
     )
     pruners = PRUNERS
 
-    @property
-    def image_token_id(self) -> int:
-        return self.config.image_token_index
+    def image_layout(self, size):
+        return image_cells(self, size)
 
     def embed_multimodal(self, **kwargs: object):
         fields = self.pop_fields(kwargs)
         inputs = self._parse_and_validate_multimodal_inputs(**kwargs)
         if "video" in inputs:
             raise ValueError(NO_VIDEO)
-        if "image" not in inputs:
-            return []
-        image_input = inputs["image"]
-        embeds = self._process_image_input(image_input)  # per image: [n_i, D], layout order
-        sizes = [[int(v) for v in s] for s in image_input["image_sizes"].tolist()]
-        requests = self.image_requests(fields, [emb.shape[0] for emb in embeds])
-        out = []
-        for emb, size, request in zip(embeds, sizes, requests, strict=True):
-            kept = self.keep_cells(request, emb, image_cells(self, size))  # size: [h, w]
-            out.append(emb[kept.to(emb.device)])
-        return tuple(out)
+        return self.embed_images(fields, inputs["image"]) if "image" in inputs else []
