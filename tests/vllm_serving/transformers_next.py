@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers_side import VOCAB, WORDS
+from transformers_side import text_config, word_tokenizer
 
 IMAGE_TOKEN, VIDEO_TOKEN = 120, 121
 MAX_NEW_TOKENS = 12  # as vllm_offline.py
@@ -31,33 +31,18 @@ PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 
 def build(path: Path, family: str = "llava_next", seed: int = 0) -> None:
     from PIL import Image
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         LlavaNextConfig,
         LlavaNextForConditionalGeneration,
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
-        PreTrainedTokenizerFast,
     )
 
     onevision = family == "llava_onevision"
     path.mkdir(parents=True, exist_ok=True)
     special = {"<pad>": 0, "<s>": 1, "</s>": 2, "<image>": IMAGE_TOKEN, "<video>": VIDEO_TOKEN}
-    vocab = dict(special)
-    free = [i for i in range(VOCAB) if i not in special.values()]
-    filler = [f"w{i}" for i in range(len(free) - len(WORDS) - 1)]
-    for token_id, word in zip(free, [*WORDS, *filler, "<unk>"], strict=True):
-        vocab[word] = token_id
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        additional_special_tokens=["<image>", "<video>"],
-    ).save_pretrained(path)
+    roles = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    word_tokenizer(special, **roles).save_pretrained(path)
     torch.manual_seed(seed)
     config_class = LlavaOnevisionConfig if onevision else LlavaNextConfig
     extra = dict(video_token_index=VIDEO_TOKEN, vision_aspect_ratio="anyres_max_9")
@@ -72,20 +57,8 @@ def build(path: Path, family: str = "llava_next", seed: int = 0) -> None:
             intermediate_size=64,
             projection_dim=32,
         ),
-        text_config=dict(
-            model_type="qwen2" if onevision else "llama",
-            vocab_size=VOCAB,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=1024,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            tie_word_embeddings=False,
+        text_config=text_config(
+            model_type="qwen2" if onevision else "llama", head_dim=32, bos_token_id=1
         ),
         image_token_index=IMAGE_TOKEN,
         image_grid_pinpoints=PINPOINTS,

@@ -56,25 +56,31 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
+def word_tokenizer(special: dict[str, int], **roles: str):
+    """A word-level tokenizer over ``WORDS`` (and fillers up to ``VOCAB`` ids) with the
+    ``special`` tokens at their ids; ``roles`` names the pad/bos/eos tokens among them, and the
+    others are additional special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = dict(SPECIAL)
-    free = [i for i in range(VOCAB) if i not in SPECIAL.values()]
+    vocab = dict(special)
+    free = [i for i in range(VOCAB) if i not in special.values()]
     filler = [f"w{i}" for i in range(len(free) - len(WORDS) - 1)]
     for token_id, word in zip(free, [*WORDS, *filler, "<unk>"], strict=True):
         vocab[word] = token_id
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=[t for t in SPECIAL if t not in ("<|endoftext|>", "<|im_end|>")],
+        additional_special_tokens=[t for t in special if t not in roles.values()],
+        **roles,
     )
+
+
+def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    fast = word_tokenizer(SPECIAL, pad_token="<|endoftext|>", eos_token="<|im_end|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
@@ -111,7 +117,7 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
         Image.fromarray(array).save(path / name)
 
 
-def _text_config(**extra) -> dict:
+def text_config(**extra) -> dict:
     return dict(
         vocab_size=VOCAB,
         hidden_size=128,
@@ -153,7 +159,7 @@ def qwen2_5_vl_model():
             fullatt_block_indexes=[1],
             window_size=16,
         ),
-        text_config=_text_config(
+        text_config=text_config(
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -183,7 +189,7 @@ def qwen3_vl_model():
             num_position_embeddings=64,
             deepstack_visual_indexes=[0, 1],
         ),
-        text_config=_text_config(
+        text_config=text_config(
             head_dim=32,
             rope_parameters={
                 "rope_type": "default",

@@ -56,7 +56,7 @@ from .calls import (
 )
 from .fixation import FixedView, StepFixation
 from .pruner import Pruner, StageContext
-from .selection import keep_mask, kept_columns
+from .selection import keep_mask, kept_columns, selected_keep
 
 
 @dataclass
@@ -771,10 +771,9 @@ class FocusEngine:
         if self.config.budget == "frame":
             frames = state.frames.to(device).gather(1, current)
             keep = keep_mask(_frame_shares(selection.scores, visual, frames), visual, drop)
-        elif selection.kept is not None and len(set(counts)) == 1:
-            keep = (~visual).scatter(1, selection.kept, True)  # the pruner's own top n_keep
-        else:
-            keep = keep_mask(selection.scores, visual, drop)
+        else:  # the pruner's own top n_keep when every row keeps the same count
+            kept = selection.kept if len(set(counts)) == 1 else None
+            keep = selected_keep(selection.scores, kept, visual, drop)
         watch.stop(start, device)
         local = kept_columns(keep, seq - drop)
         state.trace.stages.append(StageTrace(index, current, visual, keep, selection.scores))

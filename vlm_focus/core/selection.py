@@ -15,6 +15,16 @@ def keep_mask(scores: torch.Tensor, visual: torch.Tensor, drop: int) -> torch.Te
     return torch.ones_like(visual).scatter(1, dropped, False)
 
 
+def selected_keep(
+    scores: torch.Tensor, kept: torch.Tensor | None, visual: torch.Tensor, drop: int
+) -> torch.Tensor:
+    """``[B, S]`` bool for a pruner's selection: its own top ``kept [B, n_keep]`` when it gives
+    them (only when every row keeps the same count), else :func:`keep_mask` on its scores."""
+    if kept is not None:
+        return (~visual).scatter(1, kept.to(visual.device), True)
+    return keep_mask(scores.to(visual.device), visual, drop)
+
+
 def kept_columns(keep: torch.Tensor, n_kept: int) -> torch.Tensor:
     """``[B, n_kept]`` indices of the kept entries of ``keep [B, S]``, ascending (every row
     keeps ``n_kept``): a stable sort puts the kept (key 0) first, in their order."""

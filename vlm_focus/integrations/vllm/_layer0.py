@@ -1,9 +1,10 @@
-"""vlm_focus's attention pruners (``fastv``, ``text``, ``debiased``) run on a vLLM decoder.
+"""vlm_focus's registered pruners run on one image served by vLLM, at layer 0.
 
 ``vf.wrap(model, layer=0, ...)`` scores the visual tokens with layer 0's own input norm, q/k
 projections and RoPE, from the prompt's query rows (:class:`~vlm_focus.core.pruner.StageContext`).
 Here the same :class:`StageContext` is built from vLLM's modules for one prompt with one image,
-and the registered pruner itself scores it, so the kept cells are the ones ``vf.wrap`` keeps:
+and the registered pruner itself chooses from it, so the kept cells are the ones ``vf.wrap``
+keeps. For the attention pruners (``fastv``, ``text``, ``debiased``):
 
 - hidden states: vLLM's token embedding of the unpruned prompt with the image's embeddings in
   its placeholder rows (layer 0's input);
@@ -30,8 +31,9 @@ from vllm.distributed import (
 
 from ...config import FocusConfig
 from ...core.pruner import StageContext
-from ...core.selection import keep_mask
+from ...core.selection import selected_keep
 from ...model_adapters import ImageLayout
+from ...model_adapters.base import grid_cells
 from ...pruners import get_pruner
 
 #: Pruners scored from the LLM's own layer-0 attention to the image.
@@ -136,8 +138,7 @@ def build_pruner(config: FocusConfig):
 
 def grid_layout(rows: int, cols: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """``(cells [n, 3], grids)`` of an image that is one ``rows x cols`` grid (raster order)."""
-    index = torch.arange(rows * cols)
-    return torch.stack([torch.zeros_like(index), index // cols, index % cols], -1), [(rows, cols)]
+    return grid_cells(rows, cols), [(rows, cols)]
 
 
 def layer0_keep(
@@ -203,9 +204,5 @@ def layer0_keep(
         visual_counts=[n],
     )
     selection = pruner.select(ctx, n_keep)
-    # the engine's rule (core.engine): the pruner's own top n_keep when it gives them
-    if selection.kept is not None:
-        keep = (~visual).scatter(1, selection.kept.to(device), True)
-    else:
-        keep = keep_mask(selection.scores.to(device), visual, n - n_keep)
+    keep = selected_keep(selection.scores, selection.kept, visual, n - n_keep)  # the engine's rule
     return torch.nonzero(keep[0, start : start + n]).flatten().cpu()

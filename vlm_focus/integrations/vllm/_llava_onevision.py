@@ -47,11 +47,6 @@ class VlmFocusLlavaOnevisionMultiModalProcessor(
     pruners = PRUNERS
     one_image_only = "vLLM tiles every image, the model only a prompt's only image"
 
-    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        if mm_items.get_all_counts().get("video", 0):
-            raise ValueError(NO_VIDEO)
-        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
-
 
 class VlmFocusLlavaOnevisionDummyInputsBuilder(WithInstruction, LlavaOnevisionDummyInputsBuilder):
     """vLLM's OneVision profiling inputs, with an instruction."""

@@ -47,9 +47,7 @@ class PruningModel:
         """The processor's per-image fields, taken out of ``embed_multimodal``'s kwargs."""
         return tuple(kwargs.pop(name, None) for name in (KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD))
 
-    def image_requests(
-        self, fields: tuple, sizes: list[int]
-    ) -> list[tuple[str, int, torch.Tensor]]:
+    def image_requests(self, fields: tuple, sizes: list[int]) -> list[Request]:
         """``(pruner, kept count, prompt ids)`` per image of ``sizes`` tokens; inputs the
         processor did not make get the server's setting, per image."""
         keeps, codes, prompts = fields

@@ -42,7 +42,7 @@ POSITION_CHANNELS = 6
 
 class MRopeImageProcessor(PruningProcessorMixin):
     """The Qwen-VL processors' share of :class:`._processor.PruningProcessorMixin`: the image
-    token, an image's tokens from its grid, and the plugin's own message for a video."""
+    token, and an image's tokens from its grid."""
 
     def _image_token(self) -> int:
         return self.info.get_hf_config().image_token_id
@@ -50,11 +50,6 @@ class MRopeImageProcessor(PruningProcessorMixin):
     def _image_sizes(self, data) -> list[int]:
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
         return (data["image_grid_thw"].prod(-1) // merge**2).tolist()
-
-    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        if mm_items.get_all_counts().get("video", 0):
-            raise ValueError(NO_VIDEO)
-        return super()._apply_hf_processor_main(mm_items, hf_kwargs)
 
 
 def encode_cells(cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,13 +114,10 @@ class MRopePruningModel(PruningModel):
         ):
             if t != 1:
                 raise ValueError(f"an image has one frame, got image_grid_thw={[t, h, w]}")
-            rows, cols = h // merge, w // merge
+            layout = grid_layout(h // merge, w // merge)
             # the score reads what the LLM's first layer receives
-            kept = self.keep_cells(request, emb[:, : self.scored_width], grid_layout(rows, cols))
-            cells = torch.stack(
-                [torch.zeros_like(kept), torch.div(kept, cols, rounding_mode="floor"), kept % cols],
-                dim=-1,
-            )  # [n_keep, 3] (t, h, w); images have t == 1
+            kept = self.keep_cells(request, emb[:, : self.scored_width], layout)
+            cells = layout[0][kept]  # [n_keep, 3] (t, h, w): an image is frame 0 of its grid
             kept_dev = kept.to(emb.device)
             out.append(
                 torch.cat([emb[kept_dev], encode_cells(cells, emb.dtype).to(emb.device)], dim=-1)

@@ -17,7 +17,6 @@ from ._layer0 import ATTENTION_PRUNERS
 from ._request import (
     KEEP_FIELD,
     PROMPT_FIELD,
-    PROMPT_KEY,
     PRUNER_FIELD,
     serve_options,
     split_request,
@@ -92,7 +91,7 @@ class PruningProcessorMixin:
                     "vlm_focus pruner='text' scores the image with the instruction after it, "
                     "but the prompt ends with its image"
                 )
-            kwargs = {**inputs.hf_processor_mm_kwargs, PROMPT_KEY: tuple(ids)}
+            kwargs = {**inputs.hf_processor_mm_kwargs, PROMPT_FIELD: tuple(ids)}
             inputs = replace(inputs, hf_processor_mm_kwargs=kwargs)
         return super().apply(inputs, timing_ctx)
 
@@ -101,7 +100,7 @@ class PruningProcessorMixin:
         data = super()._apply_hf_processor_main(mm_items, rest)
         n_images = mm_items.get_all_counts().get("image", 0)
         if n_images:
-            prompt = list(hf_kwargs.get(PROMPT_KEY, ()))
+            prompt = list(hf_kwargs.get(PROMPT_FIELD, ()))
             data[KEEP_FIELD] = torch.tensor(prompt_counts(keep, self._image_sizes(data)))
             data[PRUNER_FIELD] = torch.full((n_images,), self.pruners.index(pruner))
             data[PROMPT_FIELD] = torch.tensor([prompt] * n_images, dtype=torch.long)
@@ -148,8 +147,9 @@ class PruningProcessorMixin:
 
 
 class ImagesOnlyInfo:
-    """Mixed in before vLLM's processing info of a Qwen-VL class: the class serves images, and a
-    request with a video gets the plugin's own message (not vLLM's "At most 0 video(s)")."""
+    """Mixed in before the processing info of a vLLM class that also takes videos: the pruning
+    class serves images, and a request with a video gets the plugin's own message (not vLLM's
+    "At most 0 video(s)") before any processing."""
 
     def get_supported_mm_limits(self):
         return {"image": None}

@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from . import CONFIG_KEY, ServeOptions, check_request
+from . import CONFIG_KEY, REQUEST_KEYS, ServeOptions, check_request
 
-#: Per-image fields the processor adds for the model: the kept count, the pruner's index in the
-#: class's pruner list, and (attention pruners) the prompt's token ids.
-KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD = "vlm_focus_keep", "vlm_focus_pruner", "vlm_focus_prompt"
-#: ``mm_processor_kwargs`` keys: a request's own pruner and keep, and the prompt the processor
-#: adds for an attention pruner (so that it is part of the image's cache identity).
-REQUEST_PRUNER, REQUEST_KEEP, PROMPT_KEY = "vlm_focus_pruner", "vlm_focus_keep", "vlm_focus_prompt"
+#: The ``mm_processor_kwargs`` keys: a request's own pruner and keep (:data:`REQUEST_KEYS`), and
+#: the prompt's token ids, which the processor adds for an attention pruner so that they are part
+#: of the image's cache identity. The per-image fields the processor hands the model carry the
+#: same names: the pruner's index in the class's list, the kept count, and the prompt.
+PRUNER_FIELD, KEEP_FIELD = REQUEST_KEYS
+PROMPT_FIELD = "vlm_focus_prompt"
 
 
 def serve_options(hf_config: Any, pruners: Sequence[str]) -> ServeOptions:
@@ -31,9 +31,9 @@ def serve_options(hf_config: Any, pruners: Sequence[str]) -> ServeOptions:
 def split_request(kwargs: Mapping[str, object], defaults: ServeOptions, pruners: Sequence[str]):
     """``(pruner, keep, rest)``: the request's choice (or the server's), checked against the
     class's ``pruners``, and the kwargs meant for the Hugging Face processor."""
-    pruner = kwargs.get(REQUEST_PRUNER, defaults.pruner)
-    keep = check_request(pruner, kwargs.get(REQUEST_KEEP, defaults.keep), pruners)
-    ours = (REQUEST_PRUNER, REQUEST_KEEP, PROMPT_KEY)
+    pruner = kwargs.get(PRUNER_FIELD, defaults.pruner)
+    keep = check_request(pruner, kwargs.get(KEEP_FIELD, defaults.keep), pruners)
+    ours = (PRUNER_FIELD, KEEP_FIELD, PROMPT_FIELD)
     rest = {k: v for k, v in kwargs.items() if k not in ours}
     return pruner, keep, rest
 
