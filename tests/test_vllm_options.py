@@ -15,7 +15,13 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
     overrides = plugin.hf_overrides("qwen2_5_vl", pruner="pool", keep=0.5)
     assert overrides == {
         "architectures": ["VlmFocusQwen2_5_VLForConditionalGeneration"],
-        "vlm_focus": {"pruner": "pool", "keep": 0.5, "tiles": 2, "min_per_region": 1},
+        "vlm_focus": {
+            "pruner": "pool",
+            "keep": 0.5,
+            "budget": "frame",
+            "tiles": 2,
+            "min_per_region": 1,
+        },
     }
     assert plugin.ServeOptions.from_config(overrides["vlm_focus"]).keep == 0.5
 
@@ -27,6 +33,7 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
         ({"keep": 0.0}, "ratio"),
         ({"keep": 0}, "count"),
         ({"tiles": 0}, "tiles"),
+        ({"budget": "frames"}, "budget='frames' is not one of"),
     ],
 )
 def test_bad_settings_name_what_is_allowed(options, message):

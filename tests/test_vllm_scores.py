@@ -91,8 +91,7 @@ def test_regions_are_the_pyramid_pruners_tiles(rows, cols, tiles):
 def test_frame_counts_are_the_engines_frame_budget(sizes):
     """The processor's per-image counts equal what vf.wrap's budget="frame" selection keeps of
     each image, whatever the scores (its shares depend on the sizes alone)."""
-    from vlm_focus.core.engine import _frame_shares
-    from vlm_focus.core.selection import keep_mask
+    from vlm_focus.core.selection import frame_shares, keep_mask
 
     n = sum(sizes)
     frames = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))[None]
@@ -102,6 +101,6 @@ def test_frame_counts_are_the_engines_frame_budget(sizes):
         assert sum(counts) == total
         for seed in range(3):
             scores = torch.rand(1, n, generator=torch.Generator().manual_seed(seed))
-            keep = keep_mask(_frame_shares(scores, visual, frames), visual, n - total)
+            keep = keep_mask(frame_shares(scores, visual, frames), visual, n - total)
             kept = torch.bincount(frames[keep], minlength=len(sizes)).tolist()
             assert kept == counts, (total, seed)

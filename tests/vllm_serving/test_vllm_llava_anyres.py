@@ -2,7 +2,8 @@
 positions="compact")`` in transformers (see ``test_vllm_plugin.py`` for the set-up).
 
 On a tiny random-weight model of each class: two images whose anyres layouts differ (64 x 32 px: two
-crops; 50 x 38 px: an unpadded, cut grid), ``fastv``, ``text`` and ``pool`` set per request, all
+crops; 50 x 38 px: an unpadded, cut grid), ``fastv``, ``text``, ``debiased`` (whose padding fix
+reads the original image size and the model adapter's geometry) and ``pool`` set per request, all
 through one engine in one batch: greedy tokens and kept tokens equal transformers'. Both sides
 read the pixels the vLLM environment's own processor makes (the main environment lacks
 torchvision, and anyres resizing differs between image-processor back ends).
@@ -28,6 +29,7 @@ PROMPT = "<s> user <image> where are the red shapes assistant"
 SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs)
     ("fastv", 0.25, {"vlm_focus_pruner": "fastv", "vlm_focus_keep": 0.25}),
     ("text", 0.5, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.5}),
+    ("debiased", 0.25, {"vlm_focus_pruner": "debiased", "vlm_focus_keep": 0.25}),
     ("pool", 0.25, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.25}),
 ]
 IMAGES = ("wide.png", "odd.png")

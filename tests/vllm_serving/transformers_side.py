@@ -3,6 +3,7 @@ transformers vlm_focus supports), called by the tests in the vLLM environment as
 
     python tests/vllm_serving/transformers_side.py build DIR [qwen3_vl]  # tiny model + processor
     python tests/vllm_serving/transformers_side.py run DIR CASES.json OUT.json
+    python tests/vllm_serving/transformers_side.py run-inputs DIR CASES.pt OUT.json
 
 ``build`` saves a random-weight Qwen2.5-VL (text hidden 128, head_dim 32: the smallest head
 vLLM's CPU attention takes) with ``save_pretrained``, a word-level tokenizer with Qwen's special
@@ -15,6 +16,11 @@ the merged grid is 8 rows x 6 columns and the processor does not resize it).
 ``vf.wrap(model, pruner, keep, layer=0, budget=budget)`` (``alpha=0`` for ``pyramid``; unwrapped
 for ``pruner: null``) and the kept cells of each image (indices into its merged grid, raster
 order).
+
+``run-inputs`` reads cases ``[{"inputs": {...}, "pruner": str | null, "keep", "budget"}]`` whose
+inputs another environment's processor made (a video's: its pixels and the unpruned prompt ids)
+and writes, per case, the greedy continuation and the kept tokens (indices into the prompt's
+visual tokens, in prompt order).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ IMAGE_SIZE = (48, 64)  # (width, height) in pixels: patches 12 x 16, merged grid
 #: Images saved by ``build``, (width, height) in pixels, none resized by the processor: merged
 #: grids of 8 x 6, 4 x 4 and 6 x 10 cells.
 IMAGES = {"image.png": IMAGE_SIZE, "square.png": (32, 32), "wide.png": (80, 48)}
+#: The video processor's pixel budget: a video's frames together (Qwen3-VL counts them all), so
+#: that the test videos are not resized.
+VIDEO_PIXELS = 128 * 128
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -106,7 +115,8 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
     }
     (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     kind = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
-    video = dict(processor, video_processor_type=kind)
+    video = dict(processor, video_processor_type=kind, max_pixels=VIDEO_PIXELS)
+    video["size"] = {"shortest_edge": pixels["min_pixels"], "longest_edge": VIDEO_PIXELS}
     video.pop("image_processor_type")
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     from PIL import Image
@@ -283,9 +293,49 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
     return out
 
 
+def run_inputs(path: Path, cases: list[dict]) -> list[dict]:
+    from transformers import AutoModelForImageTextToText
+
+    import vlm_focus as vf
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # exactly MAX_NEW_TOKENS, as vLLM's ignore_eos
+    model.generation_config.pad_token_id = 0
+    config = model.config
+    out = []
+    for case in cases:
+        inputs = dict(case["inputs"])
+        ids = inputs["input_ids"]
+        image, video = ids == config.image_token_id, ids == config.video_token_id
+        inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["mm_token_type_ids"] = image.long() + 2 * video.long()
+        visual = torch.nonzero(image[0] | video[0]).flatten().tolist()
+        generate = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        with torch.no_grad():
+            if case["pruner"] is None:
+                tokens = model.generate(**inputs, **generate)
+                kept = visual
+            else:
+                wrap = dict(pruner=case["pruner"], keep=case["keep"], layer=0)
+                with vf.wrap(model, **wrap, budget=case["budget"]) as handle:
+                    tokens = model.generate(**inputs, **generate)
+                    kept = handle.last_trace.kept[0].tolist()
+        out.append(
+            {
+                "tokens": tokens[0, ids.shape[1] :].tolist(),
+                "kept": [visual.index(p) for p in kept],
+                "n": len(visual),
+            }
+        )
+    return out
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["build"] and len(argv) in (2, 3):
         build(Path(argv[1]), *argv[2:])
+    elif argv[:1] == ["run-inputs"] and len(argv) == 4:
+        cases = torch.load(argv[2], weights_only=False)
+        Path(argv[3]).write_text(json.dumps(run_inputs(Path(argv[1]), cases)))
     elif argv[:1] == ["run"] and len(argv) == 4:
         cases = json.loads(Path(argv[2]).read_text())
         Path(argv[3]).write_text(json.dumps(run(Path(argv[1]), cases)))

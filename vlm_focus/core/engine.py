@@ -56,7 +56,7 @@ from .calls import (
 )
 from .fixation import FixedView, StepFixation
 from .pruner import Pruner, StageContext
-from .selection import keep_mask, kept_columns, selected_keep
+from .selection import frame_shares, keep_mask, kept_columns, selected_keep
 
 
 @dataclass
@@ -770,7 +770,7 @@ class FocusEngine:
             selection = self.pruner.select(ctx, n_keep)
         if self.config.budget == "frame":
             frames = state.frames.to(device).gather(1, current)
-            keep = keep_mask(_frame_shares(selection.scores, visual, frames), visual, drop)
+            keep = keep_mask(frame_shares(selection.scores, visual, frames), visual, drop)
         else:  # the pruner's own top n_keep when every row keeps the same count
             kept = selection.kept if len(set(counts)) == 1 else None
             keep = selected_keep(selection.scores, kept, visual, drop)
@@ -794,23 +794,3 @@ def _frame_ids(layout: list[list[ImageLayout]], shape: tuple[int, int], device) 
                 frames[b, image.positions] = next_id
                 next_id += 1
     return frames.to(device)
-
-
-def _frame_shares(scores: torch.Tensor, visual: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-    """Scores whose top ``n`` over a row take the same share of every frame: each visual token
-    scores ``-(rank in its frame + 0.5) / frame size`` (rank 0 = its frame's best). Batched on
-    the device: sort by score, then stably by frame, and count ranks from each frame's start."""
-    batch, seq = scores.shape
-    n_frames = seq + 1  # frame ids lie in [0, seq); text and padding form one last block
-    frame = torch.where(visual, frames, seq)
-    by_score = torch.sort(scores.float(), dim=1, descending=True, stable=True).indices
-    by_frame = torch.sort(frame.gather(1, by_score), dim=1, stable=True).indices
-    order = by_score.gather(1, by_frame)  # frame by frame, best first within each
-    sorted_frame = frame.gather(1, order)
-    sizes = torch.zeros(batch, n_frames, dtype=torch.long, device=scores.device)
-    sizes.scatter_add_(1, frame, torch.ones_like(frame))
-    starts = sizes.cumsum(1) - sizes
-    rank = torch.arange(seq, device=scores.device) - starts.gather(1, sorted_frame)
-    share = -(rank.float() + 0.5) / sizes.gather(1, sorted_frame).float()
-    out = torch.empty_like(share).scatter(1, order, share)
-    return out.masked_fill(~visual, float("-inf"))

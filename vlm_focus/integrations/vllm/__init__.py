@@ -10,8 +10,8 @@ classes to vLLM's model registry. A server opts in per model through ``--hf-over
 
 (:func:`hf_overrides` builds that dict; ``python -m vlm_focus.integrations.vllm serve PATH
 --pruner fastv --keep 0.25`` runs that command line). A request may change ``pruner`` and
-``keep`` for its own images with ``mm_processor_kwargs={"vlm_focus_pruner": "pool",
-"vlm_focus_keep": 0.5}``.
+``keep`` for its own images and videos with ``mm_processor_kwargs={"vlm_focus_pruner": "pool",
+"vlm_focus_keep": 0.5}`` (and, for a video, ``"vlm_focus_budget": "span"``).
 
 Pruning happens once per image, before the LLM: the processor gives a prompt's images
 ``keep_count(keep, N, clamp=True)`` placeholders in all (:func:`vlm_focus.config.keep_count`,
@@ -24,6 +24,12 @@ embeddings, in prompt order: at their original M-RoPE positions on Qwen-VL, cons
 LLaVA. This equals ``vf.wrap(model, pruner=..., keep=..., layer=0, budget="frame")`` in
 transformers (``alpha=0`` for ``pyramid``; ``positions="compact"`` for LLaVA), where a count
 above the prompt's tokens raises instead.
+
+The Qwen-VL classes also prune videos (:data:`VIDEO_BUDGETS`): a prompt with one video keeps
+``keep_count(keep, N, clamp=True)`` of its ``N`` tokens, every frame the same share
+(``budget="frame"``) or wherever the pruner chooses (``budget="span"``, where the video's tokens
+form one run in the prompt), each kept token at its original M-RoPE position; the reference is
+``vf.wrap(model, pruner=..., keep=..., layer=0, budget=...)``.
 
 The vLLM side imports torch, vLLM and vlm_focus's model-free code (keep's rule, the pruners and
 their scoring math); it never runs vlm_focus's transformers code (vLLM pins an older
@@ -43,7 +49,9 @@ PRUNERS = ("pool", "pyramid", "fastv", "text", "debiased")
 #: Key of the plugin's settings inside the model's Hugging Face config (``--hf-overrides``).
 CONFIG_KEY = "vlm_focus"
 #: Per-request keys of ``mm_processor_kwargs``.
-REQUEST_KEYS = ("vlm_focus_pruner", "vlm_focus_keep")
+REQUEST_KEYS = ("vlm_focus_pruner", "vlm_focus_keep", "vlm_focus_budget")
+#: What ``budget`` may say: how a video's kept tokens are shared out over its frames.
+BUDGETS = ("frame", "span")
 #: ``model_type`` -> (vLLM's architecture, the plugin's pruning architecture).
 ARCHITECTURES = {
     "qwen2_5_vl": (
@@ -66,9 +74,15 @@ SERVED = {
     "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
     "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
-    "llava_next": (("fastv", "text", "pool"), 'consecutive (positions="compact")'),
-    "llava_onevision": (("fastv", "text", "pool"), 'consecutive (positions="compact")'),
+    "llava_next": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
+    "llava_onevision": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
 }
+#: ``model_type`` -> the budgets its class prunes videos with, the default first (a class not
+#: listed serves images only). Qwen3-VL writes a timestamp before every frame, so a frame's
+#: placeholder count is fixed before the encoder runs: only ``"frame"`` can fix it.
+VIDEO_BUDGETS = {"qwen2_5_vl": ("frame", "span"), "qwen3_vl": ("frame",)}
+#: Pruners that choose a video's tokens (``pyramid``'s pre-LLM variant reads one image grid).
+VIDEO_PRUNERS = ("fastv", "text", "debiased", "pool")
 _CLASSES = {
     "VlmFocusQwen2_5_VLForConditionalGeneration": (
         f"{__name__}._qwen2_5_vl:VlmFocusQwen2_5_VLForConditionalGeneration"
@@ -99,11 +113,20 @@ class ServeOptions:
     keep: float | int = field(
         default=0.25, metadata={"help": f"tokens each image keeps: {KEEP_RULE}"}
     )
+    budget: str = field(
+        default="frame",
+        metadata={
+            "help": "a video's share-out: 'frame' = every frame keeps the same share, 'span' = "
+            "the pruner chooses where (the classes that take it: VIDEO_BUDGETS)",
+            "choices": BUDGETS,
+        },
+    )
     tiles: int = field(default=2, metadata={"help": "pyramid: regions per side of the grid"})
     min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})
 
     def __post_init__(self) -> None:
         self.keep = check_request(self.pruner or PRUNERS[0], self.keep)
+        check_budget(self.budget)
         for name, low in (("tiles", 1), ("min_per_region", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -141,6 +164,14 @@ def check_request(pruner: Any, keep: Any, pruners: tuple[str, ...] = PRUNERS) ->
     return parse_keep(keep)
 
 
+def check_budget(budget: Any, budgets: tuple[str, ...] = BUDGETS) -> str:
+    """``budget`` if it is one of ``budgets`` (those a class serves videos with), else a
+    ``ValueError`` that names it."""
+    if budget not in budgets:
+        raise ValueError(f"vlm_focus budget={budget!r} is not one of {tuple(budgets)}")
+    return budget
+
+
 def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
     """``--hf-overrides`` for a model of ``model_type`` served pruned with ``options``
     (:class:`ServeOptions` fields)."""
@@ -176,11 +207,15 @@ def register() -> None:
 
 __all__ = [
     "ARCHITECTURES",
+    "BUDGETS",
     "CONFIG_KEY",
     "PRUNERS",
     "REQUEST_KEYS",
     "SERVED",
     "ServeOptions",
+    "VIDEO_BUDGETS",
+    "VIDEO_PRUNERS",
+    "check_budget",
     "check_request",
     "hf_overrides",
     "recorded_kept",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ...asset_paths import EMBEDDED, default_model_path
 from ...config import KEEP_RULE, read_keep
-from . import ARCHITECTURES, PRUNERS, ServeOptions, hf_overrides
+from . import ARCHITECTURES, BUDGETS, PRUNERS, ServeOptions, hf_overrides
 
 
 def _model_type(model: str) -> str:
@@ -48,7 +48,15 @@ def serve_command(argv: list[str]) -> list[str]:
     parser.add_argument(
         "--pruner", default=defaults.pruner, help=f"one of {PRUNERS} (default: the class's)"
     )
-    parser.add_argument("--keep", default=str(defaults.keep), help=f"per image: {KEEP_RULE}")
+    parser.add_argument(
+        "--keep", default=str(defaults.keep), help=f"per image or video: {KEEP_RULE}"
+    )
+    parser.add_argument(
+        "--budget",
+        default=defaults.budget,
+        choices=BUDGETS,
+        help="a video's share-out: every frame the same share, or where the pruner chooses",
+    )
     parser.add_argument("--tiles", type=int, default=defaults.tiles)
     parser.add_argument("--min-per-region", type=int, default=defaults.min_per_region)
     parser.add_argument("--model-type", default=None, help=f"one of {sorted(ARCHITECTURES)}")
@@ -62,6 +70,7 @@ def serve_command(argv: list[str]) -> list[str]:
         args.model_type or _model_type(args.model),
         pruner=args.pruner,
         keep=keep,
+        budget=args.budget,
         tiles=args.tiles,
         min_per_region=args.min_per_region,
     )

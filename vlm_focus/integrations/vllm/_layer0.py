@@ -1,18 +1,19 @@
-"""vlm_focus's registered pruners run on one image served by vLLM, at layer 0.
+"""vlm_focus's registered pruners run on one image or video served by vLLM, at layer 0.
 
 ``vf.wrap(model, layer=0, ...)`` scores the visual tokens with layer 0's own input norm, q/k
 projections and RoPE, from the prompt's query rows (:class:`~vlm_focus.core.pruner.StageContext`).
-Here the same :class:`StageContext` is built from vLLM's modules for one prompt with one image,
-and the registered pruner itself chooses from it, so the kept cells are the ones ``vf.wrap``
-keeps. For the attention pruners (``fastv``, ``text``, ``debiased``):
+Here the same :class:`StageContext` is built from vLLM's modules for one prompt with one image
+or video, and the registered pruner itself chooses from it, so the kept cells are the ones
+``vf.wrap`` keeps. For the attention pruners (``fastv``, ``text``, ``debiased``):
 
-- hidden states: vLLM's token embedding of the unpruned prompt with the image's embeddings in
+- hidden states: vLLM's token embedding of the unpruned prompt with the item's embeddings in
   its placeholder rows (layer 0's input);
 - q/k: vLLM's fused ``qkv_proj`` split into its q and k parts;
 - RoPE: rows of vLLM's own ``cos_sin_cache`` at the unpruned prompt's positions (neox layout,
   which is transformers' ``rotate_half``): ``0..S-1`` for the 1-D RoPE of the LLaVA family;
-  for the Qwen-VL M-RoPE, the ``(t, h, w)`` positions ``get_rope_index`` gives a prompt with one
-  image, each rotary frequency read at its own channel (:func:`mrope_channels`);
+  for the Qwen-VL M-RoPE, the ``(t, h, w)`` positions ``get_rope_index`` gives the prompt (the
+  model class's rule, :mod:`._mrope`), each rotary frequency read at its own channel
+  (:func:`mrope_channels`);
 - Qwen3's per-head q/k norms, when the layer has them.
 
 Under tensor parallelism each rank projects its own heads; they are gathered, so every rank
@@ -21,6 +22,10 @@ run here (no transformers model classes).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -31,7 +36,8 @@ from vllm.distributed import (
 
 from ...config import FocusConfig
 from ...core.pruner import StageContext
-from ...core.selection import selected_keep
+from ...core.selection import frame_shares, keep_mask, selected_keep
+from ...geometry import Size
 from ...model_adapters import ImageLayout
 from ...model_adapters.base import grid_cells
 from ...pruners import get_pruner
@@ -40,12 +46,18 @@ from ...pruners import get_pruner
 ATTENTION_PRUNERS = ("fastv", "text", "debiased")
 
 
+@dataclass(frozen=True)
 class VllmLayerAdapter:
-    """The three things :class:`StageContext` asks a model adapter about a decoder layer,
-    answered for vLLM's Llama-style layers."""
+    """What :class:`StageContext` asks a model adapter: three things about a decoder layer,
+    answered for vLLM's Llama-style layers, and how an image's views sit on it when no processor
+    is known (``fallback_geometry``: the model adapter's, which ``debiased``'s padding fix
+    reads)."""
 
-    attention = "self_attn"
-    input_norm = "input_layernorm"
+    fallback_geometry: Mapping[int, tuple[str, ...]] = field(
+        default_factory=lambda: {0: ("resize",)}
+    )
+    attention: ClassVar[str] = "self_attn"
+    input_norm: ClassVar[str] = "input_layernorm"
 
     def project_qk(
         self, attention: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor
@@ -70,25 +82,6 @@ class VllmLayerAdapter:
             return heads.transpose(1, 2)
 
         return project(q_in, 0, q_size, "q_norm"), project(k_in, q_size, kv_size, "k_norm")
-
-
-_ADAPTER = VllmLayerAdapter()
-
-
-def prompt_positions(seq: int, start: int, rows: int, cols: int, mrope: bool) -> torch.Tensor:
-    """RoPE positions of a prompt of ``seq`` tokens whose one image (``rows x cols`` tokens)
-    starts at ``start``: ``[seq]`` consecutive, or with ``mrope`` ``[3, seq]`` as Qwen2.5-VL
-    lays them out (text shares one position in all three channels; the image's token at cell
-    ``(r, c)`` sits at ``start + (0, r, c)``; the text after it resumes at
-    ``start + max(rows, cols)``)."""
-    if not mrope:
-        return torch.arange(seq)
-    n = rows * cols
-    cells = torch.arange(n)
-    image = torch.stack([torch.zeros_like(cells), cells // cols, cells % cols]) + start
-    after = torch.arange(seq - start - n) + start + max(rows, cols)
-    text = torch.arange(start)
-    return torch.cat([text.expand(3, -1), image, after.expand(3, -1)], dim=1)
 
 
 def mrope_channels(rotary: nn.Module, half: int) -> torch.Tensor:
@@ -136,9 +129,11 @@ def build_pruner(config: FocusConfig):
     return cls(config, cls.Options())
 
 
-def grid_layout(rows: int, cols: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """``(cells [n, 3], grids)`` of an image that is one ``rows x cols`` grid (raster order)."""
-    return grid_cells(rows, cols), [(rows, cols)]
+def grid_layout(rows: int, cols: int, frames: int = 1) -> tuple[torch.Tensor, list]:
+    """``(cells [n, 3], grids)`` of an image that is one ``rows x cols`` grid, or of a video of
+    ``frames`` such grids (frame by frame, raster order in each; a frame is one view)."""
+    cells = torch.cat([grid_cells(rows, cols, view=f) for f in range(frames)])
+    return cells, [(rows, cols)] * frames
 
 
 def layer0_keep(
@@ -149,46 +144,60 @@ def layer0_keep(
     *,
     language_model: nn.Module | None = None,
     prompt_ids: torch.Tensor | None = None,
-    image_token: int | None = None,
-    mrope: bool = False,
+    token: int | None = None,
+    positions=None,
+    kind: str = "image",
+    budget: str = "span",
+    image_size: Size | None = None,
+    adapter: VllmLayerAdapter | None = None,
 ) -> torch.Tensor:
-    """Kept token indices (sorted, the image's own order) of one image whose LLM-input
-    embeddings are ``embeddings [n, D]`` and whose tokens sit at ``layout = (cells [n, 3]
-    (view, row, col), grids)``, selected by the registered ``pruner`` at layer 0.
+    """Kept token indices (sorted, the item's own order) of one image or video (``kind``) whose
+    LLM-input embeddings are ``embeddings [n, D]`` and whose tokens sit at ``layout = (cells
+    [n, 3] (view, row, col), grids)``, selected by the registered ``pruner`` at layer 0 by the
+    engine's rule: its own top ``n_keep``, or for a video with ``budget="frame"`` the same
+    share of every frame (a video's views).
 
     An attention pruner reads layer 0 of ``language_model`` (vLLM's decoder: ``embed_input_ids``
-    and ``layers``) over ``prompt_ids``, the prompt with a single ``image_token`` where the image
-    goes, positioned by :func:`prompt_positions`. Other pruners read the layout alone."""
+    and ``layers``) over ``prompt_ids``: the unpruned prompt, whose ``n`` tokens ``token`` are
+    the item's (a single ``token`` stands for all ``n``), at ``positions(ids)`` (``[S]`` or
+    M-RoPE's ``[3, S]``; ``None``: ``0..S-1``). Other pruners read the layout alone.
+    ``image_size`` (the original image's, when the model's inputs carry it) and ``adapter``
+    (the class's :class:`VllmLayerAdapter`) are what ``debiased``'s padding fix reads."""
     cells, grids = layout
     n = cells.shape[0]
     if embeddings.shape[0] != n:
-        raise ValueError(f"{embeddings.shape[0]} image embeddings for {n} image tokens")
+        raise ValueError(f"{embeddings.shape[0]} item embeddings for {n} tokens")
     if n_keep >= n:
         return torch.arange(n)
     device = embeddings.device
     ids = torch.empty(0, dtype=torch.long) if prompt_ids is None else prompt_ids.reshape(-1)
-    if ids.numel() == 0:  # the image alone: a pruner that reads no attention
-        start, seq, layer = 0, n, None
+    if ids.numel() == 0:  # the item alone: a pruner that reads no attention
+        seq, layer, where = n, None, torch.arange(n)
         hidden = embeddings[None]
         cos = sin = torch.zeros(1, n, 1, device=device)
     else:
         ids = ids.long().cpu()
-        where = torch.nonzero(ids == image_token).flatten()
-        if where.numel() != 1:
-            raise ValueError(f"attention scores need one image per prompt, got {where.numel()}")
-        start = int(where[0])
-        full = torch.cat([ids[:start], torch.full((n,), image_token), ids[start + 1 :]])
-        hidden = language_model.embed_input_ids(full.to(device)).clone()  # [S, D]
-        hidden[start : start + n] = embeddings.to(hidden.dtype)
-        hidden, seq, layer = hidden[None], full.shape[0], language_model.layers[0]
-        rows, cols = grids[0]
-        cos, sin = rope_tables(layer.self_attn, prompt_positions(seq, start, rows, cols, mrope))
+        where = torch.nonzero(ids == token).flatten()
+        if where.numel() == 1 and n > 1:  # the prompt as written: one placeholder
+            start = int(where[0])
+            ids = torch.cat([ids[:start], torch.full((n,), token), ids[start + 1 :]])
+            where = torch.arange(start, start + n)
+        if where.numel() != n:
+            raise ValueError(
+                f"attention scores need one item per prompt ({where.numel()} placeholders for "
+                f"{n} tokens)"
+            )
+        hidden = language_model.embed_input_ids(ids.to(device)).clone()  # [S, D]
+        hidden[where.to(device)] = embeddings.to(hidden.dtype)
+        hidden, seq, layer = hidden[None], ids.shape[0], language_model.layers[0]
+        at = torch.arange(seq) if positions is None else positions(ids)
+        cos, sin = rope_tables(layer.self_attn, at)
     visual = torch.zeros(1, seq, dtype=torch.bool, device=device)
-    visual[0, start : start + n] = True
-    image = ImageLayout(positions=torch.arange(start, start + n), cells=cells, grids=grids)
+    visual[0, where.to(device)] = True
+    image = ImageLayout(positions=where, cells=cells, grids=grids, image_size=image_size, kind=kind)
     ctx = StageContext(
         model=None,
-        adapter=_ADAPTER,
+        adapter=adapter or VllmLayerAdapter(),
         config=pruner.config,
         layer_index=0,
         stage_index=0,
@@ -204,5 +213,10 @@ def layer0_keep(
         visual_counts=[n],
     )
     selection = pruner.select(ctx, n_keep)
-    keep = selected_keep(selection.scores, selection.kept, visual, n - n_keep)  # the engine's rule
-    return torch.nonzero(keep[0, start : start + n]).flatten().cpu()
+    if kind == "video" and budget == "frame":  # the engine's rules
+        frames = torch.zeros(1, seq, dtype=torch.long, device=device)
+        frames[0, where.to(device)] = cells[:, 0].to(device)
+        keep = keep_mask(frame_shares(selection.scores, visual, frames), visual, n - n_keep)
+    else:
+        keep = selected_keep(selection.scores, selection.kept, visual, n - n_keep)
+    return torch.nonzero(keep[0, where.to(device)]).flatten().cpu()

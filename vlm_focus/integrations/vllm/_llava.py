@@ -32,6 +32,7 @@ from vllm.model_executor.models.llava import (
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from ...geometry import Size
 from . import SERVED
 from ._layer0 import grid_layout
 from ._model import PruningModel
@@ -103,10 +104,11 @@ class LlavaFamilyModel(PruningModel):
         embeds = self._process_image_input(image_input)  # per image: [n_i, D], layout order
         sizes = image_input.get("image_sizes")
         sizes = [None] * len(embeds) if sizes is None else [list(map(int, s)) for s in sizes]
-        requests = self.image_requests(fields, [emb.shape[0] for emb in embeds])
+        requests = self.item_requests(fields["image"], [emb.shape[0] for emb in embeds])
         out = []
         for emb, size, request in zip(embeds, sizes, requests, strict=True):
-            kept = self.keep_cells(request, emb, self.image_layout(size))
+            original = None if size is None else Size(width=size[1], height=size[0])
+            kept = self.keep_cells(request, emb, self.image_layout(size), original)
             out.append(emb[kept.to(emb.device)])
         return tuple(out)
 

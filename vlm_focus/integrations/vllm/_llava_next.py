@@ -18,8 +18,9 @@ from vllm.model_executor.models.llava_next import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from ...model_adapters.llava_next import image_cells
+from ...model_adapters.llava_next import LLAVA_NEXT, image_cells
 from . import SERVED
+from ._layer0 import VllmLayerAdapter
 from ._llava import (
     CLIP_WITHOUT_VISION_MODEL,
     LlavaFamilyModel,
@@ -55,6 +56,7 @@ class VlmFocusLlavaNextForConditionalGeneration(
         CLIP_WITHOUT_VISION_MODEL
     )
     pruners = PRUNERS
+    layer_adapter = VllmLayerAdapter(LLAVA_NEXT.fallback_geometry)
 
     def image_layout(self, size):
         return image_cells(self, size, anyres=True)

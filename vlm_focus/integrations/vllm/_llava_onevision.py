@@ -21,8 +21,9 @@ from vllm.model_executor.models.llava_onevision import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from ...model_adapters.llava_onevision import image_cells
+from ...model_adapters.llava_onevision import LLAVA_ONEVISION, image_cells
 from . import SERVED
+from ._layer0 import VllmLayerAdapter
 from ._llava import (
     CLIP_WITHOUT_VISION_MODEL,
     LlavaFamilyModel,
@@ -66,6 +67,7 @@ class VlmFocusLlavaOnevisionForConditionalGeneration(
         CLIP_WITHOUT_VISION_MODEL
     )
     pruners = PRUNERS
+    layer_adapter = VllmLayerAdapter(LLAVA_ONEVISION.fallback_geometry)
 
     def image_layout(self, size):
         return image_cells(self, size)

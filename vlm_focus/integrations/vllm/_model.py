@@ -8,24 +8,28 @@ from collections import deque
 import torch
 
 from ...config import FocusConfig, keep_count
-from ._layer0 import ATTENTION_PRUNERS, build_pruner, layer0_keep
-from ._request import KEEP_FIELD, PROMPT_FIELD, PRUNER_FIELD, per_item, serve_options
+from ...geometry import Size
+from . import BUDGETS
+from ._layer0 import ATTENTION_PRUNERS, VllmLayerAdapter, build_pruner, layer0_keep
+from ._request import item_fields, per_item, serve_options
 from ._scores import select
 
-#: What one image asks for: ``(pruner, kept count, prompt ids)``.
-Request = tuple[str, int, torch.Tensor]
+#: What one image or video asks for: ``(pruner, kept count, prompt ids, budget)``.
+Request = tuple[str, int, torch.Tensor, str]
 
 
 class PruningModel:
     """Mixed in before a vLLM model class. The class sets ``pruners`` (what it serves, default
-    first), ``image_token_id`` and ``mrope`` (whether its attention scores use M-RoPE).
+    first), ``image_token_id`` and ``layer_adapter`` (its model adapter's geometry, for
+    ``debiased``).
 
-    ``last_kept`` holds, for the most recent images encoded in this process (newest last), the
-    pair ``(n_cells, kept)`` with ``kept`` the kept cell indices in raster order.
+    ``last_kept`` holds, for the most recent images and videos encoded in this process (newest
+    last), the pair ``(n_tokens, kept)`` with ``kept`` the kept token indices in the item's
+    order (raster order; a video's frame by frame).
     """
 
     pruners: tuple[str, ...]
-    mrope: bool = False
+    layer_adapter = VllmLayerAdapter()
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -43,23 +47,30 @@ class PruningModel:
         }
 
     @staticmethod
-    def pop_fields(kwargs: dict) -> tuple:
-        """The processor's per-image fields, taken out of ``embed_multimodal``'s kwargs."""
-        return tuple(kwargs.pop(name, None) for name in (KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD))
+    def pop_fields(kwargs: dict) -> dict[str, tuple]:
+        """The processor's per-item fields of each modality, taken out of
+        ``embed_multimodal``'s kwargs."""
+        return {
+            modality: tuple(kwargs.pop(name, None) for name in item_fields(modality))
+            for modality in ("image", "video")
+        }
 
-    def image_requests(self, fields: tuple, sizes: list[int]) -> list[Request]:
-        """``(pruner, kept count, prompt ids)`` per image of ``sizes`` tokens; inputs the
-        processor did not make get the server's setting, per image."""
-        keeps, codes, prompts = fields
+    def item_requests(self, fields: tuple, sizes: list[int]) -> list[Request]:
+        """``(pruner, kept count, prompt ids, budget)`` per item of ``sizes`` tokens; inputs
+        the processor did not make get the server's setting, per item."""
+        keeps, codes, budgets, prompts = fields
+        n = len(sizes)
         if keeps is None or codes is None:
-            keeps = [keep_count(self.vlm_focus.keep, n, clamp=True) for n in sizes]
-            codes = [self.pruners.index(self.vlm_focus.pruner)] * len(sizes)
-        keeps, codes = per_item(keeps, len(sizes)), per_item(codes, len(sizes))
+            keeps = [keep_count(self.vlm_focus.keep, size, clamp=True) for size in sizes]
+            codes = [self.pruners.index(self.vlm_focus.pruner)] * n
+        if budgets is None:
+            budgets = [BUDGETS.index(self.vlm_focus.budget)] * n
+        keeps, codes, budgets = per_item(keeps, n), per_item(codes, n), per_item(budgets, n)
         if prompts is None:
-            prompts = [torch.empty(0, dtype=torch.long)] * len(sizes)
+            prompts = [torch.empty(0, dtype=torch.long)] * n
         return [
-            (self.pruners[code], n_keep, torch.as_tensor(prompt))
-            for code, n_keep, prompt in zip(codes, keeps, prompts, strict=True)
+            (self.pruners[code], n_keep, torch.as_tensor(prompt), BUDGETS[budget])
+            for code, n_keep, prompt, budget in zip(codes, keeps, prompts, budgets, strict=True)
         ]
 
     def keep_cells(
@@ -67,12 +78,20 @@ class PruningModel:
         request: Request,
         scored: torch.Tensor,
         layout: tuple[torch.Tensor, list[tuple[int, int]]],
+        image_size: Size | None = None,
+        *,
+        kind: str = "image",
+        token: int | None = None,
+        positions=None,
     ) -> torch.Tensor:
-        """Kept token indices (the image's order) of one image whose LLM-input embeddings are
-        ``scored [n, D]``, its tokens at ``layout`` (``(cells, grids)``); recorded in
-        ``last_kept``. Registered pruners choose as in ``vf.wrap`` (:func:`._layer0.layer0_keep`);
-        ``pyramid`` uses its pre-LLM variant on a one-grid image (:func:`._scores.select`)."""
-        pruner, n_keep, prompt = request
+        """Kept token indices (the item's order) of one image or video (``kind``) whose
+        LLM-input embeddings are ``scored [n, D]``, its tokens at ``layout`` (``(cells,
+        grids)``), the original image ``image_size`` when the inputs carry it, its placeholder
+        ``token`` (default: the image token) and ``positions``, the class's RoPE positions of a
+        prompt holding it (``None``: 1-D); recorded in ``last_kept``. Registered pruners choose
+        as in ``vf.wrap`` (:func:`._layer0.layer0_keep`); ``pyramid`` uses its pre-LLM variant
+        on a one-grid image (:func:`._scores.select`)."""
+        pruner, n_keep, prompt, budget = request
         cells, grids = layout
         if pruner == "pyramid":
             (rows, cols), options = grids[0], self.vlm_focus
@@ -94,8 +113,12 @@ class PruningModel:
                 n_keep,
                 language_model=self.language_model.model if attention else None,
                 prompt_ids=prompt if attention else None,
-                image_token=self.image_token_id,
-                mrope=self.mrope,
+                token=self.image_token_id if token is None else token,
+                positions=positions,
+                kind=kind,
+                budget=budget,
+                image_size=image_size,
+                adapter=self.layer_adapter,
             )
         self.last_kept.append((cells.shape[0], kept))
         return kept

@@ -1,6 +1,6 @@
 """The processor behaviour every pruning class shares: which requests it takes, how many
-placeholders each image of a prompt gets, what the model is handed with the pixels, and the
-cache identity that goes with all of it."""
+placeholders each image or video of a prompt gets, what the model is handed with the pixels, and
+the cache identity that goes with all of it."""
 
 from __future__ import annotations
 
@@ -10,59 +10,108 @@ from dataclasses import replace
 import torch
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.inputs import MultiModalFieldConfig
-from vllm.multimodal.processing import PromptReplacement
+from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails
 
 from ...config import keep_count
+from . import BUDGETS, VIDEO_PRUNERS
 from ._layer0 import ATTENTION_PRUNERS
-from ._request import (
-    KEEP_FIELD,
-    PROMPT_FIELD,
-    PRUNER_FIELD,
-    serve_options,
-    split_request,
-)
+from ._request import PROMPT_FIELD, item_fields, serve_options, split_request
 from ._scores import frame_counts
 
 NO_VIDEO = (
-    "vlm_focus's vLLM plugin prunes images only: this model's vlm_focus class takes no video; "
-    "serve videos with vLLM's own class (no vlm_focus architecture override)"
+    "vlm_focus's vLLM plugin prunes images only for this model: its vlm_focus class takes no "
+    "video; serve videos with vLLM's own class (no vlm_focus architecture override)"
 )
-#: Pruners whose choice for one image reads every image of its prompt at once, which vLLM's
-#: per-image encoder outputs cannot give them: they serve prompts with one image.
-ONE_IMAGE = (*ATTENTION_PRUNERS, "pyramid")
+#: Pruners whose choice for one item reads every item of its prompt at once, which vLLM's
+#: per-item encoder outputs cannot give them: they serve prompts with one image or video.
+ONE_ITEM = (*ATTENTION_PRUNERS, "pyramid")
 
 
 def prompt_counts(keep: float | int, sizes: Sequence[int]) -> list[int]:
-    """Placeholders for the images of one prompt of ``sizes`` tokens each: the prompt keeps
-    ``keep_count(keep, sum(sizes), clamp=True)``, shared out by ``budget="frame"``'s rule
-    (:func:`._scores.frame_counts`). ``ValueError`` when an image would keep nothing."""
+    """Placeholders for the units (images, or video frames) of one prompt of ``sizes`` tokens
+    each: the prompt keeps ``keep_count(keep, sum(sizes), clamp=True)``, shared out by
+    ``budget="frame"``'s rule (:func:`._scores.frame_counts`). ``ValueError`` when a unit would
+    keep nothing."""
     counts = frame_counts(list(sizes), keep_count(keep, sum(sizes), clamp=True))
     if 0 in counts:
         raise ValueError(
-            f"vlm_focus keep={keep!r} leaves an image of this prompt without a token "
-            f"(images of {list(sizes)} tokens keep {counts}); keep more"
+            f"vlm_focus keep={keep!r} leaves an image or video frame of this prompt without a "
+            f"token (units of {list(sizes)} tokens keep {counts}); keep more"
         )
     return counts
+
+
+def video_counts(
+    keep: float | int, budget: str, frames: Sequence[tuple[int, int]]
+) -> list[list[int]]:
+    """Placeholders per frame of each video of one prompt, the videos ``(frames, tokens per
+    frame)``: every frame its share of the prompt's count (``"frame"``), or, for a prompt's one
+    video, its whole count as one entry (``"span"``: the pruner chooses where)."""
+    if budget == "span":
+        (t, n), *more = frames
+        if more:
+            raise ValueError("budget='span' prunes prompts with one video")
+        return [[keep_count(keep, t * n, clamp=True)]]
+    flat = prompt_counts(keep, [n for t, n in frames for _ in range(t)])
+    out, start = [], 0
+    for t, _ in frames:
+        out.append(flat[start : start + t])
+        start += t
+    return out
+
+
+def cut_runs(seq: list[int], token: int, counts: Sequence[int]) -> list[int]:
+    """``seq`` with its runs of ``token`` cut to ``counts`` tokens each (one count per run, or
+    one count for a sequence that is a single run)."""
+    out, run = [], 0
+    for i, t in enumerate(seq):
+        if t != token:
+            out.append(t)
+            continue
+        if i == 0 or seq[i - 1] != token:  # a run starts
+            if run >= len(counts):
+                raise ValueError(f"more runs of token {token} than the {len(counts)} counts")
+            out += [token] * counts[run]
+            run += 1
+    if run != len(counts):
+        raise ValueError(f"{run} runs of token {token} for {len(counts)} counts")
+    return out
+
+
+def replace_once(seq: list[int], target: Sequence[int], replacement: Sequence[int]) -> list[int]:
+    """``seq`` with the first occurrence of ``target`` replaced by ``replacement``."""
+    n = len(target)
+    for i in range(len(seq) - n + 1):
+        if seq[i : i + n] == list(target):
+            return [*seq[:i], *replacement, *seq[i + n :]]
+    raise ValueError(f"the prompt has no placeholder {list(target)}")
 
 
 class PruningProcessorMixin:
     """Mixed into a vLLM multimodal processor. The subclass sets ``pruners`` (what its class
     serves, default first) and implements ``_image_token()`` and ``_image_sizes(data)`` (tokens
-    per image of the processed batch).
+    per image of the processed batch); a class that prunes videos also sets ``video_budgets``
+    and implements ``_video_token()``, ``_video_frames(data)`` (``(frames, tokens per frame)``
+    per video) and ``_unpruned_video(data, i)`` (the placeholder a video replaces in the prompt,
+    and the tokens that replace it, unpruned).
 
     - :meth:`apply` refuses what the class cannot serve with a message that names the setting,
       and for an attention pruner adds the prompt's token ids to the request's
-      ``mm_processor_kwargs`` before vLLM hashes the images: the selection reads the prompt, so
-      the prompt is part of each image's cache identity.
-    - Each image gets :func:`prompt_counts` placeholders and three per-image fields: that count,
-      the pruner and the prompt. A count depends on the other images of its prompt, so a prompt
-      with several images bypasses the processor cache (which processes only the images it
-      lacks), and each of its images' cache identity adds its place and count to vLLM's hash.
+      ``mm_processor_kwargs`` before vLLM hashes the items: the selection reads the prompt, so
+      the prompt is part of each item's cache identity.
+    - Each image gets :func:`prompt_counts` placeholders, each video frame its
+      :func:`video_counts` share (or the video its whole count, for ``"span"``), and the model
+      gets per-item fields (:func:`._request.item_fields`): that count, the pruner, the budget
+      and the prompt. A count depends on the other items of its prompt, so a prompt with
+      several items bypasses the processor cache (which processes only the items it lacks), and
+      each of its items' cache identity adds its place and count to vLLM's hash.
     """
 
     pruners: tuple[str, ...]
     #: why the class serves one image per prompt whatever the pruner (``None``: it need not)
     one_image_only: str | None = None
+    #: the budgets the class prunes videos with, default first (empty: it serves no video)
+    video_budgets: tuple[str, ...] = ()
 
     def _serve_options(self):
         return serve_options(self.info.get_hf_config(), self.pruners)
@@ -70,79 +119,165 @@ class PruningProcessorMixin:
     def _split(self, kwargs):
         return split_request(kwargs, self._serve_options(), self.pruners)
 
+    def _video_token(self) -> int | None:
+        return None
+
     def apply(self, inputs, timing_ctx):
-        pruner, _, _ = self._split(inputs.hf_processor_mm_kwargs)
-        n_images = inputs.mm_data_items.get_all_counts().get("image", 0)
+        pruner, _, budget, _ = self._split(inputs.hf_processor_mm_kwargs)
+        counts = inputs.mm_data_items.get_all_counts()
+        n_images, n_videos = counts.get("image", 0), counts.get("video", 0)
         if self.one_image_only and n_images > 1:
             raise ValueError(
                 f"vlm_focus serves one image per prompt for this model ({self.one_image_only}); "
                 f"this prompt has {n_images} images"
             )
-        if pruner in ONE_IMAGE and n_images > 1:
+        if n_videos:
+            self._check_video(pruner, budget, n_images)
+        if pruner in ONE_ITEM and n_images + n_videos > 1:
             raise ValueError(
-                f"vlm_focus pruner={pruner!r} chooses from every image of a prompt at once, "
-                f"which vLLM's per-image encoder outputs cannot give it; this prompt has "
-                f"{n_images} images: use pruner 'pool' for it"
+                f"vlm_focus pruner={pruner!r} chooses from every image or video of a prompt at "
+                f"once, which vLLM's per-item encoder outputs cannot give it; this prompt has "
+                f"{n_images} images and {n_videos} videos: use pruner 'pool' for it"
             )
         if pruner in ATTENTION_PRUNERS:
             ids = list(inputs.prompt)
-            if pruner == "text" and ids[-1:] == [self._image_token()]:
+            if pruner == "text" and ids[-1:] in ([self._image_token()], [self._video_token()]):
                 raise ValueError(
-                    "vlm_focus pruner='text' scores the image with the instruction after it, "
-                    "but the prompt ends with its image"
+                    "vlm_focus pruner='text' scores the image or video with the instruction "
+                    "after it, but the prompt ends with its image or video"
                 )
             kwargs = {**inputs.hf_processor_mm_kwargs, PROMPT_FIELD: tuple(ids)}
             inputs = replace(inputs, hf_processor_mm_kwargs=kwargs)
         return super().apply(inputs, timing_ctx)
 
-    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        pruner, keep, rest = self._split(hf_kwargs)
-        data = super()._apply_hf_processor_main(mm_items, rest)
-        n_images = mm_items.get_all_counts().get("image", 0)
+    def _check_video(self, pruner: str, budget: str, n_images: int) -> None:
+        if not self.video_budgets:
+            raise ValueError(NO_VIDEO)
+        if pruner not in VIDEO_PRUNERS:
+            raise ValueError(
+                f"vlm_focus pruner={pruner!r} does not prune videos; use one of "
+                f"{tuple(p for p in self.pruners if p in VIDEO_PRUNERS)}"
+            )
+        if budget not in self.video_budgets:
+            raise ValueError(
+                f"vlm_focus budget={budget!r} cannot prune this model's videos: it writes text "
+                f"before every frame, so each frame's count is fixed before the encoder runs; "
+                f"use budget in {self.video_budgets}"
+            )
         if n_images:
-            prompt = list(hf_kwargs.get(PROMPT_FIELD, ()))
-            data[KEEP_FIELD] = torch.tensor(prompt_counts(keep, self._image_sizes(data)))
-            data[PRUNER_FIELD] = torch.full((n_images,), self.pruners.index(pruner))
-            data[PROMPT_FIELD] = torch.tensor([prompt] * n_images, dtype=torch.long)
+            raise ValueError(
+                "vlm_focus prunes a prompt's images or its videos, not both at once: this "
+                f"prompt has {n_images} images and a video"
+            )
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        pruner, keep, budget, rest = self._split(hf_kwargs)
+        data = super()._apply_hf_processor_main(mm_items, rest)
+        counts = mm_items.get_all_counts()
+        prompt = list(hf_kwargs.get(PROMPT_FIELD, ()))
+        if counts.get("image", 0):
+            kept = prompt_counts(keep, self._image_sizes(data))
+            self._put_fields(data, "image", kept, pruner, budget, [prompt] * len(kept))
+        if counts.get("video", 0):
+            kept = [sum(c) for c in video_counts(keep, budget, self._video_frames(data))]
+            prompts = [
+                replace_once(prompt, *self._unpruned_video(data, i)) if prompt else []
+                for i in range(len(kept))
+            ]
+            self._put_fields(data, "video", kept, pruner, budget, prompts)
         return data
 
+    def _put_fields(self, data, modality, kept, pruner, budget, prompts) -> None:
+        keep_name, pruner_name, budget_name, prompt_name = item_fields(modality)
+        n = len(kept)
+        data[keep_name] = torch.tensor(kept)
+        data[pruner_name] = torch.full((n,), self.pruners.index(pruner))
+        data[budget_name] = torch.full((n,), BUDGETS.index(budget))
+        width = max(len(p) for p in prompts)
+        if any(len(p) != width for p in prompts):
+            raise ValueError("the items of one prompt carry prompts of different lengths")
+        data[prompt_name] = torch.tensor(prompts, dtype=torch.long).reshape(n, width)
+
+    def _modalities(self) -> tuple[str, ...]:
+        return ("image", "video") if self.video_budgets else ("image",)
+
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
-        _, _, rest = self._split(hf_processor_mm_kwargs)
+        *_, rest = self._split(hf_processor_mm_kwargs)
         fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
-        for name in (KEEP_FIELD, PRUNER_FIELD, PROMPT_FIELD):
-            fields[name] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        for modality in self._modalities():
+            for name in item_fields(modality):
+                fields[name] = MultiModalFieldConfig.batched(modality, keep_on_cpu=True)
         return fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        """vLLM's updates, with each image's placeholder run cut to its kept count."""
-        _, _, rest = self._split(hf_processor_mm_kwargs)
+        """vLLM's updates, with each image's placeholder run cut to its kept count, and each
+        video's runs cut to its frames' counts (one run: the video's count)."""
+        _, _, budget, rest = self._split(hf_processor_mm_kwargs)
         updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
         token = self._image_token()
+        keep_name = item_fields("image")[0]
 
         def kept_placeholders(item_idx: int) -> list[int]:
-            return [token] * int(out_mm_kwargs["image"][item_idx][KEEP_FIELD].data)
+            return [token] * int(out_mm_kwargs["image"][item_idx][keep_name].data)
 
-        image = PromptReplacement("image", target=[token], replacement=kept_placeholders)
-        return [image if update.modality == "image" else update for update in updates]
+        out = []
+        for update in updates:
+            if update.modality == "image":
+                update = PromptReplacement("image", target=[token], replacement=kept_placeholders)
+            elif update.modality == "video" and self.video_budgets:
+                update = PromptReplacement(
+                    "video",
+                    target=update.target,
+                    replacement=self._kept_video(update.replacement, out_mm_kwargs),
+                )
+            out.append(update)
+        return out
+
+    def _kept_video(self, unpruned, out_mm_kwargs):
+        """The replacement of a video with its kept count of placeholders, from vLLM's
+        unpruned one (``unpruned(item_idx)``: token ids or :class:`PromptUpdateDetails`)."""
+        token = self._video_token()
+        keep_name, _, budget_name, _ = item_fields("video")
+
+        def kept(item_idx: int):
+            item = out_mm_kwargs["video"][item_idx]
+            full = unpruned(item_idx) if callable(unpruned) else unpruned
+            seq = list(full.full if isinstance(full, PromptUpdateDetails) else full)
+            total = int(item[keep_name].data)
+            budget = BUDGETS[int(item[budget_name].data)]
+            n_runs = sum(
+                1 for i, t in enumerate(seq) if t == token and (i == 0 or seq[i - 1] != token)
+            )
+            if budget == "span" or n_runs == 1:
+                counts = [total]
+            else:
+                counts = frame_counts([seq.count(token) // n_runs] * n_runs, total)
+            return PromptUpdateDetails.select_token_id(cut_runs(seq, token, counts), token)
+
+        return kept
 
     def _cached_apply_hf_processor(self, inputs, timing_ctx):
-        if inputs.mm_data_items.get_all_counts().get("image", 0) > 1:
+        if sum(inputs.mm_data_items.get_all_counts().values()) > 1:
             return self._apply_hf_processor(inputs, timing_ctx)
         return super()._cached_apply_hf_processor(inputs, timing_ctx)
 
     def _apply_hf_processor(self, inputs, timing_ctx):
         result = super()._apply_hf_processor(inputs, timing_ctx)
-        items = result.kwargs.get("image") or []
-        if len(items) < 2:
+        if sum(len(result.kwargs.get(m) or []) for m in self._modalities()) < 2:
             return result
         algorithm = self.info.ctx.get_mm_config().mm_hasher_algorithm
         hashes = dict(result.hashes)
-        hashes["image"] = [
-            MultiModalHasher.hash_kwargs(
-                algorithm, image=parent, index=i, keep=int(item[KEEP_FIELD].data)
-            )
-            for i, (parent, item) in enumerate(zip(result.hashes["image"], items, strict=True))
-        ]
+        for modality in self._modalities():
+            items = result.kwargs.get(modality) or []
+            keep_name = item_fields(modality)[0]
+            hashes[modality] = [
+                MultiModalHasher.hash_kwargs(
+                    algorithm, item=parent, index=i, keep=int(item[keep_name].data)
+                )
+                for i, (parent, item) in enumerate(
+                    zip(result.hashes.get(modality, []), items, strict=True)
+                )
+            ]
         return result._replace(hashes=hashes)
 
 

@@ -1,8 +1,8 @@
-"""Qwen2.5-VL served by vLLM with each image pruned before the LLM.
+"""Qwen2.5-VL served by vLLM with each image and video pruned before the LLM.
 
 Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.register`), in the
 processes that build the model or its processor. Each piece subclasses vLLM's own Qwen2.5-VL
-class: the processor places each image's kept count of placeholders
+class: the processor places each image's and video's kept count of placeholders
 (:class:`._processor.PruningProcessorMixin`), and the model selects the kept cells and gives
 them their original M-RoPE positions (:class:`._mrope.MRopePruningModel`).
 """
@@ -17,27 +17,29 @@ from vllm.model_executor.models.qwen2_5_vl import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from . import SERVED
+from . import SERVED, VIDEO_BUDGETS
 from ._mrope import MRopeImageProcessor, MRopePruningModel
-from ._processor import ImagesOnlyInfo
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["qwen2_5_vl"][0]
 
 
-class VlmFocusQwen2_5_VLProcessingInfo(ImagesOnlyInfo, Qwen2_5_VLProcessingInfo):
-    """Images only: vLLM then neither profiles nor accepts videos for this architecture."""
-
-
 class VlmFocusQwen2_5_VLMultiModalProcessor(MRopeImageProcessor, Qwen2_5_VLMultiModalProcessor):
-    """vLLM's Qwen2.5-VL processor with each image's kept count of placeholders."""
+    """vLLM's Qwen2.5-VL processor with each image's and video's kept count of placeholders (a
+    video is one run of them)."""
 
     pruners = PRUNERS
+    video_budgets = VIDEO_BUDGETS["qwen2_5_vl"]
+
+    def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
+        token = self._video_token()
+        (t, n), *_ = self._video_frames({"video_grid_thw": data["video_grid_thw"][i : i + 1]})
+        return [token], [token] * (t * n)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
     VlmFocusQwen2_5_VLMultiModalProcessor,
-    info=VlmFocusQwen2_5_VLProcessingInfo,
+    info=Qwen2_5_VLProcessingInfo,
     dummy_inputs=Qwen2_5_VLDummyInputsBuilder,
 )
 class VlmFocusQwen2_5_VLForConditionalGeneration(

@@ -8,14 +8,22 @@ from typing import Any
 
 import torch
 
-from . import CONFIG_KEY, REQUEST_KEYS, ServeOptions, check_request
+from . import BUDGETS, CONFIG_KEY, REQUEST_KEYS, ServeOptions, check_budget, check_request
 
-#: The ``mm_processor_kwargs`` keys: a request's own pruner and keep (:data:`REQUEST_KEYS`), and
-#: the prompt's token ids, which the processor adds for an attention pruner so that they are part
-#: of the image's cache identity. The per-image fields the processor hands the model carry the
-#: same names: the pruner's index in the class's list, the kept count, and the prompt.
-PRUNER_FIELD, KEEP_FIELD = REQUEST_KEYS
+#: The ``mm_processor_kwargs`` keys: a request's own pruner, keep and budget
+#: (:data:`REQUEST_KEYS`), and the prompt's token ids, which the processor adds for an attention
+#: pruner so that they are part of each item's cache identity.
+PRUNER_FIELD, KEEP_FIELD, BUDGET_FIELD = REQUEST_KEYS
 PROMPT_FIELD = "vlm_focus_prompt"
+
+
+def item_fields(modality: str) -> tuple[str, str, str, str]:
+    """Names of the per-item fields the processor hands the model for ``modality``: the kept
+    count, the pruner's index in the class's list, the budget's index in :data:`BUDGETS` and
+    the prompt (an image's: as the request wrote it; a video's: with the video's unpruned
+    tokens in place). A field belongs to one modality, so a video's carry a suffix."""
+    names = (KEEP_FIELD, PRUNER_FIELD, BUDGET_FIELD, PROMPT_FIELD)
+    return names if modality == "image" else tuple(f"{name}_{modality}" for name in names)
 
 
 def serve_options(hf_config: Any, pruners: Sequence[str]) -> ServeOptions:
@@ -29,20 +37,21 @@ def serve_options(hf_config: Any, pruners: Sequence[str]) -> ServeOptions:
 
 
 def split_request(kwargs: Mapping[str, object], defaults: ServeOptions, pruners: Sequence[str]):
-    """``(pruner, keep, rest)``: the request's choice (or the server's), checked against the
-    class's ``pruners``, and the kwargs meant for the Hugging Face processor."""
+    """``(pruner, keep, budget, rest)``: the request's choice (or the server's), checked
+    against the class's ``pruners``, and the kwargs meant for the Hugging Face processor."""
     pruner = kwargs.get(PRUNER_FIELD, defaults.pruner)
     keep = check_request(pruner, kwargs.get(KEEP_FIELD, defaults.keep), pruners)
-    ours = (PRUNER_FIELD, KEEP_FIELD, PROMPT_FIELD)
+    budget = check_budget(kwargs.get(BUDGET_FIELD, defaults.budget), BUDGETS)
+    ours = (*REQUEST_KEYS, PROMPT_FIELD)
     rest = {k: v for k, v in kwargs.items() if k not in ours}
-    return pruner, keep, rest
+    return pruner, keep, budget, rest
 
 
 def per_item(value: object, n: int) -> list[int]:
-    """A batched per-image field as ``n`` host ints."""
+    """A batched per-item field as ``n`` host ints."""
     if isinstance(value, (list, tuple)):
         value = torch.stack([torch.as_tensor(v).reshape(()) for v in value])
     out = torch.as_tensor(value).reshape(-1).tolist()
     if len(out) != n:
-        raise ValueError(f"{len(out)} vlm_focus entries for {n} images")
+        raise ValueError(f"{len(out)} vlm_focus entries for {n} items")
     return [int(v) for v in out]
