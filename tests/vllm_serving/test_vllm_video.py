@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM enviro
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from test_vllm_plugin import _offline, _reference_python  # noqa: E402
+from test_vllm_plugin import ENGINE_TIMEOUT, _env, _offline, _reference_python  # noqa: E402
 from vllm_offline import video_item  # noqa: E402
 
 PROMPT = (
@@ -72,13 +72,17 @@ def family(request) -> str:
     return request.param
 
 
+def _build(family: str, path: Path) -> Path:
+    command = [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), family]
+    subprocess.run(command, check=True, cwd=REPO, timeout=300)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model_dir(family, tmp_path_factory) -> Path:
     import numpy as np
 
-    path = tmp_path_factory.mktemp(f"tiny_{family}")
-    command = [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), family]
-    subprocess.run(command, check=True, cwd=REPO, timeout=300)
+    path = _build(family, tmp_path_factory.mktemp(f"tiny_{family}"))
     rng = np.random.default_rng(1)
     frames = (rng.random((FRAMES, HEIGHT, WIDTH, 3)) * 255).astype(np.uint8)
     np.save(path / "video.npy", frames)
@@ -141,3 +145,26 @@ def test_served_video_equals_transformers(family, model_dir, tmp_path):
         assert output["error"] is not None, request
         for word in words:
             assert word in output["error"], (request, output["error"])
+
+
+def test_evs_is_refused_with_the_plugins_own_message(tmp_path):
+    """vLLM's own video pruning (``--video-pruning-rate``) would prune the video twice (the
+    refusal is the Qwen-VL classes' shared one, shown on Qwen2.5-VL)."""
+    family = "qwen2_5_vl"
+    model_dir = _build(family, tmp_path / "model")
+    (tmp_path / "cases.json").write_text(json.dumps([{"prompt": PROMPT, "video": "unused"}]))
+    overrides = {"architectures": [CLASSES[family]], "vlm_focus": {"pruner": "fastv"}}
+    command = [
+        sys.executable,
+        str(HERE / "vllm_offline.py"),
+        str(model_dir),
+        str(tmp_path / "cases.json"),
+        str(tmp_path / "out.json"),
+        json.dumps(overrides),
+        json.dumps({"video_pruning_rate": 0.5}),
+    ]
+    run = subprocess.run(
+        command, cwd=tmp_path, env=_env(), timeout=ENGINE_TIMEOUT, capture_output=True, text=True
+    )
+    assert run.returncode != 0
+    assert "--video-pruning-rate (EVS) cannot be combined" in run.stdout + run.stderr
