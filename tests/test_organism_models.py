@@ -55,7 +55,9 @@ def test_training_ids_equal_processor_ids():
     assert inputs["input_ids"][0].tolist() == ids
     assert labels[-2:] == encode("no") + [EOS] and set(labels[:-2]) == {IGNORE}
     assert UNK not in ids
-    assert torch.equal(inputs["pixel_values"], pixel_values([scene]))
+    # Equal on the PIL back end (no torchvision); torchvision's back end rounds the
+    # normalisation differently, by at most 2.4e-7 on these scenes.
+    torch.testing.assert_close(inputs["pixel_values"], pixel_values([scene]), rtol=0, atol=1e-6)
     prompt = processor.apply_chat_template(
         _messages("Is there a red_circle in the image?"), add_generation_prompt=True
     )
