@@ -77,22 +77,23 @@ def llava_next_layout(
         raise ValueError("llava_next needs `image_sizes` (from the processor) with pixel_values")
     sizes = [list(map(int, s)) for s in torch.as_tensor(image_sizes).tolist()]
     visual = LLAVA_NEXT.visual_mask(model, input_ids).cpu()  # one copy to the host
-    per_row = _images_per_row(visual)
-    repeat = rows_per_prompt(
-        sum(per_row), len(sizes), len(per_row), "runs of image tokens", "image_sizes"
+    tokens = visual.sum(-1).tolist()  # image tokens per row
+    needed = sum(tokens)
+    tiled, single = (
+        sum(image_cells(model, s, anyres)[0].shape[0] for s in sizes) for anyres in (True, False)
     )
+    # beam copies need k times the tokens the images give (single crops when tiled ones do not fit)
+    described = tiled if needed % max(tiled, 1) == 0 else single
+    repeat = rows_per_prompt(needed, described, len(tokens), "image tokens", "image_sizes")
     layouts: list[list[ImageLayout]] = []
     first = 0
     for b in range(input_ids.shape[0]):
         positions = torch.nonzero(visual[b]).flatten()
-        row_sizes = sizes[first : first + per_row[b]]
+        n_images, anyres = _row_images(model, positions.numel(), sizes[first:])
+        row_sizes = sizes[first : first + n_images]
         if (b + 1) % repeat == 0:  # beam copies of a prompt share its images
-            first += per_row[b]
-        anyres = True
-        cells = [image_cells(model, s, anyres=True) for s in row_sizes]
-        if sum(c.shape[0] for c, _ in cells) != positions.numel():
-            anyres = False
-            cells = [image_cells(model, s, anyres=False) for s in row_sizes]
+            first += n_images
+        cells = [image_cells(model, s, anyres=anyres) for s in row_sizes]
         patches = [_image_patches(model, s, anyres) for s in row_sizes]
         chunks = chunk_positions(positions, [c.shape[0] for c, _ in cells], f"row {b}")
         layouts.append(
@@ -104,10 +105,20 @@ def llava_next_layout(
     return layouts
 
 
-def _images_per_row(visual: torch.Tensor) -> list[int]:
-    """Images per row, counted as runs of image tokens (the processor puts text between images)."""
-    v = visual.int()
-    return (((v[:, 1:] - v[:, :-1]) == 1).sum(-1) + v[:, 0]).tolist()
+def _row_images(model: nn.Module, tokens: int, sizes: list[list[int]]) -> tuple[int, bool]:
+    """``(n, anyres)``: the next ``n`` images of ``sizes`` fill a row's ``tokens`` image tokens,
+    tiled (anyres), else as single crops. Counted by tokens, not by runs of image tokens: a
+    prompt may put images back to back (``"<image><image>"``), and the model reads it so."""
+    taken = []
+    for anyres in (True, False):
+        n = total = 0
+        while total < tokens and n < len(sizes):
+            total += image_cells(model, sizes[n], anyres)[0].shape[0]
+            n += 1
+        if total == tokens:
+            return n, anyres
+        taken.append(n)
+    return taken[0], True  # chunk_positions then reports the mismatch
 
 
 LLAVA_NEXT = ModelAdapter(
