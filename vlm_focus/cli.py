@@ -20,12 +20,21 @@ from .setting import RunSetting, focus_config
 
 @dataclass
 class InputOptions(LoadOptions):
-    """One image, one prompt and one pruning setting (``vlm-focus run`` and ``bench``)."""
+    """One image or video, one prompt and one pruning setting (``vlm-focus run`` and
+    ``bench``)."""
 
     image: str | None = field(
         default=None,
         metadata={"help": "image file", "default_text": "a bundled sample scene"},
     )
+    video: str | None = field(
+        default=None,
+        metadata={
+            "help": "video file instead of an image (decoded by OpenCV), for a model that takes "
+            "videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)"
+        },
+    )
+    frames: int = field(default=8, metadata={"help": "video frames taken, at even steps"})
     prompt: str | None = field(
         default=None,
         metadata={
@@ -55,6 +64,10 @@ class InputOptions(LoadOptions):
             )
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats={self.repeats!r} must be an int >= 1")
+        if self.image is not None and self.video is not None:
+            raise ValueError("give --image or --video, not both")
+        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or self.frames < 1:
+            raise ValueError(f"frames={self.frames!r} must be an int >= 1")
         self.keep = read_keep(self.keep)  # keep's one rule, as the command line gives it
         from .pruners import read_pruner_options
 
@@ -69,7 +82,7 @@ class InputOptions(LoadOptions):
 
 @dataclass
 class RunConfig(InputOptions):
-    """``vlm-focus run``: answer one prompt about one image, unpruned and pruned."""
+    """``vlm-focus run``: answer one prompt about one image or video, unpruned and pruned."""
 
     max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
     json: bool = field(default=False, metadata={"help": "print one JSON object"})
@@ -96,7 +109,7 @@ class BenchConfig(InputOptions):
 
 
 COMMANDS: dict[str, tuple[type, str, tuple[str, ...]]] = {
-    "run": (RunConfig, "answer one prompt about one image, pruned and unpruned", ()),
+    "run": (RunConfig, "answer one prompt about one image or video, pruned and unpruned", ()),
     "bench": (BenchConfig, "prefill time pruned vs unpruned on one input", ("keep",)),
 }
 _DELEGATES = {
@@ -179,7 +192,15 @@ def pruners_table() -> str:
 
 
 def _load(config: InputOptions):
-    from .loading import build_inputs, load_image, load_model, resolve_device, to_model
+    from .loading import (
+        build_inputs,
+        build_video_inputs,
+        load_image,
+        load_model,
+        load_video,
+        resolve_device,
+        to_model,
+    )
 
     device = resolve_device(config.device)
     model, processor = load_model(
@@ -188,13 +209,17 @@ def _load(config: InputOptions):
         attn_implementation=config.attn,
         trust_remote_code=config.trust_remote_code,
     )
+    prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
+    if config.video is not None:
+        frames, metadata = load_video(config.video, config.frames)
+        inputs = build_video_inputs(processor, frames, metadata, prompt)
+        return model, processor, to_model(model, inputs), config.video, prompt, device
     image_path = config.image
     if image_path is None:
         scenes = sample_scene_paths()
         if not scenes:
             raise ValueError("no --image given and no bundled sample scene found")
         image_path = scenes[0]
-    prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
     inputs = build_inputs(processor, load_image(image_path), prompt)
     inputs = to_model(model, inputs)
     return model, processor, inputs, str(image_path), prompt, device
@@ -226,7 +251,7 @@ def _run(config: RunConfig) -> int:
         )
     report = {
         "model": model.config.model_type,
-        "image": image,
+        "video" if config.video is not None else "image": image,
         "prompt": prompt,
         "answer_unpruned": full,
         "answer_pruned": pruned,
@@ -249,7 +274,7 @@ def _run(config: RunConfig) -> int:
     if config.json:
         print(json.dumps(report))
         return 0
-    print(f"model     {report['model']}   image {image}")
+    print(f"model     {report['model']}   {'video' if config.video else 'image'} {image}")
     print(f"prompt    {prompt}")
     print(f"unpruned  {full}")
     print(f"pruned    {pruned}   ({RunSetting(focus=focus).tag})")

@@ -1,4 +1,5 @@
-"""Load a supported VLM and its processor (offline-friendly), and build inputs for one image."""
+"""Load a supported VLM and its processor (offline-friendly), and build inputs for one image or
+one video."""
 
 from __future__ import annotations
 
@@ -124,6 +125,69 @@ def load_image(image: str | Path | Image.Image) -> Image.Image:
             return opened.convert("RGB")
     except (UnidentifiedImageError, OSError) as err:
         raise ValueError(f"{path} is not a readable image: {err}") from err
+
+
+def load_video(video: str | Path, frames: int = 8) -> tuple[Any, dict[str, Any]]:
+    """``(frames [T, H, W, 3] uint8 RGB, metadata)`` of a video file, ``frames`` of them taken
+    at even steps (all of a shorter video), decoded by OpenCV; the metadata (``fps``,
+    ``total_num_frames``, ``frames_indices``, ``duration``) is what a processor needs to place
+    the frames in time (Qwen3-VL writes each frame's timestamp)."""
+    import cv2
+    import numpy as np
+
+    path = Path(video)
+    if not path.is_file():
+        raise FileNotFoundError(f"video file not found: {path}")
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        raise ValueError(f"frames={frames!r} must be an int >= 1")
+    capture = cv2.VideoCapture(str(path))
+    try:
+        decoded = []
+        while True:
+            ok, frame = capture.read()
+            if not ok:
+                break
+            decoded.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+        fps = capture.get(cv2.CAP_PROP_FPS) or 0.0
+    finally:
+        capture.release()
+    if not decoded:
+        raise ValueError(f"{path} is not a readable video (OpenCV decoded no frame)")
+    if fps <= 0:
+        raise ValueError(f"{path} states no frame rate; re-encode it with one")
+    count = min(frames, len(decoded))
+    indices = np.linspace(0, len(decoded) - 1, count).round().astype(int).tolist()
+    metadata = {
+        "fps": float(fps),
+        "total_num_frames": len(decoded),
+        "frames_indices": indices,
+        "duration": len(decoded) / fps,
+        "video_backend": "opencv",
+    }
+    return np.stack([decoded[i] for i in indices]), metadata
+
+
+def build_video_inputs(
+    processor: Any, video: Any, metadata: dict[str, Any], prompt: str
+) -> dict[str, torch.Tensor]:
+    """Processor inputs for one video (:func:`load_video`'s frames and metadata) and one user
+    question, in the model's chat format; the frames are the ones given (no resampling)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty: type a question or a phrase")
+    if getattr(processor, "video_processor", None) is None:
+        raise ValueError(
+            f"{type(processor).__name__} has no video processor: this model takes images only"
+        )
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    out = processor(
+        videos=[video],
+        text=[text],
+        video_metadata=[metadata],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+    return dict(out)
 
 
 def build_inputs(
