@@ -8,6 +8,11 @@ import contextlib
 
 import torch
 
+import vlm_focus as vf
+from vlm_focus.model_adapters import get_adapter
+
+ATOL = 2e-5  # fp32: only summation order differs between a pruned run and its reference
+
 
 @contextlib.contextmanager
 def _masking(model, layers, dropped):
@@ -142,3 +147,25 @@ def manual_decode(model, inputs, steps, cache=None):
         token = step.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
     return torch.cat(tokens, 1)
+
+
+def assert_pruned_equals_masked(model, inputs, steps: int = 8, **wrap):
+    """``vf.wrap(model, **wrap)`` against :func:`masked_reference` on ``inputs``: the prefill's
+    last logits, ``steps`` cached greedy tokens and each step's logits agree, ``generate()``'s
+    own prefill keeps the forward's set, and every row keeps fewer visual tokens than it has.
+    Returns the pruned forward's trace."""
+    layers = get_adapter(model).decoder_layers(model)
+    with torch.no_grad(), vf.wrap(model, **wrap) as handle:
+        logits = model(**inputs).logits[:, -1]
+        trace = handle.last_trace
+        sequences, step_logits = greedy_generate(model, inputs, steps)
+        for a, b in zip(trace.kept, handle.last_trace.kept, strict=True):
+            assert torch.equal(a, b)  # generate() re-runs prefill: the same kept set
+    assert all(n < v for n, v in zip(trace.n_kept, trace.n_visual, strict=True))
+    with torch.no_grad(), masked_reference(model, layers, trace):
+        ref_logits = model(**inputs).logits[:, -1]
+        ref_sequences, ref_step_logits = greedy_generate(model, inputs, steps)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert torch.equal(sequences, ref_sequences)
+    torch.testing.assert_close(step_logits, ref_step_logits, atol=ATOL, rtol=0)
+    return trace

@@ -5,13 +5,8 @@ left-padded batch 2 whose rows hold different visual-token counts, K = 0 and K =
 from __future__ import annotations
 
 import pytest
-import torch
-from reference import greedy_generate, masked_reference
+from reference import assert_pruned_equals_masked, greedy_generate
 from tiny_models import KINDS, make_inputs, make_model
-
-import vlm_focus as vf
-
-ATOL = 2e-5  # fp32: only summation order differs between the two runs
 
 
 def _generate(model, inputs, steps=8):
@@ -21,22 +16,9 @@ def _generate(model, inputs, steps=8):
 def _check(kind, attn, batch, layer, pruner="fastv", keep=0.5, prompt_len=6, **options):
     model = make_model(kind, attn=attn)
     inputs = make_inputs(kind, model, batch=batch, prompt_len=prompt_len)
-    layers = model.model.language_model.layers
-    with torch.no_grad(), vf.wrap(model, pruner=pruner, keep=keep, layer=layer, **options) as h:
-        logits = model(**inputs).logits[:, -1]
-        trace = h.last_trace
-        sequences, step_logits = _generate(model, inputs)
-        # generate() re-runs prefill: the kept set must be the same as for the plain forward.
-        for a, b in zip(trace.kept, h.last_trace.kept):
-            assert torch.equal(a, b)
-    assert all(n < v for n, v in zip(trace.n_kept, trace.n_visual))
-    with torch.no_grad(), masked_reference(model, layers, trace):
-        ref_logits = model(**inputs).logits[:, -1]
-        ref_sequences, ref_step_logits = _generate(model, inputs)
-    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    assert torch.equal(sequences, ref_sequences)
-    torch.testing.assert_close(step_logits, ref_step_logits, atol=ATOL, rtol=0)
-    return trace
+    return assert_pruned_equals_masked(
+        model, inputs, pruner=pruner, keep=keep, layer=layer, **options
+    )
 
 
 @pytest.mark.parametrize("layer", [0, 2])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pruner_inputs import make_ctx
-from reference import greedy_generate, masked_reference
+from reference import ATOL, assert_pruned_equals_masked, greedy_generate, masked_reference
 from tiny_models import CASES, IMAGE, NEW_KINDS, VIDEO, make_case, make_model
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -22,8 +22,6 @@ from vlm_focus import grounding as G
 from vlm_focus.model_adapters import ImageLayout, get_adapter
 from vlm_focus.model_adapters.base import grid_cells
 from vlm_focus.pruners.baselines import TemporalOptions, TemporalPruner
-
-ATOL = 2e-5
 
 # Qwen3-VL adds DeepStack features after layers 0, 1 and 2: prune before, between and after.
 LAYERS = {("qwen3_vl", "image"): (0, 2, 3)}
@@ -39,21 +37,8 @@ def _matrix():
 def _check(kind, case, attn, batch, layer, pruner="fastv", keep=0.5, steps=8, **options):
     model = make_model(kind, attn=attn)
     inputs = make_case(kind, case, model, batch=batch)
-    layers = model.model.language_model.layers
-    with torch.no_grad(), vf.wrap(model, pruner=pruner, keep=keep, layer=layer, **options) as h:
-        logits = model(**inputs).logits[:, -1]
-        trace = h.last_trace
-        sequences, step_logits = greedy_generate(model, inputs, steps)
-        for a, b in zip(trace.kept, h.last_trace.kept, strict=True):
-            assert torch.equal(a, b)  # generate()'s prefill keeps the same set
-    assert all(n < v for n, v in zip(trace.n_kept, trace.n_visual, strict=True))
-    with torch.no_grad(), masked_reference(model, layers, trace):
-        ref_logits = model(**inputs).logits[:, -1]
-        ref_sequences, ref_step_logits = greedy_generate(model, inputs, steps)
-    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    assert torch.equal(sequences, ref_sequences)
-    torch.testing.assert_close(step_logits, ref_step_logits, atol=ATOL, rtol=0)
-    return model, inputs, trace
+    wrap = dict(pruner=pruner, keep=keep, layer=layer, **options)
+    return model, inputs, assert_pruned_equals_masked(model, inputs, steps, **wrap)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
