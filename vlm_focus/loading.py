@@ -127,44 +127,31 @@ def load_image(image: str | Path | Image.Image) -> Image.Image:
         raise ValueError(f"{path} is not a readable image: {err}") from err
 
 
-def load_video(video: str | Path, frames: int = 8) -> tuple[Any, dict[str, Any]]:
+def load_video(video: str | Path, frames: int = 8) -> tuple[Any, Any]:
     """``(frames [T, H, W, 3] uint8 RGB, metadata)`` of a video file, ``frames`` of them taken
-    at even steps (all of a shorter video), decoded by OpenCV; the metadata (``fps``,
-    ``total_num_frames``, ``frames_indices``, ``duration``) is what a processor needs to place
-    the frames in time (Qwen3-VL writes each frame's timestamp)."""
-    import cv2
+    at even steps (all of a shorter video), decoded by transformers' ``load_video`` with its
+    OpenCV back end; the metadata (``fps``, ``total_num_frames``, ``frames_indices``, ...) is
+    what a processor needs to place the frames in time (Qwen3-VL writes each frame's
+    timestamp)."""
     import numpy as np
+    from transformers.video_utils import load_video as decode
 
     path = Path(video)
     if not path.is_file():
         raise FileNotFoundError(f"video file not found: {path}")
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
         raise ValueError(f"frames={frames!r} must be an int >= 1")
-    capture = cv2.VideoCapture(str(path))
-    try:
-        decoded = []
-        while True:
-            ok, frame = capture.read()
-            if not ok:
-                break
-            decoded.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-        fps = capture.get(cv2.CAP_PROP_FPS) or 0.0
-    finally:
-        capture.release()
-    if not decoded:
-        raise ValueError(f"{path} is not a readable video (OpenCV decoded no frame)")
-    if fps <= 0:
-        raise ValueError(f"{path} states no frame rate; re-encode it with one")
-    count = min(frames, len(decoded))
-    indices = np.linspace(0, len(decoded) - 1, count).round().astype(int).tolist()
-    metadata = {
-        "fps": float(fps),
-        "total_num_frames": len(decoded),
-        "frames_indices": indices,
-        "duration": len(decoded) / fps,
-        "video_backend": "opencv",
-    }
-    return np.stack([decoded[i] for i in indices]), metadata
+
+    def even_steps(metadata, **_) -> list[int]:
+        if metadata.total_num_frames < 1:
+            raise ValueError(f"{path} is not a readable video (OpenCV decoded no frame)")
+        if not metadata.fps or metadata.fps <= 0:
+            raise ValueError(f"{path} states no frame rate; re-encode it with one")
+        count = min(frames, metadata.total_num_frames)
+        steps = np.linspace(0, metadata.total_num_frames - 1, count).round().astype(int)
+        return steps.tolist()
+
+    return decode(str(path), backend="opencv", sample_indices_fn=even_steps)
 
 
 def build_video_inputs(

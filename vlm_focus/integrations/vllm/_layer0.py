@@ -188,12 +188,13 @@ def layer0_keep(
                 f"{n} tokens)"
             )
         hidden = language_model.embed_input_ids(ids.to(device)).clone()  # [S, D]
-        hidden[where.to(device)] = embeddings.to(hidden.dtype)
+        hidden[where.to(device)] = embeddings.to(hidden.dtype)  # layer 0's input
         hidden, seq, layer = hidden[None], ids.shape[0], language_model.layers[0]
         at = torch.arange(seq) if positions is None else positions(ids)
         cos, sin = rope_tables(layer.self_attn, at)
+    at_item = where.to(device)
     visual = torch.zeros(1, seq, dtype=torch.bool, device=device)
-    visual[0, where.to(device)] = True
+    visual[0, at_item] = True
     image = ImageLayout(positions=where, cells=cells, grids=grids, image_size=image_size, kind=kind)
     ctx = StageContext(
         model=None,
@@ -215,8 +216,8 @@ def layer0_keep(
     selection = pruner.select(ctx, n_keep)
     if kind == "video" and budget == "frame":  # the engine's rules
         frames = torch.zeros(1, seq, dtype=torch.long, device=device)
-        frames[0, where.to(device)] = cells[:, 0].to(device)
+        frames[0, at_item] = cells[:, 0].to(device)
         keep = keep_mask(frame_shares(selection.scores, visual, frames), visual, n - n_keep)
     else:
         keep = selected_keep(selection.scores, selection.kept, visual, n - n_keep)
-    return torch.nonzero(keep[0, where.to(device)]).flatten().cpu()
+    return torch.nonzero(keep[0, at_item]).flatten().cpu()

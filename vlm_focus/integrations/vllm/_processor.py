@@ -13,6 +13,7 @@ from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails
 
 from ...config import keep_count
+from ...model_adapters.base import runs
 from . import BUDGETS, VIDEO_PRUNERS
 from ._layer0 import ATTENTION_PRUNERS
 from ._request import PROMPT_FIELD, item_fields, serve_options, split_request
@@ -60,22 +61,22 @@ def video_counts(
     return out
 
 
+def token_runs(seq: list[int], token: int) -> list[torch.Tensor]:
+    """The maximal runs of ``token`` in ``seq``, each as its positions."""
+    return runs(torch.nonzero(torch.tensor(seq) == token).flatten())
+
+
 def cut_runs(seq: list[int], token: int, counts: Sequence[int]) -> list[int]:
     """``seq`` with its runs of ``token`` cut to ``counts`` tokens each (one count per run, or
     one count for a sequence that is a single run)."""
-    out, run = [], 0
-    for i, t in enumerate(seq):
-        if t != token:
-            out.append(t)
-            continue
-        if i == 0 or seq[i - 1] != token:  # a run starts
-            if run >= len(counts):
-                raise ValueError(f"more runs of token {token} than the {len(counts)} counts")
-            out += [token] * counts[run]
-            run += 1
-    if run != len(counts):
-        raise ValueError(f"{run} runs of token {token} for {len(counts)} counts")
-    return out
+    found = token_runs(seq, token)
+    if len(found) != len(counts):
+        raise ValueError(f"{len(found)} runs of token {token} for {len(counts)} counts")
+    out, start = [], 0
+    for run, count in zip(found, counts, strict=True):
+        out += [*seq[start : int(run[0])], *[token] * count]
+        start = int(run[-1]) + 1
+    return out + seq[start:]
 
 
 def replace_once(seq: list[int], target: Sequence[int], replacement: Sequence[int]) -> list[int]:
@@ -245,9 +246,7 @@ class PruningProcessorMixin:
             seq = list(full.full if isinstance(full, PromptUpdateDetails) else full)
             total = int(item[keep_name].data)
             budget = BUDGETS[int(item[budget_name].data)]
-            n_runs = sum(
-                1 for i, t in enumerate(seq) if t == token and (i == 0 or seq[i - 1] != token)
-            )
+            n_runs = len(token_runs(seq, token))
             if budget == "span" or n_runs == 1:
                 counts = [total]
             else:

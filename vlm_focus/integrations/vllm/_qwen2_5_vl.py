@@ -33,7 +33,7 @@ class VlmFocusQwen2_5_VLMultiModalProcessor(MRopeImageProcessor, Qwen2_5_VLMulti
 
     def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
         token = self._video_token()
-        (t, n), *_ = self._video_frames({"video_grid_thw": data["video_grid_thw"][i : i + 1]})
+        t, n = self._video_frames(data)[i]
         return [token], [token] * (t * n)
 
 
@@ -45,6 +45,6 @@ class VlmFocusQwen2_5_VLMultiModalProcessor(MRopeImageProcessor, Qwen2_5_VLMulti
 class VlmFocusQwen2_5_VLForConditionalGeneration(
     MRopePruningModel, Qwen2_5_VLForConditionalGeneration
 ):
-    """vLLM's Qwen2.5-VL whose images reach the LLM pruned."""
+    """vLLM's Qwen2.5-VL whose images and videos reach the LLM pruned."""
 
     pruners = PRUNERS

@@ -37,7 +37,7 @@ class VlmFocusQwen3VLMultiModalProcessor(MRopeImageProcessor, Qwen3VLMultiModalP
 
     def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
         config = self.info.get_hf_config()
-        (t, n), *_ = self._video_frames({"video_grid_thw": data["video_grid_thw"][i : i + 1]})
+        t, n = self._video_frames(data)[i]
         video = self.get_video_repl(
             tokens_per_frame=[n] * t,
             timestamps=data["timestamps"][i],
@@ -59,7 +59,7 @@ class VlmFocusQwen3VLMultiModalProcessor(MRopeImageProcessor, Qwen3VLMultiModalP
     dummy_inputs=Qwen3VLDummyInputsBuilder,
 )
 class VlmFocusQwen3VLForConditionalGeneration(MRopePruningModel, Qwen3VLForConditionalGeneration):
-    """vLLM's Qwen3-VL whose images reach the LLM pruned."""
+    """vLLM's Qwen3-VL whose images and videos reach the LLM pruned."""
 
     pruners = PRUNERS
     frames_apart = True
