@@ -11,7 +11,7 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from vlm_focus.demo import app
-from vlm_focus.demo.request import DemoResult, GroundedMap
+from vlm_focus.demo.request import DemoResult, FrameMap, GroundedMap
 from vlm_focus.grounding import Box
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
 from vlm_focus.timing import PairedTiming
@@ -105,6 +105,7 @@ def test_outputs_of_a_failure_and_a_success():
         None,
         "",
         None,
+        [],
     )
     image = np.zeros((8, 8, 3), np.uint8)
     m = GroundedMap("red_circle", image + 1, [Box(1, 2, 3, 4, 0.5)], [0.75])
@@ -125,7 +126,7 @@ def test_outputs_of_a_failure_and_a_success():
     outputs = app.outputs_of(ok)
     status, answer, unpruned, mitigated, stats, heat, kept, gallery, table, fixation = outputs[:10]
     assert fixation is None  # a prefill pruner: no per-step fixation
-    assert outputs[10:] == ("", None)  # no zoom asked for
+    assert outputs[10:] == ("", None, [])  # no zoom asked for, no video
     assert status == "Done in 1.2 s. Downscaled."
     assert (answer, unpruned, mitigated) == ("yes", "no", "")
     assert stats == (
@@ -213,11 +214,91 @@ def test_embedded_models_are_named_as_such():
     assert app.Served(model, None).name == "llava-hf/llava-1.5-7b-hf"
 
 
-def test_outputs_of_a_zoom_come_last():
+def test_outputs_of_a_zoom_come_before_the_frame_maps():
     image = np.zeros((8, 8, 3), np.uint8)
     ok = DemoResult(
         ok=True, image=image, answer="no", answer_zoomed="yes", zoomed=True, zoom_overlay=image + 3
     )
     outputs = app.outputs_of(ok)
-    assert len(outputs) == 12 and outputs[1] == "no"
-    assert outputs[10] == "yes" and (outputs[11] == 3).all()
+    assert len(outputs) == 13 and outputs[1] == "no"
+    assert outputs[10] == "yes" and (outputs[11] == 3).all() and outputs[12] == []
+
+
+# --- a video ----------------------------------------------------------------------------------
+def test_outputs_of_a_video_are_the_answers_and_a_captioned_gallery_of_frames():
+    frame = np.zeros((4, 6, 3), np.uint8)
+    maps = [
+        FrameMap([0, 2], [0.0, 0.5], 0.75, frame + 1),
+        FrameMap([5], [1.25], 0.25, frame + 2),
+    ]
+    result = DemoResult(
+        ok=True, answer="two frames", video=True, frame_maps=maps, n_kept=24, n_visual=48
+    )
+    outputs = app.outputs_of(result)
+    assert outputs[1] == "two frames" and outputs[4].startswith("**24 / 48 visual tokens kept")
+    assert outputs[5] is None and outputs[6] is None and outputs[8] == []  # image-only
+    gallery = outputs[12]
+    assert [caption for _, caption in gallery] == [
+        "frames 0-2 (0.00-0.50 s): 75%",
+        "frame 5 (1.25 s): 25%",
+    ]
+    assert [int(overlay.max()) for overlay, _ in gallery] == [1, 2]
+
+
+def _answer_function(demo):
+    return next(f for f in demo.fns.values() if f.api_name == "answer")
+
+
+def test_the_video_input_feeds_the_answer_endpoint_and_its_frame_gallery():
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    answer = _answer_function(app.build_app(model, build_processor(SPECS["tiny"])))
+    inputs = [c.elem_id for c in answer.inputs]
+    assert inputs[0] == "image" and inputs[-1] == "video"  # appended: old API calls still fit
+    assert [c.elem_id for c in answer.outputs][-1] == "frame-maps"
+
+
+def test_the_page_shows_a_videos_frames_and_hides_the_image_outputs(tmp_path):
+    from test_demo_request import VIDEO_QUESTION, write_video
+    from tiny_models import make_model
+    from tiny_processors import tiny_processor
+
+    model = make_model("qwen2_5_vl")
+    respond = _answer_function(app.build_app(model, tiny_processor(model))).fn
+    clip = write_video(tmp_path / "clip.mp4", frames=4)
+    values = respond(None, VIDEO_QUESTION, "fastv", 0.5, 1, "none", False, "", str(clip))
+    assert values[0].startswith("Done in"), values[0]
+    gallery = values[12]
+    assert gallery["visible"] is True
+    assert [caption.rsplit(":", 1)[0] for _, caption in gallery["value"]] == [
+        "frames 0-1 (0.00-0.25 s)",
+        "frames 2-3 (0.50-0.75 s)",
+    ]
+    assert values[5] is None and values[6] is None and values[8] == []  # image-only outputs
+    with pytest.warns(UserWarning, match="Both an image and a video"):
+        both = respond(
+            np.zeros((32, 48, 3), np.uint8),
+            VIDEO_QUESTION,
+            "fastv",
+            0.5,
+            1,
+            "none",
+            False,
+            "",
+            str(clip),
+        )
+    assert both[0] == (
+        "**Could not answer.** Both an image and a video were given: clear one of them, the "
+        "demo asks about one at a time."
+    )
+    assert both[12]["visible"] is False
+
+
+def test_a_video_hides_the_image_only_outputs_until_it_is_cleared():
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    demo = app.build_app(model, build_processor(SPECS["tiny"]))
+    toggle = next(f for f in demo.fns.values() if [c.elem_id for c in f.inputs] == ["video"])
+    assert [c.elem_id for c in toggle.outputs] == ["heatmap", "kept-mask", "boxes"]
+    assert [u["visible"] for u in toggle.fn("clip.mp4")] == [False] * 3
+    assert [u["visible"] for u in toggle.fn(None)] == [True] * 3

@@ -1,5 +1,6 @@
 """``vlm-focus demo`` end to end: a real server process, Debian's Chromium driven by Playwright,
-and five concurrent requests through gradio_client.
+and five concurrent requests through gradio_client; a second server, on a tiny random-weight
+Qwen2.5-VL saved with its real processor, answers about a video uploaded in the browser.
 
 Playwright never downloads a browser here: it launches the system ``chromium`` (``.ci/run``
 installs it with apt-get when it is missing). Without it these tests fail and say so.
@@ -7,6 +8,7 @@ installs it with apt-get when it is missing). Without it these tests fail and sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -61,15 +63,13 @@ def n_visual(model_dir: Path) -> int:
     return (vision["image_size"] // vision["patch_size"]) ** 2
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The demo as a user starts it: ``python -m vlm_focus.cli demo --port N`` (embedded model)."""
-    model_dir = default_model_path()
-    assert (model_dir / "config.json").exists(), f"the embedded model is missing at {model_dir}"
+@contextlib.contextmanager
+def demo_server(log: Path, *options: str):
+    """The demo as a user starts it: ``python -m vlm_focus.cli demo --port N [options]``; yields
+    its URL once it answers, and stops it afterwards."""
     port = free_port()
-    log = tmp_path_factory.mktemp("demo") / "server.log"
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "vlm_focus.cli", "demo", "--port", str(port)]
+    cmd = [sys.executable, "-m", "vlm_focus.cli", "demo", "--port", str(port), *options]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -87,7 +87,7 @@ def server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"the demo did not start in {STARTUP_SECONDS} s:\n{log.read_text()}")
             time.sleep(0.5)
-        yield url, n_visual(model_dir), log
+        yield url
     finally:
         proc.terminate()
         try:
@@ -95,6 +95,49 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The demo on the embedded model."""
+    model_dir = default_model_path()
+    assert (model_dir / "config.json").exists(), f"the embedded model is missing at {model_dir}"
+    log = tmp_path_factory.mktemp("demo") / "server.log"
+    with demo_server(log) as url:
+        yield url, n_visual(model_dir), log
+
+
+@pytest.fixture(scope="module")
+def video_server(tmp_path_factory):
+    """The demo on a tiny random-weight Qwen2.5-VL saved with its real processor (a model that
+    takes videos)."""
+    from tiny_models import make_model
+    from tiny_processors import tiny_processor
+
+    root = tmp_path_factory.mktemp("video-demo")
+    model = make_model("qwen2_5_vl")
+    model.save_pretrained(root / "model")
+    tiny_processor(model).save_pretrained(root / "model")
+    log = root / "server.log"
+    with demo_server(log, "--model", str(root / "model")) as url:
+        yield url, log
+
+
+def open_page(p, url: str, outside: list[str]):
+    """A fresh headless Chromium on ``url``; requests beyond the demo server land in
+    ``outside``."""
+    browser = p.chromium.launch(
+        executable_path=chromium_path(),
+        headless=True,
+        args=CHROMIUM_ARGS,  # launch() gives every browser a fresh temporary profile
+    )
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.on(
+        "request",
+        lambda r: None if r.url.startswith((url, "data:", "blob:")) else outside.append(r.url),
+    )
+    page.goto(url)
+    return browser, page
 
 
 def table_row(page, index: int) -> list[str]:
@@ -113,20 +156,8 @@ def test_browser_uploads_a_sample_and_sees_the_answer_and_maps(server, tmp_path)
         width, height = im.size
     outside = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=chromium_path(),
-            headless=True,
-            args=CHROMIUM_ARGS,  # launch() gives every browser a fresh temporary profile
-        )
+        browser, page = open_page(p, url, outside)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.on(
-                "request",
-                lambda r: (
-                    None if r.url.startswith((url, "data:", "blob:")) else outside.append(r.url)
-                ),
-            )
-            page.goto(url)
             page.locator("#image input[type=file]").set_input_files(str(sample))
             page.locator("#prompt textarea").fill(PRESENT)
             page.locator("#run").click()
@@ -207,3 +238,59 @@ def test_five_concurrent_requests_all_succeed(server):
             assert h.size == k.size == s.size
         assert table["data"] and table["data"][0][0] == "red_circle"
         assert table["data"][0][6].startswith("not found")  # absent from the sample
+
+
+def test_browser_uploads_a_video_and_sees_one_map_per_frame(video_server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+    from test_demo_request import VIDEO_QUESTION, write_video
+
+    url, log = video_server
+    clip = write_video(tmp_path / "clip.webm", frames=5)  # VP8: Chromium plays it
+    outside = []
+    with sync_playwright() as p:
+        browser, page = open_page(p, url, outside)
+        try:
+            page.locator("#video input[type=file]").set_input_files(str(clip))
+            expect(page.locator("#video video")).to_have_count(1, timeout=30_000)
+            page.locator("#prompt textarea").fill(VIDEO_QUESTION)
+            page.locator("#run").click()
+            expect(page.locator("#status")).to_contain_text("Done in", timeout=60_000)
+            captions = page.locator("#frame-maps .caption-label")
+            expect(captions).to_have_count(3, timeout=30_000)
+            texts = captions.all_inner_texts()
+            page.wait_for_function(  # the gallery loads its images lazily
+                "() => [...document.querySelectorAll('#frame-maps img')]"
+                ".every(e => e.complete && e.naturalWidth > 0)"
+            )
+            sizes = page.eval_on_selector_all(
+                "#frame-maps img", "es => es.map(e => [e.naturalWidth, e.naturalHeight])"
+            )
+            stats = page.locator("#stats").inner_text()
+            image_outputs_hidden = [
+                page.locator(f"#{elem}").is_hidden() for elem in ("heatmap", "kept-mask", "boxes")
+            ]
+            toasts = page.locator(".toast-body").all_inner_texts()
+            page.screenshot(path=str(tmp_path / "video.png"), full_page=True)
+            # an image as well as the video: a message in the page, no answer
+            page.locator("#image input[type=file]").set_input_files(str(sample_scene_paths()[0]))
+            page.locator("#run").click()
+            expect(page.locator("#status")).to_contain_text(
+                "Could not answer. Both an image and a video were given", timeout=30_000
+            )
+            expect(page.locator("#frame-maps")).to_be_hidden()
+        finally:
+            browser.close()
+    # five frames, in views of two (Qwen2.5-VL's temporal patch): 0-1, 2-3, and 4 repeated
+    assert [t.rsplit(":", 1)[0] for t in texts] == [
+        "frames 0-1 (0.00-0.25 s)",
+        "frames 2-3 (0.50-0.75 s)",
+        "frame 4 (1.00 s)",
+    ], texts
+    shares = [int(t.rsplit(":", 1)[1].strip().rstrip("%")) for t in texts]
+    assert 98 <= sum(shares) <= 102, texts  # each share rounded to a whole percent
+    assert sizes == [[48, 32]] * 3  # each frame drawn at the video's size
+    assert re.search(r"(\d+) / (\d+) visual tokens kept", stats), stats
+    assert image_outputs_hidden == [True, True, True]
+    assert toasts == [], toasts  # no "Video not playable", no error
+    assert outside == [], f"the page reached beyond the demo server: {outside}"
+    assert "Traceback" not in log.read_text()

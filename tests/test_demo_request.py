@@ -565,3 +565,220 @@ def test_the_sample_square_is_boxed_and_an_absent_circle_is_not_found():
     assert absent.ok and absent.answer == "no"
     assert absent.prompt_map.present is False and absent.prompt_map.boxes == []
     assert absent.box_rows()[0][6].startswith("not found")
+
+
+# --- a video: the answers and the prompt's map in each frame --------------------------------
+VIDEO_QUESTION = "what is in this video"
+VIDEO_SIZE = Size(48, 32)
+VIDEO_FPS = 4.0
+
+
+def write_video(path, frames: int, size: Size = VIDEO_SIZE, fps: float = VIDEO_FPS):
+    """A noise video written by OpenCV: VP8 for ``.webm`` (browsers play it), else MPEG-4."""
+    from tiny_processors import noise_video
+
+    fourcc = cv2.VideoWriter_fourcc(*("VP80" if path.suffix == ".webm" else "mp4v"))
+    writer = cv2.VideoWriter(str(path), fourcc, fps, (size.width, size.height))
+    for frame in noise_video(frames, size.width, size.height, seed=3):
+        writer.write(np.ascontiguousarray(frame[..., ::-1]))  # OpenCV writes BGR
+    writer.release()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen():
+    """A random-weight Qwen2.5-VL (it merges two frames into one temporal patch) with its real
+    processor."""
+    from tiny_models import make_model
+    from tiny_processors import tiny_processor
+
+    model = make_model("qwen2_5_vl")
+    return model, tiny_processor(model)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    """Five frames: three views of two, two and one frame (the processor repeats the last)."""
+    return write_video(tmp_path_factory.mktemp("video") / "clip.mp4", frames=5)
+
+
+def run_video(model_and_processor, video, image=None, **kw):
+    model, processor = model_and_processor
+    options = dict(pruner="fastv", keep=0.5, layer=1, max_new_tokens=3, repeats=1)
+    options.update(kw)
+    return req.run_request(model, processor, image, VIDEO_QUESTION, video=video, **options)
+
+
+def test_a_video_gets_both_answers_and_the_prompts_map_in_each_frame(tiny_qwen, clip):
+    from vlm_focus.loading import build_video_inputs, load_video
+
+    model, processor = tiny_qwen
+    result = run_video(tiny_qwen, str(clip))
+    assert result.ok, result.message
+    frames, metadata = load_video(clip)
+    inputs = build_video_inputs(processor, frames, metadata, VIDEO_QUESTION)
+    with torch.inference_mode():
+        full = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        with vf.wrap(model, pruner="fastv", keep=0.5, layer=1) as handle:
+            pruned = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert result.answer_unpruned == decode_new_tokens(processor, inputs, full)[0]
+    assert result.answer == decode_new_tokens(processor, inputs, pruned)[0]
+    t, h, w = inputs["video_grid_thw"][0].tolist()
+    assert (len(frames), t) == (5, 3)
+    assert (result.n_visual, result.n_kept) == (t * h * w // 4, handle.last_trace.n_kept[0])
+    assert result.n_kept == result.n_visual // 2
+    # one map per view, in time order, captioned with the frames it covers
+    assert [m.frames for m in result.frame_maps] == [[0, 1], [2, 3], [4]]
+    assert [m.seconds for m in result.frame_maps] == [[0.0, 0.25], [0.5, 0.75], [1.0]]
+    assert [m.caption.rsplit(":", 1)[0] for m in result.frame_maps] == [
+        "frames 0-1 (0.00-0.25 s)",
+        "frames 2-3 (0.50-0.75 s)",
+        "frame 4 (1.00 s)",
+    ]
+    assert result.notices == [
+        "Each frame shows the attention to 'what video', all on one colour scale."
+    ]
+    # the image-only outputs stay empty
+    assert result.video and result.image is None and result.kept_overlay is None
+    assert result.prompt_map is None and result.object_maps == [] and result.box_rows() == []
+
+
+def test_each_frames_overlay_is_its_map_on_its_first_frame_on_one_scale(tiny_qwen, clip):
+    from vlm_focus.loading import build_video_inputs, load_video
+
+    model, processor = tiny_qwen
+    result = run_video(tiny_qwen, str(clip))
+    frames, metadata = load_video(clip)
+    inputs = build_video_inputs(processor, frames, metadata, VIDEO_QUESTION)
+    gp = grounding.GroundingPass(model, inputs, processor=processor, sizes=[VIDEO_SIZE])
+    heat = gp.map(gp.mentions(source="prompt", within=VIDEO_QUESTION)[0])
+    views = heat.frame_maps
+    assert len(views) == len(result.frame_maps) == 3
+    peak = max(float(v.pixels.max()) for v in views)
+    for view, first, got in zip(views, [0, 2, 4], result.frame_maps, strict=True):
+        torch.testing.assert_close(got.map.pixels, view.pixels, atol=1e-6, rtol=1e-4)
+        assert got.share == pytest.approx(view.mass / heat.mass, abs=1e-6)
+        assert got.caption.endswith(f": {got.share:.0%}")
+        expected = heat_overlay(frames[first], view.pixels, peak=peak)
+        np.testing.assert_allclose(got.overlay, expected, atol=1)
+    assert sum(m.share for m in result.frame_maps) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_instruction_contrast_on_a_video_contrasts_with_the_same_video(tiny_qwen, clip):
+    from vlm_focus.loading import build_video_inputs, load_video
+
+    model, processor = tiny_qwen
+    result = run_video(tiny_qwen, str(clip), mitigation="instruction_contrast")
+    assert result.ok, result.message
+    frames, metadata = load_video(clip)
+    inputs = build_video_inputs(processor, frames, metadata, VIDEO_QUESTION)
+    generic = build_video_inputs(processor, frames, metadata, grounding.GENERIC_PROMPT)
+    with torch.inference_mode(), vf.wrap(model, pruner="fastv", keep=0.5, layer=1):
+        with hal.instruction_contrast(model, inputs, generic) as proc:
+            out = model.generate(
+                **inputs, max_new_tokens=3, do_sample=False, logits_processor=[proc]
+            )
+    assert result.answer_mitigated == decode_new_tokens(processor, inputs, out)[0]
+
+
+@pytest.mark.parametrize(
+    ("kind", "frames"),
+    [
+        ("qwen2_vl", [[0, 1], [2, 3], [4]]),
+        ("qwen3_vl", [[0, 1], [2, 3], [4]]),  # a timestamp before every view
+        ("llava_onevision", [[0], [1], [2], [3], [4]]),  # every frame a view of its own
+    ],
+)
+def test_every_video_class_gets_one_map_per_view_of_its_frames(kind, frames, clip):
+    from tiny_models import make_model
+    from tiny_processors import tiny_processor
+
+    model = make_model(kind)
+    result = run_video((model, tiny_processor(model)), str(clip))
+    assert result.ok, result.message
+    assert [m.frames for m in result.frame_maps] == frames
+    assert sum(m.share for m in result.frame_maps) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("n_views", "n_frames", "spans"),
+    [
+        (1, 1, [[0]]),  # one frame, repeated to fill a temporal patch of two
+        (2, 4, [[0, 1], [2, 3]]),
+        (3, 5, [[0, 1], [2, 3], [4]]),
+        (4, 4, [[0], [1], [2], [3]]),  # a model that reads every frame as a view of its own
+    ],
+)
+def test_frame_spans(n_views, n_frames, spans):
+    assert req.frame_spans(n_views, n_frames) == spans
+
+
+def test_frame_spans_refuses_nothing():
+    with pytest.raises(ValueError, match="n_views=0 and n_frames=3"):
+        req.frame_spans(0, 3)
+
+
+def test_large_video_frames_are_downscaled_with_a_notice(tiny_qwen, clip):
+    result = run_video(tiny_qwen, str(clip), max_side=24)
+    assert result.ok, result.message
+    assert result.notices[0] == (
+        "The video's frames were 48x32 pixels; they were downscaled to 24x16 for this demo."
+    )
+    assert [m.overlay.shape for m in result.frame_maps] == [(16, 24, 3)] * 3
+
+
+def test_bad_video_requests_are_messages(tiny_qwen, tiny, clip, scene, tmp_path):
+    garbage = tmp_path / "garbage.mp4"
+    garbage.write_bytes(b"this is not a video")
+    picture = tmp_path / "picture.mp4"
+    Image.fromarray(scene).save(picture, format="PNG")  # an image under a video's name
+    cases = [
+        (
+            run_video(tiny_qwen, str(clip), image=scene),
+            "Both an image and a video were given: clear one of them, the demo asks about one "
+            "at a time.",
+        ),
+        (
+            run_video(tiny, str(clip), layer=0),
+            "This model (llava) takes images only, not videos: upload an image, or load a model "
+            "that takes videos.",
+        ),
+        (
+            run_video(tiny_qwen, str(clip), zoom=True),
+            "Look closer (zoom) crops an image; untick it to ask about a video.",
+        ),
+        (
+            run_video(tiny_qwen, str(garbage)),
+            "The file 'garbage.mp4' could not be read as a video.",
+        ),
+        (
+            run_video(tiny_qwen, str(picture)),
+            "The file 'picture.mp4' could not be read as a video.",
+        ),
+        (run_video(tiny_qwen, str(tmp_path / "gone.mp4")), "Video file not found: gone.mp4"),
+        (run_video(tiny_qwen, 3), "Unsupported video input of type int."),
+    ]
+    for result, message in cases:
+        assert not result.ok and result.message == message
+        assert result.frame_maps == [] and not result.video
+    empty_prompt = req.run_request(*tiny_qwen, None, "  ", video=str(clip), layer=1)
+    assert empty_prompt.message == "The prompt is empty: type a question or a phrase."
+    for nothing in (None, ""):  # an empty video slot is no video: the image path answers
+        assert run_video(tiny, nothing, image=scene, layer=0).ok
+
+
+def test_heat_overlay_with_a_shared_peak():
+    image = np.full((4, 4, 3), 100, np.uint8)
+    density = np.zeros((4, 4))
+    density[1, 2] = 2.0
+    np.testing.assert_array_equal(
+        heat_overlay(image, density, peak=2.0), heat_overlay(image, density)
+    )
+    half = heat_overlay(image, density, peak=4.0)  # the peak pixel sits mid-scale
+    jet = cv2.cvtColor(
+        cv2.applyColorMap(np.array([[0, 128]], np.uint8), cv2.COLORMAP_JET), cv2.COLOR_BGR2RGB
+    )[0]
+    np.testing.assert_allclose(half[1, 2], np.round(0.5 * 100 + 0.5 * jet[1]), atol=1)
+    np.testing.assert_allclose(half[0, 0], np.round(0.5 * 100 + 0.5 * jet[0]), atol=1)
+    above = heat_overlay(image, density * 10, peak=2.0)  # beyond the peak: the top colour
+    np.testing.assert_array_equal(above, heat_overlay(image, density))

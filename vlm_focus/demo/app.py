@@ -22,8 +22,9 @@ from ..core.options import add_options, default_of, parse_config  # noqa: E402
 from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
 
 DESCRIPTION = (
-    "Gradio page: ask about an image, see the answer pruned and unpruned, attention maps with "
-    "boxes and region scores, the visual tokens kept and the prefill speed-up."
+    "Gradio page: ask about an image or a short video, see the answer pruned and unpruned, "
+    "attention maps with boxes and region scores (one map per frame of a video), the visual "
+    "tokens kept and the prefill speed-up."
 )
 DEFAULT_QUESTION = "Is there a red_circle in the image?"
 EXAMPLE_PROMPTS = (
@@ -39,7 +40,7 @@ N_SAMPLES = 6
 MAX_FILE_SIZE = 64 * 1024 * 1024  # bytes per upload
 #: Small images (the organism's scenes are 192 px) are drawn at the panel size, cells kept sharp.
 CSS = """
-#image img, #heatmap img, #kept-mask img, #objects img {
+#image img, #heatmap img, #kept-mask img, #objects img, #frame-maps img {
   width: 100%; height: 100%; object-fit: contain; image-rendering: pixelated;
 }
 """
@@ -157,7 +158,7 @@ def outputs_of(result: DemoResult) -> tuple:
     """The page's output values for one result (same order as the output components)."""
     if not result.ok:
         status = f"**Could not answer.** {result.message}"
-        return (status, "", "", "", "", None, None, [], [], None, "", None)
+        return (status, "", "", "", "", None, None, [], [], None, "", None, [])
     notes = " ".join(result.notices)
     status = f"Done in {result.seconds:.1f} s." + (f" {notes}" if notes else "")
     stats = f"**{result.kept_text}**  \n{result.timing_text}"
@@ -176,6 +177,7 @@ def outputs_of(result: DemoResult) -> tuple:
         result.fixation_strip,
         result.answer_zoomed,
         result.zoom_overlay,
+        [(m.overlay, m.caption) for m in result.frame_maps],
     )
 
 
@@ -185,7 +187,9 @@ def _header(name: str) -> str:
         f"Model: `{name}`. Ask about an image: the page shows the answer with and without "
         "visual-token pruning, the attention map of your phrase and of each object the "
         "answer names (with boxes and their region scores), the visual tokens the pruner "
-        "kept, and the prefill time pruned against unpruned, measured in the same request."
+        "kept, and the prefill time pruned against unpruned, measured in the same request. "
+        "A model that takes videos also answers about a short video, with your phrase's "
+        "attention map in each frame."
     )
 
 
@@ -230,6 +234,12 @@ def build_app(
                     value=None,
                     label="...or a sample scene",
                     elem_id="sample",
+                )
+                video = gr.Video(
+                    sources=["upload"],
+                    label="...or a short video (for a model that takes videos)",
+                    elem_id="video",
+                    height=240,
                 )
                 prompt = gr.Textbox(
                     value=DEFAULT_QUESTION, label="Question or phrase", elem_id="prompt"
@@ -293,6 +303,15 @@ def build_app(
                     elem_id="objects",
                     visible=False,
                 )
+                frames = gr.Gallery(
+                    label="Attention to the prompt phrase in each video frame (one colour "
+                    "scale; each caption: the frames, their time, the share of the attention)",
+                    columns=4,
+                    height=260,
+                    format="png",
+                    elem_id="frame-maps",
+                    visible=False,
+                )
                 fixation = gr.Image(
                     label="Where each decoding step looked (fixation: the visual tokens that "
                     "step attended to; the token it wrote underneath)",
@@ -329,6 +348,7 @@ def build_app(
             mit_value,
             zoom_value=False,
             options_value="",
+            video_value=None,
         ):
             model_now, processor_now = served.pair
             result = run_request(
@@ -342,6 +362,7 @@ def build_app(
                 mit_value,
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
+                video=video_value,
                 zoom=bool(zoom_value),
                 pruner_options=options_value or "",
             )
@@ -353,7 +374,12 @@ def build_app(
             shown = bool(zoom_value) and result.ok
             values[10] = gr.update(value=values[10], visible=shown)  # zoomed answer
             values[11] = gr.update(value=values[11], visible=shown)  # zoom overlay
+            values[12] = gr.update(value=values[12], visible=bool(values[12]))  # frame maps
             return tuple(values)
+
+        def image_outputs(video_value):
+            # a video's maps are per frame: the image's map, kept mask and boxes step aside
+            return [gr.update(visible=video_value is None)] * 3
 
         def switch(path: str):
             ok, message = served.load(path)
@@ -368,9 +394,10 @@ def build_app(
             switch, inputs=[model_path], outputs=[model_status, header, layer], api_name=False
         )
         sample.change(pick, inputs=[sample], outputs=[image], api_name=False)
+        video.change(image_outputs, inputs=[video], outputs=[heat, kept, table], api_name=False)
         run.click(
             respond,
-            inputs=[image, prompt, pruner, keep, layer, mitigation, zoom, pruner_options],
+            inputs=[image, prompt, pruner, keep, layer, mitigation, zoom, pruner_options, video],
             outputs=[
                 status,
                 answer,
@@ -384,6 +411,7 @@ def build_app(
                 fixation,
                 zoomed,
                 zoom_map,
+                frames,
             ],
             api_name="answer",
         )

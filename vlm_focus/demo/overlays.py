@@ -30,10 +30,14 @@ def heat_overlay(
     *,
     alpha: float = 0.5,
     colormap: int = cv2.COLORMAP_JET,
+    peak: float | None = None,
 ) -> np.ndarray:
     """Blend ``density [H, W]`` (any non-negative scale) onto ``image`` with an OpenCV colormap.
 
-    ``out = (1 - alpha) * image + alpha * colormap(round(255 * density / max(density)))``
+    ``out = (1 - alpha) * image + alpha * colormap(round(255 * min(density / peak, 1)))``
+
+    ``peak`` defaults to ``max(density)``; maps drawn with one ``peak`` share a colour scale
+    (a video's frames), so a frame the model barely attended to stays cold.
     """
     image = _check_image(image)
     if isinstance(density, torch.Tensor):
@@ -42,8 +46,11 @@ def heat_overlay(
     if density.shape != image.shape[:2]:
         raise ValueError(f"map shape {density.shape} != image shape {image.shape[:2]}")
     density = np.nan_to_num(density, nan=0.0, posinf=0.0, neginf=0.0).clip(min=0)
-    peak = float(density.max())
-    scaled = np.zeros(density.shape, np.uint8) if peak <= 0 else np.round(255 * density / peak)
+    peak = float(density.max()) if peak is None else float(peak)
+    if peak <= 0:
+        scaled = np.zeros(density.shape, np.uint8)
+    else:
+        scaled = np.round(255 * np.minimum(density / peak, 1.0))
     coloured = cv2.applyColorMap(scaled.astype(np.uint8), colormap)  # BGR
     coloured = cv2.cvtColor(coloured, cv2.COLOR_BGR2RGB)
     return cv2.addWeighted(image, 1.0 - alpha, coloured, alpha, 0.0)

@@ -1,9 +1,11 @@
-"""The demo's request function: one image and one prompt in, everything the page shows out.
+"""The demo's request function: one image (or one short video) and one prompt in, everything
+the page shows out.
 
 No gradio here: :func:`run_request` validates its inputs, runs the model and returns a
-:class:`DemoResult`. Bad input (no image, a file that is not an image, an empty prompt, an
-unsupported model, an option outside its range) never raises: the result carries ``ok=False``
-and a message meant for the user.
+:class:`DemoResult`. Bad input (no image, a file that is not an image or not a video, both an
+image and a video, a video for a model that takes images only, an empty prompt, an unsupported
+model, an option outside its range) never raises: the result carries ``ok=False`` and a message
+meant for the user.
 
 What one request computes, all on the model the app loaded once:
 
@@ -29,7 +31,13 @@ What one request computes, all on the model the app loaded once:
    ``route="always"``, inside the same ``vf.wrap``): the answer with the crop of the prompt's
    attention, next to the plain pruned answer, and the crop box drawn on its map. An image no
    larger than the model's view has nothing to crop (the organism's 192-px scenes): a notice
-   says so, and the zoomed answer is the plain one.
+   says so, and the zoomed answer is the plain one;
+6. a video instead of an image (``video=``, a model whose adapter knows a video token): its
+   frames are decoded by :func:`vlm_focus.loading.load_video` and handed to the model's own
+   processor; 1 and 2 run as for an image, and the prompt's map is drawn once per frame
+   (``HeatMap.frame_maps``, one colour scale for all frames), each captioned with the frames
+   it covers, their times and its share of the map. Boxes, object maps, the kept-token mask
+   and the zoom are image-only.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +62,7 @@ import vlm_focus as vf
 from .. import hallucination as hal
 from .. import zoom as zm
 from ..config import FocusConfig, parse_keep
-from ..geometry import Frame, as_size, describe_seen, seen_region
+from ..geometry import Frame, Size, as_size, describe_seen, seen_region
 from ..grounding import (
     Box,
     GroundingPass,
@@ -65,10 +73,17 @@ from ..grounding import (
     presence,
     presence_threshold,
 )
-from ..loading import build_inputs, decode_new_tokens, to_model
-from ..model_adapters import ImageLayout, get_adapter, model_frames, supported_models
+from ..loading import build_inputs, build_video_inputs, decode_new_tokens, load_video, to_model
+from ..model_adapters import (
+    ImageLayout,
+    ModelAdapter,
+    get_adapter,
+    model_frames,
+    supported_models,
+)
 from ..setting import RunSetting
 from ..timing import PairedTiming, prefill_report, pruned_prefill_timing
+from ..trace import FocusTrace
 from .overlays import (
     draw_boxes,
     frame_strip,
@@ -129,6 +144,55 @@ class GroundedMap:
 
 
 @dataclass
+class DecodedVideo:
+    """A video's frames as :func:`vlm_focus.loading.load_video` decoded them, with the metadata
+    that places them in time (``fps``, ``frames_indices``)."""
+
+    frames: np.ndarray  # [T, H, W, 3] uint8 RGB
+    metadata: Any  # transformers' VideoMetadata
+
+    @property
+    def size(self) -> Size:
+        return Size(int(self.frames.shape[2]), int(self.frames.shape[1]))
+
+    def index(self, position: int) -> int:
+        """The frame's index in the video file (``position``: its place in :attr:`frames`)."""
+        return int(self.metadata.frames_indices[position])
+
+    def seconds(self, position: int) -> float:
+        return self.index(position) / float(self.metadata.fps)
+
+
+@dataclass
+class FrameMap:
+    """The prompt's attention map in one view of a video, drawn on its first frame.
+
+    A view can cover several decoded frames (a model that merges consecutive frames into one
+    temporal patch): ``frames`` are their indices in the video file and ``seconds`` their
+    times. ``share`` is the view's part of the whole video's map mass.
+    """
+
+    frames: list[int]
+    seconds: list[float]
+    share: float
+    overlay: np.ndarray  # [H, W, 3] uint8
+    map: HeatMap | None = field(default=None, repr=False)
+
+    @property
+    def caption(self) -> str:
+        """``"frame 5 (1.25 s): 42%"``, or ``"frames 0-2 (0.00-0.50 s): 42%"`` for a view of
+        several frames."""
+        if len(self.frames) == 1:
+            where = f"frame {self.frames[0]} ({self.seconds[0]:.2f} s)"
+        else:
+            where = (
+                f"frames {self.frames[0]}-{self.frames[-1]} "
+                f"({self.seconds[0]:.2f}-{self.seconds[-1]:.2f} s)"
+            )
+        return f"{where}: {self.share:.0%}"
+
+
+@dataclass
 class DemoResult:
     """Everything the page shows for one request.
 
@@ -161,6 +225,10 @@ class DemoResult:
     zoomed: bool = False
     zoom_crops: list = field(default_factory=list)
     zoom_overlay: np.ndarray | None = None  # [H, W, 3] uint8
+    #: the request asked about a video: the prompt's map per view of it, in time order
+    #: (``image``, the kept-token mask, boxes and object maps stay empty)
+    video: bool = False
+    frame_maps: list[FrameMap] = field(default_factory=list)
 
     @property
     def heatmap(self) -> np.ndarray | None:
@@ -283,6 +351,71 @@ def _open(path: Path, max_side: int, max_pixels: int) -> Image.Image:
         ) from err
 
 
+def given(value: Any) -> bool:
+    """Whether an input slot holds something (gradio sends ``None`` or ``""`` for empty)."""
+    return value is not None and not (isinstance(value, str) and not value.strip())
+
+
+def prepare_video(video: Any, max_side: int = MAX_SIDE) -> tuple[DecodedVideo, list[str]]:
+    """A video file's frames, as :func:`vlm_focus.loading.load_video` takes them (at even
+    steps), no larger than ``max_side`` on their longest side, and notices for the user.
+
+    Raises :class:`DemoInputError` with a user-facing message for anything that is not a
+    readable video file.
+    """
+    if not isinstance(video, (str, Path)) or not given(str(video)):
+        raise DemoInputError(f"Unsupported video input of type {type(video).__name__}.")
+    path = Path(video)
+    if not path.is_file():
+        raise DemoInputError(f"Video file not found: {path.name}")
+    try:
+        frames, metadata = load_video(path)
+    except Exception as err:  # OpenCV and transformers each raise their own kind for a bad file
+        logger.info("could not decode %s: %s", path.name, err)
+        raise DemoInputError(f"The file '{path.name}' could not be read as a video.") from err
+    return _fit_frames(DecodedVideo(np.asarray(frames, dtype=np.uint8), metadata), max_side)
+
+
+def _fit_frames(video: DecodedVideo, max_side: int) -> tuple[DecodedVideo, list[str]]:
+    """Downscale frames longer than ``max_side`` (area interpolation), as images are."""
+    width, height = video.size
+    scale = max_side / max(width, height)
+    if scale >= 1:
+        return video, []
+    small = (max(1, round(width * scale)), max(1, round(height * scale)))
+    frames = np.stack([cv2.resize(f, small, interpolation=cv2.INTER_AREA) for f in video.frames])
+    notice = (
+        f"The video's frames were {width}x{height} pixels; they were downscaled to "
+        f"{small[0]}x{small[1]} for this demo."
+    )
+    return DecodedVideo(frames, video.metadata), [notice]
+
+
+def takes_video(model: nn.Module) -> bool:
+    """Whether the model reads videos: its adapter knows a video token for it."""
+    return _adapter(model).token_ids(model)[1] is not None
+
+
+def _video_request(
+    model: nn.Module, image: Any, video: Any, zoom: bool, max_side: int
+) -> tuple[DecodedVideo, list[str]]:
+    """The decoded video, after the checks that need no decoding: one input at a time, a
+    model that takes videos, no zoom."""
+    if given(image):
+        raise DemoInputError(
+            "Both an image and a video were given: clear one of them, the demo asks about one "
+            "at a time."
+        )
+    if not takes_video(model):
+        raise DemoInputError(
+            f"This model ({model.config.model_type}) takes images only, not videos: upload an "
+            "image, or load a model that takes videos."
+        )
+    if zoom:
+        raise DemoInputError("Look closer (zoom) crops an image; untick it to ask about a video.")
+    return prepare_video(video, max_side)
+
+
 def check_prompt(prompt: Any) -> str:
     if not isinstance(prompt, str) or not prompt.strip():
         raise DemoInputError("The prompt is empty: type a question or a phrase.")
@@ -294,20 +427,24 @@ def check_prompt(prompt: Any) -> str:
     return prompt
 
 
-def check_options(
-    model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigation: Any, pruner_options: Any = ""
-) -> dict[str, Any]:
-    """Model support, pruner name, keep ratio/count, layer, mitigation and the pruner's own
-    options (``"NAME=VALUE, ..."``, as ``--pruner-option`` reads them), as user messages;
-    returns the pruner's options."""
+def _adapter(model: nn.Module) -> ModelAdapter:
     try:
-        adapter = get_adapter(model)
+        return get_adapter(model)
     except ValueError:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise DemoInputError(
             f"This model is not supported (model type {model_type!r}); supported types: "
             f"{', '.join(supported_models())}."
         ) from None
+
+
+def check_options(
+    model: nn.Module, pruner: Any, keep: Any, layer: Any, mitigation: Any, pruner_options: Any = ""
+) -> dict[str, Any]:
+    """Model support, pruner name, keep ratio/count, layer, mitigation and the pruner's own
+    options (``"NAME=VALUE, ..."``, as ``--pruner-option`` reads them), as user messages;
+    returns the pruner's options."""
+    adapter = _adapter(model)
     if pruner not in vf.pruners():
         raise DemoInputError(f"Unknown pruner {pruner!r}; choose one of {', '.join(vf.pruners())}.")
     try:
@@ -342,6 +479,7 @@ def run_request(
     layer: int = 2,
     mitigation: str = "none",
     *,
+    video: Any = None,
     max_new_tokens: int = 24,
     max_side: int = MAX_SIDE,
     repeats: int = 5,
@@ -350,6 +488,7 @@ def run_request(
 ) -> DemoResult:
     """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to;
     with ``zoom``, also the pruned model's answer when it looks closer (module docstring, 5).
+    ``video``: a video file to ask about instead of an image (module docstring, 6).
     ``pruner_options``: the pruner's own options, ``"base=text, positional=false"`` (as the
     command lines' ``--pruner-option``) or a dict.
 
@@ -357,14 +496,17 @@ def run_request(
     """
     start = time.perf_counter()
     try:
-        picture, notices = prepare_image(image, max_side=max_side)
+        if given(video):
+            source, notices = _video_request(model, image, video, bool(zoom), max_side)
+        else:
+            source, notices = prepare_image(image, max_side=max_side)
         prompt = check_prompt(prompt)
         if isinstance(keep, float) and keep > 1 and keep.is_integer():
             keep = int(keep)
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
-            inputs = to_model(model, build_inputs(processor, picture, prompt))
+            inputs = to_model(model, _model_inputs(processor, source, prompt))
             setting = RunSetting(
                 focus=FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own),
                 mitigation=mitigation,
@@ -372,10 +514,15 @@ def run_request(
             )
             generic = None
             if setting.generic_prompt is not None:
-                generic = to_model(model, build_inputs(processor, picture, setting.generic_prompt))
-            result = _compute(
-                model, processor, picture, prompt, inputs, generic, setting, repeats, bool(zoom)
-            )
+                generic = to_model(model, _model_inputs(processor, source, setting.generic_prompt))
+            if isinstance(source, DecodedVideo):
+                result = _compute_video(
+                    model, processor, source, prompt, inputs, generic, setting, repeats
+                )
+            else:
+                result = _compute(
+                    model, processor, source, prompt, inputs, generic, setting, repeats, bool(zoom)
+                )
         result.notices = notices + result.notices
     except DemoInputError as err:
         return DemoResult(ok=False, message=str(err))
@@ -386,6 +533,65 @@ def run_request(
         return DemoResult(ok=False, message=f"The request failed ({type(err).__name__}: {err}).")
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _model_inputs(
+    processor: Any, source: Image.Image | DecodedVideo, prompt: str
+) -> dict[str, Any]:
+    """The processor's inputs for the image or the decoded video and one prompt."""
+    if isinstance(source, DecodedVideo):
+        return build_video_inputs(processor, source.frames, source.metadata, prompt)
+    return build_inputs(processor, source, prompt)
+
+
+@dataclass
+class _Answers:
+    """What :func:`_answer` returns: the three answers, the pruned run's tokens and trace, its
+    timing, and the zoom's answer (``None`` without one)."""
+
+    unpruned: str
+    pruned: str
+    mitigated: str
+    pruned_seq: torch.Tensor  # [1, prompt + new tokens]
+    trace: FocusTrace
+    timing: PairedTiming | None
+    zoom: zm.ZoomAnswer | None = None
+
+
+def _answer(
+    model: nn.Module,
+    processor: Any,
+    inputs: dict[str, Any],
+    generic: dict[str, Any] | None,
+    setting: RunSetting,
+    repeats: int,
+    look_closer: Callable[[], zm.ZoomAnswer] | None = None,
+) -> _Answers:
+    """The request's answers under ``setting`` (its pruning, then its mitigation on the
+    pruned model), against the unpruned model's, and the prefill timing of both.
+    ``look_closer()`` runs under the same wrap as the pruned answer."""
+    plain = RunSetting(max_new_tokens=setting.max_new_tokens)
+    with torch.inference_mode():
+        full_seq = plain.generate(model, inputs)
+    answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
+    answer_mitigated = ""
+    with torch.inference_mode(), vf.wrap(model, config=setting.focus) as handle:
+        if setting.mitigation != "none":  # mitigations read and steer the pruned attention
+            mitigated = setting.generate(model, inputs, handle=handle, generic_inputs=generic)
+            answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
+        pruned_seq = plain.generate(model, inputs)
+        trace = handle.last_trace
+        found = None if look_closer is None else look_closer()
+    timing = pruned_prefill_timing(
+        model,
+        inputs,
+        lambda: vf.wrap(model, config=setting.focus),
+        trace.n_kept[0],
+        trace.n_visual[0],
+        max(1, repeats),
+    )
+    answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
+    return _Answers(answer_unpruned, answer, answer_mitigated, pruned_seq, trace, timing, found)
 
 
 def _compute(
@@ -399,39 +605,19 @@ def _compute(
     repeats: int,
     zoom: bool = False,
 ) -> DemoResult:
-    """The request's answers under ``setting`` (its pruning, then its mitigation on the
-    pruned model), against the unpruned model's."""
-    plain = RunSetting(max_new_tokens=setting.max_new_tokens)
-    with torch.inference_mode():
-        full_seq = plain.generate(model, inputs)
-    answer_unpruned = decode_new_tokens(processor, inputs, full_seq)[0]
-    answer_mitigated = ""
-    with torch.inference_mode(), vf.wrap(model, config=setting.focus) as handle:
-        if setting.mitigation != "none":  # mitigations read and steer the pruned attention
-            mitigated = setting.generate(model, inputs, handle=handle, generic_inputs=generic)
-            answer_mitigated = decode_new_tokens(processor, inputs, mitigated)[0]
-        pruned_seq = plain.generate(model, inputs)
-        trace = handle.last_trace
-        found = None
-        if zoom:  # prune the full view, zoom on a second pass: both under the same wrap
-            found = zm.look_closer(
-                model,
-                processor,
-                picture,
-                prompt,
-                route="always",
-                max_new_tokens=setting.max_new_tokens,
-            )
-    timing = pruned_prefill_timing(
-        model,
-        inputs,
-        lambda: vf.wrap(model, config=setting.focus),
-        trace.n_kept[0],
-        trace.n_visual[0],
-        max(1, repeats),
-    )
-    answer = decode_new_tokens(processor, inputs, pruned_seq)[0]
+    """An image request: the answers (:func:`_answer`), the kept-token mask, the fixation
+    strip, the maps with their boxes and the zoom."""
 
+    def look_closer() -> zm.ZoomAnswer:
+        # prune the full view, zoom on a second pass: both under the same wrap
+        return zm.look_closer(
+            model, processor, picture, prompt, route="always", max_new_tokens=setting.max_new_tokens
+        )
+
+    answers = _answer(
+        model, processor, inputs, generic, setting, repeats, look_closer if zoom else None
+    )
+    pruned_seq, trace = answers.pruned_seq, answers.trace
     image = np.asarray(picture, dtype=np.uint8)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
     frames = model_frames(model, layout, as_size(picture), processor=processor)
@@ -461,14 +647,14 @@ def _compute(
         )
     if prompt_map is None:
         notices.append("The prompt has no words to map onto the image.")
-    zoomed = _zoom_view(found, image, processor, notices, seen)
+    zoomed = _zoom_view(answers.zoom, image, processor, notices, seen)
     return DemoResult(
         ok=True,
         notices=notices,
         image=image,
-        answer=answer,
-        answer_unpruned=answer_unpruned,
-        answer_mitigated=answer_mitigated,
+        answer=answers.pruned,
+        answer_unpruned=answers.unpruned,
+        answer_mitigated=answers.mitigated,
         mitigation=setting.mitigation,
         prompt_map=prompt_map,
         object_maps=object_maps,
@@ -476,7 +662,7 @@ def _compute(
         fixation_strip=strip,
         n_kept=int(kept.numel()),
         n_visual=int(layout.positions.numel()),
-        timing=timing,
+        timing=answers.timing,
         **zoomed,
     )
 
@@ -547,6 +733,26 @@ def _boxes(heat: HeatMap, max_boxes: int) -> list[Box]:
     return out
 
 
+def _prompt_heat(
+    gp: GroundingPass, prompt: str, processor: Any
+) -> tuple[HeatMap | None, str, list[Mention]]:
+    """The prompt's map, its label and its words: the content words inside the user's question
+    (not the chat template's words), labelled as the tokenizer spells them; without content
+    words, the question as a whole, or else the whole instruction (``None``: neither maps)."""
+    words = gp.mentions(source="prompt", within=prompt)[0]
+    if words:
+        ids = [int(gp.inputs["input_ids"][0, p]) for m in words for p in m.positions]
+        tok = getattr(processor, "tokenizer", processor)
+        label = tok.decode(ids, skip_special_tokens=True).strip()
+        return gp.map(words), label, words
+    for query in (prompt, None):
+        try:
+            return gp.map(query, source="prompt"), prompt, []
+        except ValueError:
+            continue
+    return None, prompt, []
+
+
 def _ground(
     model: nn.Module,
     processor: Any,
@@ -563,8 +769,7 @@ def _ground(
     image = np.asarray(picture, dtype=np.uint8)
     gp = GroundingPass(model, inputs, processor=processor, images=[picture], answer=answer)
     threshold = presence_threshold(model)
-    # the prompt's content words inside the user's question (not the chat template's words)
-    words = gp.mentions(source="prompt", within=prompt)[0]
+    heat, label, words = _prompt_heat(gp, prompt, processor)
     objects = gp.mentions(source="answer")[0]
     phrases = sorted({m.text for m in words + objects})
     scores = dict(zip(phrases, presence(model, processor, picture, phrases), strict=True))
@@ -589,20 +794,91 @@ def _ground(
         return GroundedMap(phrase, overlay, found_boxes, box_scores, heat, score, present)
 
     prompt_map = None
-    if words:
-        ids = [int(gp.inputs["input_ids"][0, p]) for m in words for p in m.positions]
-        tok = getattr(processor, "tokenizer", processor)
-        label = tok.decode(ids, skip_special_tokens=True).strip()
-        prompt_map = grounded(gp.map(words), label, MAX_BOXES, words)
-    else:  # without content words, the question as a whole, or the whole instruction
-        for query in (prompt, None):
-            try:
-                prompt_map = grounded(gp.map(query, source="prompt"), prompt, MAX_BOXES, None)
-                break
-            except ValueError:
-                continue
+    if heat is not None:
+        prompt_map = grounded(heat, label, MAX_BOXES, words or None)
     object_maps = [grounded(gp.map(m), m.text, 1, [m]) for m in objects]
     return prompt_map, object_maps
+
+
+# --- video ----------------------------------------------------------------------------------
+def _compute_video(
+    model: nn.Module,
+    processor: Any,
+    video: DecodedVideo,
+    prompt: str,
+    inputs: dict[str, Any],
+    generic: dict[str, Any] | None,
+    setting: RunSetting,
+    repeats: int,
+) -> DemoResult:
+    """A video request: the answers (:func:`_answer`) and the prompt's map in each view of the
+    video."""
+    answers = _answer(model, processor, inputs, generic, setting, repeats)
+    frame_maps, label = _frame_maps(model, processor, inputs, prompt, video)
+    if frame_maps:
+        notices = [f"Each frame shows the attention to '{label}', all on one colour scale."]
+    else:
+        notices = ["The prompt has no words to map onto the video."]
+    return DemoResult(
+        ok=True,
+        notices=notices,
+        answer=answers.pruned,
+        answer_unpruned=answers.unpruned,
+        answer_mitigated=answers.mitigated,
+        mitigation=setting.mitigation,
+        n_kept=int(answers.trace.n_kept[0]),
+        n_visual=int(answers.trace.n_visual[0]),
+        timing=answers.timing,
+        video=True,
+        frame_maps=frame_maps,
+    )
+
+
+def frame_spans(n_views: int, n_frames: int) -> list[list[int]]:
+    """The decoded frames (positions ``0 .. n_frames - 1``) each of a video's ``n_views`` grid
+    views covers, in order.
+
+    A model that merges ``k`` consecutive frames into one temporal patch has
+    ``ceil(n_frames / k)`` views, so each view covers ``ceil(n_frames / n_views)`` frames; the
+    processor repeats the last frame to fill the last patch, so the last view may cover fewer.
+    """
+    if n_views < 1 or n_frames < 1:
+        raise ValueError(f"n_views={n_views} and n_frames={n_frames} must both be >= 1")
+    per_view = -(-n_frames // n_views)
+    spans = [range(v * per_view, min((v + 1) * per_view, n_frames)) for v in range(n_views)]
+    return [list(span) or [n_frames - 1] for span in spans]
+
+
+def _frame_maps(
+    model: nn.Module,
+    processor: Any,
+    inputs: dict[str, Any],
+    prompt: str,
+    video: DecodedVideo,
+) -> tuple[list[FrameMap], str]:
+    """The prompt's map (chosen as an image's, :func:`_prompt_heat`) in each view of the video
+    (``HeatMap.frame_maps``), drawn on the view's first frame; one colour scale for all views,
+    so that the frames the model attended to less look colder."""
+    gp = GroundingPass(model, inputs, processor=processor, sizes=[video.size])
+    heat, label, _ = _prompt_heat(gp, prompt, processor)
+    if heat is None:
+        return [], label
+    views = heat.frame_maps
+    peak = max(float(view.pixels.max()) for view in views)
+    total = heat.mass
+    out = []
+    for view, span in zip(views, frame_spans(len(views), len(video.frames)), strict=True):
+        drawn = heat_overlay(video.frames[span[0]], view.pixels, peak=peak)
+        out.append(
+            FrameMap(
+                frames=[video.index(p) for p in span],
+                seconds=[video.seconds(p) for p in span],
+                share=view.mass / total if total > 0 else 0.0,
+                overlay=shade_unseen(drawn, view.seen),
+                map=view,
+            )
+        )
+    return out, label
 
 
 __all__ = [
@@ -611,12 +887,18 @@ __all__ = [
     "MITIGATIONS",
     "MODEL_LOCK",
     "NOT_FOUND",
+    "DecodedVideo",
     "DemoInputError",
     "DemoResult",
+    "FrameMap",
     "GroundedMap",
     "check_options",
     "check_prompt",
+    "frame_spans",
+    "given",
     "kept_grid",
     "prepare_image",
+    "prepare_video",
     "run_request",
+    "takes_video",
 ]
