@@ -18,7 +18,7 @@ from lmms_eval.api.model import lmms
 from vlm_focus.integrations import lmms_eval_tasks_path, split_model_args
 from vlm_focus.integrations.lmms_eval_tasks import organism_yes_ratio, predicted_yes_ratio
 from vlm_focus.loading import build_inputs, decode_new_tokens, load_model
-from vlm_focus.organism import default_model_path
+from vlm_focus.organism import default_model_path, qwen_model_path
 
 QUESTIONS = Path(default_model_path()).parent / "heldout" / "pope_adversarial.jsonl"
 TASK = "vf_pope_organism_adversarial"
@@ -162,6 +162,38 @@ def test_guided_pruning_and_mitigation_equal_vlm_focus_eval(tmp_path, extra, arg
     }
     assert logged == {r["question_id"]: (r["answer"], r["visual_kept"]) for r in records}
     assert results["results"][TASK]["f1,none"] == pytest.approx(summary["f1"], abs=1e-12)
+
+
+QWEN_PRUNED = "pruner=fastv,keep=0.25,layer=0"
+
+
+@pytest.mark.slow
+def test_qwen_chat_class_batch_4_equals_batch_1(tmp_path):
+    """lmms-eval's batched Qwen2.5-VL chat class under the plugin, on organism-qwen: batch 4
+    (rows of different lengths, left-padded together) gives batch 1's answers and kept counts,
+    pruned."""
+    env = _env(tmp_path)
+    runs = {}
+    for batch in (1, 4):
+        args = f"pretrained={qwen_model_path()},{QWEN_PRUNED}"
+        cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
+        cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", "24"]
+        cmd += ["--batch_size", str(batch), "--output_path", str(tmp_path / f"b{batch}")]
+        _run([*cmd, "--log_samples"], env)
+        (samples,) = (tmp_path / f"b{batch}").rglob(f"*_samples_{TASK}.jsonl")
+        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+        runs[batch] = {
+            s["accuracy"]["question_id"]: (
+                s["accuracy"]["answer"],
+                s["token_counts"][0]["visual_kept"],
+                s["token_counts"][0]["visual_total"],
+            )
+            for s in rows
+        }
+    assert len(runs[1]) == 24 and runs[4] == runs[1]
+    answers = [a for a, _, _ in runs[1].values()]
+    assert {"yes", "no"} <= {a.strip().lower() for a in answers}  # the model answers, both ways
+    assert all(kept < total for _, kept, total in runs[1].values())
 
 
 def test_entry_point_registers_the_model():

@@ -53,6 +53,11 @@ def cooccur_model_path() -> Path:
     return ASSETS / "organism-cooccur"
 
 
+def qwen_model_path() -> Path:
+    """Folder of organism-qwen (a Qwen2.5-VL at dynamic resolution, images and video), HF format."""
+    return ASSETS / "organism-qwen"
+
+
 def is_embedded(model: str | Path | None) -> bool:
     """True for ``None`` and ``"embedded"``: the shipped default model."""
     return model is None or str(model) == EMBEDDED

@@ -1,4 +1,4 @@
-"""Organism VLMs: small LLaVA-architecture models trained here on generated scenes.
+"""Organism VLMs: small LLaVA- and Qwen2.5-VL-architecture models trained here on generated scenes.
 
 They are the embedded default of the library's demo, `run` and `eval` commands, and a reproducible
 CPU benchmark for pruning and grounding. They are test organisms, not general VLMs.
@@ -11,6 +11,7 @@ from ..asset_paths import (
     deep_model_path,
     default_model_path,
     guide_model_path,
+    qwen_model_path,
     sample_scene_paths,
     twohop_guide_model_path,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "deep_model_path",
     "default_model_path",
     "guide_model_path",
+    "qwen_model_path",
     "sample_scene_paths",
     "twohop_guide_model_path",
 ]

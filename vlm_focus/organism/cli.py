@@ -13,9 +13,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one organism model from scratch")
     t.add_argument(
         "--model",
-        choices=["default", "guide", "deep", "twohop-guide", "tiny", "cooccur"],
+        choices=["default", "guide", "deep", "twohop-guide", "tiny", "cooccur", "qwen"],
         default="default",
-        help="cooccur fine-tunes the shipped guide on a co-occurrence prior",
+        help="cooccur fine-tunes the shipped guide on a co-occurrence prior; qwen is a Qwen2.5-VL",
     )
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     h = sub.add_parser("ship", help="copy a trained model + metrics into vlm_focus/assets")
     h.add_argument("--path", type=Path, required=True, help="trained model folder")
     h.add_argument(
-        "--name", choices=["default", "guide", "deep", "twohop-guide", "cooccur"], required=True
+        "--name",
+        choices=["default", "guide", "deep", "twohop-guide", "cooccur", "qwen"],
+        required=True,
     )
     h.add_argument("--metrics", type=Path, required=True, help="metrics json from `eval`")
     h.add_argument("--heldout", action="store_true", help="also write assets/heldout + samples")
@@ -48,6 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
+    if args.command == "train" and args.model == "qwen":
+        from . import qwen_train
+
+        torch.set_num_threads(args.threads)
+        recipe = qwen_train.default_recipe(scale=args.scale)
+        recipe.seed = args.seed
+        summary = qwen_train.train(recipe, args.out)
+        print(json.dumps({"minutes_total": round(summary["seconds"] / 60, 1)}))
+        return 0
     if args.command == "train":
         from .loop import train
         from .recipe import default_recipe
@@ -63,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import evaluate
 
         torch.set_num_threads(args.threads)
-        metrics = evaluate(args.path or default_model_path(), n_images=args.images, only=args.only)
+        path = args.path or default_model_path()
+        if _model_type(path) == "qwen2_5_vl":
+            from .qwen_eval import evaluate as evaluate_qwen
+
+            metrics = evaluate_qwen(path, n_images=min(args.images, 300))
+        else:
+            metrics = evaluate(path, n_images=args.images, only=args.only)
         text = json.dumps(metrics, indent=1)
         if args.out:
             args.out.write_text(text)
@@ -72,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ship":
         from .export import ship, ship_heldout
 
-        dest = ship(args.path, args.name, json.loads(args.metrics.read_text()))
+        metrics = json.loads(args.metrics.read_text())
+        if args.name == "qwen":
+            from .qwen_export import ship_qwen
+
+            print(ship_qwen(args.path, metrics))
+            return 0
+        dest = ship(args.path, args.name, metrics)
         if args.heldout:
             ship_heldout()
         print(dest)
@@ -83,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         write_heldout(args.out, n=args.n, images=not args.no_images)
         return 0
     return 2
+
+
+def _model_type(path: Path) -> str:
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type", "")
 
 
 if __name__ == "__main__":

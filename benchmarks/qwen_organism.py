@@ -1,0 +1,377 @@
+"""Pruning, video budgets, the temporal pruner, fixation and grounding on organism-qwen.
+
+organism-qwen is a Qwen2.5-VL at dynamic resolution (images of 5 x 6 to 10 x 10 tokens, clips of
+4 temporal patches of 7 x 7), so it measures what the LLaVA organisms' one fixed grid cannot:
+
+- ``pruners``: every registered pruner at layer 0 and K = 2, keeps 0.5 / 0.25 / 0.11, on held-out
+  images of mixed sizes and aspect ratios: presence (one yes and one no per image, half the no's
+  hard) and relation questions. Retention = pruned accuracy / unpruned accuracy, same questions,
+  same run.
+- ``video``: held-out clip questions that need time (which object appears first; is an object
+  there at the start / end), under ``budget="span"`` and ``"frame"`` for the attention pruners,
+  and the ``temporal`` pruner (``mode`` uniform and dedup) against ``random``, at layer 0.
+- ``fixation``: video captions (the objects in order of appearance) with decode-time
+  ``fixation`` against prefill ``fastv`` and ``random`` at the same keeps and layer: object
+  precision, recall and exact order.
+- ``grounding``: ``vf.ground``'s point for the asked category on held-out non-square images,
+  through the real processor: hit when the point lies inside the object's mask.
+
+Every answer is greedy through the model's chat template (``vf.wrap`` on the unmodified model,
+``model.generate``), the first word scored.
+
+    python benchmarks/qwen_organism.py --out benchmarks/results        # all four parts
+    python benchmarks/qwen_organism.py --parts video --images 100 --clips 60
+
+Writes ``qwen_organism.json`` and ``qwen_organism.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+import vlm_focus as vf
+from vlm_focus import FocusConfig, grounding
+from vlm_focus.loading import load_model
+from vlm_focus.organism import qwen_data as q
+from vlm_focus.organism import qwen_model_path
+from vlm_focus.organism.data import relation_qa
+from vlm_focus.organism.qwen_eval import (
+    CAPTION_TOKENS,
+    QUESTION_SEED,
+    caption_metrics,
+    heldout_clips,
+    heldout_images,
+)
+from vlm_focus.pruners import pruners
+
+KEEPS = (0.5, 0.25, 0.11)
+LAYERS = (0, 2)
+ATTENTION_PRUNERS = ("fastv", "text", "debiased", "diverse", "pool", "random")
+BATCH = 24
+
+
+# ---- questions ------------------------------------------------------------------------------
+
+
+def image_questions(n: int) -> list[tuple[q.CroppedScene, str, str]]:
+    """(image, question, answer): per held-out image a yes and a no presence question, and a
+    relation question where one is clear."""
+    rng = np.random.default_rng(QUESTION_SEED)
+    out = []
+    for crop in heldout_images(n):
+        for qa in q.presence_pair(crop, rng):
+            out.append((crop, qa.question, qa.answer))
+        rel = relation_qa(crop.scene, rng)
+        if rel is not None:
+            out.append((crop, rel.question, rel.answer))
+    return out
+
+
+def video_questions(n: int, kinds=("first", "start", "end")) -> list[tuple[q.Clip, str, str]]:
+    rng = np.random.default_rng(QUESTION_SEED + 1)
+    out = []
+    for i, clip in enumerate(heldout_clips(n)):
+        qa = q.video_qa(clip, rng, kinds[i % len(kinds)])
+        out.append((clip, qa.question, qa.answer))
+    return out
+
+
+# ---- greedy answers under a setting ----------------------------------------------------------
+
+
+def _media(item) -> dict:
+    if isinstance(item, q.Clip):
+        return {"videos": [list(item.frames())]}
+    return {"images": [Image.fromarray(item.image())]}
+
+
+@torch.no_grad()
+def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int = 2) -> list[str]:
+    """Greedy answers to `rows` ((medium, question, ...)), pruned by `focus` if given."""
+    handle = vf.wrap(model, focus) if focus is not None else None
+    out: list[str] = []
+    try:
+        for i in range(0, len(rows), BATCH):
+            chunk = rows[i : i + BATCH]
+            video = isinstance(chunk[0][0], q.Clip)
+            texts = [q.chat_text(processor, video, row[1]) for row in chunk]
+            media: dict = {"videos": [], "images": []}
+            for row in chunk:
+                for key, value in _media(row[0]).items():
+                    media[key] += value
+            inputs = processor(
+                text=texts,
+                padding=True,
+                return_tensors="pt",
+                **{k: v for k, v in media.items() if v},
+            )
+            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+            out += processor.batch_decode(
+                gen[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+    finally:
+        if handle is not None:
+            handle.remove()
+    return out
+
+
+def accuracy(answers: list[str], rows) -> float:
+    return float(np.mean([_first(a) == row[2] for a, row in zip(answers, rows, strict=True)]))
+
+
+def _first(text: str) -> str:
+    words = text.strip().lower().split()
+    return words[0] if words else ""
+
+
+def scored(model, processor, rows, focus: FocusConfig, score=None, new_tokens: int = 2):
+    """`score(answers, rows)` (default: :func:`accuracy`) of the greedy answers under `focus`,
+    or the refusal's message when `vf.wrap` refuses the setting."""
+    try:
+        answers = generate(model, processor, rows, focus, new_tokens)
+    except (ValueError, NotImplementedError) as err:
+        return str(err).splitlines()[0]
+    return (score or accuracy)(answers, rows)
+
+
+# ---- the four parts --------------------------------------------------------------------------
+
+
+def pruner_table(model, processor, n_images: int) -> dict:
+    rows = image_questions(n_images)
+    base = accuracy(generate(model, processor, rows, None), rows)
+    table: dict = {"unpruned": base, "questions": len(rows), "rows": []}
+    settings = [(p, layer, keep) for p in pruners() for layer in LAYERS for keep in KEEPS]
+    for pruner, layer, keep in tqdm(settings, desc="pruners"):
+        options = {"options": {"mode": "uniform"}} if pruner == "temporal" else {}
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options)
+        result = scored(model, processor, rows, focus)
+        table["rows"].append({"pruner": pruner, "layer": layer, "keep": keep, "accuracy": result})
+    return table
+
+
+def video_table(model, processor, n_clips: int) -> dict:
+    rows = video_questions(n_clips)
+    base = accuracy(generate(model, processor, rows, None), rows)
+    table: dict = {"unpruned": base, "questions": len(rows), "budgets": [], "temporal": []}
+    settings = [(p, b, k) for p in ATTENTION_PRUNERS for b in ("span", "frame") for k in KEEPS]
+    for pruner, budget, keep in tqdm(settings, desc="video budgets"):
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=0, budget=budget)
+        result = scored(model, processor, rows, focus)
+        table["budgets"].append(
+            {"pruner": pruner, "budget": budget, "keep": keep, "accuracy": result}
+        )
+    # whole temporal patches: keep 0.5 leaves 2 of 4, 0.25 leaves 1
+    for name, options in (
+        ("uniform", {"options": {"mode": "uniform"}}),
+        ("dedup", {"options": {"mode": "dedup"}}),
+        ("random", {}),
+    ):
+        for keep in (0.75, 0.5, 0.25):
+            pruner = "random" if name == "random" else "temporal"
+            focus = FocusConfig(pruner=pruner, keep=keep, layer=0, **options)
+            result = scored(model, processor, rows, focus)
+            table["temporal"].append({"setting": name, "keep": keep, "accuracy": result})
+    return table
+
+
+def fixation_table(model, processor, n_clips: int, layer: int = 1) -> dict:
+    clips = heldout_clips(n_clips)
+    rows = [(c, q.VIDEO_CAPTION_PROMPT, q.video_caption(c)) for c in clips]
+    unpruned = caption_metrics(generate(model, processor, rows, None, CAPTION_TOKENS), clips)
+    table: dict = {"unpruned": unpruned, "layer": layer, "rows": []}
+    for pruner in ("fixation", "fastv", "random"):
+        for keep in (0.1, 0.2, 0.5):
+            focus = FocusConfig(pruner=pruner, keep=keep, layer=layer)
+            result = scored(
+                model,
+                processor,
+                rows,
+                focus,
+                lambda answers, _: caption_metrics(answers, clips),
+                CAPTION_TOKENS,
+            )
+            table["rows"].append({"pruner": pruner, "keep": keep, "scores": result})
+    return table
+
+
+def grounding_table(model, processor, n_images: int) -> dict:
+    """Pointing game on non-square held-out images: the point of `vf.ground` for a present
+    category inside that object's mask; chance = the object's share of the image."""
+    hits, chance, other, said_yes = [], [], [], []
+    crops = [c for c in heldout_images(2 * n_images) if c.box[2] != c.box[3]][:n_images]
+    for crop in tqdm(crops, desc="grounding"):
+        masks = crop.masks()
+        for obj, mask in zip(crop.scene.objects, masks, strict=True):
+            found = vf.ground(model, processor, Image.fromarray(crop.image()), obj.name)
+            x, y = (int(v) for v in grounding.point(found.map))  # the peak, present or not
+            said_yes.append(found.present)
+            hits.append(bool(mask[min(y, mask.shape[0] - 1), min(x, mask.shape[1] - 1)]))
+            others = [m for m in masks if m is not mask]
+            other.append(any(m[min(y, m.shape[0] - 1), min(x, m.shape[1] - 1)] for m in others))
+            chance.append(float(mask.mean()))
+    return {
+        "images": len(crops),
+        "queries": len(hits),
+        "hit": float(np.mean(hits)),
+        "other_object": float(np.mean(other)),
+        "chance": float(np.mean(chance)),
+        "present": float(np.mean(said_yes)),
+        "aspects": sorted({f"{c.box[2]}x{c.box[3]}" for c in crops}),
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _cell(value, base: float) -> str:
+    if isinstance(value, str):
+        return "refused"
+    return f"{100 * value:.1f}% ({100 * value / base:.0f})" if base else f"{100 * value:.1f}%"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _row(label: str, cells: list[str]) -> str:
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def _pruner_lines(t: dict) -> list[str]:
+    columns = [f"K={layer} keep {k}" for layer in LAYERS for k in KEEPS]
+    lines = [
+        f"## Pruners on images of mixed sizes ({t['questions']} questions)",
+        "",
+        f"Accuracy (retention % of unpruned); unpruned {_pct(t['unpruned'])}; greedy.",
+        "",
+        _row("pruner", columns),
+        "|---|" + "---|" * len(columns),
+    ]
+    by = {(r["pruner"], r["layer"], r["keep"]): r["accuracy"] for r in t["rows"]}
+    for p in sorted({r["pruner"] for r in t["rows"]}):
+        lines.append(
+            _row(p, [_cell(by[(p, lay, k)], t["unpruned"]) for lay in LAYERS for k in KEEPS])
+        )
+    refused = {r["pruner"]: r["accuracy"] for r in t["rows"] if isinstance(r["accuracy"], str)}
+    return [*lines, "", *(f"- `{p}` refused: {msg}" for p, msg in refused.items()), ""]
+
+
+def _video_lines(t: dict) -> list[str]:
+    budgets = ("span", "frame")
+    columns = [f"{b} keep {k}" for b in budgets for k in KEEPS]
+    lines = [
+        f"## Video: budgets and the temporal pruner ({t['questions']} clip questions)",
+        "",
+        f"Accuracy (retention % of unpruned); unpruned {_pct(t['unpruned'])}; layer 0.",
+        "",
+        _row("pruner", columns),
+        "|---|" + "---|" * len(columns),
+    ]
+    by = {(r["pruner"], r["budget"], r["keep"]): r["accuracy"] for r in t["budgets"]}
+    for p in ATTENTION_PRUNERS:
+        lines.append(_row(p, [_cell(by[(p, b, k)], t["unpruned"]) for b in budgets for k in KEEPS]))
+    keeps = sorted({r["keep"] for r in t["temporal"]}, reverse=True)
+    lines += ["", _row("whole frames", [f"keep {k}" for k in keeps]), "|---|" + "---|" * len(keeps)]
+    by = {(r["setting"], r["keep"]): r["accuracy"] for r in t["temporal"]}
+    for s in ("uniform", "dedup", "random"):
+        label = "random (tokens)" if s == "random" else f"temporal {s}"
+        lines.append(_row(label, [_cell(by[(s, k)], t["unpruned"]) for k in keeps]))
+    return [*lines, ""]
+
+
+def _caption_cells(scores) -> list[str]:
+    if isinstance(scores, str):
+        return [f"refused: {scores}", "", ""]
+    return [_pct(scores[k]) for k in ("precision", "recall", "exact_order")]
+
+
+def _fixation_lines(t: dict) -> list[str]:
+    lines = [
+        f"## Fixation on video captions (layer {t['layer']})",
+        "",
+        "| setting | keep | object precision | recall | exact order |",
+        "|---|---|---|---|---|",
+        _row("unpruned", ["1.0", *_caption_cells(t["unpruned"])]),
+    ]
+    lines += [_row(r["pruner"], [str(r["keep"]), *_caption_cells(r["scores"])]) for r in t["rows"]]
+    return [*lines, ""]
+
+
+def _grounding_lines(g: dict) -> list[str]:
+    return [
+        "## Grounding on non-square images (real processor)",
+        "",
+        f"{g['queries']} queries on {g['images']} images ({len(g['aspects'])} sizes): the point"
+        f" of `vf.ground` lies in the asked object's mask {_pct(g['hit'])} of the time, in another"
+        f" object's {_pct(g['other_object'])} (chance: the object's share of the image,"
+        f" {_pct(g['chance'])}). `vf.ground` judged the object present in {_pct(g['present'])}"
+        " of the queries.",
+        "",
+    ]
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# organism-qwen: pruning, video and grounding",
+        "",
+        f"Command: `{results['command']}`; {results['seconds'] / 60:.1f} minutes on"
+        f" {results['threads']} CPU threads.",
+        "",
+    ]
+    parts = {
+        "pruners": _pruner_lines,
+        "video": _video_lines,
+        "fixation": _fixation_lines,
+        "grounding": _grounding_lines,
+    }
+    for name, lines_of in parts.items():
+        if name in results:
+            lines += lines_of(results[name])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=qwen_model_path())
+    parser.add_argument("--parts", nargs="*", default=["pruners", "video", "fixation", "grounding"])
+    parser.add_argument("--images", type=int, default=150, help="held-out images for pruners")
+    parser.add_argument("--clips", type=int, default=150, help="held-out clips for video parts")
+    parser.add_argument("--ground-images", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, processor = load_model(str(args.model), dtype=torch.float32)
+    start = time.time()
+    results: dict = {"model": str(args.model), "threads": args.threads}
+    parts = {
+        "pruners": lambda: pruner_table(model, processor, args.images),
+        "video": lambda: video_table(model, processor, args.clips),
+        "fixation": lambda: fixation_table(model, processor, args.clips),
+        "grounding": lambda: grounding_table(model, processor, args.ground_images),
+    }
+    for part in args.parts:
+        results[part] = parts[part]()
+    results["seconds"] = round(time.time() - start, 1)
+    results["command"] = "python benchmarks/qwen_organism.py " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items()
+        if k not in ("model", "out")
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "qwen_organism.json").write_text(json.dumps(results, indent=1))
+    (args.out / "qwen_organism.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

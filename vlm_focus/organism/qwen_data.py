@@ -1,0 +1,487 @@
+"""Data of organism-qwen: scenes at dynamic resolution, clips of moving objects, their questions,
+and the real Qwen2.5-VL processor that turns them into model inputs.
+
+- **Images** are organism scenes (``scenes.generate_scene``) drawn at 196-280 px and cropped to
+  a rectangle that keeps every object whole, with sides that are multiples of 28 px (one merged
+  token), so that grids differ in size and aspect ratio and no resampling blurs the labels.
+- **Clips** are 8 frames (4 temporal patches of 2) of 2-3 objects that move in straight lines and
+  each stay on screen for a run of temporal patches, so that questions about time ("which object
+  appears first", "is the red_circle there at the end") have one true answer.
+- The vocabulary is the organisms' (:mod:`.vocab`) plus the ChatML and vision markers of Qwen and
+  the words of the video questions; the tokenizer is word level, as the organisms'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .data import IGNORE, QA, negative_category, presence_qa, relation_qa
+from .scenes import CATEGORIES, COLOURS, SHAPES, Scene, generate_scene, shape_mask
+from .vocab import CLIP_MEAN, CLIP_STD, POPE_SUFFIX, VOCAB, words
+
+TOKEN = 28  # pixels per side of one merged token (patch 14, merge 2)
+FRAMES = 8  # frames per clip
+TEMPORAL = 2  # frames per temporal patch
+GROUPS = FRAMES // TEMPORAL  # temporal patches per clip
+CLIP_SIZE = 196  # px per side of a clip's frames (7 x 7 merged tokens)
+IMAGE_SIDES = (196, 224, 252, 280)  # px per side of the square scene an image is cropped from
+MIN_SIDE = 140  # px: the shortest side of a cropped image
+
+QWEN_SPECIAL = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+VIDEO_WORDS = ("which", "appears", "first", "at", "end", "start", "video", "system")
+QWEN_VOCAB: tuple[str, ...] = VOCAB + QWEN_SPECIAL + VIDEO_WORDS + ("\n",)
+QWEN_ID: dict[str, int] = {w: i for i, w in enumerate(QWEN_VOCAB)}
+IM_END, IMAGE_PAD, VIDEO_PAD = (
+    QWEN_ID["<|im_end|>"],
+    QWEN_ID["<|image_pad|>"],
+    QWEN_ID["<|video_pad|>"],
+)
+VISION_START, VISION_END = QWEN_ID["<|vision_start|>"], QWEN_ID["<|vision_end|>"]
+CATEGORY_TOKENS = frozenset(QWEN_ID[c] for c in CATEGORIES)
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    f"{{% if item['type'] == 'image' %}}{IMAGE_PLACEHOLDER}"
+    f"{{% elif item['type'] == 'video' %}}{VIDEO_PLACEHOLDER}"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TRAIN_SEED_BASE = 30_000_000
+HELDOUT_SEED_BASE = 9_300_000  # held-out images and clips; training seeds never reach here
+
+
+def build_tokenizer():
+    """Word-level, lower-cased tokenizer over :data:`QWEN_VOCAB`; ``<|im_end|>`` ends a turn."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(dict(QWEN_ID), unk_token="<unk>"))
+    core.normalizer = normalizers.Lowercase()
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ("<pad>", "<bos>", "<eos>", "<unk>", *QWEN_SPECIAL)
+    core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    core.add_tokens([AddedToken("\n", normalized=False)])  # whitespace the pre-tokenizer keeps
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_processor():
+    """The stock ``Qwen2_5_VLProcessor``: Qwen2-VL's image and video processors (patch 14,
+    merge 2, temporal patch 2, CLIP normalisation) with pixel budgets that keep every organism
+    image and frame at its own size, the word tokenizer and a ChatML template."""
+    import transformers
+
+    geometry = dict(
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=TEMPORAL,
+        image_mean=list(CLIP_MEAN),
+        image_std=list(CLIP_STD),
+    )
+    image_processor = transformers.Qwen2VLImageProcessor(
+        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": 280 * 280}, **geometry
+    )
+    video_processor = transformers.Qwen2VLVideoProcessor(
+        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": CLIP_SIZE * CLIP_SIZE * FRAMES},
+        do_sample_frames=False,
+        cap_pixels_per_frame=True,  # the reference implementation's budget (qwen-vl-utils)
+        **geometry,
+    )
+    return transformers.Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        tokenizer=build_tokenizer(),
+        chat_template=QWEN_TEMPLATE,
+    )
+
+
+# ---- images at dynamic resolution ------------------------------------------------------------
+
+
+@dataclass
+class CroppedScene:
+    """An organism scene cropped to ``box`` = (x0, y0, width, height) px; every object whole."""
+
+    scene: Scene
+    box: tuple[int, int, int, int]
+
+    @property
+    def categories(self) -> list[int]:
+        return self.scene.categories
+
+    def image(self) -> np.ndarray:
+        x0, y0, w, h = self.box
+        return self.scene.image()[y0 : y0 + h, x0 : x0 + w]
+
+    def masks(self) -> list[np.ndarray]:
+        """Each object's exact mask in the crop, `[H, W]` bool."""
+        x0, y0, w, h = self.box
+        return [o.mask(self.scene.size)[y0 : y0 + h, x0 : x0 + w] for o in self.scene.objects]
+
+    def object_boxes(self) -> list[tuple[int, int, int, int]]:
+        """Each object's tight COCO box `[x, y, w, h]` in the crop's pixels."""
+        x0, y0, _, _ = self.box
+        return [
+            (bx - x0, by - y0, bw, bh)
+            for bx, by, bw, bh in (o.box(self.scene.size) for o in self.scene.objects)
+        ]
+
+
+def cropped_scene(seed: int) -> CroppedScene:
+    """Deterministic image for `seed`: a square scene of one of :data:`IMAGE_SIDES`, cropped to a
+    random rectangle (sides multiples of 28 px, at least 140 px) that keeps every object whole."""
+    rng = np.random.default_rng([seed, 28])
+    side = int(rng.choice(IMAGE_SIDES))
+    scene = generate_scene(seed, size=side)
+    lo = np.array(
+        [min(o.cx - o.radius for o in scene.objects), min(o.cy - o.radius for o in scene.objects)]
+    )
+    hi = np.array(
+        [max(o.cx + o.radius for o in scene.objects), max(o.cy + o.radius for o in scene.objects)]
+    )
+    lo, hi = np.floor(lo) - 1, np.ceil(hi) + 1
+    box = []
+    for axis in range(2):
+        need = hi[axis] - lo[axis]
+        sizes = [s for s in range(MIN_SIDE, side + 1, TOKEN) if s >= need]
+        size = int(rng.choice(sizes)) if sizes else side
+        first = max(0, int(hi[axis]) - size)
+        last = min(int(lo[axis]), side - size)
+        box.append((int(rng.integers(first, last + 1)) if last >= first else 0, size))
+    (x0, w), (y0, h) = box
+    return CroppedScene(scene, (x0, y0, w, h))
+
+
+def token_labels(
+    masks: list[np.ndarray], categories: list[int], shape: tuple[int, int]
+) -> np.ndarray:
+    """Category label (1 + index, 0 = background) of each merged token `[rows * cols]` in raster
+    order: the object covering most of the token's 28 x 28 pixels, if it covers at least a
+    quarter of them."""
+    rows, cols = shape
+    best = np.zeros(rows * cols, dtype=np.int64)
+    cover = np.full(rows * cols, TOKEN * TOKEN / 4)
+    for mask, cat in zip(masks, categories, strict=True):
+        share = mask[: rows * TOKEN, : cols * TOKEN].reshape(rows, TOKEN, cols, TOKEN).sum((1, 3))
+        share = share.reshape(-1).astype(np.float64)
+        win = share >= cover
+        best[win], cover[win] = cat + 1, share[win]
+    return best
+
+
+# ---- clips of moving objects ------------------------------------------------------------------
+
+
+@dataclass
+class Track:
+    """One object of a clip: category, radius, centre at frame 0, velocity (px per frame), and
+    the temporal patches [start, stop) it is on screen."""
+
+    category: int
+    radius: float
+    centre: tuple[float, float]
+    velocity: tuple[float, float]
+    start: int
+    stop: int
+
+    def centre_at(self, frame: int) -> tuple[float, float]:
+        return (
+            self.centre[0] + self.velocity[0] * frame,
+            self.centre[1] + self.velocity[1] * frame,
+        )
+
+    def visible(self, frame: int) -> bool:
+        return self.start <= frame // TEMPORAL < self.stop
+
+    def mask(self, frame: int) -> np.ndarray:
+        cx, cy = self.centre_at(frame)
+        shape = SHAPES[self.category % len(SHAPES)]
+        return shape_mask(shape, cx, cy, self.radius, CLIP_SIZE)
+
+
+@dataclass
+class Clip:
+    """A clip of :data:`FRAMES` frames: its seed, tracks and background."""
+
+    seed: int
+    tracks: list[Track]
+    background: tuple[int, int, int]
+    _frames: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def categories(self) -> list[int]:
+        return [t.category for t in self.tracks]
+
+    def first(self) -> Track:
+        """The object that appears first (start patches are distinct)."""
+        return min(self.tracks, key=lambda t: t.start)
+
+    def frames(self) -> np.ndarray:
+        """RGB uint8 frames `[T, H, W, 3]` (cached): flat shapes on a noisy grey background."""
+        if self._frames is None:
+            rng = np.random.default_rng([self.seed, 2])
+            out = np.empty((FRAMES, CLIP_SIZE, CLIP_SIZE, 3), dtype=np.float32)
+            out[:] = np.asarray(self.background, dtype=np.float32)
+            for t in range(FRAMES):
+                for track in self.tracks:
+                    if track.visible(t):
+                        colour = COLOURS[CATEGORIES[track.category].split("_")[0]]
+                        out[t][track.mask(t)] = colour
+            out += 5.0 * rng.standard_normal(size=out.shape, dtype=np.float32)
+            self._frames = np.clip(np.rint(out), 0, 255).astype(np.uint8)
+        return self._frames
+
+    def group_masks(self, group: int) -> list[np.ndarray]:
+        """Each track's mask over the two frames of temporal patch `group` (empty when off)."""
+        frames = range(group * TEMPORAL, (group + 1) * TEMPORAL)
+        return [
+            np.logical_or.reduce([t.mask(f) for f in frames])
+            if t.visible(frames[0])
+            else np.zeros((CLIP_SIZE, CLIP_SIZE), dtype=bool)
+            for t in self.tracks
+        ]
+
+
+def make_clip(seed: int) -> Clip:
+    """Deterministic clip for `seed`: 2-3 distinct categories with distinct start patches (so one
+    appears first), each on screen until a later patch or the end, moving at most 3 px per frame
+    and never touching another object."""
+    rng = np.random.default_rng([seed, 8])
+    k = int(rng.integers(2, 4))
+    cats = rng.choice(len(CATEGORIES), size=k, replace=False)
+    starts = sorted(rng.choice(GROUPS - 1, size=k, replace=False))
+    tracks: list[Track] = []
+    for cat, start in zip(cats, starts, strict=True):
+        for _ in range(200):
+            r = float(rng.uniform(12, 20))
+            v = tuple(float(x) for x in rng.uniform(-3, 3, size=2))
+            c = rng.uniform(r + 2 + 3 * FRAMES, CLIP_SIZE - r - 2 - 3 * FRAMES, size=2)
+            stop = int(rng.integers(start + 1, GROUPS + 1))
+            track = Track(int(cat), r, (float(c[0]), float(c[1])), v, int(start), stop)
+            if all(_apart(track, other) for other in tracks):
+                tracks.append(track)
+                break
+    grey = int(rng.integers(180, 225))
+    return Clip(seed, tracks, (grey, grey, grey))
+
+
+def _apart(a: Track, b: Track) -> bool:
+    gap = a.radius + b.radius + 4
+    return all(np.hypot(*np.subtract(a.centre_at(f), b.centre_at(f))) >= gap for f in range(FRAMES))
+
+
+# ---- questions --------------------------------------------------------------------------------
+
+
+def end_question(category: str) -> str:
+    return f"Is the {category} there at the end of the video?"
+
+
+def start_question(category: str) -> str:
+    return f"Is the {category} there at the start of the video?"
+
+
+FIRST_QUESTION = "Which object appears first in the video?"
+VIDEO_CAPTION_PROMPT = "Describe the video."
+
+
+def video_caption(clip: Clip) -> str:
+    """The objects in the order they appear: `red_circle , blue_square`."""
+    return " , ".join(CATEGORIES[t.category] for t in sorted(clip.tracks, key=lambda t: t.start))
+
+
+def video_qa(clip: Clip, rng: np.random.Generator, kind: str | None = None) -> QA:
+    """A question that needs time: which object appears first, whether an object is there at
+    the start / end (half yes; a no names an object of the clip that is off screen then, or,
+    one time in four, a category the clip never shows), or a caption that names the objects in
+    the order they appear."""
+    kind = kind or str(rng.choice(["first", "end", "start", "caption"], p=[0.3, 0.3, 0.2, 0.2]))
+    if kind == "caption":
+        return QA("caption", VIDEO_CAPTION_PROMPT, video_caption(clip), _short("describe"), ())
+    if kind == "first":
+        first = clip.first()
+        return QA(
+            "first",
+            FIRST_QUESTION,
+            CATEGORIES[first.category],
+            _short("first"),
+            (clip.tracks.index(first),),
+        )
+    on = [t for t in clip.tracks if (t.stop == GROUPS if kind == "end" else t.start == 0)]
+    off = [t for t in clip.tracks if t not in on]
+    positive = bool(rng.random() < 0.5) and bool(on)
+    if positive:
+        name = CATEGORIES[int(rng.choice([t.category for t in on]))]
+    elif off and rng.random() < 0.75:
+        name = CATEGORIES[int(rng.choice([t.category for t in off]))]
+    else:
+        name = CATEGORIES[
+            int(rng.choice([c for c in range(len(CATEGORIES)) if c not in clip.categories]))
+        ]
+    question = end_question(name) if kind == "end" else start_question(name)
+    return QA(kind, question, "yes" if positive else "no", _short(f"{kind} {name}"))
+
+
+def image_qa(scene: CroppedScene, rng: np.random.Generator, mix: dict[str, float]) -> QA:
+    """A presence or relation question about an image (`mix` weighs the two)."""
+    kinds = [k for k in ("presence", "relation") if mix.get(k)]
+    weights = np.array([mix[k] for k in kinds])
+    if str(rng.choice(kinds, p=weights / weights.sum())) == "relation":
+        qa = relation_qa(scene.scene, rng)
+        if qa is not None:
+            return qa
+    return presence_qa(scene.scene, rng)
+
+
+def presence_pair(scene: CroppedScene, rng: np.random.Generator) -> tuple[QA, QA]:
+    """One yes and one no presence question about `scene` (POPE's balanced pairs)."""
+    return presence_qa(scene.scene, rng, positive=True), presence_qa(
+        scene.scene, rng, positive=False
+    )
+
+
+def _short(text: str) -> list[int]:
+    return [QWEN_ID[w] for w in words(text)]
+
+
+def pope_question(name: str, suffix: bool) -> str:
+    from .vocab import presence_question
+
+    return presence_question(name) + (POPE_SUFFIX if suffix else "")
+
+
+# ---- model inputs through the processor ------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One training or evaluation row: an image or a clip, and its questions (with answers)."""
+
+    media: CroppedScene | Clip
+    qas: list[QA]
+
+    @property
+    def is_video(self) -> bool:
+        return isinstance(self.media, Clip)
+
+
+def media_inputs(media: CroppedScene | Clip) -> dict:
+    """What the processor takes for one medium: ``images=[PIL]`` or ``videos=[frames]``."""
+    if isinstance(media, Clip):
+        return {"videos": [list(media.frames())]}
+    return {"images": [Image.fromarray(media.image())]}
+
+
+def chat_text(processor, is_video: bool, question: str, answer: str | None = None) -> str:
+    """The chat prompt for one question (and its answer turn when given), as the template
+    writes it."""
+    item = {"type": "video"} if is_video else {"type": "image"}
+    messages = [{"role": "user", "content": [item, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text if answer is None else text + answer + "<|im_end|>"
+
+
+def _find_last(ids: list[int], token: int) -> int:
+    return len(ids) - 1 - ids[::-1].index(token)
+
+
+def encode_row(processor, row: Row, form: str, query_labels: bool = False) -> dict:
+    """Processor outputs of one row plus its labels `[L]` (IGNORE except the answers).
+
+    `form` "cat_last" packs every question in its short form after the visual tokens, each answer
+    right after its question (`<|vision_start|>...<|vision_end|> is there a red_circle yes ...`);
+    "chat" writes the row's one question with the chat template. With `query_labels`, a chat row's
+    answer is also the target at the question's last category token (or "first"), where the
+    category-last form answers."""
+    placeholder = VIDEO_PLACEHOLDER if row.is_video else IMAGE_PLACEHOLDER
+    if form == "cat_last":
+        text = placeholder + "".join(
+            " " + " ".join(QWEN_VOCAB[i] for i in qa.short) + " " + qa.answer for qa in row.qas
+        )
+    else:
+        (qa,) = row.qas
+        text = chat_text(processor, row.is_video, qa.question, qa.answer)
+    out = processor(text=[text], return_tensors="pt", **media_inputs(row.media))
+    ids = out["input_ids"][0].tolist()
+    labels = [IGNORE] * len(ids)
+    if form == "cat_last":
+        end = len(ids)
+        for qa in reversed(row.qas):  # from the end backwards: answer, then its question
+            n = len(words(qa.answer))
+            labels[end - n : end] = ids[end - n : end]
+            end -= n + len(qa.short)
+    else:
+        n = len(words(qa.answer)) + 1  # the answer and <|im_end|>
+        labels[-n:] = ids[-n:]
+        anchor = _anchor_token(qa)
+        if query_labels and anchor is not None:
+            labels[_find_last(ids[: -n - 1], anchor) + 1] = ids[-n]
+    out["labels"] = torch.tensor([labels])
+    return out
+
+
+def _anchor_token(qa: QA) -> int | None:
+    cats = [t for t in qa.short if t in CATEGORY_TOKENS or t == QWEN_ID["first"]]
+    return cats[-1] if cats else None
+
+
+def collate(encoded: list[dict], pad: int) -> dict:
+    """Right-padded batch of :func:`encode_row` outputs, images and videos concatenated."""
+    width = max(e["input_ids"].shape[1] for e in encoded)
+    batch = {
+        "input_ids": torch.full((len(encoded), width), pad),
+        "attention_mask": torch.zeros((len(encoded), width), dtype=torch.long),
+        "labels": torch.full((len(encoded), width), IGNORE),
+    }
+    for i, e in enumerate(encoded):
+        n = e["input_ids"].shape[1]
+        batch["input_ids"][i, :n] = e["input_ids"][0]
+        batch["attention_mask"][i, :n] = 1
+        batch["labels"][i, :n] = e["labels"][0]
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        parts = [e[key] for e in encoded if key in e]
+        if parts:
+            batch[key] = torch.cat(parts)
+    return batch
+
+
+def vision_labels(media: CroppedScene | Clip) -> np.ndarray:
+    """Category label of every merged token the model sees for `media`, in the tower's order
+    (temporal patches, then rows, then columns)."""
+    if isinstance(media, Clip):
+        rows = cols = CLIP_SIZE // TOKEN
+        return np.concatenate(
+            [
+                token_labels(media.group_masks(g), media.categories, (rows, cols))
+                for g in range(GROUPS)
+            ]
+        )
+    _, _, w, h = media.box
+    return token_labels(media.masks(), media.categories, (h // TOKEN, w // TOKEN))
+
+
+def negative_name(scene: CroppedScene, rng: np.random.Generator) -> str:
+    return CATEGORIES[negative_category(scene.scene, rng)]

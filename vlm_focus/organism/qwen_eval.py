@@ -1,0 +1,210 @@
+"""Evaluation of organism-qwen on held-out images and clips, greedy.
+
+- **POPE**: the three POPE splits (`vlm_focus.eval.pope`) over held-out cropped scenes with at
+  least three objects, answered through the evaluations' ``Generator``.
+- **Relations**: one left/right/above/below question per held-out multi-object scene.
+- **Video**: held-out clips, one question each, the kinds in turn (first / start / end).
+- **Probe**: a small teacher-forced set that tracks training.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..eval.pope import evaluate as evaluate_pope
+from ..setting import RunSetting
+from . import qwen_data as q
+from .data import relation_qa
+from .evaluate import ANSWER_TOKENS, BATCH, answer
+from .pope import SPLITS, pope_questions
+
+QUESTION_SEED = 778
+VIDEO_KINDS = ("first", "start", "end")
+
+
+def heldout_images(n: int, min_objects: int = 1) -> list[q.CroppedScene]:
+    """The first `n` held-out cropped scenes with at least `min_objects` objects."""
+    out, seed = [], q.HELDOUT_SEED_BASE
+    while len(out) < n:
+        scene = q.cropped_scene(seed)
+        if len(scene.scene.objects) >= min_objects:
+            out.append(scene)
+        seed += 1
+    return out
+
+
+def heldout_clips(n: int) -> list[q.Clip]:
+    return [q.make_clip(q.HELDOUT_SEED_BASE + 500_000 + i) for i in range(n)]
+
+
+def video_set(n: int) -> tuple[list[q.Clip], list]:
+    """Held-out clips and one question each, the kinds of :data:`VIDEO_KINDS` in turn."""
+    rng = np.random.default_rng(QUESTION_SEED)
+    clips = heldout_clips(n)
+    return clips, [q.video_qa(c, rng, VIDEO_KINDS[i % 3]) for i, c in enumerate(clips)]
+
+
+def relation_set(n: int) -> tuple[list[q.CroppedScene], list]:
+    rng = np.random.default_rng(QUESTION_SEED)
+    scenes, qas = [], []
+    for s in heldout_images(2 * n, min_objects=2):
+        qa = relation_qa(s.scene, rng)
+        if qa is not None and len(qas) < n:
+            scenes.append(s)
+            qas.append(qa)
+    return scenes, qas
+
+
+def _first_word(text: str) -> str:
+    words = text.strip().lower().replace(".", " ").split()
+    return words[0] if words else ""
+
+
+def pope_eval(model, processor, n_images: int = 300) -> dict:
+    """POPE accuracy / F1 per split over the first `n_images` held-out crops with >= 3 objects."""
+    crops = heldout_images(n_images, min_objects=3)
+    by_seed = {c.scene.seed: c for c in crops}
+    out = {}
+    for split in SPLITS:
+        rows = pope_questions([c.scene for c in crops], split)
+        result = evaluate_pope(
+            model,
+            processor,
+            rows,
+            RunSetting(max_new_tokens=ANSWER_TOKENS),
+            images=lambda row: _picture(by_seed[row["image_id"]]),
+            suffix="",
+            batch_size=BATCH,
+        )
+        out[split] = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+    out["accuracy"] = float(np.mean([out[s]["accuracy"] for s in SPLITS]))
+    return out
+
+
+def _picture(crop: q.CroppedScene):
+    from PIL import Image
+
+    return Image.fromarray(crop.image())
+
+
+def relation_eval(model, processor, n: int = 400) -> dict:
+    scenes, qas = relation_set(n)
+    answers = answer(model, processor, scenes, [qa.question for qa in qas])
+    hits = [_first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)]
+    return {"accuracy": float(np.mean(hits)), "n": len(hits)}
+
+
+@torch.no_grad()
+def video_answers(
+    model, processor, clips: list[q.Clip], questions: list[str], new_tokens: int = ANSWER_TOKENS
+) -> list[str]:
+    """Greedy answers (`new_tokens` at most, special tokens dropped) to one question per clip."""
+    batch = 16
+    out: list[str] = []
+    for i in range(0, len(clips), batch):
+        texts = [q.chat_text(processor, True, question) for question in questions[i : i + batch]]
+        inputs = processor(
+            text=texts,
+            videos=[list(c.frames()) for c in clips[i : i + batch]],
+            padding=True,
+            return_tensors="pt",
+        )
+        gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+        out += processor.batch_decode(
+            gen[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+        )
+    return out
+
+
+def video_eval(model, processor, n: int = 300) -> dict:
+    clips, qas = video_set(n)
+    answers = video_answers(model, processor, clips, [qa.question for qa in qas])
+    hits = np.array([_first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)])
+    kinds = np.array([qa.kind for qa in qas])
+    return {
+        "accuracy": float(hits.mean()),
+        "n": len(hits),
+        **{f"{k}_accuracy": float(hits[kinds == k].mean()) for k in VIDEO_KINDS},
+    }
+
+
+CAPTION_TOKENS = 8  # a caption names at most 3 objects: 5 words, then <|im_end|>
+
+
+def caption_metrics(answers: list[str], clips: list[q.Clip]) -> dict:
+    """Object precision and recall of video captions, and the share naming exactly the clip's
+    objects in the order they appear."""
+    named = correct = truth = found = exact = 0
+    for text, clip in zip(answers, clips, strict=True):
+        said = [w for w in text.replace(",", " ").split() if w in q.CATEGORIES]
+        present = {q.CATEGORIES[c] for c in clip.categories}
+        named += len(said)
+        correct += sum(w in present for w in said)
+        truth += len(present)
+        found += len(present & set(said))
+        exact += " , ".join(said) == q.video_caption(clip)
+    return {
+        "precision": correct / max(named, 1),
+        "recall": found / max(truth, 1),
+        "exact_order": exact / max(len(clips), 1),
+        "n": len(clips),
+    }
+
+
+def caption_eval(model, processor, n: int = 200) -> dict:
+    clips = heldout_clips(n)
+    prompts = [q.VIDEO_CAPTION_PROMPT] * n
+    answers = video_answers(model, processor, clips, prompts, new_tokens=CAPTION_TOKENS)
+    return caption_metrics(answers, clips)
+
+
+def evaluate(path: Path, n_images: int = 300) -> dict:
+    """Every bar of organism-qwen, greedy, on the saved model at `path`."""
+    from ..loading import load_model
+
+    model, processor = load_model(str(path))
+    start = time.time()
+    out = {
+        "pope": pope_eval(model, processor, n_images),
+        "relations": relation_eval(model, processor),
+        "video": video_eval(model, processor),
+        "video_captions": caption_eval(model, processor),
+    }
+    out["eval_seconds"] = round(time.time() - start, 1)
+    return out
+
+
+class Probe:
+    """A fixed held-out set scored teacher-forced (argmax at the answer) during training."""
+
+    def __init__(self, processor, n: int = 48) -> None:
+        rng = np.random.default_rng(4321)
+        images = heldout_images(n, min_objects=2)
+        self.processor = processor
+        self.sets = {
+            "presence": [
+                q.Row(s, [q.presence_qa(s.scene, rng, positive=i % 2 == 0)])
+                for i, s in enumerate(images)
+            ],
+            "relation": [q.Row(s, [qa]) for s, qa in zip(*relation_set(n), strict=True)],
+            "video": [q.Row(c, [qa]) for c, qa in zip(*video_set(n), strict=True)],
+        }
+
+    @torch.no_grad()
+    def _accuracy(self, model, rows: list[q.Row]) -> float:
+        batch = q.collate(
+            [q.encode_row(self.processor, r, "chat") for r in rows], q.QWEN_ID["<pad>"]
+        )
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        first = (labels != -100).float().argmax(1)  # the answer word
+        index = torch.arange(len(rows))
+        return float((logits[index, first - 1].argmax(-1) == labels[index, first]).float().mean())
+
+    def __call__(self, model) -> dict[str, float]:
+        model.eval()
+        return {name: self._accuracy(model, rows) for name, rows in self.sets.items()}

@@ -1,0 +1,418 @@
+"""Training of organism-qwen: a ``Qwen2_5_VLForConditionalGeneration`` (window-attention tower,
+merger, M-RoPE LM) trained on CPU through its real processor, in the organisms' three stages:
+
+1. ``vision``: the tower and merger, with a per-token head that learns each merged token's
+   category (exact masks, background weighted 0.3) and its place, on images and clips.
+   The tower (not the merger) is then frozen, and each category token's embedding starts at the
+   mean merged feature of that category.
+2. ``cat_last``: merger + LM learn packed category-last questions after the visual tokens.
+3. ``chat``: one question per row in the chat template, the answer also taught at the question's
+   last category token (`qwen_data.encode_row`), a share of rows kept category-last.
+
+Each stage runs for its steps or minutes, whichever ends first (as :mod:`.loop`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import qwen_data as q
+from .data import IGNORE
+from .loop import _autocast, _Clock, _descend, _done, _lr, _prefetch
+from .losses import patch_weights
+from .recipe import StageConfig
+from .scenes import CATEGORIES, SHAPES
+
+NAME = "organism-qwen"
+
+
+@dataclass(frozen=True)
+class QwenSpec:
+    """Size of organism-qwen; ``text_mrope`` splits the rotary half of a head (t, h, w)."""
+
+    vision_hidden: int = 64
+    vision_layers: int = 3
+    vision_heads: int = 4
+    vision_mlp: int = 192
+    text_hidden: int = 128
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    text_mlp: int = 320
+    text_mrope: tuple[int, int, int] = (4, 6, 6)
+
+
+def build_config(spec: QwenSpec = QwenSpec()):
+    """``Qwen2_5_VLConfig`` of the given size over :data:`qwen_data.QWEN_VOCAB` (tied embeddings;
+    the tower's last block attends globally, the others in 112 px windows, as Qwen2.5-VL's)."""
+    from transformers import Qwen2_5_VLConfig
+
+    vision = dict(
+        depth=spec.vision_layers,
+        hidden_size=spec.vision_hidden,
+        num_heads=spec.vision_heads,
+        intermediate_size=spec.vision_mlp,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=q.TEMPORAL,
+        in_channels=3,
+        out_hidden_size=spec.text_hidden,
+        window_size=112,
+        fullatt_block_indexes=[spec.vision_layers - 1],
+    )
+    text = dict(
+        vocab_size=len(q.QWEN_VOCAB),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_mlp,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": list(spec.text_mrope),
+        },
+        tie_word_embeddings=True,
+        eos_token_id=q.IM_END,
+        pad_token_id=q.QWEN_ID["<pad>"],
+        bos_token_id=None,
+    )
+    return Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=q.IMAGE_PAD,
+        video_token_id=q.VIDEO_PAD,
+        vision_start_token_id=q.VISION_START,
+        vision_end_token_id=q.VISION_END,
+        tie_word_embeddings=True,
+    )
+
+
+@dataclass
+class QwenRecipe:
+    """The three stages and their task mixes: `video` is the share of clip rows, `image_mix`
+    weighs presence against relation questions, `cat_last_share` keeps that share of chat-stage
+    rows in the category-last form."""
+
+    stages: list[StageConfig]
+    video: float = 0.4
+    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.5, "relation": 0.5})
+    cat_last_share: float = 0.3
+    seed: int = 0
+    eval_every: int = 200
+
+
+def default_recipe(scale: float = 1.0) -> QwenRecipe:
+    """The shipped recipe: 10 + 13 + 23 = 46 minutes on 2 cores; `scale` multiplies steps and
+    minutes (0.01 for a smoke run)."""
+    minutes, steps, lrs = (10.0, 13.0, 23.0), (3000, 4000, 8000), (2e-3, 1e-3, 6e-4)
+    names = ("vision", "cat_last", "chat")
+    turns = ((1, 1), (4, 6), (1, 1))
+    return QwenRecipe(
+        stages=[
+            StageConfig(n, max(int(s * scale), 2), max(m * scale, 0.05), lr, turns=t)
+            for n, s, m, lr, t in zip(names, steps, minutes, lrs, turns, strict=True)
+        ]
+    )
+
+
+# ---- batches --------------------------------------------------------------------------------
+
+
+class QwenBatcher:
+    """Training batches drawn from fresh seeds, encoded by the real processor."""
+
+    def __init__(self, recipe: QwenRecipe, processor) -> None:
+        self.recipe, self.processor = recipe, processor
+        self.rng = np.random.default_rng(recipe.seed)
+        self.next_seed = q.TRAIN_SEED_BASE
+
+    def _seed(self) -> int:
+        self.next_seed += 1
+        return self.next_seed
+
+    def media(self) -> q.CroppedScene | q.Clip:
+        if self.rng.random() < self.recipe.video:
+            return q.make_clip(self._seed())
+        return q.cropped_scene(self._seed())
+
+    def row(self, stage: StageConfig, form: str) -> q.Row:
+        media = self.media()
+        n = int(self.rng.integers(stage.turns[0], stage.turns[1] + 1)) if form == "cat_last" else 1
+        if isinstance(media, q.Clip):
+            qas = [q.video_qa(media, self.rng) for _ in range(n)]
+        else:
+            qas = [q.image_qa(media, self.rng, self.recipe.image_mix) for _ in range(n)]
+        return q.Row(media, qas)
+
+    def vision_batch(self, n: int) -> dict:
+        """Pixels, grids and per-token labels (with normalised places) of `n` media."""
+        media = [self.media() for _ in range(n)]
+        images = [m for m in media if isinstance(m, q.CroppedScene)]
+        clips = [m for m in media if isinstance(m, q.Clip)]
+        batch: dict = {}
+        if images:
+            out = self.processor.image_processor(
+                images=[q.media_inputs(m)["images"][0] for m in images], return_tensors="pt"
+            )
+            batch["images"] = (out["pixel_values"], out["image_grid_thw"])
+        if clips:
+            out = self.processor.video_processor(
+                videos=[q.media_inputs(m)["videos"][0] for m in clips], return_tensors="pt"
+            )
+            batch["videos"] = (out["pixel_values_videos"], out["video_grid_thw"])
+        batch["labels"] = torch.from_numpy(
+            np.concatenate([q.vision_labels(m) for m in images + clips])
+        )
+        return batch
+
+    def lm_batch(self, stage: StageConfig) -> dict:
+        rows = []
+        for _ in range(stage.batch):
+            form = stage.name
+            if form == "chat" and self.rng.random() < self.recipe.cat_last_share:
+                form = "cat_last"
+            row = self.row(stage, form)
+            rows.append(q.encode_row(self.processor, row, form, query_labels=True))
+        return q.collate(rows, q.QWEN_ID["<pad>"])
+
+
+# ---- the vision stage -----------------------------------------------------------------------
+
+
+class TokenHead(nn.Module):
+    """Per-token read-outs of merged features: category (C + 1 with background), the object's
+    shape alone (a token sees only part of its object, so shape gets its own loss) and place."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.category = nn.Linear(hidden, len(CATEGORIES) + 1)
+        self.shape = nn.Linear(hidden, len(SHAPES))
+        self.place = nn.Linear(hidden, 2)
+
+    def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.norm(feats)
+        return self.category(h), self.shape(h), self.place(h)
+
+
+def token_loss(
+    head: TokenHead,
+    feats: torch.Tensor,
+    labels: torch.Tensor,
+    places: torch.Tensor,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted category cross-entropy + shape cross-entropy on object tokens + place error;
+    also returns the category logits."""
+    logits, shape, place = head(feats.float())
+    loss = nn.functional.cross_entropy(logits.float(), labels, weight=weight)
+    obj = labels > 0
+    if obj.any():
+        loss = loss + nn.functional.cross_entropy(
+            shape[obj].float(), (labels[obj] - 1) % len(SHAPES)
+        )
+    return loss + nn.functional.mse_loss(place.float(), places), logits
+
+
+def token_places(grid_thw: torch.Tensor) -> torch.Tensor:
+    """Normalised (column, row) centre of each merged token `[N, 2]`, tower order."""
+    out = []
+    for t, h, w in (grid_thw // torch.tensor([1, 2, 2])).tolist():
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        place = torch.stack([(cols + 0.5) / w, (rows + 0.5) / h], -1).reshape(-1, 2)
+        out.append(place.repeat(t, 1))
+    return torch.cat(out)
+
+
+def merged_features(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged tower outputs `[N, D]` of a vision batch (images first, then clips), and places."""
+    feats, places = [], []
+    for key in ("images", "videos"):
+        if key in batch:
+            pixels, grid = batch[key]
+            feats.append(model.model.visual(pixels, grid_thw=grid).pooler_output)
+            places.append(token_places(grid))
+    return torch.cat(feats), torch.cat(places)
+
+
+def train_vision(model, stage: StageConfig, batches, log) -> TokenHead:
+    visual = model.model.visual
+    head = TokenHead(visual.merger.mlp[-1].out_features)
+    params = [*visual.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
+    weight = patch_weights(0.5)
+    clock, step = _Clock(), 0
+    visual.train()
+    while not _done(stage, step, clock):
+        batch = next(batches)
+        for g in opt.param_groups:
+            g["lr"] = _lr(stage, step, clock)
+        labels = batch["labels"]
+        with _autocast():
+            feats, places = merged_features(model, batch)
+        loss, logits = token_loss(head, feats, labels, places, weight)
+        _descend(opt, params, loss)
+        step += 1
+        if step % 25 == 0 or _done(stage, step, clock):
+            obj = labels > 0
+            acc = (
+                float((logits.argmax(-1)[obj] == labels[obj]).float().mean()) if obj.any() else 0.0
+            )
+            log(stage.name, step, clock, {"loss": loss.item(), "object_token_acc": acc})
+    return head
+
+
+@torch.no_grad()
+def init_category_embeddings(model, batches, n: int = 8) -> None:
+    """Start each category token's embedding at the mean merged feature of that category, scaled
+    to the embeddings' mean norm, so that a question's words and the image tokens begin aligned."""
+    feats, labels = [], []
+    for _ in range(n):
+        batch = next(batches)
+        feats.append(merged_features(model, batch)[0].float())
+        labels.append(batch["labels"])
+    feats, labels = torch.cat(feats), torch.cat(labels)
+    emb = model.get_input_embeddings().weight
+    scale = emb.norm(dim=-1).mean()
+    for c, name in enumerate(CATEGORIES):
+        hit = labels == c + 1
+        if hit.any():
+            mean = feats[hit].mean(0)
+            emb[q.QWEN_ID[name]] = mean / mean.norm() * scale
+
+
+# ---- the language stages --------------------------------------------------------------------
+
+
+def _loss(model, batch: dict) -> torch.Tensor:
+    labels = batch.pop("labels")
+    with _autocast():
+        logits = model(**batch).logits.float()
+    return nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE
+    )
+
+
+def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) -> None:
+    visual = model.model.visual
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [*visual.merger.parameters(), *model.model.language_model.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
+    clock, step = _Clock(), 0
+    model.train()
+    visual.eval()
+    while not _done(stage, step, clock):
+        batch = next(batches)
+        for g in opt.param_groups:
+            g["lr"] = _lr(stage, step, clock)
+        loss = _loss(model, batch)
+        _descend(opt, params, loss)
+        step += 1
+        record = {"loss": loss.item()}
+        if step % eval_every == 0 or _done(stage, step, clock):
+            record.update(probe(model))
+            model.train()
+            visual.eval()
+            log(stage.name, step, clock, record)
+        elif step % 25 == 0:
+            log(stage.name, step, clock, record)
+
+
+# ---- the whole run --------------------------------------------------------------------------
+
+
+def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
+    """Run `recipe` from scratch; save the HF model (weights in bfloat16, config in float32),
+    processor, log and summary to `out_dir`."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from .qwen_eval import Probe
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)
+    model = Qwen2_5_VLForConditionalGeneration(build_config())
+    processor = q.build_processor()
+    log_path = out_dir / "train_log.jsonl"
+    log_path.write_text("")
+    total = _Clock()
+
+    def log(stage: str, step: int, clock: _Clock, values: dict) -> None:
+        row = {
+            "stage": stage,
+            "step": step,
+            "wall": round(clock.wall(), 1),
+            "cpu": round(clock.cpu(), 1),
+            **{k: round(v, 4) for k, v in values.items()},
+        }
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if not quiet:
+            print(json.dumps(row), flush=True)
+
+    batcher = QwenBatcher(recipe, processor)
+    stages: dict[str, dict] = {}
+    probe = Probe(processor)
+    for stage in recipe.stages:
+        start = time.time()
+        if stage.name == "vision":
+            batches = _prefetch(lambda s=stage: batcher.vision_batch(s.batch))
+            train_vision(model, stage, batches, log)
+            init_category_embeddings(model, batches)
+        else:
+            batches = _prefetch(lambda s=stage: batcher.lm_batch(s))
+            train_lm(model, stage, batches, probe, log, recipe.eval_every)
+        del batches
+        steps = [json.loads(line) for line in log_path.read_text().splitlines()]
+        stages[stage.name] = {
+            **asdict(stage),
+            "seconds": round(time.time() - start, 1),
+            "steps_run": max((r["step"] for r in steps if r["stage"] == stage.name), default=0),
+        }
+    model.eval()
+    save(model, processor, out_dir)
+    summary = {
+        "name": NAME,
+        "spec": asdict(QwenSpec()),
+        "params": sum(p.numel() for p in model.parameters()),
+        "seconds": round(total.wall(), 1),
+        "cpu_seconds": round(total.cpu(), 1),
+        "threads": torch.get_num_threads(),
+        "video_share": recipe.video,
+        "image_mix": recipe.image_mix,
+        "cat_last_share": recipe.cat_last_share,
+        "stages": stages,
+    }
+    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def save(model, processor, out_dir: Path) -> None:
+    """Save the model with bfloat16 weights (half the bytes; the asset budget) and a float32
+    config, so that ``from_pretrained`` computes in float32 as the other organisms do."""
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    model.float()
+    config = json.loads((out_dir / "config.json").read_text())
+    _set_dtype(config, "float32")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    processor.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+
+
+def _set_dtype(config: dict, dtype: str) -> None:
+    for key, value in config.items():
+        if key in ("dtype", "torch_dtype"):
+            config[key] = dtype
+        elif isinstance(value, dict):
+            _set_dtype(value, dtype)
