@@ -4,10 +4,10 @@ plugin equals ``vf.wrap(..., layer=0)`` in transformers, and answers its questio
 Runs in the vLLM environment (see ``test_vllm_plugin.py``); the transformers side
 (``transformers_side.py run``) and the held-out images (two crops of different sizes and aspect
 ratios, which the processor keeps at their own size) come from the main environment. Two images
-x two questions (presence, relation) x the unpruned run and four pruned settings (the server's
+x two presence questions (one yes, one no) x the unpruned run and four pruned settings (the server's
 default and three per-request ones) go through one engine in one batch: greedy tokens, the
 pruned prompt's length and the kept cells equal transformers', and the unpruned answers are the
-held-out truth.
+held-out truth (presence: the organism's relations are at chance, see its card).
 """
 
 from __future__ import annotations
@@ -47,13 +47,12 @@ import json, sys
 import numpy as np
 from PIL import Image
 from vlm_focus.organism import qwen_data as q
-from vlm_focus.organism.data import relation_qa
 out, rows = sys.argv[1], []
 rng = np.random.default_rng(0)
 for seed in map(int, sys.argv[2:]):
     crop = q.cropped_scene(seed)
     Image.fromarray(crop.image()).save(f"{out}/crop_{seed}.png")
-    qas = [q.presence_qa(crop.scene, rng, positive=True), relation_qa(crop.scene, rng)]
+    qas = q.presence_pair(crop, rng)
     rows += [{"image": f"crop_{seed}.png", "question": a.question, "answer": a.answer} for a in qas]
 open(f"{out}/questions.json", "w").write(json.dumps(rows))
 """

@@ -88,17 +88,20 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
 
 ## Recipe (`vlm-focus organism train --model qwen`)
 1. `vision`: tower + merger with a per-token head (category or background, background weighted
-   0.3; the object's shape on its own; the token's place), on images and clips. Then the tower
-   is frozen and each category token's embedding starts at the mean merged feature of its
-   category.
-2. `cat_last`: merger + LM on 4-6 packed category-last questions per row, each answer right
-   after its question.
-3. `chat`: one question per row in the chat template; the answer is also the target right
+   0.3; the object's shape on its own; the token's place), on images and clips. Then tower and
+   merger are frozen and each category token's embedding starts at the mean merged feature of
+   its category.
+2. `presence`: the LM on 6-8 packed category-last presence questions per image (no clips), the
+   lookup a from-scratch LM learns first.
+3. `cat_last`: the LM on 8-10 packed category-last questions per row, each answer right after
+   its question (clip questions weighted {cat_last_video_mix}).
+4. `chat`: one question per row in the chat template; the answer is also the target right
    after the question's last category token; {cat_last_share}% of the rows stay category-last.
-- Rows: {video_share}% clips; image questions {image_mix}. AdamW, cosine with warm-up,
+- Rows: {video_share}% clips; image questions {image_mix}; clip questions in the chat stage
+  {video_mix}. AdamW, cosine with warm-up,
   {threads} CPU thread(s) for the model plus one data process.
 - Steps and time: {steps}; in all {minutes:.1f} minutes wall-clock, {cpu_minutes:.1f} CPU
-  minutes of the training process.
+  minutes of the training process.{vision_note}
 
 ## Quality bars (held-out, greedy decoding, chat template)
 
@@ -127,10 +130,18 @@ def model_card(metrics: dict, folder: Path) -> str:
         cat_last_share=round(100 * summary["cat_last_share"]),
         video_share=round(100 * summary["video_share"]),
         image_mix=summary["image_mix"],
+        video_mix=summary["video_mix"],
+        cat_last_video_mix=summary["cat_last_video_mix"],
         threads=summary["threads"],
         steps=steps,
         minutes=summary["seconds"] / 60,
         cpu_minutes=summary["cpu_seconds"] / 60,
+        vision_note=(
+            " The language stages ran in a second process from the vision stage's saved state"
+            " (`QwenRecipe.vision_from`); the vision stage's time is its own run's."
+            if summary.get("vision_from_earlier_run")
+            else ""
+        ),
     )
     table = ["| bar | target | measured | verdict |", "|---|---|---|---|"]
     table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in bars(metrics, summary, megabytes)]

@@ -313,12 +313,19 @@ def video_caption(clip: Clip) -> str:
     return " , ".join(CATEGORIES[t.category] for t in sorted(clip.tracks, key=lambda t: t.start))
 
 
-def video_qa(clip: Clip, rng: np.random.Generator, kind: str | None = None) -> QA:
+VIDEO_MIX = {"first": 0.3, "end": 0.3, "start": 0.2, "caption": 0.2}
+
+
+def video_qa(
+    clip: Clip, rng: np.random.Generator, kind: str | None = None, mix: dict | None = None
+) -> QA:
     """A question that needs time: which object appears first, whether an object is there at
     the start / end (half yes; a no names an object of the clip that is off screen then, or,
     one time in four, a category the clip never shows), or a caption that names the objects in
-    the order they appear."""
-    kind = kind or str(rng.choice(["first", "end", "start", "caption"], p=[0.3, 0.3, 0.2, 0.2]))
+    the order they appear. Without `kind`, one is drawn with the weights of `mix` (default
+    :data:`VIDEO_MIX`)."""
+    mix = mix or VIDEO_MIX
+    kind = kind or str(rng.choice(list(mix), p=np.array(list(mix.values())) / sum(mix.values())))
     if kind == "caption":
         return QA("caption", VIDEO_CAPTION_PROMPT, video_caption(clip), _short("describe"), ())
     if kind == "first":
@@ -449,22 +456,21 @@ def _anchor_token(qa: QA) -> int | None:
 
 
 def collate(encoded: list[dict], pad: int) -> dict:
-    """Right-padded batch of :func:`encode_row` outputs, images and videos concatenated."""
+    """Right-padded batch of :func:`encode_row` outputs: every per-token tensor padded (ids with
+    `pad`, labels with IGNORE, the mask and the modality types with 0), every per-image or
+    per-video tensor (pixels, grids, seconds per temporal patch) concatenated."""
     width = max(e["input_ids"].shape[1] for e in encoded)
-    batch = {
-        "input_ids": torch.full((len(encoded), width), pad),
-        "attention_mask": torch.zeros((len(encoded), width), dtype=torch.long),
-        "labels": torch.full((len(encoded), width), IGNORE),
-    }
-    for i, e in enumerate(encoded):
-        n = e["input_ids"].shape[1]
-        batch["input_ids"][i, :n] = e["input_ids"][0]
-        batch["attention_mask"][i, :n] = 1
-        batch["labels"][i, :n] = e["labels"][0]
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-        parts = [e[key] for e in encoded if key in e]
-        if parts:
-            batch[key] = torch.cat(parts)
+    fill = {"input_ids": pad, "labels": IGNORE, "attention_mask": 0, "mm_token_type_ids": 0}
+    batch = {}
+    for key, value in fill.items():
+        rows = [e[key][0] for e in encoded]
+        out = torch.full((len(rows), width), value, dtype=rows[0].dtype)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        batch[key] = out
+    for key in encoded[0].keys() | set().union(*(e.keys() for e in encoded)):
+        if key not in fill:
+            batch[key] = torch.cat([e[key] for e in encoded if key in e])
     return batch
 
 

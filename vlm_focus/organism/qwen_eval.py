@@ -80,7 +80,8 @@ def pope_eval(model, processor, n_images: int = 300) -> dict:
             suffix="",
             batch_size=BATCH,
         )
-        out[split] = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+        (scores,) = result.metrics.values()  # the rows of one split carry no split of their own
+        out[split] = {k: v for k, v in scores.items() if isinstance(v, (int, float))}
     out["accuracy"] = float(np.mean([out[s]["accuracy"] for s in SPLITS]))
     return out
 

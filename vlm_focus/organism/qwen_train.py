@@ -1,12 +1,14 @@
 """Training of organism-qwen: a ``Qwen2_5_VLForConditionalGeneration`` (window-attention tower,
-merger, M-RoPE LM) trained on CPU through its real processor, in the organisms' three stages:
+merger, M-RoPE LM) trained on CPU through its real processor, in the organisms' stages:
 
 1. ``vision``: the tower and merger, with a per-token head that learns each merged token's
    category (exact masks, background weighted 0.3) and its place, on images and clips.
-   The tower (not the merger) is then frozen, and each category token's embedding starts at the
+   The tower and merger are then frozen, and each category token's embedding starts at the
    mean merged feature of that category.
-2. ``cat_last``: merger + LM learn packed category-last questions after the visual tokens.
-3. ``chat``: one question per row in the chat template, the answer also taught at the question's
+2. ``presence``: the LM learns packed category-last presence questions on images alone, the
+   lookup a from-scratch LM finds first.
+3. ``cat_last``: the LM learns the whole task mix in the packed category-last form.
+4. ``chat``: one question per row in the chat template, the answer also taught at the question's
    last category token (`qwen_data.encode_row`), a share of rows kept category-last.
 
 Each stage runs for its steps or minutes, whichever ends first (as :mod:`.loop`).
@@ -98,28 +100,36 @@ def build_config(spec: QwenSpec = QwenSpec()):
 
 @dataclass
 class QwenRecipe:
-    """The three stages and their task mixes: `video` is the share of clip rows, `image_mix`
-    weighs presence against relation questions, `cat_last_share` keeps that share of chat-stage
-    rows in the category-last form."""
+    """The stages and their task mixes: `video` is the share of clip rows, `image_mix`
+    weighs presence against relation questions and `video_mix` the clip questions (in the
+    category-last stage, where yes/no lookups come first, `cat_last_video_mix`);
+    `cat_last_share` keeps that share of chat-stage rows in the category-last form."""
 
     stages: list[StageConfig]
-    video: float = 0.4
-    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.5, "relation": 0.5})
+    video: float = 0.35
+    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.6, "relation": 0.4})
+    video_mix: dict[str, float] = field(default_factory=lambda: dict(q.VIDEO_MIX))
+    cat_last_video_mix: dict[str, float] = field(
+        default_factory=lambda: {"first": 0.2, "end": 0.35, "start": 0.35, "caption": 0.1}
+    )
     cat_last_share: float = 0.3
     seed: int = 0
     eval_every: int = 200
+    vision_from: str = ""  # a `vision.pt` of an earlier run: skip the vision stage, take its tower
 
 
 def default_recipe(scale: float = 1.0) -> QwenRecipe:
-    """The shipped recipe: 10 + 13 + 23 = 46 minutes on 2 cores; `scale` multiplies steps and
-    minutes (0.01 for a smoke run)."""
-    minutes, steps, lrs = (10.0, 13.0, 23.0), (3000, 4000, 8000), (2e-3, 1e-3, 6e-4)
-    names = ("vision", "cat_last", "chat")
-    turns = ((1, 1), (4, 6), (1, 1))
+    """The shipped recipe: 10 + 4 + 11 + 22 = 47 minutes on 2 cores; `scale` multiplies steps
+    and minutes (0.01 for a smoke run). The `presence` stage is category-last presence questions
+    on images alone: the lookup a from-scratch LM learns first, before the task mix."""
+    names = ("vision", "presence", "cat_last", "chat")
+    minutes, steps = (10.0, 4.0, 11.0, 22.0), (3000, 1000, 4000, 8000)
+    lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
+    mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
     return QwenRecipe(
         stages=[
-            StageConfig(n, max(int(s * scale), 2), max(m * scale, 0.05), lr, turns=t)
-            for n, s, m, lr, t in zip(names, steps, minutes, lrs, turns, strict=True)
+            StageConfig(n, max(int(s * scale), 2), max(m * scale, 0.05), lr, turns=t, mix=mix)
+            for n, s, m, lr, t, mix in zip(names, steps, minutes, lrs, turns, mixes, strict=True)
         ]
     )
 
@@ -139,18 +149,22 @@ class QwenBatcher:
         self.next_seed += 1
         return self.next_seed
 
-    def media(self) -> q.CroppedScene | q.Clip:
-        if self.rng.random() < self.recipe.video:
+    def media(self, video: float | None = None) -> q.CroppedScene | q.Clip:
+        if self.rng.random() < (self.recipe.video if video is None else video):
             return q.make_clip(self._seed())
         return q.cropped_scene(self._seed())
 
     def row(self, stage: StageConfig, form: str) -> q.Row:
-        media = self.media()
+        """One row of `stage`; its `mix` may set the clip share ("video") and the image
+        questions' weights ("presence", "relation")."""
+        media = self.media(stage.mix.get("video"))
+        image_mix = {k: v for k, v in stage.mix.items() if k != "video"} or self.recipe.image_mix
         n = int(self.rng.integers(stage.turns[0], stage.turns[1] + 1)) if form == "cat_last" else 1
         if isinstance(media, q.Clip):
-            qas = [q.video_qa(media, self.rng) for _ in range(n)]
+            mix = self.recipe.cat_last_video_mix if form == "cat_last" else self.recipe.video_mix
+            qas = [q.video_qa(media, self.rng, mix=mix) for _ in range(n)]
         else:
-            qas = [q.image_qa(media, self.rng, self.recipe.image_mix) for _ in range(n)]
+            qas = [q.image_qa(media, self.rng, image_mix) for _ in range(n)]
         return q.Row(media, qas)
 
     def vision_batch(self, n: int) -> dict:
@@ -177,7 +191,7 @@ class QwenBatcher:
     def lm_batch(self, stage: StageConfig) -> dict:
         rows = []
         for _ in range(stage.batch):
-            form = stage.name
+            form = "chat" if stage.name == "chat" else "cat_last"
             if form == "chat" and self.rng.random() < self.recipe.cat_last_share:
                 form = "cat_last"
             row = self.row(stage, form)
@@ -306,7 +320,9 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
     visual = model.model.visual
     for p in model.parameters():
         p.requires_grad_(False)
-    params = [*visual.merger.parameters(), *model.model.language_model.parameters()]
+    # the merger stays as the vision stage left it: the category embeddings start aligned with
+    # its features, and an LM that moves them learns the lookup more slowly
+    params = list(model.model.language_model.parameters())
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
@@ -365,7 +381,11 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     stages: dict[str, dict] = {}
     probe = Probe(processor)
     for stage in recipe.stages:
-        start = time.time()
+        start, cpu_start = time.time(), time.process_time()
+        if stage.name == "vision" and recipe.vision_from:
+            model.load_state_dict(torch.load(recipe.vision_from)["model"])
+            stages[stage.name] = torch.load(recipe.vision_from)["stage"]
+            continue
         if stage.name == "vision":
             batches = _prefetch(lambda s=stage: batcher.vision_batch(s.batch))
             train_vision(model, stage, batches, log)
@@ -378,19 +398,29 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
         stages[stage.name] = {
             **asdict(stage),
             "seconds": round(time.time() - start, 1),
+            "cpu_seconds": round(time.process_time() - cpu_start, 1),
             "steps_run": max((r["step"] for r in steps if r["stage"] == stage.name), default=0),
         }
+        if stage.name == "vision":  # the tower, kept so that the language stages can be rerun
+            torch.save(
+                {"model": model.state_dict(), "stage": stages[stage.name]}, out_dir / "vision.pt"
+            )
     model.eval()
     save(model, processor, out_dir)
+    earlier = stages["vision"] if recipe.vision_from else {}
     summary = {
         "name": NAME,
         "spec": asdict(QwenSpec()),
         "params": sum(p.numel() for p in model.parameters()),
-        "seconds": round(total.wall(), 1),
-        "cpu_seconds": round(total.cpu(), 1),
+        # a vision stage taken from `vision_from` counts with the time it took in its own run
+        "seconds": round(total.wall() + earlier.get("seconds", 0.0), 1),
+        "cpu_seconds": round(total.cpu() + earlier.get("cpu_seconds", 0.0), 1),
+        "vision_from_earlier_run": bool(recipe.vision_from),
         "threads": torch.get_num_threads(),
         "video_share": recipe.video,
         "image_mix": recipe.image_mix,
+        "video_mix": recipe.video_mix,
+        "cat_last_video_mix": recipe.cat_last_video_mix,
         "cat_last_share": recipe.cat_last_share,
         "stages": stages,
     }
