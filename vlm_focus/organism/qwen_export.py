@@ -7,19 +7,8 @@ import shutil
 from pathlib import Path
 
 from ..asset_paths import qwen_model_path
+from .export import HF_FILES
 from .qwen_card import model_card
-
-FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-    "train_summary.json",
-    "train_log.jsonl",
-)
 
 
 def ship_qwen(train_dir: Path, metrics: dict, dest: Path | None = None) -> Path:
@@ -27,7 +16,7 @@ def ship_qwen(train_dir: Path, metrics: dict, dest: Path | None = None) -> Path:
     the model card README.md."""
     dest = Path(dest or qwen_model_path())
     dest.mkdir(parents=True, exist_ok=True)
-    for name in FILES:
+    for name in HF_FILES:  # the ones a run wrote (organism-qwen draws no curves)
         if (Path(train_dir) / name).exists():
             shutil.copy2(Path(train_dir) / name, dest / name)
     (dest / "metrics.json").write_text(json.dumps(metrics, indent=1))
