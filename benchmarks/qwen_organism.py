@@ -47,6 +47,7 @@ from vlm_focus.organism.qwen_eval import (
     CAPTION_TOKENS,
     QUESTION_SEED,
     caption_metrics,
+    first_word,
     heldout_clips,
     heldout_images,
 )
@@ -87,12 +88,6 @@ def video_questions(n: int, kinds=("first", "start", "end")) -> list[tuple[q.Cli
 # ---- greedy answers under a setting ----------------------------------------------------------
 
 
-def _media(item) -> dict:
-    if isinstance(item, q.Clip):
-        return {"videos": [list(item.frames())]}
-    return {"images": [Image.fromarray(item.image())]}
-
-
 @torch.no_grad()
 def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int = 2) -> list[str]:
     """Greedy answers to `rows` ((medium, question, ...)), pruned by `focus` if given."""
@@ -105,7 +100,7 @@ def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int 
             texts = [q.chat_text(processor, video, row[1]) for row in chunk]
             media: dict = {"videos": [], "images": []}
             for row in chunk:
-                for key, value in _media(row[0]).items():
+                for key, value in q.media_inputs(row[0]).items():
                     media[key] += value
             inputs = processor(
                 text=texts,
@@ -124,12 +119,7 @@ def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int 
 
 
 def accuracy(answers: list[str], rows) -> float:
-    return float(np.mean([_first(a) == row[2] for a, row in zip(answers, rows, strict=True)]))
-
-
-def _first(text: str) -> str:
-    words = text.strip().lower().split()
-    return words[0] if words else ""
+    return float(np.mean([first_word(a) == row[2] for a, row in zip(answers, rows, strict=True)]))
 
 
 def scored(model, processor, rows, focus: FocusConfig, score=None, new_tokens: int = 2):

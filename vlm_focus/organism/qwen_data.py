@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .data import IGNORE, QA, negative_category, presence_qa, relation_qa
+from .data import IGNORE, QA, presence_qa, relation_qa
 from .scenes import CATEGORIES, COLOURS, SHAPES, Scene, generate_scene, shape_mask
-from .vocab import CLIP_MEAN, CLIP_STD, POPE_SUFFIX, VOCAB, words
+from .vocab import CLIP_MEAN, CLIP_STD, VOCAB, words
 
 TOKEN = 28  # pixels per side of one merged token (patch 14, merge 2)
 FRAMES = 8  # frames per clip
@@ -127,6 +127,10 @@ class CroppedScene:
 
     scene: Scene
     box: tuple[int, int, int, int]
+
+    @property
+    def seed(self) -> int:
+        return self.scene.seed
 
     @property
     def categories(self) -> list[int]:
@@ -374,12 +378,6 @@ def _short(text: str) -> list[int]:
     return [QWEN_ID[w] for w in words(text)]
 
 
-def pope_question(name: str, suffix: bool) -> str:
-    from .vocab import presence_question
-
-    return presence_question(name) + (POPE_SUFFIX if suffix else "")
-
-
 # ---- model inputs through the processor ------------------------------------------------------
 
 
@@ -487,7 +485,3 @@ def vision_labels(media: CroppedScene | Clip) -> np.ndarray:
         )
     _, _, w, h = media.box
     return token_labels(media.masks(), media.categories, (h // TOKEN, w // TOKEN))
-
-
-def negative_name(scene: CroppedScene, rng: np.random.Generator) -> str:
-    return CATEGORIES[negative_category(scene.scene, rng)]

@@ -15,11 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..eval.pope import evaluate as evaluate_pope
-from ..setting import RunSetting
 from . import qwen_data as q
 from .data import relation_qa
-from .evaluate import ANSWER_TOKENS, BATCH, answer
+from .evaluate import ANSWER_TOKENS, _yes_no, answer
 from .pope import SPLITS, pope_questions
 
 QUESTION_SEED = 778
@@ -59,7 +57,8 @@ def relation_set(n: int) -> tuple[list[q.CroppedScene], list]:
     return scenes, qas
 
 
-def _first_word(text: str) -> str:
+def first_word(text: str) -> str:
+    """The answer's first word, lower case, without a full stop."""
     words = text.strip().lower().replace(".", " ").split()
     return words[0] if words else ""
 
@@ -67,35 +66,19 @@ def _first_word(text: str) -> str:
 def pope_eval(model, processor, n_images: int = 300) -> dict:
     """POPE accuracy / F1 per split over the first `n_images` held-out crops with >= 3 objects."""
     crops = heldout_images(n_images, min_objects=3)
-    by_seed = {c.scene.seed: c for c in crops}
     out = {}
     for split in SPLITS:
-        rows = pope_questions([c.scene for c in crops], split)
-        result = evaluate_pope(
-            model,
-            processor,
-            rows,
-            RunSetting(max_new_tokens=ANSWER_TOKENS),
-            images=lambda row: _picture(by_seed[row["image_id"]]),
-            suffix="",
-            batch_size=BATCH,
-        )
+        result = _yes_no(model, processor, pope_questions([c.scene for c in crops], split), crops)
         (scores,) = result.metrics.values()  # the rows of one split carry no split of their own
         out[split] = {k: v for k, v in scores.items() if isinstance(v, (int, float))}
     out["accuracy"] = float(np.mean([out[s]["accuracy"] for s in SPLITS]))
     return out
 
 
-def _picture(crop: q.CroppedScene):
-    from PIL import Image
-
-    return Image.fromarray(crop.image())
-
-
 def relation_eval(model, processor, n: int = 400) -> dict:
     scenes, qas = relation_set(n)
     answers = answer(model, processor, scenes, [qa.question for qa in qas])
-    hits = [_first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)]
+    hits = [first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)]
     return {"accuracy": float(np.mean(hits)), "n": len(hits)}
 
 
@@ -124,7 +107,7 @@ def video_answers(
 def video_eval(model, processor, n: int = 300) -> dict:
     clips, qas = video_set(n)
     answers = video_answers(model, processor, clips, [qa.question for qa in qas])
-    hits = np.array([_first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)])
+    hits = np.array([first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)])
     kinds = np.array([qa.kind for qa in qas])
     return {
         "accuracy": float(hits.mean()),
