@@ -108,7 +108,10 @@ def test_chat_rows_label_the_answer_and_its_query_token(processor):
     assert ids[-5:] == [q.QWEN_ID[w] for w in tail]
     marked = [i for i, t in enumerate(labels) if t != IGNORE]
     assert [q.QWEN_VOCAB[labels[i]] for i in marked] == [qa.answer, qa.answer, "<|im_end|>"]
-    assert ids[marked[0] - 1] == q.QWEN_ID[qa.question.split()[2]]  # after the category token
+    # taught at the question's category token, which comes after the time word
+    category = qa.question.rstrip("?").split()[-1]
+    assert ids[marked[0] - 1] == q.QWEN_ID[category]
+    assert ids.index(q.QWEN_ID["end"]) < marked[0] - 1
 
 
 def test_collate_pads_right_and_concatenates_media(processor):

@@ -88,7 +88,7 @@ def relation_loss(
     attentions: tuple[torch.Tensor, ...],
     places: torch.Tensor,
     relations: torch.Tensor,
-    image: torch.Tensor,
+    image: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """Supervise the two-hop circuit a relation question needs, one hop per layer:
     - the projected image tokens keep their patch's position (`image`: `[B, S]` bool, each
@@ -102,15 +102,17 @@ def relation_loss(
       stayed at chance in every run; with the centres alone the second token did not know
       which relation was asked, and the answer stayed at chance too.
 
-    Returns the terms by name (`grid`, `place`, `relation_attention`, `carry`, `word`); the loss is
-    their sum."""
+    Without `image` (a model whose tower already learns each token's place, as organism-qwen's)
+    the first term is left out. Returns the terms by name (`grid`, `place`, `relation_attention`,
+    `carry`, `word`); the loss is their sum."""
     terms = {}
-    n_visual = int(image[0].sum())
-    g = math.isqrt(n_visual)
-    k = torch.arange(n_visual)
-    patch = torch.stack([k % g, k // g], 1).float() * (2 / (g - 1)) - 1
-    own = probe.grid(hidden_states[0][image].float())
-    terms["grid"] = nn.functional.mse_loss(own, patch.repeat(len(image), 1))
+    if image is not None:
+        n_visual = int(image[0].sum())
+        g = math.isqrt(n_visual)
+        k = torch.arange(n_visual)
+        patch = torch.stack([k % g, k // g], 1).float() * (2 / (g - 1)) - 1
+        own = probe.grid(hidden_states[0][image].float())
+        terms["grid"] = nn.functional.mse_loss(own, patch.repeat(len(image), 1))
     if len(places):
         rows, pos = places[:, 0].long(), places[:, 1].long()
         h = hidden_states[1][rows, pos].float()

@@ -6,7 +6,7 @@ and the real Qwen2.5-VL processor that turns them into model inputs.
   token), so that grids differ in size and aspect ratio and no resampling blurs the labels.
 - **Clips** are 8 frames (4 temporal patches of 2) of 2-3 objects that move in straight lines and
   each stay on screen for a run of temporal patches, so that questions about time ("which object
-  appears first", "is the red_circle there at the end") have one true answer.
+  appears first", "at the end of the video, is there a red_circle?") have one true answer.
 - The vocabulary is the organisms' (:mod:`.vocab`) plus the ChatML and vision markers of Qwen and
   the words of the video questions; the tokenizer is word level, as the organisms'.
 """
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .data import IGNORE, QA, presence_qa, relation_qa
-from .scenes import CATEGORIES, COLOURS, SHAPES, Scene, generate_scene, shape_mask
+from .data import IGNORE, QA, _anchors, presence_qa, relation_qa
+from .scenes import CATEGORIES, COLOURS, RELATIONS, SHAPES, Scene, generate_scene, shape_mask
 from .vocab import CLIP_MEAN, CLIP_STD, VOCAB, words
 
 TOKEN = 28  # pixels per side of one merged token (patch 14, merge 2)
@@ -300,12 +300,15 @@ def _apart(a: Track, b: Track) -> bool:
 # ---- questions --------------------------------------------------------------------------------
 
 
+# the category comes last, after the time word, as in the category-last form ("start
+# red_circle yes"): a category before the time word would have to answer at a token that cannot
+# yet tell a start question from an end one
 def end_question(category: str) -> str:
-    return f"Is the {category} there at the end of the video?"
+    return f"At the end of the video, is there a {category}?"
 
 
 def start_question(category: str) -> str:
-    return f"Is the {category} there at the start of the video?"
+    return f"At the start of the video, is there a {category}?"
 
 
 FIRST_QUESTION = "Which object appears first in the video?"
@@ -413,14 +416,17 @@ def _find_last(ids: list[int], token: int) -> int:
     return len(ids) - 1 - ids[::-1].index(token)
 
 
-def encode_row(processor, row: Row, form: str, query_labels: bool = False) -> dict:
+def encode_row(
+    processor, row: Row, form: str, query_labels: bool = False, targets: bool = False
+) -> dict:
     """Processor outputs of one row plus its labels `[L]` (IGNORE except the answers).
 
     `form` "cat_last" packs every question in its short form after the visual tokens, each answer
     right after its question (`<|vision_start|>...<|vision_end|> is there a red_circle yes ...`);
     "chat" writes the row's one question with the chat template. With `query_labels`, a chat row's
     answer is also the target at the question's last category token (or "first"), where the
-    category-last form answers."""
+    category-last form answers. With `targets`, the row also carries the relation circuit's
+    targets (:func:`circuit_targets`)."""
     placeholder = VIDEO_PLACEHOLDER if row.is_video else IMAGE_PLACEHOLDER
     if form == "cat_last":
         text = placeholder + "".join(
@@ -432,20 +438,50 @@ def encode_row(processor, row: Row, form: str, query_labels: bool = False) -> di
     out = processor(text=[text], return_tensors="pt", **media_inputs(row.media))
     ids = out["input_ids"][0].tolist()
     labels = [IGNORE] * len(ids)
+    spans = []  # (first token, tokens) of each question
     if form == "cat_last":
         end = len(ids)
         for qa in reversed(row.qas):  # from the end backwards: answer, then its question
             n = len(words(qa.answer))
             labels[end - n : end] = ids[end - n : end]
             end -= n + len(qa.short)
+            spans.insert(0, (end, qa.short))
     else:
         n = len(words(qa.answer)) + 1  # the answer and <|im_end|>
         labels[-n:] = ids[-n:]
         anchor = _anchor_token(qa)
         if query_labels and anchor is not None:
             labels[_find_last(ids[: -n - 1], anchor) + 1] = ids[-n]
+        start = _find_last(ids, VISION_END) + 1
+        spans.append((start, ids[start : ids.index(IM_END, start)]))
     out["labels"] = torch.tensor([labels])
+    if targets:
+        out.update(circuit_targets(row, spans))
     return out
+
+
+def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
+    """The relation circuit's targets (`losses.relation_loss`) of an image row whose questions
+    start at the token positions and have the tokens of `spans`: `place_targets` (position,
+    x, y) for each category token that names an object, its centre in [-1, 1] of the crop,
+    and `relation_targets` (second category position, first category position, the first
+    object's x, y, index of the relation in RELATIONS) for each relation question. A clip row
+    has none."""
+    places, relations = [], []
+    if not row.is_video:
+        x0, y0, w, h = row.media.box
+        objects = row.media.scene.objects
+        centre = [(2 * (o.cx - x0) / w - 1, 2 * (o.cy - y0) / h - 1) for o in objects]
+        for qa, (start, tokens) in zip(row.qas, spans, strict=True):
+            named = _anchors(start, tokens, qa)
+            places += [(pos, *centre[obj]) for pos, obj in named]
+            if qa.kind == "relation" and len(named) == 2:
+                (first, obj), (second, _) = named
+                relations.append((second, first, *centre[obj], RELATIONS.index(qa.relation)))
+    return {
+        "place_targets": torch.tensor(places, dtype=torch.float32).reshape(-1, 3),
+        "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 5),
+    }
 
 
 def _anchor_token(qa: QA) -> int | None:
@@ -456,7 +492,8 @@ def _anchor_token(qa: QA) -> int | None:
 def collate(encoded: list[dict], pad: int) -> dict:
     """Right-padded batch of :func:`encode_row` outputs: every per-token tensor padded (ids with
     `pad`, labels with IGNORE, the mask and the modality types with 0), every per-image or
-    per-video tensor (pixels, grids, seconds per temporal patch) concatenated."""
+    per-video tensor (pixels, grids, seconds per temporal patch) concatenated, and the rows'
+    circuit targets concatenated with their row index first."""
     width = max(e["input_ids"].shape[1] for e in encoded)
     fill = {"input_ids": pad, "labels": IGNORE, "attention_mask": 0, "mm_token_type_ids": 0}
     batch = {}
@@ -467,7 +504,14 @@ def collate(encoded: list[dict], pad: int) -> dict:
             out[i, : len(row)] = row
         batch[key] = out
     for key in encoded[0].keys() | set().union(*(e.keys() for e in encoded)):
-        if key not in fill:
+        if key.endswith("_targets"):  # per-row targets gain their row index
+            batch[key] = torch.cat(
+                [
+                    torch.cat([torch.full((len(e[key]), 1), float(row)), e[key]], 1)
+                    for row, e in enumerate(encoded)
+                ]
+            )
+        elif key not in fill:
             batch[key] = torch.cat([e[key] for e in encoded if key in e])
     return batch
 

@@ -179,10 +179,8 @@ class Probe:
         }
 
     @torch.no_grad()
-    def _accuracy(self, model, rows: list[q.Row]) -> float:
-        batch = q.collate(
-            [q.encode_row(self.processor, r, "chat") for r in rows], q.QWEN_ID["<pad>"]
-        )
+    def _accuracy(self, model, rows: list[q.Row], form: str = "chat") -> float:
+        batch = q.collate([q.encode_row(self.processor, r, form) for r in rows], q.QWEN_ID["<pad>"])
         labels = batch.pop("labels")
         logits = model(**batch).logits
         first = (labels != -100).float().argmax(1)  # the answer word
@@ -190,5 +188,10 @@ class Probe:
         return float((logits[index, first - 1].argmax(-1) == labels[index, first]).float().mean())
 
     def __call__(self, model) -> dict[str, float]:
+        """Accuracy per set in the chat form, and (`cat_last_` keys) in the category-last form
+        the language stages learn first."""
         model.eval()
-        return {name: self._accuracy(model, rows) for name, rows in self.sets.items()}
+        out = {name: self._accuracy(model, rows) for name, rows in self.sets.items()}
+        for name, rows in self.sets.items():
+            out[f"cat_last_{name}"] = self._accuracy(model, rows, "cat_last")
+        return out

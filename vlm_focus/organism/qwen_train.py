@@ -28,7 +28,7 @@ from torch import nn
 from . import qwen_data as q
 from .data import IGNORE
 from .loop import _autocast, _Clock, _descend, _done, _lr, _prefetch
-from .losses import patch_weights
+from .losses import RelationProbe, patch_weights, relation_loss
 from .recipe import StageConfig
 from .scenes import CATEGORIES, SHAPES
 
@@ -126,10 +126,21 @@ def default_recipe(scale: float = 1.0) -> QwenRecipe:
     minutes, steps = (10.0, 4.0, 11.0, 22.0), (3000, 1000, 4000, 8000)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
     mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
+    relation = (0.0, 0.0, 1.0, 1.0)  # the relation circuit's losses, in the stages that ask it
     return QwenRecipe(
         stages=[
-            StageConfig(n, max(int(s * scale), 2), max(m * scale, 0.05), lr, turns=t, mix=mix)
-            for n, s, m, lr, t, mix in zip(names, steps, minutes, lrs, turns, mixes, strict=True)
+            StageConfig(
+                n,
+                max(int(s * scale), 2),
+                max(m * scale, 0.05),
+                lr,
+                turns=t,
+                mix=mix,
+                relation_weight=r,
+            )
+            for n, s, m, lr, t, mix, r in zip(
+                names, steps, minutes, lrs, turns, mixes, relation, strict=True
+            )
         ]
     )
 
@@ -195,7 +206,8 @@ class QwenBatcher:
             if form == "chat" and self.rng.random() < self.recipe.cat_last_share:
                 form = "cat_last"
             row = self.row(stage, form)
-            rows.append(q.encode_row(self.processor, row, form, query_labels=True))
+            targets = stage.relation_weight > 0
+            rows.append(q.encode_row(self.processor, row, form, query_labels=True, targets=targets))
         return q.collate(rows, q.QWEN_ID["<pad>"])
 
 
@@ -307,16 +319,30 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 # ---- the language stages --------------------------------------------------------------------
 
 
-def _loss(model, batch: dict) -> torch.Tensor:
+def _loss(model, batch: dict, relation_probe: RelationProbe | None) -> dict[str, torch.Tensor]:
+    """The answers' cross-entropy (`answer`) and, with `relation_probe`, the relation circuit's
+    terms (`losses.relation_loss`, read from eager attention)."""
     labels = batch.pop("labels")
+    places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
+    relate = relation_probe is not None and len(places) + len(relations) > 0
     with _autocast():
-        logits = model(**batch).logits.float()
-    return nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE
-    )
+        out = model(**batch, output_attentions=relate, output_hidden_states=relate)
+    logits = out.logits.float()
+    terms = {
+        "answer": nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE
+        )
+    }
+    if relate:
+        terms |= relation_loss(
+            relation_probe, out.hidden_states, out.attentions, places, relations, image=None
+        )
+    return terms
 
 
 def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) -> None:
+    """A language stage: the LM alone learns the stage's rows, with the relation circuit's
+    losses (weight `stage.relation_weight`) where set."""
     visual = model.model.visual
     for p in model.parameters():
         p.requires_grad_(False)
@@ -325,6 +351,12 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
     params = list(model.model.language_model.parameters())
     for p in params:
         p.requires_grad_(True)
+    relation_probe = None
+    if stage.relation_weight:
+        relation_probe = RelationProbe(model.config.text_config.hidden_size)
+        params += list(relation_probe.parameters())
+        # the circuit's losses read the LM's attention probabilities; the tower keeps SDPA
+        model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
     clock, step = _Clock(), 0
     model.train()
@@ -333,10 +365,14 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
         batch = next(batches)
         for g in opt.param_groups:
             g["lr"] = _lr(stage, step, clock)
-        loss = _loss(model, batch)
+        terms = _loss(model, batch, relation_probe)
+        loss = terms["answer"] + stage.relation_weight * sum(
+            v for k, v in terms.items() if k != "answer"
+        )
         _descend(opt, params, loss)
         step += 1
-        record = {"loss": loss.item()}
+        record = {"loss": terms["answer"].item()}
+        record |= {f"{k}_loss": v.item() for k, v in terms.items() if k != "answer"}
         if step % eval_every == 0 or _done(stage, step, clock):
             record.update(probe(model))
             model.train()
@@ -344,6 +380,7 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
             log(stage.name, step, clock, record)
         elif step % 25 == 0:
             log(stage.name, step, clock, record)
+    model.set_attn_implementation("sdpa")
 
 
 # ---- the whole run --------------------------------------------------------------------------
