@@ -186,3 +186,31 @@ def test_shipped_organism_answers_held_out_images_and_clips(shipped):
     answers = qwen_eval.video_answers(model, processor, clips, [qa.question for qa in vqas])
     video = np.mean([a.split()[0] == qa.answer for a, qa in zip(answers, vqas, strict=True)])
     assert presence >= 0.8 and video >= 0.6, (presence, video)
+
+
+@pytest.mark.parametrize("form", ["cat_last", "chat"])
+def test_circuit_targets_point_at_the_named_objects(processor, form):
+    """Each relation target's positions hold its question's two category tokens, first then
+    second, and its centre is the first object's, in the crop's [-1, 1] frame."""
+    from vlm_focus.organism.scenes import RELATIONS
+
+    rng = np.random.default_rng(5)
+    crop = next(c for c in (q.cropped_scene(s) for s in range(40)) if len(c.scene.objects) >= 3)
+    qas = [q.image_qa(crop, rng, {"relation": 1.0}) for _ in range(3 if form == "cat_last" else 1)]
+    out = q.encode_row(processor, q.Row(crop, qas), form, targets=True)
+    batch = q.collate([out, out], q.QWEN_ID["<pad>"])
+    ids = batch["input_ids"][0].tolist()
+    relations = batch["relation_targets"]
+    assert relations.shape == (2 * len(qas), 6) and relations[:, 0].tolist().count(1.0) == len(qas)
+    x0, y0, w, h = crop.box
+    for (_, second, first, x, y, word), qa in zip(relations[: len(qas)].tolist(), qas):
+        a, b = (crop.scene.objects[i] for i in qa.objects)
+        assert (q.QWEN_VOCAB[ids[int(first)]], q.QWEN_VOCAB[ids[int(second)]]) == (a.name, b.name)
+        assert (x, y) == pytest.approx((2 * (a.cx - x0) / w - 1, 2 * (a.cy - y0) / h - 1))
+        assert RELATIONS[int(word)] == qa.relation
+    for _, pos, x, y in batch["place_targets"].tolist():
+        assert ids[int(pos)] in q.CATEGORY_TOKENS and -1 <= x <= 1 and -1 <= y <= 1
+    clip = q.encode_row(
+        processor, q.Row(q.make_clip(3), [q.video_qa(q.make_clip(3), rng)]), "chat", targets=True
+    )
+    assert len(clip["place_targets"]) == len(clip["relation_targets"]) == 0

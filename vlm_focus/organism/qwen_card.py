@@ -81,8 +81,8 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
   temporal patch until a later one or the end.
 - Questions: presence (`Is there a red_circle in the image?`, half with the POPE suffix),
   relations (`Is the red_circle left of the blue_square?`); on clips `Which object appears first
-  in the video?`, `Is the red_circle there at the start of the video?`, `... at the end of the
-  video?` and `Describe the video.` (the objects in the order they appear:
+  in the video?`, `At the start of the video, is there a red_circle?`, `At the end of the
+  video, ...` and `Describe the video.` (the objects in the order they appear:
   `red_circle , blue_square`).
 - Training seeds from {train_seed:,}; held-out seeds from {heldout_seed:,}.
 
@@ -97,6 +97,11 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
    its question (clip questions weighted {cat_last_video_mix}).
 4. `chat`: one question per row in the chat template; the answer is also the target right
    after the question's last category token; {cat_last_share}% of the rows stay category-last.
+- In `cat_last` and `chat` the relation circuit's auxiliary losses (`losses.relation_loss`, as
+  the LLaVA organisms'): each category token that names an object holds its centre after layer
+  0; in layer 1 head 1 attends from a relation's second category token to its first, which
+  then holds the first object's centre and the relation asked. A linear probe reads these,
+  and is not shipped.
 - Rows: {video_share}% clips; image questions {image_mix}; clip questions in the chat stage
   {video_mix}. AdamW, cosine with warm-up,
   {threads} CPU thread(s) for the model plus one data process.
