@@ -98,7 +98,7 @@ def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int 
             chunk = rows[i : i + BATCH]
             video = isinstance(chunk[0][0], q.Clip)
             texts = [q.chat_text(processor, video, row[1]) for row in chunk]
-            media: dict = {"videos": [], "images": []}
+            media: dict = {"videos": [], "video_metadata": [], "images": []}
             for row in chunk:
                 for key, value in q.media_inputs(row[0]).items():
                     media[key] += value

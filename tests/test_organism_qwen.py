@@ -84,6 +84,30 @@ def test_processor_grids_match_the_crops_and_clips(processor):
     assert len(q.vision_labels(clip)) == q.GROUPS * (q.CLIP_SIZE // q.TOKEN) ** 2
 
 
+def test_clips_reach_the_model_at_their_frame_rate(processor):
+    """A clip's temporal patches are one second apart (2 fps), so each has its own M-RoPE
+    temporal position, as qwen-vl-utils' sampling gives a real video."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from vlm_focus.organism import qwen_train
+
+    clip = q.make_clip(5)
+    out = processor(
+        text=[q.chat_text(processor, True, "hi")], return_tensors="pt", **q.media_inputs(clip)
+    )
+    assert out["second_per_grid_ts"].tolist() == [q.TEMPORAL / q.FPS]
+    model = Qwen2_5_VLForConditionalGeneration(qwen_train.build_config())
+    positions, _ = model.model.get_rope_index(
+        out["input_ids"],
+        out["mm_token_type_ids"],
+        video_grid_thw=out["video_grid_thw"],
+        second_per_grid_ts=out["second_per_grid_ts"],
+        attention_mask=out["attention_mask"],
+    )
+    video = out["input_ids"][0] == q.VIDEO_PAD
+    assert len(positions[0, 0, video].unique()) == q.GROUPS
+
+
 def test_cat_last_rows_label_each_answer_after_its_question(processor):
     rng = np.random.default_rng(1)
     crop = q.cropped_scene(7)

@@ -25,6 +25,7 @@ from .vocab import CLIP_MEAN, CLIP_STD, VOCAB, words
 
 TOKEN = 28  # pixels per side of one merged token (patch 14, merge 2)
 FRAMES = 8  # frames per clip
+FPS = 2.0  # a clip's frame rate (qwen-vl-utils' default sampling): temporal patches 1 s apart
 TEMPORAL = 2  # frames per temporal patch
 GROUPS = FRAMES // TEMPORAL  # temporal patches per clip
 CLIP_SIZE = 196  # px per side of a clip's frames (7 x 7 merged tokens)
@@ -397,10 +398,18 @@ class Row:
 
 
 def media_inputs(media: CroppedScene | Clip) -> dict:
-    """What the processor takes for one medium: ``images=[PIL]`` or ``videos=[frames]``."""
+    """What the processor takes for one medium: ``images=[PIL]``, or ``videos=[frames]`` with
+    ``video_metadata`` at :data:`FPS`. Without a frame rate the processor assumes 24 fps, which
+    puts a clip's temporal patches 1/12 s apart: 0.33 of M-RoPE's temporal positions, so that
+    three of the four share one and the model cannot tell the start of a clip from its end."""
     if isinstance(media, Clip):
-        return {"videos": [list(media.frames())]}
+        return {"videos": [list(media.frames())], "video_metadata": [clip_metadata()]}
     return {"images": [Image.fromarray(media.image())]}
+
+
+def clip_metadata() -> dict:
+    """A clip's video metadata: :data:`FRAMES` frames at :data:`FPS`, all of them used."""
+    return {"fps": FPS, "total_num_frames": FRAMES, "frames_indices": list(range(FRAMES))}
 
 
 def chat_text(processor, is_video: bool, question: str, answer: str | None = None) -> str:

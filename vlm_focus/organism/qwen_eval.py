@@ -94,6 +94,7 @@ def video_answers(
         inputs = processor(
             text=texts,
             videos=[list(c.frames()) for c in clips[i : i + batch]],
+            video_metadata=[q.clip_metadata() for _ in clips[i : i + batch]],
             padding=True,
             return_tensors="pt",
         )

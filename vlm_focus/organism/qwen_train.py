@@ -191,7 +191,9 @@ class QwenBatcher:
             batch["images"] = (out["pixel_values"], out["image_grid_thw"])
         if clips:
             out = self.processor.video_processor(
-                videos=[q.media_inputs(m)["videos"][0] for m in clips], return_tensors="pt"
+                videos=[q.media_inputs(m)["videos"][0] for m in clips],
+                video_metadata=[q.clip_metadata() for _ in clips],
+                return_tensors="pt",
             )
             batch["videos"] = (out["pixel_values_videos"], out["video_grid_thw"])
         batch["labels"] = torch.from_numpy(
