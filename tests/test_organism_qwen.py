@@ -226,11 +226,13 @@ def test_circuit_targets_point_at_the_named_objects(processor, form):
     ids = batch["input_ids"][0].tolist()
     relations = batch["relation_targets"]
     assert relations.shape == (2 * len(qas), 6) and relations[:, 0].tolist().count(1.0) == len(qas)
-    x0, y0, w, h = crop.box
+    x0, y0, _, _ = crop.box
+    half = max(q.IMAGE_SIDES) / q.TOKEN / 2
     for (_, second, first, x, y, word), qa in zip(relations[: len(qas)].tolist(), qas):
         a, b = (crop.scene.objects[i] for i in qa.objects)
         assert (q.QWEN_VOCAB[ids[int(first)]], q.QWEN_VOCAB[ids[int(second)]]) == (a.name, b.name)
-        assert (x, y) == pytest.approx((2 * (a.cx - x0) / w - 1, 2 * (a.cy - y0) / h - 1))
+        expected = ((a.cx - x0) / q.TOKEN / half - 1, (a.cy - y0) / q.TOKEN / half - 1)
+        assert (x, y) == pytest.approx(expected)
         assert RELATIONS[int(word)] == qa.relation
     for _, pos, x, y in batch["place_targets"].tolist():
         assert ids[int(pos)] in q.CATEGORY_TOKENS and -1 <= x <= 1 and -1 <= y <= 1

@@ -471,16 +471,20 @@ def encode_row(
 
 def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
     """The relation circuit's targets (`losses.relation_loss`) of an image row whose questions
-    start at the token positions and have the tokens of `spans`: `place_targets` (position,
-    x, y) for each category token that names an object, its centre in [-1, 1] of the crop,
-    and `relation_targets` (second category position, first category position, the first
-    object's x, y, index of the relation in RELATIONS) for each relation question. A clip row
-    has none."""
+    start at the token positions and have the tokens of `spans`:
+    - `place_targets` (position, x, y) for each category token that names an object: its
+      centre in merged tokens from the crop's top left, scaled so that the widest crop (10
+      tokens) spans [-1, 1], since the LM sees a token's place as its M-RoPE row and column, in
+      tokens, whatever the crop's size;
+    - `relation_targets` (second category position, first category position, the first
+      object's x, y, index of the relation in RELATIONS) for each relation question.
+    A clip row has none."""
     places, relations = [], []
     if not row.is_video:
-        x0, y0, w, h = row.media.box
+        x0, y0, _, _ = row.media.box
+        half = max(IMAGE_SIDES) / TOKEN / 2
         objects = row.media.scene.objects
-        centre = [(2 * (o.cx - x0) / w - 1, 2 * (o.cy - y0) / h - 1) for o in objects]
+        centre = [((o.cx - x0) / TOKEN / half - 1, (o.cy - y0) / TOKEN / half - 1) for o in objects]
         for qa, (start, tokens) in zip(row.qas, spans, strict=True):
             named = _anchors(start, tokens, qa)
             places += [(pos, *centre[obj]) for pos, obj in named]
