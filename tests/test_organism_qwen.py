@@ -236,7 +236,51 @@ def test_circuit_targets_point_at_the_named_objects(processor, form):
         assert RELATIONS[int(word)] == qa.relation
     for _, pos, x, y in batch["place_targets"].tolist():
         assert ids[int(pos)] in q.CATEGORY_TOKENS and -1 <= x <= 1 and -1 <= y <= 1
+    grid = batch["grid_targets"]
+    assert len(grid) == int((batch["input_ids"] == q.IMAGE_PAD).sum())
+    assert grid[0, 1:].tolist() == pytest.approx([0.5 / half - 1] * 2)
     clip = q.encode_row(
         processor, q.Row(q.make_clip(3), [q.video_qa(q.make_clip(3), rng)]), "chat", targets=True
     )
     assert len(clip["place_targets"]) == len(clip["relation_targets"]) == 0
+    assert len(clip["grid_targets"]) == 0
+
+
+def test_circuit_losses_reach_the_layers_they_train(processor):
+    """Grid and time train layer 0; place, the relation attention, carry and word the layers
+    after it (the hops start at layer 1: the tower has no absolute places)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from vlm_focus.organism import qwen_train
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(qwen_train.build_config())
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    rng = np.random.default_rng(6)
+    crop = next(c for c in (q.cropped_scene(s) for s in range(40)) if len(c.scene.objects) >= 3)
+    clip = q.make_clip(6)
+    rows = [
+        q.Row(crop, [q.image_qa(crop, rng, {"relation": 1.0}) for _ in range(3)]),
+        q.Row(clip, [q.video_qa(clip, rng, "start")]),
+    ]
+    batch = q.collate(
+        [q.encode_row(processor, r, "cat_last", targets=True) for r in rows], q.QWEN_ID["<pad>"]
+    )
+    probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
+    terms = qwen_train._loss(model, batch, probe)
+    layers = model.model.language_model.layers
+    reaches = {
+        "grid": layers[0].self_attn.v_proj.weight,
+        "time": layers[0].self_attn.v_proj.weight,
+        "place": layers[1].self_attn.v_proj.weight,
+        "relation_attention": layers[2].self_attn.k_proj.weight,
+        "carry": layers[2].self_attn.v_proj.weight,
+        "word": layers[2].self_attn.q_proj.weight,
+    }
+    for name, weight in reaches.items():
+        (grad,) = torch.autograd.grad(terms[name], weight, retain_graph=True)
+        assert grad.abs().sum() > 0, name
+    (after,) = torch.autograd.grad(
+        terms["grid"], layers[1].self_attn.v_proj.weight, retain_graph=True, allow_unused=True
+    )
+    assert after is None  # read at layer 0's output

@@ -76,9 +76,9 @@ class RelationProbe(nn.Module):
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.grid = nn.Linear(hidden, 2)  # an image token's own patch, at the LM's input
-        self.place = nn.Linear(hidden, 2)  # a category token's own object, after layer 0
-        self.carry = nn.Linear(hidden, 2)  # the first object's, at the second token, after layer 1
+        self.grid = nn.Linear(hidden, 2)  # an image token's own place, at the circuit's first layer
+        self.place = nn.Linear(hidden, 2)  # a category token's own object, after that layer
+        self.carry = nn.Linear(hidden, 2)  # the first object's, at the second token, a layer later
         self.word = nn.Linear(hidden, len(RELATIONS))  # the relation asked, there too
 
 
@@ -88,39 +88,47 @@ def relation_loss(
     attentions: tuple[torch.Tensor, ...],
     places: torch.Tensor,
     relations: torch.Tensor,
-    image: torch.Tensor | None,
+    image: torch.Tensor,
+    image_places: torch.Tensor | None = None,
+    layer: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Supervise the two-hop circuit a relation question needs, one hop per layer:
-    - the projected image tokens keep their patch's position (`image`: `[B, S]` bool, each
-      row's image tokens in raster order); a projector trained for presence alone drops it;
-    - after layer 0, each category token that names an object holds that object's centre
+    """Supervise the two-hop circuit a relation question needs, one hop per layer from `layer`:
+    - the image tokens hold their own place at the input of `layer` (`image`: `[B, S]` bool;
+      `image_places`: `[N, 2]` x, y in [-1, 1] of the N image tokens in sequence order, by
+      default each row's square grid in raster order); a projector trained for presence alone
+      drops it;
+    - after `layer`, each category token that names an object holds that object's centre
       (`places`: row, position, x, y), as the `where` task needs;
-    - in layer 1, head 1 attends from a relation's second category token to its first
+    - in layer `layer + 1`, head 1 attends from a relation's second category token to its first
       (`relations`: row, second, first, first object's x, y, relation index), and
-    - after layer 1 the second token holds the first object's centre and the relation asked,
+    - after that layer the second token holds the first object's centre and the relation asked,
       so the later layers only compare two centres. Without these hops the relation answer
       stayed at chance in every run; with the centres alone the second token did not know
       which relation was asked, and the answer stayed at chance too.
 
-    Without `image` (a model whose tower already learns each token's place, as organism-qwen's)
-    the first term is left out. Returns the terms by name (`grid`, `place`, `relation_attention`,
-    `carry`, `word`); the loss is their sum."""
+    The LLaVA organisms start at layer 0: their projected tokens carry the tower's absolute
+    positions. A Qwen2.5-VL tower has only relative ones, so organism-qwen's image tokens learn
+    their place in layer 0 from M-RoPE, against the vision-start token, and the hops start at
+    layer 1. Returns the terms by name (`grid`, `place`, `relation_attention`, `carry`, `word`);
+    the loss is their sum."""
     terms = {}
-    if image is not None:
+    if image_places is None:
         n_visual = int(image[0].sum())
         g = math.isqrt(n_visual)
         k = torch.arange(n_visual)
         patch = torch.stack([k % g, k // g], 1).float() * (2 / (g - 1)) - 1
-        own = probe.grid(hidden_states[0][image].float())
-        terms["grid"] = nn.functional.mse_loss(own, patch.repeat(len(image), 1))
+        image_places = patch.repeat(len(image), 1)
+    if len(image_places):
+        own = probe.grid(hidden_states[layer][image].float())
+        terms["grid"] = nn.functional.mse_loss(own, image_places)
     if len(places):
         rows, pos = places[:, 0].long(), places[:, 1].long()
-        h = hidden_states[1][rows, pos].float()
+        h = hidden_states[layer + 1][rows, pos].float()
         terms["place"] = nn.functional.mse_loss(probe.place(h), places[:, 2:])
     if len(relations):
         rows, second, first = (relations[:, i].long() for i in range(3))
-        att = attentions[1][rows, RELATION_HEAD, second, first].float().clamp(min=1e-12)
-        h = hidden_states[2][rows, second].float()
+        att = attentions[layer + 1][rows, RELATION_HEAD, second, first].float().clamp(min=1e-12)
+        h = hidden_states[layer + 2][rows, second].float()
         terms["relation_attention"] = -att.log().mean()
         terms["carry"] = nn.functional.mse_loss(probe.carry(h), relations[:, 3:5])
         terms["word"] = nn.functional.cross_entropy(probe.word(h), relations[:, 5].long())

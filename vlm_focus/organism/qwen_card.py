@@ -97,11 +97,14 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
    its question (clip questions weighted {cat_last_video_mix}).
 4. `chat`: one question per row in the chat template; the answer is also the target right
    after the question's last category token; {cat_last_share}% of the rows stay category-last.
-- In `cat_last` and `chat` the relation circuit's auxiliary losses (`losses.relation_loss`, as
-  the LLaVA organisms'): each category token that names an object holds its centre after layer
-  0; in layer 1 head 1 attends from a relation's second category token to its first, which
-  then holds the first object's centre and the relation asked. A linear probe reads these,
-  and is not shipped.
+- In the language stages, auxiliary losses spell out the circuits that relations and "at the
+  start / end" need (`qwen_train.CircuitProbe`; linear read-outs, not shipped). The tower knows
+  only relative places, so after layer 0 each image token holds its own row and column and
+  each clip token its temporal patch, found through M-RoPE; the relation hops of the LLaVA
+  organisms (`losses.relation_loss`) follow one layer later: after layer 1 each category token
+  that names an object holds its centre, in layer 2 head 1 attends from a relation's second
+  category token to its first, which then holds the first object's centre and the relation
+  asked.
 - Rows: {video_share}% clips; image questions {image_mix}; clip questions in the chat stage
   {video_mix}. AdamW, cosine with warm-up,
   {threads} CPU thread(s) for the model plus one data process.

@@ -477,12 +477,19 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
       tokens) spans [-1, 1], since the LM sees a token's place as its M-RoPE row and column, in
       tokens, whatever the crop's size;
     - `relation_targets` (second category position, first category position, the first
-      object's x, y, index of the relation in RELATIONS) for each relation question.
+      object's x, y, index of the relation in RELATIONS) for each relation question;
+    - `grid_targets` (x, y) of each image token's own centre, in the same units, in raster
+      order.
     A clip row has none."""
-    places, relations = [], []
+    places, relations, grid = [], [], []
     if not row.is_video:
-        x0, y0, _, _ = row.media.box
+        x0, y0, w, h = row.media.box
         half = max(IMAGE_SIDES) / TOKEN / 2
+        grid = [
+            ((c + 0.5) / half - 1, (r + 0.5) / half - 1)
+            for r in range(h // TOKEN)
+            for c in range(w // TOKEN)
+        ]
         objects = row.media.scene.objects
         centre = [((o.cx - x0) / TOKEN / half - 1, (o.cy - y0) / TOKEN / half - 1) for o in objects]
         for qa, (start, tokens) in zip(row.qas, spans, strict=True):
@@ -494,6 +501,7 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
     return {
         "place_targets": torch.tensor(places, dtype=torch.float32).reshape(-1, 3),
         "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 5),
+        "grid_targets": torch.tensor(grid, dtype=torch.float32).reshape(-1, 2),
     }
 
 

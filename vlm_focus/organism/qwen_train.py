@@ -129,7 +129,7 @@ def default_recipe(scale: float = 1.0) -> QwenRecipe:
     minutes, steps = (10.0, 4.0, 11.0, 22.0), (3000, 1000, 4000, 8000)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
     mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
-    relation = (0.0, 0.0, 1.0, 1.0)  # the relation circuit's losses, in the stages that ask it
+    relation = (0.0, 1.0, 1.0, 1.0)  # the circuit losses (`CircuitProbe`), in the LM stages
     return QwenRecipe(
         stages=[
             StageConfig(
@@ -324,12 +324,33 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 # ---- the language stages --------------------------------------------------------------------
 
 
-def _loss(model, batch: dict, relation_probe: RelationProbe | None) -> dict[str, torch.Tensor]:
+class CircuitProbe(RelationProbe):
+    """The relation circuit's read-outs, and each clip token's own temporal patch (`time`)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden)
+        self.time = nn.Linear(hidden, 1)
+
+
+def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
+    """Each clip token holds its temporal patch after layer 0 (`hidden`: that layer's output;
+    `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have no time in their
+    pixels, and the tower none in its positions: the LM must find it through M-RoPE's temporal
+    section, which it otherwise learns too slowly for "at the start / end" questions."""
+    per_patch = (q.CLIP_SIZE // q.TOKEN) ** 2
+    patch = torch.arange(q.GROUPS).repeat_interleave(per_patch).float() * (2 / (q.GROUPS - 1)) - 1
+    target = patch.repeat(int(video.sum()) // len(patch))
+    return nn.functional.mse_loss(probe.time(hidden[video].float()).squeeze(-1), target)
+
+
+def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, torch.Tensor]:
     """The answers' cross-entropy (`answer`) and, with `relation_probe`, the relation circuit's
-    terms (`losses.relation_loss`, read from eager attention)."""
+    terms (`losses.relation_loss`, read from eager attention) and the clip tokens' `time`."""
     labels = batch.pop("labels")
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
-    relate = relation_probe is not None and len(places) + len(relations) > 0
+    grid = batch.pop("grid_targets", None)
+    video = batch["input_ids"] == q.VIDEO_PAD
+    relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
     with _autocast():
         out = model(**batch, output_attentions=relate, output_hidden_states=relate)
     logits = out.logits.float()
@@ -339,9 +360,21 @@ def _loss(model, batch: dict, relation_probe: RelationProbe | None) -> dict[str,
         )
     }
     if relate:
+        # the tower knows only relative places: its tokens learn theirs in layer 0 (M-RoPE,
+        # against the vision-start token), and the hops start at layer 1
+        image = batch["input_ids"] == q.IMAGE_PAD
         terms |= relation_loss(
-            relation_probe, out.hidden_states, out.attentions, places, relations, image=None
+            relation_probe,
+            out.hidden_states,
+            out.attentions,
+            places,
+            relations,
+            image,
+            image_places=grid[:, 1:],
+            layer=1,
         )
+        if video.any():
+            terms["time"] = time_loss(relation_probe, out.hidden_states[1], video)
     return terms
 
 
@@ -358,7 +391,7 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
         p.requires_grad_(True)
     relation_probe = None
     if stage.relation_weight:
-        relation_probe = RelationProbe(model.config.text_config.hidden_size)
+        relation_probe = CircuitProbe(model.config.text_config.hidden_size)
         params += list(relation_probe.parameters())
         # the circuit's losses read the LM's attention probabilities; the tower keeps SDPA
         model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
