@@ -65,8 +65,9 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
   {vision_layers} layers x {vision_hidden} (MLP {vision_mlp}), 112 px windows, the last layer
   global.
 - Language: Qwen2, {text_layers} layers x {text_hidden}, {text_heads} heads ({text_kv_heads}
-  key/value), MLP {text_mlp}, M-RoPE sections {text_mrope}, tied embeddings, vocabulary
-  {vocab} (word level; every category is one token).
+  key/value), MLP {text_mlp}, M-RoPE sections {text_mrope} of base {rope_theta:g} (at 10000
+  the column section turns too little across an image to tell left from right), tied
+  embeddings, vocabulary {vocab} (word level; every category is one token).
 - {params:,} parameters, stored in bfloat16 ({megabytes:.2f} MB) with a float32 config, so
   `from_pretrained` computes in float32.
 - Chat format (ChatML): `<|im_start|>user\\n<|vision_start|><|image_pad|><|vision_end|>{{question}}
@@ -123,7 +124,9 @@ def model_card(metrics: dict, folder: Path) -> str:
         f"{n} {s['steps_run']} steps in {s['seconds'] / 60:.1f} min"
         for n, s in summary["stages"].items()
     )
+    config = json.loads((folder / "config.json").read_text())
     head = _CARD.format(
+        rope_theta=config["text_config"]["rope_parameters"]["rope_theta"],
         **summary["spec"],
         vocab=len(q.QWEN_VOCAB),
         params=summary["params"],
