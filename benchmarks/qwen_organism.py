@@ -98,15 +98,11 @@ def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int 
             chunk = rows[i : i + BATCH]
             video = isinstance(chunk[0][0], q.Clip)
             texts = [q.chat_text(processor, video, row[1]) for row in chunk]
-            media: dict = {"videos": [], "video_metadata": [], "images": []}
-            for row in chunk:
-                for key, value in q.media_inputs(row[0]).items():
-                    media[key] += value
             inputs = processor(
                 text=texts,
                 padding=True,
                 return_tensors="pt",
-                **{k: v for k, v in media.items() if v},
+                **q.media_inputs(*(row[0] for row in chunk)),
             )
             gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
             out += processor.batch_decode(

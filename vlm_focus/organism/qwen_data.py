@@ -397,14 +397,20 @@ class Row:
         return isinstance(self.media, Clip)
 
 
-def media_inputs(media: CroppedScene | Clip) -> dict:
-    """What the processor takes for one medium: ``images=[PIL]``, or ``videos=[frames]`` with
-    ``video_metadata`` at :data:`FPS`. Without a frame rate the processor assumes 24 fps, which
-    puts a clip's temporal patches 1/12 s apart: 0.33 of M-RoPE's temporal positions, so that
-    three of the four share one and the model cannot tell the start of a clip from its end."""
-    if isinstance(media, Clip):
-        return {"videos": [list(media.frames())], "video_metadata": [clip_metadata()]}
-    return {"images": [Image.fromarray(media.image())]}
+def media_inputs(*media: CroppedScene | Clip) -> dict:
+    """What the processor takes for these media, in order: ``images=[PIL, ...]`` and
+    ``videos=[frames, ...]`` with ``video_metadata`` at :data:`FPS` (keys only for the kinds
+    present). Without a frame rate the processor assumes 24 fps, which puts a clip's temporal
+    patches 1/12 s apart: 0.33 of M-RoPE's temporal positions, so that three of the four share
+    one and the model cannot tell the start of a clip from its end."""
+    out: dict[str, list] = {}
+    for m in media:
+        if isinstance(m, Clip):
+            out.setdefault("videos", []).append(list(m.frames()))
+            out.setdefault("video_metadata", []).append(clip_metadata())
+        else:
+            out.setdefault("images", []).append(Image.fromarray(m.image()))
+    return out
 
 
 def clip_metadata() -> dict:

@@ -93,8 +93,7 @@ def video_answers(
         texts = [q.chat_text(processor, True, question) for question in questions[i : i + batch]]
         inputs = processor(
             text=texts,
-            videos=[list(c.frames()) for c in clips[i : i + batch]],
-            video_metadata=[q.clip_metadata() for _ in clips[i : i + batch]],
+            **q.media_inputs(*clips[i : i + batch]),
             padding=True,
             return_tensors="pt",
         )
@@ -192,7 +191,8 @@ class Probe:
         """Accuracy per set in the chat form, and (`cat_last_` keys) in the category-last form
         the language stages learn first."""
         model.eval()
-        out = {name: self._accuracy(model, rows) for name, rows in self.sets.items()}
-        for name, rows in self.sets.items():
-            out[f"cat_last_{name}"] = self._accuracy(model, rows, "cat_last")
-        return out
+        return {
+            f"{prefix}{name}": self._accuracy(model, rows, form)
+            for prefix, form in (("", "chat"), ("cat_last_", "cat_last"))
+            for name, rows in self.sets.items()
+        }

@@ -188,16 +188,10 @@ class QwenBatcher:
         clips = [m for m in media if isinstance(m, q.Clip)]
         batch: dict = {}
         if images:
-            out = self.processor.image_processor(
-                images=[q.media_inputs(m)["images"][0] for m in images], return_tensors="pt"
-            )
+            out = self.processor.image_processor(**q.media_inputs(*images), return_tensors="pt")
             batch["images"] = (out["pixel_values"], out["image_grid_thw"])
         if clips:
-            out = self.processor.video_processor(
-                videos=[q.media_inputs(m)["videos"][0] for m in clips],
-                video_metadata=[q.clip_metadata() for _ in clips],
-                return_tensors="pt",
-            )
+            out = self.processor.video_processor(**q.media_inputs(*clips), return_tensors="pt")
             batch["videos"] = (out["pixel_values_videos"], out["video_grid_thw"])
         batch["labels"] = torch.from_numpy(
             np.concatenate([q.vision_labels(m) for m in images + clips])
@@ -205,13 +199,12 @@ class QwenBatcher:
         return batch
 
     def lm_batch(self, stage: StageConfig) -> dict:
-        rows = []
+        rows, targets = [], stage.relation_weight > 0
         for _ in range(stage.batch):
             form = "chat" if stage.name == "chat" else "cat_last"
             if form == "chat" and self.rng.random() < self.recipe.cat_last_share:
                 form = "cat_last"
             row = self.row(stage, form)
-            targets = stage.relation_weight > 0
             rows.append(q.encode_row(self.processor, row, form, query_labels=True, targets=targets))
         return q.collate(rows, q.QWEN_ID["<pad>"])
 
