@@ -246,9 +246,36 @@ def test_circuit_targets_point_at_the_named_objects(processor, form):
     assert len(clip["grid_targets"]) == 0
 
 
+@pytest.mark.parametrize("kind", ["start", "end", "first"])
+def test_clip_targets_name_the_asked_object_and_the_answering_position(processor, kind):
+    """A start / end question's category token is told the patches its object is on screen in
+    (none for a category the clip lacks); a chat row's copy target runs from the position whose
+    logits give the answer to the token that computes it."""
+    rng = np.random.default_rng(7)
+    for seed in range(12):
+        clip = q.make_clip(seed)
+        qa = q.video_qa(clip, rng, kind)
+        out = q.encode_row(processor, q.Row(clip, [qa]), "chat", query_labels=True, targets=True)
+        ids, labels = out["input_ids"][0].tolist(), out["labels"][0].tolist()
+        ((answering, token),) = out["copy_targets"].long().tolist()
+        assert labels[answering + 1] == labels[token + 1] == q.QWEN_ID[qa.answer.split()[0]]
+        assert q.QWEN_VOCAB[ids[token]] == q.QWEN_VOCAB[qa.short[-1]]
+        if kind == "first":
+            assert len(out["seen_targets"]) == 0
+            continue
+        ((pos, *on),) = out["seen_targets"].tolist()
+        assert pos == token
+        tracks = [t for t in clip.tracks if q.CATEGORIES[t.category] == q.QWEN_VOCAB[ids[token]]]
+        assert on == [float(any(t.start <= g < t.stop for t in tracks)) for g in range(q.GROUPS)]
+        assert (on[0] if kind == "start" else on[-1]) == float(qa.answer == "yes")
+    cat_last = q.encode_row(processor, q.Row(clip, [qa]), "cat_last", targets=True)
+    assert len(cat_last["copy_targets"]) == 0
+
+
 def test_circuit_losses_reach_the_layers_they_train(processor):
-    """Grid and time train layer 0; place, the relation attention, carry and word the layers
-    after it (the hops start at layer 1: the tower has no absolute places)."""
+    """Grid and time train layer 0; place, seen, the relation attention, carry and word the
+    layers after it (the hops start at layer 1: the tower has no absolute places); copy the
+    later half."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from vlm_focus.organism import qwen_train
@@ -263,8 +290,11 @@ def test_circuit_losses_reach_the_layers_they_train(processor):
         q.Row(crop, [q.image_qa(crop, rng, {"relation": 1.0}) for _ in range(3)]),
         q.Row(clip, [q.video_qa(clip, rng, "start")]),
     ]
+    chat = q.Row(crop, [q.image_qa(crop, rng, {"relation": 1.0})])
     batch = q.collate(
-        [q.encode_row(processor, r, "cat_last", targets=True) for r in rows], q.QWEN_ID["<pad>"]
+        [q.encode_row(processor, r, "cat_last", targets=True) for r in rows]
+        + [q.encode_row(processor, chat, "chat", query_labels=True, targets=True)],
+        q.QWEN_ID["<pad>"],
     )
     probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
     terms = qwen_train._loss(model, batch, probe)
@@ -276,6 +306,8 @@ def test_circuit_losses_reach_the_layers_they_train(processor):
         "relation_attention": layers[2].self_attn.k_proj.weight,
         "carry": layers[2].self_attn.v_proj.weight,
         "word": layers[2].self_attn.q_proj.weight,
+        "seen": layers[1].self_attn.v_proj.weight,
+        "copy": layers[3].self_attn.q_proj.weight,
     }
     for name, weight in reaches.items():
         (grad,) = torch.autograd.grad(terms[name], weight, retain_graph=True)
@@ -284,3 +316,7 @@ def test_circuit_losses_reach_the_layers_they_train(processor):
         terms["grid"], layers[1].self_attn.v_proj.weight, retain_graph=True, allow_unused=True
     )
     assert after is None  # read at layer 0's output
+    (after,) = torch.autograd.grad(
+        terms["seen"], layers[2].self_attn.v_proj.weight, retain_graph=True, allow_unused=True
+    )
+    assert after is None  # read at layer 1's output

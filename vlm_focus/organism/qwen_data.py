@@ -50,6 +50,7 @@ IM_END, IMAGE_PAD, VIDEO_PAD = (
 )
 VISION_START, VISION_END = QWEN_ID["<|vision_start|>"], QWEN_ID["<|vision_end|>"]
 CATEGORY_TOKENS = frozenset(QWEN_ID[c] for c in CATEGORIES)
+TIME_WORDS = frozenset(QWEN_ID[w] for w in ("start", "end"))  # the start / end questions
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -321,7 +322,7 @@ def video_caption(clip: Clip) -> str:
     return " , ".join(CATEGORIES[t.category] for t in sorted(clip.tracks, key=lambda t: t.start))
 
 
-VIDEO_MIX = {"first": 0.3, "end": 0.3, "start": 0.2, "caption": 0.2}
+VIDEO_MIX = {"first": 0.15, "end": 0.3, "start": 0.35, "caption": 0.2}
 
 
 def video_qa(
@@ -440,8 +441,9 @@ def encode_row(
     right after its question (`<|vision_start|>...<|vision_end|> is there a red_circle yes ...`);
     "chat" writes the row's one question with the chat template. With `query_labels`, a chat row's
     answer is also the target at the question's last category token (or "first"), where the
-    category-last form answers. With `targets`, the row also carries the relation circuit's
-    targets (:func:`circuit_targets`)."""
+    category-last form answers. With `targets`, the row also carries the circuits' targets
+    (:func:`circuit_targets`) and, with `query_labels`, a chat row's `copy_targets` (the position
+    that answers, that category token) for `losses.copy_loss`."""
     placeholder = VIDEO_PLACEHOLDER if row.is_video else IMAGE_PLACEHOLDER
     if form == "cat_last":
         text = placeholder + "".join(
@@ -454,6 +456,7 @@ def encode_row(
     ids = out["input_ids"][0].tolist()
     labels = [IGNORE] * len(ids)
     spans = []  # (first token, tokens) of each question
+    copies = []  # (answering position, the question's last category token) of a chat row
     if form == "cat_last":
         end = len(ids)
         for qa in reversed(row.qas):  # from the end backwards: answer, then its question
@@ -466,12 +469,15 @@ def encode_row(
         labels[-n:] = ids[-n:]
         anchor = _anchor_token(qa)
         if query_labels and anchor is not None:
-            labels[_find_last(ids[: -n - 1], anchor) + 1] = ids[-n]
+            at = _find_last(ids[: -n - 1], anchor)
+            labels[at + 1] = ids[-n]
+            copies.append((len(ids) - n - 1, at))
         start = _find_last(ids, VISION_END) + 1
         spans.append((start, ids[start : ids.index(IM_END, start)]))
     out["labels"] = torch.tensor([labels])
     if targets:
         out.update(circuit_targets(row, spans))
+        out["copy_targets"] = torch.tensor(copies, dtype=torch.float32).reshape(-1, 2)
     return out
 
 
@@ -486,9 +492,18 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
       object's x, y, index of the relation in RELATIONS) for each relation question;
     - `grid_targets` (x, y) of each image token's own centre, in the same units, in raster
       order.
-    A clip row has none."""
-    places, relations, grid = [], [], []
-    if not row.is_video:
+    A clip row has instead `seen_targets` (position, then 1 or 0 for each temporal patch) for
+    each category token of a start / end question: the patches its object is on screen in, none
+    for a category the clip does not show."""
+    places, relations, grid, seen = [], [], [], []
+    if row.is_video:
+        for start, tokens in spans:
+            for i, tok in enumerate(tokens):
+                if tok in CATEGORY_TOKENS and any(w in tokens for w in TIME_WORDS):
+                    shown = [t for t in row.media.tracks if QWEN_ID[CATEGORIES[t.category]] == tok]
+                    on = [float(any(t.start <= g < t.stop for t in shown)) for g in range(GROUPS)]
+                    seen.append((start + i, *on))
+    else:
         x0, y0, w, h = row.media.box
         half = max(IMAGE_SIDES) / TOKEN / 2
         grid = [
@@ -508,6 +523,7 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
         "place_targets": torch.tensor(places, dtype=torch.float32).reshape(-1, 3),
         "relation_targets": torch.tensor(relations, dtype=torch.float32).reshape(-1, 5),
         "grid_targets": torch.tensor(grid, dtype=torch.float32).reshape(-1, 2),
+        "seen_targets": torch.tensor(seen, dtype=torch.float32).reshape(-1, 1 + GROUPS),
     }
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from . import qwen_data as q
 from .data import IGNORE
 from .loop import _autocast, _Clock, _descend, _done, _lr, _prefetch
-from .losses import RelationProbe, patch_weights, relation_loss
+from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
 from .recipe import StageConfig
 from .scenes import CATEGORIES, SHAPES
 
@@ -122,11 +122,11 @@ class QwenRecipe:
 
 
 def default_recipe(scale: float = 1.0) -> QwenRecipe:
-    """The shipped recipe: 10 + 4 + 11 + 22 = 47 minutes on 2 cores; `scale` multiplies steps
+    """The shipped recipe: 10 + 4 + 11 + 28 = 53 minutes on 2 cores; `scale` multiplies steps
     and minutes (0.01 for a smoke run). The `presence` stage is category-last presence questions
     on images alone: the lookup a from-scratch LM learns first, before the task mix."""
     names = ("vision", "presence", "cat_last", "chat")
-    minutes, steps = (10.0, 4.0, 11.0, 22.0), (3000, 1000, 4000, 8000)
+    minutes, steps = (10.0, 4.0, 11.0, 28.0), (3000, 1000, 4000, 10000)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
     mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
     relation = (0.0, 1.0, 1.0, 1.0)  # the circuit losses (`CircuitProbe`), in the LM stages
@@ -318,11 +318,13 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 
 
 class CircuitProbe(RelationProbe):
-    """The relation circuit's read-outs, and each clip token's own temporal patch (`time`)."""
+    """The relation circuit's read-outs, each clip token's own temporal patch (`time`) and the
+    patches a start / end question's object is on screen in (`seen`)."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
         self.time = nn.Linear(hidden, 1)
+        self.seen = nn.Linear(hidden, q.GROUPS)
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
@@ -336,12 +338,24 @@ def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) ->
     return nn.functional.mse_loss(probe.time(hidden[video].float()).squeeze(-1), target)
 
 
+def seen_loss(probe: CircuitProbe, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A start / end question's category token holds, after the circuit's first layer
+    (`hidden`), the temporal patches its object is on screen in (`targets`: row, position, 1 or
+    0 per patch). The answer then needs only the first or last of them; without this term the
+    chat form answered "at the start" at chance."""
+    rows, pos = targets[:, 0].long(), targets[:, 1].long()
+    logits = probe.seen(hidden[rows, pos].float())
+    return nn.functional.binary_cross_entropy_with_logits(logits, targets[:, 2:])
+
+
 def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, torch.Tensor]:
-    """The answers' cross-entropy (`answer`) and, with `relation_probe`, the relation circuit's
-    terms (`losses.relation_loss`, read from eager attention) and the clip tokens' `time`."""
+    """The answers' cross-entropy (`answer`) and, with `relation_probe`, the circuits' terms:
+    the relation hops (`losses.relation_loss`, read from eager attention), the clip tokens'
+    `time`, the start / end questions' `seen` and the chat rows' `copy` (`losses.copy_loss`)."""
     labels = batch.pop("labels")
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
-    grid = batch.pop("grid_targets", None)
+    grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
+    copies = batch.pop("copy_targets", None)
     video = batch["input_ids"] == q.VIDEO_PAD
     relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
     with _autocast():
@@ -368,6 +382,10 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
         )
         if video.any():
             terms["time"] = time_loss(relation_probe, out.hidden_states[1], video)
+        if len(seen):
+            terms["seen"] = seen_loss(relation_probe, out.hidden_states[2], seen)
+        if len(copies):
+            terms["copy"] = copy_loss(out.attentions, copies.long())
     return terms
 
 
