@@ -105,7 +105,10 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
   organisms (`losses.relation_loss`) follow one layer later: after layer 1 each category token
   that names an object holds its centre, in layer 2 head 1 attends from a relation's second
   category token to its first, which then holds the first object's centre and the relation
-  asked.
+  asked. After layer 1 a start / end question's category token also holds the temporal
+  patches its object is on screen in. In the chat stage head 0 of layers 2-3 attends from the
+  position that answers to the question's last category token (`losses.copy_loss`), which
+  carries the answer that the category-last form computes there.
 - Rows: {video_share}% clips; image questions {image_mix}; clip questions in the chat stage
   {video_mix}. AdamW, cosine with warm-up,
   {threads} CPU thread(s) for the model plus one data process.
