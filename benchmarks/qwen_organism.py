@@ -9,7 +9,8 @@ organism-qwen is a Qwen2.5-VL at dynamic resolution (images of 5 x 6 to 10 x 10 
   same run.
 - ``video``: held-out clip questions that need time (which object appears first; is an object
   there at the start / end), under ``budget="span"`` and ``"frame"`` for the attention pruners,
-  and the ``temporal`` pruner (``mode`` uniform and dedup) against ``random``, at layer 0.
+  and the ``temporal`` pruner (``mode`` uniform and dedup) against ``random``, at layer 0 and
+  K = 2.
 - ``fixation``: video captions (the objects in order of appearance) with decode-time
   ``fixation`` against prefill ``fastv`` and ``random`` at the same keeps and layer: object
   precision, recall and exact order.
@@ -148,24 +149,34 @@ def video_table(model, processor, n_clips: int) -> dict:
     rows = video_questions(n_clips)
     base = accuracy(generate(model, processor, rows, None), rows)
     table: dict = {"unpruned": base, "questions": len(rows), "budgets": [], "temporal": []}
-    settings = [(p, b, k) for p in ATTENTION_PRUNERS for b in ("span", "frame") for k in KEEPS]
-    for pruner, budget, keep in tqdm(settings, desc="video budgets"):
-        focus = FocusConfig(pruner=pruner, keep=keep, layer=0, budget=budget)
+    settings = [
+        (p, b, k, layer)
+        for layer in LAYERS
+        for p in ATTENTION_PRUNERS
+        for b in ("span", "frame")
+        for k in KEEPS
+    ]
+    for pruner, budget, keep, layer in tqdm(settings, desc="video budgets"):
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget=budget)
         result = scored(model, processor, rows, focus)
         table["budgets"].append(
-            {"pruner": pruner, "budget": budget, "keep": keep, "accuracy": result}
+            {"pruner": pruner, "budget": budget, "keep": keep, "layer": layer, "accuracy": result}
         )
     # whole temporal patches: keep 0.5 leaves 2 of 4, 0.25 leaves 1
-    for name, options in (
-        ("uniform", {"options": {"mode": "uniform"}}),
-        ("dedup", {"options": {"mode": "dedup"}}),
-        ("random", {}),
-    ):
-        for keep in (0.75, 0.5, 0.25):
-            pruner = "random" if name == "random" else "temporal"
-            focus = FocusConfig(pruner=pruner, keep=keep, layer=0, **options)
-            result = scored(model, processor, rows, focus)
-            table["temporal"].append({"setting": name, "keep": keep, "accuracy": result})
+    settings = [
+        (name, keep, layer)
+        for layer in LAYERS
+        for name in ("uniform", "dedup", "random")
+        for keep in (0.75, 0.5, 0.25)
+    ]
+    for name, keep, layer in tqdm(settings, desc="temporal"):
+        pruner = "random" if name == "random" else "temporal"
+        options = {} if name == "random" else {"options": {"mode": name}}
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options)
+        result = scored(model, processor, rows, focus)
+        table["temporal"].append(
+            {"setting": name, "keep": keep, "layer": layer, "accuracy": result}
+        )
     return table
 
 
@@ -257,20 +268,24 @@ def _video_lines(t: dict) -> list[str]:
     lines = [
         f"## Video: budgets and the temporal pruner ({t['questions']} clip questions)",
         "",
-        f"Accuracy (retention % of unpruned); unpruned {_pct(t['unpruned'])}; layer 0.",
-        "",
-        _row("pruner", columns),
-        "|---|" + "---|" * len(columns),
+        f"Accuracy (retention % of unpruned); unpruned {_pct(t['unpruned'])}.",
     ]
-    by = {(r["pruner"], r["budget"], r["keep"]): r["accuracy"] for r in t["budgets"]}
-    for p in ATTENTION_PRUNERS:
-        lines.append(_row(p, [_cell(by[(p, b, k)], t["unpruned"]) for b in budgets for k in KEEPS]))
+    budget = {
+        (r["pruner"], r["budget"], r["keep"], r["layer"]): r["accuracy"] for r in t["budgets"]
+    }
+    frames = {(r["setting"], r["keep"], r["layer"]): r["accuracy"] for r in t["temporal"]}
     keeps = sorted({r["keep"] for r in t["temporal"]}, reverse=True)
-    lines += ["", _row("whole frames", [f"keep {k}" for k in keeps]), "|---|" + "---|" * len(keeps)]
-    by = {(r["setting"], r["keep"]): r["accuracy"] for r in t["temporal"]}
-    for s in ("uniform", "dedup", "random"):
-        label = "random (tokens)" if s == "random" else f"temporal {s}"
-        lines.append(_row(label, [_cell(by[(s, k)], t["unpruned"]) for k in keeps]))
+    for layer in sorted({r["layer"] for r in t["budgets"]}):
+        lines += ["", f"Layer K = {layer}:", "", _row("pruner", columns)]
+        lines.append("|---|" + "---|" * len(columns))
+        for p in ATTENTION_PRUNERS:
+            cells = [_cell(budget[(p, b, k, layer)], t["unpruned"]) for b in budgets for k in KEEPS]
+            lines.append(_row(p, cells))
+        lines += ["", _row("whole frames", [f"keep {k}" for k in keeps])]
+        lines.append("|---|" + "---|" * len(keeps))
+        for s in ("uniform", "dedup", "random"):
+            label = "random (tokens)" if s == "random" else f"temporal {s}"
+            lines.append(_row(label, [_cell(frames[(s, k, layer)], t["unpruned"]) for k in keeps]))
     return [*lines, ""]
 
 
