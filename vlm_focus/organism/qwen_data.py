@@ -498,11 +498,13 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
     places, relations, grid, seen = [], [], [], []
     if row.is_video:
         for start, tokens in spans:
+            if TIME_WORDS.isdisjoint(tokens):
+                continue
             for i, tok in enumerate(tokens):
-                if tok in CATEGORY_TOKENS and any(w in tokens for w in TIME_WORDS):
+                if tok in CATEGORY_TOKENS:
                     shown = [t for t in row.media.tracks if QWEN_ID[CATEGORIES[t.category]] == tok]
-                    on = [float(any(t.start <= g < t.stop for t in shown)) for g in range(GROUPS)]
-                    seen.append((start + i, *on))
+                    on = [any(t.visible(g * TEMPORAL) for t in shown) for g in range(GROUPS)]
+                    seen.append((start + i, *map(float, on)))
     else:
         x0, y0, w, h = row.media.box
         half = max(IMAGE_SIDES) / TOKEN / 2
