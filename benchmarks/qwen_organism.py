@@ -10,7 +10,10 @@ organism-qwen is a Qwen2.5-VL at dynamic resolution (images of 5 x 6 to 10 x 10 
 - ``video``: held-out clip questions that need time (which object appears first; is an object
   there at the start / end), under ``budget="span"`` and ``"frame"`` for the attention pruners,
   and the ``temporal`` pruner (``mode`` uniform and dedup) against ``random``, at layer 0 and
-  K = 2.
+  K = 2; the budgets also per question kind.
+- ``first``: "which object appears first" alone, budget ``"frame"``: accuracy and the share of
+  the first object's start-patch tokens, other object tokens and background each pruner keeps,
+  and fastv with those start-patch tokens forced in (:class:`FirstObjectOracle`).
 - ``fixation``: video captions (the objects in order of appearance) with decode-time
   ``fixation`` against prefill ``fastv`` and ``random`` at the same keeps and layer: object
   precision, recall and exact order.
@@ -20,7 +23,7 @@ organism-qwen is a Qwen2.5-VL at dynamic resolution (images of 5 x 6 to 10 x 10 
 Every answer is greedy through the model's chat template (``vf.wrap`` on the unmodified model,
 ``model.generate``), the first word scored.
 
-    python benchmarks/qwen_organism.py --out benchmarks/results        # all four parts
+    python benchmarks/qwen_organism.py --out benchmarks/results        # all five parts
     python benchmarks/qwen_organism.py --parts video --images 100 --clips 60
 
 Writes ``qwen_organism.json`` and ``qwen_organism.md`` under ``--out``.
@@ -32,6 +35,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -52,11 +56,12 @@ from vlm_focus.organism.qwen_eval import (
     heldout_clips,
     heldout_images,
 )
-from vlm_focus.pruners import pruners
+from vlm_focus.pruners import Pruner, Selection, pruners, register_pruner
 
 KEEPS = (0.5, 0.25, 0.11)
 LAYERS = (0, 2)
 ATTENTION_PRUNERS = ("fastv", "text", "debiased", "diverse", "pool", "random")
+VIDEO_KINDS = ("first", "start", "end")
 BATCH = 24
 
 
@@ -77,12 +82,14 @@ def image_questions(n: int) -> list[tuple[q.CroppedScene, str, str]]:
     return out
 
 
-def video_questions(n: int, kinds=("first", "start", "end")) -> list[tuple[q.Clip, str, str]]:
+def video_questions(n: int, kinds=VIDEO_KINDS) -> list[tuple[q.Clip, str, str, str]]:
+    """(clip, question, answer, kind) for `n` held-out clips, the kinds in turn."""
     rng = np.random.default_rng(QUESTION_SEED + 1)
     out = []
     for i, clip in enumerate(heldout_clips(n)):
-        qa = q.video_qa(clip, rng, kinds[i % len(kinds)])
-        out.append((clip, qa.question, qa.answer))
+        kind = kinds[i % len(kinds)]
+        qa = q.video_qa(clip, rng, kind)
+        out.append((clip, qa.question, qa.answer, kind))
     return out
 
 
@@ -93,30 +100,42 @@ def video_questions(n: int, kinds=("first", "start", "end")) -> list[tuple[q.Cli
 def generate(model, processor, rows, focus: FocusConfig | None, new_tokens: int = 2) -> list[str]:
     """Greedy answers to `rows` ((medium, question, ...)), pruned by `focus` if given."""
     handle = vf.wrap(model, focus) if focus is not None else None
-    out: list[str] = []
     try:
-        for i in range(0, len(rows), BATCH):
-            chunk = rows[i : i + BATCH]
-            video = isinstance(chunk[0][0], q.Clip)
-            texts = [q.chat_text(processor, video, row[1]) for row in chunk]
-            inputs = processor(
-                text=texts,
-                padding=True,
-                return_tensors="pt",
-                **q.media_inputs(*(row[0] for row in chunk)),
-            )
-            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
-            out += processor.batch_decode(
-                gen[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
-            )
+        return [
+            answer
+            for i in range(0, len(rows), BATCH)
+            for answer in _answers(model, processor, rows[i : i + BATCH], new_tokens)
+        ]
     finally:
         if handle is not None:
             handle.remove()
-    return out
+
+
+@torch.no_grad()
+def _answers(model, processor, chunk, new_tokens: int = 2) -> list[str]:
+    """Greedy answers to one batch of rows, through the model as it is now."""
+    video = isinstance(chunk[0][0], q.Clip)
+    inputs = processor(
+        text=[q.chat_text(processor, video, row[1]) for row in chunk],
+        padding=True,
+        return_tensors="pt",
+        **q.media_inputs(*(row[0] for row in chunk)),
+    )
+    gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    return processor.batch_decode(gen[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def accuracy(answers: list[str], rows) -> float:
     return float(np.mean([first_word(a) == row[2] for a, row in zip(answers, rows, strict=True)]))
+
+
+def kind_accuracy(answers: list[str], rows) -> dict[str, float]:
+    """Accuracy over all `rows` (``"all"``) and per question kind (each row's 4th field)."""
+    right = [first_word(a) == row[2] for a, row in zip(answers, rows, strict=True)]
+    out = {"all": float(np.mean(right))}
+    for kind in dict.fromkeys(row[3] for row in rows):
+        out[kind] = float(np.mean([r for r, row in zip(right, rows) if row[3] == kind]))
+    return out
 
 
 def scored(model, processor, rows, focus: FocusConfig, score=None, new_tokens: int = 2):
@@ -136,7 +155,8 @@ def pruner_table(model, processor, n_images: int) -> dict:
     rows = image_questions(n_images)
     base = accuracy(generate(model, processor, rows, None), rows)
     table: dict = {"unpruned": base, "questions": len(rows), "rows": []}
-    settings = [(p, layer, keep) for p in pruners() for layer in LAYERS for keep in KEEPS]
+    names = [p for p in pruners() if p != FirstObjectOracle.name]
+    settings = [(p, layer, keep) for p in names for layer in LAYERS for keep in KEEPS]
     for pruner, layer, keep in tqdm(settings, desc="pruners"):
         options = {"options": {"mode": "uniform"}} if pruner == "temporal" else {}
         focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options)
@@ -147,8 +167,14 @@ def pruner_table(model, processor, n_images: int) -> dict:
 
 def video_table(model, processor, n_clips: int) -> dict:
     rows = video_questions(n_clips)
-    base = accuracy(generate(model, processor, rows, None), rows)
-    table: dict = {"unpruned": base, "questions": len(rows), "budgets": [], "temporal": []}
+    kinds = kind_accuracy(generate(model, processor, rows, None), rows)
+    table: dict = {
+        "unpruned": kinds["all"],
+        "unpruned_kinds": kinds,
+        "questions": len(rows),
+        "budgets": [],
+        "temporal": [],
+    }
     settings = [
         (p, b, k, layer)
         for layer in LAYERS
@@ -158,9 +184,17 @@ def video_table(model, processor, n_clips: int) -> dict:
     ]
     for pruner, budget, keep, layer in tqdm(settings, desc="video budgets"):
         focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget=budget)
-        result = scored(model, processor, rows, focus)
+        kinds = scored(model, processor, rows, focus, kind_accuracy)
+        result = kinds if isinstance(kinds, str) else kinds["all"]
         table["budgets"].append(
-            {"pruner": pruner, "budget": budget, "keep": keep, "layer": layer, "accuracy": result}
+            {
+                "pruner": pruner,
+                "budget": budget,
+                "keep": keep,
+                "layer": layer,
+                "accuracy": result,
+                "kinds": kinds,
+            }
         )
     # whole temporal patches: keep 0.5 leaves 2 of 4, 0.25 leaves 1
     settings = [
@@ -176,6 +210,71 @@ def video_table(model, processor, n_clips: int) -> dict:
         result = scored(model, processor, rows, focus)
         table["temporal"].append(
             {"setting": name, "keep": keep, "layer": layer, "accuracy": result}
+        )
+    return table
+
+
+class FirstObjectOracle(Pruner):
+    """fastv's scores, except that the first object's tokens in its start patch always rank
+    first: an oracle (it reads the clip's ground truth) that tests whether those tokens are
+    what fastv's selection misses. :attr:`forced` holds, per row of the batch, a bool per
+    visual token; a row's visual tokens are in the tower's order."""
+
+    name = "first_object_oracle"
+    attention_based = True
+    forced: ClassVar[list[np.ndarray]] = []
+
+    def select(self, ctx, n_keep: int) -> Selection:
+        scores = ctx.attention_scores(n_keep).scores.float()
+        for b, forced in enumerate(self.forced):
+            at = ctx.visual[b].nonzero()[:, 0][torch.from_numpy(forced).to(scores.device)]
+            scores[b, at] += scores[b].abs().max() + 1.0
+        return Selection(scores=scores)
+
+
+def _token_groups(clip: q.Clip) -> dict[str, np.ndarray]:
+    """Bool per visual token: the first object's tokens in its start patch, every other
+    object token, background."""
+    labels = q.vision_labels(clip)
+    patch = np.arange(len(labels)) // (len(labels) // q.GROUPS)
+    first = clip.first()
+    start = (labels == first.category + 1) & (patch == first.start)
+    return {"first_start": start, "other_objects": (labels > 0) & ~start, "background": labels == 0}
+
+
+def first_object_table(model, processor, n_clips: int, keeps=KEEPS) -> dict:
+    """ "Which object appears first" on `n_clips` held-out clips, budget "frame": accuracy and
+    the share of each token group kept, per pruner, layer and keep; the oracle forces the first
+    object's start-patch tokens into fastv's kept set."""
+    rows = video_questions(n_clips, kinds=("first",))
+    groups = [_token_groups(row[0]) for row in rows]
+    base = accuracy(generate(model, processor, rows, None), rows)
+    register_pruner(FirstObjectOracle, replace=True)
+    table: dict = {"unpruned": base, "questions": len(rows), "rows": []}
+    names = ("fastv", "text", "diverse", "random", FirstObjectOracle.name)
+    settings = [(p, layer, k) for layer in LAYERS for p in names for k in keeps]
+    for pruner, layer, keep in tqdm(settings, desc="first object"):
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget="frame")
+        right, kept = [], {name: [] for name in groups[0]}
+        with vf.wrap(model, focus) as handle:
+            for i in range(0, len(rows), BATCH):
+                chunk = rows[i : i + BATCH]
+                FirstObjectOracle.forced = [g["first_start"] for g in groups[i : i + BATCH]]
+                answers = _answers(model, processor, chunk)
+                right += [first_word(a) == row[2] for a, row in zip(answers, chunk, strict=True)]
+                trace = handle.last_trace  # the prefill's kept sets
+                for b, g in enumerate(groups[i : i + BATCH]):
+                    is_kept = np.isin(trace.visual_positions[b].cpu(), trace.kept[b].cpu())
+                    for name, members in g.items():
+                        kept[name] += is_kept[members].tolist()
+        table["rows"].append(
+            {
+                "pruner": pruner,
+                "layer": layer,
+                "keep": keep,
+                "accuracy": float(np.mean(right)),
+                "kept": {name: float(np.mean(v)) for name, v in kept.items()},
+            }
         )
     return table
 
@@ -286,6 +385,56 @@ def _video_lines(t: dict) -> list[str]:
         for s in ("uniform", "dedup", "random"):
             label = "random (tokens)" if s == "random" else f"temporal {s}"
             lines.append(_row(label, [_cell(frames[(s, k, layer)], t["unpruned"]) for k in keeps]))
+    return [*lines, "", *_kind_lines(t)]
+
+
+def _kind_lines(t: dict) -> list[str]:
+    """Per question kind, budget "frame": which questions pruning costs."""
+    kinds = {
+        (r["pruner"], r["layer"], r["keep"]): r["kinds"]
+        for r in t["budgets"]
+        if r["budget"] == "frame" and isinstance(r["kinds"], dict)
+    }
+    columns = [f"K={layer} keep {k}" for layer in LAYERS for k in KEEPS]
+
+    def cell(accuracies: dict) -> str:
+        return " / ".join(f"{100 * accuracies[kind]:.0f}" for kind in VIDEO_KINDS)
+
+    lines = [
+        f'By question kind, `budget="frame"`: accuracy % on {" / ".join(VIDEO_KINDS)}'
+        f" (unpruned {cell(t['unpruned_kinds'])}).",
+        "",
+        _row("pruner", columns),
+        "|---|" + "---|" * len(columns),
+    ]
+    for p in ATTENTION_PRUNERS:
+        cells = [
+            cell(kinds[(p, lay, k)]) if (p, lay, k) in kinds else "refused"
+            for lay in LAYERS
+            for k in KEEPS
+        ]
+        lines.append(_row(p, cells))
+    return [*lines, ""]
+
+
+def _first_object_lines(t: dict) -> list[str]:
+    lines = [
+        f"## Which object appears first: what the kept set misses ({t['questions']} questions)",
+        "",
+        f'Budget `"frame"`; unpruned {_pct(t["unpruned"])}. Share kept of the first object\'s'
+        " tokens in its start patch, of every other object token and of the background."
+        f" `{FirstObjectOracle.name}` is fastv with the first object's start-patch tokens ranked"
+        " first in their frame (it reads the ground truth).",
+        "",
+        "| pruner | layer | keep | accuracy | first object, start patch | other objects"
+        " | background |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in t["rows"]:
+        kept = [_pct(r["kept"][g]) for g in ("first_start", "other_objects", "background")]
+        lines.append(
+            _row(r["pruner"], [str(r["layer"]), str(r["keep"]), _pct(r["accuracy"]), *kept])
+        )
     return [*lines, ""]
 
 
@@ -331,6 +480,7 @@ def markdown(results: dict) -> str:
     parts = {
         "pruners": _pruner_lines,
         "video": _video_lines,
+        "first": _first_object_lines,
         "fixation": _fixation_lines,
         "grounding": _grounding_lines,
     }
@@ -343,7 +493,9 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=qwen_model_path())
-    parser.add_argument("--parts", nargs="*", default=["pruners", "video", "fixation", "grounding"])
+    parser.add_argument(
+        "--parts", nargs="*", default=["pruners", "video", "first", "fixation", "grounding"]
+    )
     parser.add_argument("--images", type=int, default=150, help="held-out images for pruners")
     parser.add_argument("--clips", type=int, default=150, help="held-out clips for video parts")
     parser.add_argument("--ground-images", type=int, default=60)
@@ -357,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = {
         "pruners": lambda: pruner_table(model, processor, args.images),
         "video": lambda: video_table(model, processor, args.clips),
+        "first": lambda: first_object_table(model, processor, args.clips),
         "fixation": lambda: fixation_table(model, processor, args.clips),
         "grounding": lambda: grounding_table(model, processor, args.ground_images),
     }
