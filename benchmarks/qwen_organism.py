@@ -255,13 +255,12 @@ def first_object_table(model, processor, n_clips: int, keeps=KEEPS) -> dict:
     settings = [(p, layer, k) for layer in LAYERS for p in names for k in keeps]
     for pruner, layer, keep in tqdm(settings, desc="first object"):
         focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget="frame")
-        right, kept = [], {name: [] for name in groups[0]}
+        answers, kept = [], {name: [] for name in groups[0]}
         with vf.wrap(model, focus) as handle:
             for i in range(0, len(rows), BATCH):
                 chunk = rows[i : i + BATCH]
                 FirstObjectOracle.forced = [g["first_start"] for g in groups[i : i + BATCH]]
-                answers = _answers(model, processor, chunk)
-                right += [first_word(a) == row[2] for a, row in zip(answers, chunk, strict=True)]
+                answers += _answers(model, processor, chunk)
                 trace = handle.last_trace  # the prefill's kept sets
                 for b, g in enumerate(groups[i : i + BATCH]):
                     is_kept = np.isin(trace.visual_positions[b].cpu(), trace.kept[b].cpu())
@@ -272,7 +271,7 @@ def first_object_table(model, processor, n_clips: int, keeps=KEEPS) -> dict:
                 "pruner": pruner,
                 "layer": layer,
                 "keep": keep,
-                "accuracy": float(np.mean(right)),
+                "accuracy": accuracy(answers, rows),
                 "kept": {name: float(np.mean(v)) for name, v in kept.items()},
             }
         )
