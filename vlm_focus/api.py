@@ -61,10 +61,10 @@ class FocusHandle:
 def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) -> FocusHandle:
     """Prune visual tokens inside ``model``'s language model; returns a :class:`FocusHandle`.
 
-    ``options`` are :class:`FocusConfig` fields (``pruner``, ``keep``, ``layer``, ``query``,
-    ``reduce``) and the chosen pruner's own options. The model object is patched in place with
-    instance hooks only. Wrapping an already wrapped model raises ``ValueError``: call
-    ``handle.remove()`` first.
+    ``options`` are :class:`FocusConfig` fields (``pruner``, ``keep``, ``layer``, ``query_rows``,
+    ``reduce``, ``budget``, ``positions``) and the chosen pruner's own options. The model object
+    is patched in place with instance hooks only. Wrapping an already wrapped model raises
+    ``ValueError``: call ``handle.remove()`` first.
 
     Example::
 
