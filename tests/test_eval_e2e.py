@@ -4,6 +4,7 @@ and the clear errors."""
 
 import csv
 import json
+import sys
 
 import pytest
 import torch
@@ -98,6 +99,21 @@ def test_coco_grounding_files(setup, tmp_path):
     assert 0.0 <= summary["AP"] <= summary["AP50"] <= 1.0 and 0.0 <= summary["auroc"] <= 1.0
     assert (folder / "examples.png").read_bytes()[:4] == b"\x89PNG"
     assert (root / "table.md").read_text().startswith("| setting | model | layers | heads |")
+
+
+def test_coco_without_matplotlib_finishes_and_says_so_once(setup, tmp_path, capsys, monkeypatch):
+    _, common = setup
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["coco", *common, "--out", str(tmp_path), "--limit", "1", "--absent", "1"]) == 0
+    notices = [line for line in capsys.readouterr().err.splitlines() if "is not installed" in line]
+    assert notices == [
+        "vlm-focus eval coco: skipping examples.png: matplotlib is not installed; "
+        "pip install 'vlm-focus[eval]' (or matplotlib)"
+    ]
+    folder = tmp_path / "coco" / "eval0--model" / "default-layers"
+    assert (folder / "summary.json").is_file() and not (folder / "examples.png").exists()
 
 
 def test_chair_files(setup, tmp_path, capsys):

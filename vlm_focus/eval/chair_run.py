@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..asset_paths import CAPTION_PROMPT, is_embedded
 from .chair import (
@@ -27,12 +27,22 @@ from .chair import (
     extract_objects,
     truth_objects,
 )
-from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
+from .common import (
+    PruneOptions,
+    check_extras,
+    load,
+    load_guide,
+    model_tag,
+    read_summaries,
+    write_json,
+)
 
 
 @dataclass
 class ChairConfig(PruneOptions):
     """``vlm-focus eval chair``: CHAIR_i, CHAIR_s, recall and length of generated captions."""
+
+    command: ClassVar[str] = "chair"
 
     captions: Path | None = field(
         default=None,
@@ -132,6 +142,7 @@ def run_chair(config: ChairConfig) -> dict | None:
 
     if not isinstance(config, ChairConfig):
         raise TypeError(f"run_chair expects a ChairConfig, got {type(config).__name__}")
+    check_extras(config)
     state = process_state()
     embedded_set = config.images is None and config.instances is None
     cocoset = resolve_set(config, state)

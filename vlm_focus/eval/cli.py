@@ -15,12 +15,16 @@ from typing import Any
 from ..core.options import add_options, parse_config
 from .chair_run import ChairConfig, run_chair
 from .coco_run import CocoConfig, run_coco
+from .common import MissingExtra
 from .pope_run import PopeConfig, run_pope
 
 COMMANDS: dict[str, tuple[type, Any, str]] = {
-    "pope": (PopeConfig, run_pope, "POPE object-presence yes/no questions"),
-    "coco": (CocoConfig, run_coco, "attention grounding: boxes (COCO AP), pointing, AUROC"),
-    "chair": (ChairConfig, run_chair, "CHAIR caption hallucination"),
+    config_cls.command: (config_cls, run, help_text)
+    for config_cls, run, help_text in (
+        (PopeConfig, run_pope, "POPE object-presence yes/no questions"),
+        (CocoConfig, run_coco, "attention grounding: boxes (COCO AP), pointing, AUROC"),
+        (ChairConfig, run_chair, "CHAIR caption hallucination"),
+    )
 }
 
 
@@ -54,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(config.threads)
         run(config)
+    except MissingExtra as err:  # names the command, the module and the extra
+        print(err, file=sys.stderr)
+        return 2
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"vlm-focus eval {command}: error: {err}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from .coco import (
     query_prompt,
     summarise,
 )
-from .common import EvalOptions, load, model_tag, read_summaries, write_json
+from .common import EvalOptions, check_extras, load, model_tag, read_summaries, write_json
 from .metrics import auroc, point_in_boxes
 from .pope import image_categories
 
@@ -65,6 +65,10 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
 @dataclass
 class CocoConfig(EvalOptions):
     """``vlm-focus eval coco``: box AP, pointing game and hallucination AUROC of attention maps."""
+
+    command: ClassVar[str] = "coco"
+    requires: ClassVar[tuple[str, ...]] = ("pycocotools.coco", "pycocotools.cocoeval")  # box AP
+    plots: ClassVar[tuple[str, ...]] = ("examples.png",)
 
     n_images: int = field(default=500, metadata={"help": "images to sample"})
     absent: int = field(default=3, metadata={"help": "absent categories asked per image"})
@@ -154,6 +158,7 @@ def run_coco(config: CocoConfig) -> dict | None:
 
     if not isinstance(config, CocoConfig):
         raise TypeError(f"run_coco expects a CocoConfig, got {type(config).__name__}")
+    draws = check_extras(config)
     template = config.template
     state = process_state()
     cocoset = resolve_set(config, state)
@@ -278,9 +283,10 @@ def run_coco(config: CocoConfig) -> dict | None:
     write_json(folder / "detections.json", detections(records))
     every = sorted(read_summaries(root, "*/summary.json"), key=lambda s: s["setting"])
     write_table(every, COCO_COLUMNS, root / "table")
-    from .plots import grounding_examples
+    if draws:
+        from .plots import grounding_examples
 
-    grounding_examples(records, truth, cocoset.image_path, folder / "examples.png")
+        grounding_examples(records, truth, cocoset.image_path, folder / "examples.png")
     print(
         f"coco {config.setting}: AP {summary['AP']:.4f} AP50 {summary['AP50']:.4f} pointing "
         f"{summary['pointing']:.4f} AUROC {summary['auroc']:.4f} "

@@ -1,14 +1,16 @@
-"""What the evaluation commands share: their typed options, loading the model (and the guide),
-result folder names and atomic JSON writes. The runners import this; the command line
-(:mod:`vlm_focus.eval.cli`) sits on top of the runners."""
+"""What the evaluation commands share: their typed options, the check of the modules they import
+late, loading the model (and the guide), result folder names and atomic JSON writes. The
+runners import this; the command line (:mod:`vlm_focus.eval.cli`) sits on top of the runners."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..asset_paths import guide_model_path, is_embedded
 from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
@@ -18,6 +20,8 @@ from ..hallucination import mitigation_choices, mitigation_name
 from ..setting import RunSetting, focus_config
 
 ON_MISSING = ("skip", "stop")
+#: What installs the modules of the ``eval`` extra (pycocotools, matplotlib).
+EVAL_EXTRA = "pip install 'vlm-focus[eval]'"
 #: The pruning options of the evaluations, each as FocusConfig defines it.
 PRUNE_FIELDS = ("keep", "layer", "query_rows", "reduce", "budget", "positions")
 
@@ -34,7 +38,21 @@ def _focus(name: str) -> Any:
 class EvalOptions(LoadOptions):
     """Options of every ``vlm-focus eval`` command: the model, the data and the run."""
 
-    out: Path = field(default=Path("vlm_focus_eval"), metadata={"help": "output folder"})
+    #: The command's name (``vlm-focus eval <command>``).
+    command: ClassVar[str] = ""
+    #: Modules the command imports only when it gets there; :func:`check_extras` imports them
+    #: before any work.
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: The plots the command draws (with matplotlib, when it is installed).
+    plots: ClassVar[tuple[str, ...]] = ()
+
+    out: Path = field(
+        default=Path("vlm_focus_eval"),
+        metadata={
+            "help": "output folder: results, tables, plots and the embedded held-out scenes",
+            "default_text": "vlm_focus_eval/ in the current folder",
+        },
+    )
     images: Path | None = field(
         default=None,
         metadata={
@@ -188,6 +206,39 @@ class PruneOptions(EvalOptions):
         if focus is not None and get_pruner(pruner).needs_guide:
             guide = self.guide or ("embedded" if is_embedded(self.model) else None)
         return RunSetting(focus=focus, mitigation=self.mitigate, guide=guide, **overrides)
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A module an evaluation command needs is not installed; the message names the command,
+    the module and what installs it, in one line."""
+
+
+def check_extras(options: EvalOptions) -> bool:
+    """Check, before any work, the modules ``options``' command imports later on.
+
+    A missing module of ``options.requires`` raises :class:`MissingExtra` (e.g. ``vlm-focus eval
+    coco needs pycocotools: pip install 'vlm-focus[eval]'``), so that no command fails after
+    its work is done. Without matplotlib the command still runs: one line on stderr names the
+    plots it will skip. Returns whether the plots can be drawn."""
+    from .plots import PLOT_EXTRA, available
+
+    name = f"vlm-focus eval {options.command}"
+    for module in options.requires:
+        package = module.partition(".")[0]
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            broken = "" if err.name in (package, module) else f" ({err})"
+            raise MissingExtra(
+                f"{name} needs {package}{broken}: {EVAL_EXTRA}", name=package
+            ) from err
+    if not options.plots or available():
+        return bool(options.plots)
+    print(
+        f"{name}: skipping {', '.join(options.plots)}: matplotlib is not installed; {PLOT_EXTRA}",
+        file=sys.stderr,
+    )
+    return False
 
 
 def model_tag(model: str | None) -> str:

@@ -12,15 +12,24 @@ from typing import Any
 PLOT_EXTRA = "pip install 'vlm-focus[eval]' (or matplotlib)"
 
 
+def available() -> bool:
+    """Whether matplotlib imports, i.e. whether the plots can be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
 def _optional(draw: Callable[..., Path]) -> Callable[..., Path | None]:
     """A plot is a by-product of finished work: without matplotlib it is skipped with a
-    one-line notice on stderr (and ``None`` returned) instead of failing the command."""
+    one-line notice on stderr (and ``None`` returned) instead of failing the command. The
+    evaluation commands say so before their work starts (:func:`vlm_focus.eval.common.
+    check_extras`) and then do not call the plot."""
 
     @functools.wraps(draw)
     def drawn(*args: Any, **kwargs: Any) -> Path | None:
-        try:
-            import matplotlib  # noqa: F401
-        except ModuleNotFoundError:
+        if not available():
             print(f"plot skipped: matplotlib is not installed; {PLOT_EXTRA}", file=sys.stderr)
             return None
         return draw(*args, **kwargs)

@@ -11,12 +11,20 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..config import keeps_everything, read_keep
 from ..setting import RunSetting
 from ..zoom import ZoomOptions
-from .common import PruneOptions, load, load_guide, model_tag, read_summaries, write_json
+from .common import (
+    PruneOptions,
+    check_extras,
+    load,
+    load_guide,
+    model_tag,
+    read_summaries,
+    write_json,
+)
 from .data import resolve_set, split_missing
 from .generation import ZOOMS
 from .metrics import PARSE_RULE
@@ -43,6 +51,9 @@ TABLE_COLUMNS = (
 @dataclass
 class PopeConfig(PruneOptions):
     """``vlm-focus eval pope``: POPE yes/no questions under one setting or a pruning sweep."""
+
+    command: ClassVar[str] = "pope"
+    plots: ClassVar[tuple[str, ...]] = ("retention.png",)
 
     split: str = field(
         default="all",
@@ -254,6 +265,7 @@ def run_pope(config: PopeConfig) -> list[dict]:
     and rebuilds the folder's table and retention plot from every setting run so far."""
     if not isinstance(config, PopeConfig):
         raise TypeError(f"run_pope expects a PopeConfig, got {type(config).__name__}")
+    draws = check_extras(config)
     state = process_state()
     settings = parse_sweep(config)
     images_dir, splits, source = question_sets(config, state)
@@ -277,7 +289,7 @@ def run_pope(config: PopeConfig) -> list[dict]:
     if state.is_main_process and summaries:
         every = all_summaries(root)
         write_table(every, TABLE_COLUMNS, root / "table")
-        if any(s["pruner"] is not None for s in every):
+        if draws and any(s["pruner"] is not None for s in every):
             from .plots import retention_plot
 
             retention_plot(every, root / "retention.png", metric="f1")
