@@ -781,15 +781,61 @@ def test_absent_and_unknown_phrases_get_no_point_present_ones_do(organism):
     x, y = square.point
     assert 92 <= x <= 125 and 62 <= y <= 94  # inside the square's box (92, 62, 33, 32)
     assert square.boxes and square.seen == Frame(0, 0, 192, 192)
-    for phrase in ("red_circle", "elephant"):
-        found = vf.ground(model, processor, image, phrase)
-        assert not found.present and found.presence <= threshold, phrase
-        assert found.point is None and found.boxes == [] and found.scores == [], phrase
+    circle = vf.ground(model, processor, image, "red_circle")
+    with pytest.warns(G.UnknownWordWarning, match="'elephant'"):
+        elephant = vf.ground(model, processor, image, "elephant")
+    for found in (circle, elephant):
+        assert not found.present and found.presence <= threshold, found.phrase
+        assert found.point is None and found.boxes == [] and found.scores == [], found.phrase
         assert found.map.mass > 0  # the map is still there to look at
-    assert vf.ground(model, processor, image, "elephant").presence == 0.0  # never read
+    assert elephant.presence == 0.0 and elephant.unknown_words == ["elephant"]  # never read
     # a custom prompt asks the presence question in a pass of its own
     custom = vf.ground(model, processor, image, "green_square", prompt="Where is the green_square?")
     assert custom.presence == pytest.approx(square.presence, abs=1e-6) and custom.present
+
+
+def test_words_the_tokenizer_cannot_read_are_named_in_a_warning_and_the_result(organism):
+    """The organism's tokenizer spells `green_square` as one word and knows neither `green`
+    nor `square`: the phrase scores 0 and the warning and the result say which words."""
+    import warnings
+    from pathlib import Path
+
+    from PIL import Image
+
+    import vlm_focus as vf
+
+    model, processor = organism
+    image = Image.open(Path(__file__).parents[1] / "vlm_focus/assets/samples/scene_9000001.png")
+    with pytest.warns(G.UnknownWordWarning, match=r"does not know 'green', 'square'"):
+        found = vf.ground(model, processor, image, "green square")
+    assert found.unknown_words == ["green", "square"]
+    assert found.presence == 0.0 and not found.present
+    long = "a large green_square, sitting near the top of this picture"  # ten words
+    with pytest.warns(G.UnknownWordWarning, match="'large', 'sitting', 'near', 'this', 'picture'"):
+        found = vf.ground(model, processor, image, long)
+    assert found.unknown_words == ["large", "sitting", "near", "this", "picture"]
+    assert found.presence == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", G.UnknownWordWarning)
+        square = vf.ground(model, processor, image, "green_square")
+    assert square.unknown_words == [] and square.present
+
+
+def test_unknown_words_are_the_words_that_encode_to_the_unknown_token():
+    """The rule reads the tokenizer, not a word list: a word is unknown when every way the
+    tokenizer spells it holds its unknown token; a tokenizer without one knows every word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "is": 1, "there": 2, "a": 3, "red_circle": 4, "or": 5, "?": 6, ",": 7}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    text = "Is there a red circle, a red_circle or a red circle?"
+    assert G.unknown_words(text, tok) == ["Is", "red", "circle"]  # once each, in order
+    assert G.unknown_words("is there a red_circle ?", tok) == []
+    assert G.unknown_words("anything at all", WordTokenizer()) == []  # no unknown token
+    assert G.unknown_words("x xb", UnkTokenizer()) == ["x"]  # "x" spells no number
 
 
 def test_an_unknown_config_value_raises_naming_the_key(organism):

@@ -5,6 +5,7 @@
     found.present, found.presence          # the model's own P(yes), against its threshold
     found.point, found.boxes[0], found.map.pixels      # None and [] when it is not there
     found.seen                             # the part of the photo the model saw
+    found.unknown_words                    # words its tokenizer cannot spell (warned)
 
     from vlm_focus import grounding
     gp = grounding.GroundingPass(model, inputs, processor=processor, images=[image])
@@ -41,6 +42,7 @@ from ._pass import (
     Grounding,
     GroundingPass,
     Mention,
+    UnknownWordWarning,
     UnseenRegionWarning,
     ground,
     heatmap,
@@ -48,6 +50,7 @@ from ._pass import (
 )
 from ._presence import PRESENCE_PROMPT, presence
 from ._region import box_share
+from ._token_masks import unknown_words
 from ._words import STOP_WORDS
 
 __all__ = [
@@ -66,6 +69,7 @@ __all__ = [
     "HeatMap",
     "LocalizationHeads",
     "Mention",
+    "UnknownWordWarning",
     "UnseenRegionWarning",
     "box_share",
     "boxes",
@@ -82,4 +86,5 @@ __all__ = [
     "rule_layers",
     "save_heads",
     "select_localization_heads",
+    "unknown_words",
 ]

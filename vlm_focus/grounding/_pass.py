@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from ._defaults import presence_threshold as default_threshold
 from ._heatmap import HeatMap, build_map
 from ._image import as_picture
 from ._image_attention import HeadSpec, head_pairs, head_weights, image_rows, probe_forward
-from ._presence import PRESENCE_PROMPT, presence, presence_from_logits, unknown_phrase
+from ._presence import PRESENCE_PROMPT, presence, presence_from_logits
 from ._region import box_share
 from ._token_masks import (
     Query,
@@ -55,6 +55,7 @@ from ._token_masks import (
     query_mask,
     text_tokens,
     tokenizer_of,
+    unknown_words,
 )
 from ._words import find_mentions
 
@@ -70,6 +71,11 @@ SOURCES = ("prompt", "answer")
 class UnseenRegionWarning(UserWarning):
     """Grounding an image the model saw only part of (a centre crop of a wide photo): outside
     :attr:`HeatMap.seen` the map is 0, and nothing there can be found."""
+
+
+class UnknownWordWarning(UserWarning):
+    """Grounding a phrase with words the model's tokenizer cannot spell (they encode to its
+    unknown token): the model never reads them, and the phrase scores presence 0."""
 
 
 @dataclass(frozen=True)
@@ -583,11 +589,14 @@ class Grounding:
         present: ``presence > threshold`` (:func:`presence_threshold`, chosen on calibration
             scenes for the embedded models).
         presence: the model's own ``P(yes)`` that the phrase is in the image (``_presence``);
-            0 for a phrase its tokenizer cannot spell.
+            0 for a phrase with :attr:`unknown_words`.
         seen: the part of the image the model saw (:attr:`HeatMap.seen`); a photo the processor
             centre-crops loses its sides, and :func:`ground` warns
             (:class:`UnseenRegionWarning`).
         threshold: the presence threshold used.
+        unknown_words: the phrase's words the model's tokenizer cannot spell (they encode to
+            its unknown token, :func:`unknown_words`), once each; :func:`ground` warns
+            (:class:`UnknownWordWarning`). Empty when the model reads every word.
     """
 
     phrase: str
@@ -599,6 +608,7 @@ class Grounding:
     presence: float
     seen: Frame
     threshold: float
+    unknown_words: list[str] = field(default_factory=list)
 
 
 def ground(
@@ -628,7 +638,9 @@ def ground(
     Presence: ``presence = P(yes) / (P(yes) + P(no))`` for the presence question (read from the
     same pass when ``prompt`` is that question, else from one more forward pass); the phrase is
     present when ``presence > presence_threshold`` (default :func:`presence_threshold` of the
-    model). An absent phrase keeps its map but gets no point and no boxes.
+    model). An absent phrase keeps its map but gets no point and no boxes. A phrase with words
+    the tokenizer cannot spell (its unknown token) scores 0, since the model never read them;
+    ``Grounding.unknown_words`` names them and an :class:`UnknownWordWarning` says so.
     """
     from ..loading import build_inputs  # the processor's chat format
 
@@ -653,7 +665,16 @@ def ground(
         rows=phrase,
     )
     heat = gp.map(phrase, source="prompt")
-    if unknown_phrase(phrase, processor):
+    unknown = unknown_words(phrase, processor)
+    if unknown:
+        tok = tokenizer_of(processor)
+        warnings.warn(
+            f"the model's tokenizer does not know {', '.join(map(repr, unknown))} (they encode "
+            f"to its unknown token {getattr(tok, 'unk_token', None)!r}): the model cannot read "
+            f"them, so {phrase!r} scores presence 0; use words the tokenizer knows",
+            UnknownWordWarning,
+            stacklevel=2,
+        )
         score = 0.0  # the model never read the phrase: its answer is not about it
     elif prompt == question and gp.next_logits is not None:
         score = float(presence_from_logits(gp.next_logits, processor)[0])
@@ -671,4 +692,5 @@ def ground(
         score,
         heat.seen,
         float(limit),
+        unknown,
     )

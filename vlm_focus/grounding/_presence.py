@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._token_masks import phrase_spans, tokenizer_of
+from ._token_masks import tokenizer_of, unknown_phrase
 
 #: The question the presence score asks (and ``vf.ground``'s default prompt).
 PRESENCE_PROMPT = "Is there a {phrase} in the image?"
@@ -49,14 +49,6 @@ def answer_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
             "score needs a model that answers yes or no"
         )
     return yes, no
-
-
-def unknown_phrase(phrase: str, tokenizer: Any) -> bool:
-    """Whether every way the tokenizer spells ``phrase`` holds its unknown token."""
-    unk = getattr(tokenizer_of(tokenizer), "unk_token_id", None)
-    if unk is None:
-        return False
-    return all(unk in span for span in phrase_spans(phrase, tokenizer))
 
 
 def presence_from_logits(logits: torch.Tensor, tokenizer: Any) -> torch.Tensor:

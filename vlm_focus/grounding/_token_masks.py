@@ -5,6 +5,7 @@ teacher-forced pass. Every mask here is ``[B, S]`` bool over the pass's input.
 
 from __future__ import annotations
 
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,6 +64,31 @@ def phrase_spans(phrase: str, tokenizer: Any) -> list[list[int]]:
         if ids and ids not in spans:
             spans.append(ids)
     return spans
+
+
+def unknown_phrase(phrase: str, tokenizer: Any) -> bool:
+    """Whether every way the tokenizer spells ``phrase`` holds its unknown token (a tokenizer
+    without one, such as a byte-level BPE, spells everything)."""
+    unk = getattr(tokenizer_of(tokenizer), "unk_token_id", None)
+    if unk is None:
+        return False
+    return all(unk in span for span in phrase_spans(phrase, tokenizer))
+
+
+#: Punctuation stripped from either end of a word before it is looked up (``_`` joins words).
+_EDGES = string.punctuation.replace("_", "")
+
+
+def unknown_words(text: str, tokenizer: Any) -> list[str]:
+    """The words of ``text`` (split at white space, punctuation stripped from their ends) that
+    the tokenizer cannot spell (:func:`unknown_phrase`: every spelling holds its unknown
+    token), once each, in order. The model never reads them: it sees the unknown token."""
+    found: list[str] = []
+    for word in text.split():
+        word = word.strip(_EDGES)
+        if word and word not in found and unknown_phrase(word, tokenizer):
+            found.append(word)
+    return found
 
 
 def query_mask(
