@@ -11,6 +11,7 @@ import torch
 
 from vlm_focus.eval.chair import SHIPPED_IDS, ObjectWords, extract_objects
 from vlm_focus.eval.cli import main
+from vlm_focus.eval.metrics import pope_metrics
 from vlm_focus.eval.runner import read_jsonl, shard_paths
 from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes, write_dataset
 
@@ -79,6 +80,43 @@ def test_pope_sweep_table_and_plot(setup, tmp_path):
     assert [float(r["visual_kept"]) for r in rows] == [16, 8, 4, 8, 4]
     assert (root / "table.md").read_text().startswith("| split | setting |")
     assert (root / "retention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pope_table_rows_share_their_questions(setup, tmp_path, capsys):
+    _, common = setup
+    args = ["pope", *common, "--out", str(tmp_path), "--split", "random", "--max-new-tokens", "2"]
+    fastv = ["--pruner", "fastv", "--keep", "0.5", "--layer", "1"]
+    assert main([*args, *fastv, "--limit", "6"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--limit", "3"]) == 0  # unpruned on fewer questions
+    root = tmp_path / "pope" / "eval0--model"
+    rows = {r["setting"]: r for r in csv.DictReader(open(root / "table.csv"))}
+    assert [rows[s]["n"] for s in ("unpruned", "fastv-k0.5-l1")] == ["3", "3"]
+    first3 = read_jsonl(root / "random" / "fastv-k0.5-l1.jsonl")[:3]
+    expected = pope_metrics([r["label"] for r in first3], [r["pred"] for r in first3])
+    assert float(rows["fastv-k0.5-l1"]["accuracy"]) == pytest.approx(expected["accuracy"], abs=1e-4)
+    assert json.loads((root / "random" / "fastv-k0.5-l1.json").read_text())["n"] == 6
+    assert (
+        "table (random): every row is scored on the 3 questions all 2 settings answered "
+        "(answered: fastv-k0.5-l1 6)" in capsys.readouterr().err
+    )
+    assert main([*args, "--limit", "6"]) == 0  # the unpruned run catches up: the table grows
+    rows = list(csv.DictReader(open(root / "table.csv")))
+    assert [r["n"] for r in rows] == ["6", "6"]
+    assert "every row is scored" not in capsys.readouterr().err
+
+
+def test_chair_table_rows_share_their_images(setup, tmp_path, capsys):
+    _, common = setup
+    args = ["chair", *common, "--out", str(tmp_path), "--max-new-tokens", "3"]
+    assert main([*args, "--limit", "3"]) == 0
+    assert main([*args, "--limit", "2", "--pruner", "random", "--keep", "0.5", "--layer", "1"]) == 0
+    root = tmp_path / "chair" / "eval0--model"
+    rows = list(csv.DictReader(open(root / "table.csv")))
+    assert [(r["setting"], r["n"]) for r in rows] == [("unpruned", "2"), ("random-k0.5-l1", "2")]
+    assert "on the 2 images all 2 settings answered (answered: unpruned 3)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_coco_grounding_files(setup, tmp_path):

@@ -3,7 +3,7 @@ with a typed :class:`ChairConfig`.
 
 Each setting writes ``<setting>.jsonl`` and ``<setting>.json`` under
 ``<out>/chair/<model>/``; every call rebuilds ``table.md`` and ``table.csv`` there from every
-setting run so far.
+setting run so far, each row scored on the images that every setting captioned.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .common import (
     load,
     load_guide,
     model_tag,
+    on_shared_items,
     read_summaries,
     write_json,
 )
@@ -218,7 +219,17 @@ def run_chair(config: ChairConfig) -> dict | None:
     every = sorted(
         read_summaries(root, "*.json"), key=lambda s: (s["pruner"] is not None, s["setting"])
     )
-    write_table(every, CHAIR_COLUMNS, root / "table")
+    # every row on the images that all settings captioned, so that rows share them and n
+    rows = on_shared_items(
+        every,
+        lambda s: root / f"{s['setting']}.jsonl",
+        lambda r: r["image_id"],
+        lambda s, records: chair_metrics(
+            {r["image_id"]: r["caption"] for r in records}, truth, table
+        ),
+        items="images",
+    )
+    write_table(rows, CHAIR_COLUMNS, root / "table")
     print(
         f"chair {setting.tag}: CHAIR_s {summary['CHAIR_s']:.4f} CHAIR_i {summary['CHAIR_i']:.4f} "
         f"recall {summary['recall']:.4f} length {summary['length']:.1f} (n={summary['n']}) "

@@ -3,7 +3,8 @@ a typed :class:`CocoConfig`.
 
 Each map setting (the layers and heads the maps average) writes its own folder
 ``<out>/coco/<model>/<setting>/`` (queries, summary, detections, examples); every call rebuilds
-``table.md`` and ``table.csv`` beside them from every setting run so far.
+``table.md`` and ``table.csv`` beside them from every setting run so far, each row scored on
+the queries that every setting answered.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from .coco import (
     query_prompt,
     summarise,
 )
-from .common import EvalOptions, check_extras, load, model_tag, read_summaries, write_json
+from .common import (
+    EvalOptions,
+    check_extras,
+    load,
+    model_tag,
+    on_shared_items,
+    read_summaries,
+    write_json,
+)
 from .metrics import auroc, point_in_boxes
 from .pope import image_categories
 
@@ -282,7 +291,20 @@ def run_coco(config: CocoConfig) -> dict | None:
     write_json(folder / "summary.json", summary)
     write_json(folder / "detections.json", detections(records))
     every = sorted(read_summaries(root, "*/summary.json"), key=lambda s: s["setting"])
-    write_table(every, COCO_COLUMNS, root / "table")
+
+    def shared_scores(s: dict, records: list[dict]) -> dict:
+        images = sorted({r["image_id"] for r in records})
+        return {"n_images": len(images), **summarise(records, cocoset.instances, images)}
+
+    # every row on the queries that all map settings answered, so that rows share them
+    rows = on_shared_items(
+        every,
+        lambda s: root / s["setting"] / "queries.jsonl",
+        lambda r: (r["query_id"], r["category"], r["present"]),
+        shared_scores,
+        items="queries",
+    )
+    write_table(rows, COCO_COLUMNS, root / "table")
     if draws:
         from .plots import grounding_examples
 

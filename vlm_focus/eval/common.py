@@ -8,6 +8,7 @@ import importlib
 import json
 import re
 import sys
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -280,6 +281,50 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
     tmp.replace(path)
+
+
+def on_shared_items(
+    summaries: Sequence[dict],
+    log: Callable[[dict], Path],
+    identity: Callable[[dict], Hashable],
+    score: Callable[[dict, list[dict]], dict],
+    items: str = "questions",
+) -> list[dict]:
+    """Table rows that share their items: each summary re-scored on the items that every
+    summary's answer log holds.
+
+    ``log(summary)`` is the summary's JSONL log (every answer of that setting, whatever
+    ``--limit`` each call had), ``identity(record)`` what makes two records the same item (its
+    id and content, so that another question file's question 1 is another item), and
+    ``score(summary, records)`` the scores of the shared records. A row's ``n`` is then the
+    same for every row. When a setting has answered more items than are shared, one line on
+    stderr says so (the row is scored on fewer items than its own summary file)."""
+    logs = [_read_log(log(s)) for s in summaries]
+    if not logs:
+        return []
+    shared = set.intersection(*({identity(r) for r in records} for records in logs))
+    rows = []
+    for summary, records in zip(summaries, logs, strict=True):
+        kept = [r for r in records if identity(r) in shared]
+        rows.append({**summary, **score(summary, kept)})
+    more = [(s["setting"], len(records)) for s, records in zip(summaries, logs, strict=True)]
+    more = [(tag, n) for tag, n in more if n > len(shared)]
+    if more:
+        where = f" ({summaries[0]['split']})" if "split" in summaries[0] else ""
+        answered = ", ".join(f"{tag} {n}" for tag, n in more[:3]) + (", ..." if more[3:] else "")
+        print(
+            f"table{where}: every row is scored on the {len(shared)} {items} all "
+            f"{len(summaries)} settings answered (answered: {answered}); re-run the others "
+            "with a larger --limit to compare on more",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def _read_log(path: Path) -> list[dict]:
+    from .runner import read_jsonl
+
+    return read_jsonl(path, repair=False)
 
 
 def read_summaries(folder: Path, pattern: str) -> list[dict]:

@@ -2,7 +2,8 @@
 
 The runner of :mod:`vlm_focus.eval.pope` (the protocol and its metrics), with a typed
 :class:`PopeConfig`. Every call rebuilds ``table.md``, ``table.csv`` and ``retention.png`` from
-every setting whose results lie in the model's folder.
+every setting whose results lie in the model's folder; within a split every row is scored on
+the questions that all of its settings answered, so that rows share their questions and ``n``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .common import (
     load,
     load_guide,
     model_tag,
+    on_shared_items,
     read_summaries,
     write_json,
 )
@@ -287,7 +289,7 @@ def run_pope(config: PopeConfig) -> list[dict]:
             failed.append(setting.tag)  # one pruner's failure does not stop a sweep
             print(f"pope {setting.tag}: skipped: {err}", file=sys.stderr)
     if state.is_main_process and summaries:
-        every = all_summaries(root)
+        every = table_rows(root, all_summaries(root))
         write_table(every, TABLE_COLUMNS, root / "table")
         if draws and any(s["pruner"] is not None for s in every):
             from .plots import retention_plot
@@ -317,6 +319,32 @@ def all_summaries(root: Path) -> list[dict]:
         )
 
     return sorted(rows, key=key)
+
+
+def table_rows(root: Path, summaries: list[dict]) -> list[dict]:
+    """The table's rows: within each split, every setting scored on the questions that all of
+    them answered (:func:`~vlm_focus.eval.common.on_shared_items`), so that the rows of a split
+    share their questions and their ``n``, whatever ``--limit`` each call had."""
+    splits: dict[str, list[dict]] = {}
+    for s in summaries:
+        splits.setdefault(s["split"], []).append(s)
+    rows = []
+    for split, group in splits.items():
+        rows += on_shared_items(
+            group,
+            lambda s, split=split: root / split / f"{s['setting']}.jsonl",
+            _question,
+            lambda s, records: {
+                **summarise(records),
+                **_zoom_summary(s.get("zoom", "never"), records),
+            },
+        )
+    return rows
+
+
+def _question(record: dict) -> tuple:
+    """What makes two answer records the same POPE question."""
+    return (record["question_id"], record["image"], record["question"], record["label"])
 
 
 def _run_setting(config, state, model, processor, guide, setting, sets, root) -> list[dict]:
@@ -363,7 +391,7 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
             "setting": setting.tag,
             **setting.describe(),
             **summarise(records),
-            **_zoom_summary(setting, records),
+            **_zoom_summary(setting.zoom.route if setting.zoom else "never", records),
             "n_missing_images": len(missing),
             "model": config.model_name,
             "prompt_suffix": suffix,
@@ -378,11 +406,11 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
     return summaries
 
 
-def _zoom_summary(setting: RunSetting, records: list[dict]) -> dict[str, Any]:
-    """``zoom`` and, with one, the shares of questions routed and zoomed, and the mean seconds
-    per question of every phase."""
-    out: dict[str, Any] = {"zoom": setting.zoom.route if setting.zoom else "never"}
-    if setting.zoom is None or not records:
+def _zoom_summary(route: str, records: list[dict]) -> dict[str, Any]:
+    """``zoom`` (its route, or ``never``) and, with one, the shares of questions routed and
+    zoomed, and the mean seconds per question of every phase."""
+    out: dict[str, Any] = {"zoom": route}
+    if route == "never" or not records:
         return out
     n = len(records)
     out["routed"] = sum(bool(r["routed"]) for r in records) / n
