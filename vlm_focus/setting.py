@@ -9,7 +9,7 @@ one and call :meth:`RunSetting.generate` (or :meth:`RunSetting.wrapped` around t
 names and logs (:attr:`RunSetting.tag`, :meth:`RunSetting.describe`).
 
 Which combinations run is read from the pruner's class, not its name: a pruner that
-``needs_guide`` generates through its guide, and one that ``steers_decoding`` (it drives
+``needs_guide`` generates through its guide, and one that ``drives_decoding`` (it drives
 ``generate()`` itself, or picks new visual keys at every step) combines with no mitigation and
 no zoom.
 """
