@@ -73,7 +73,12 @@ class InputOptions(LoadOptions):
 
         # an unknown pruner raises here, listing the registered ones
         self.options = read_pruner_options(self.pruner, self.pruner_option)
-        self.focus()  # FocusConfig's checks
+        for keep in self.keep_values():
+            self.focus(keep)  # FocusConfig's checks (one keep per stage of layer, ...)
+
+    def keep_values(self) -> list[float | int | tuple]:
+        """The keep values the command runs."""
+        return [self.keep]
 
     def focus(self, keep: Any = None) -> FocusConfig:
         """The :class:`~vlm_focus.FocusConfig` of these options (with another ``keep``)."""
@@ -94,14 +99,13 @@ class BenchConfig(InputOptions):
 
     keeps: str = field(
         default="1.0,0.5,0.25,0.11",
-        metadata={"help": "keep values to time, a comma list (each read as --keep is)"},
+        metadata={
+            "help": "keep values to time, a comma list (each read as --keep is); with a "
+            "multi-stage --layer each is a colon list (--layer 2:8 --keeps 0.5:0.25,0.25:0.11)"
+        },
     )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.keep_values()
-
-    def keep_values(self) -> list[float | int]:
+    def keep_values(self) -> list[float | int | tuple]:
         values = [read_keep(k) for k in self.keeps.split(",") if k.strip()]
         if not values:
             raise ValueError(f"keeps={self.keeps!r} names no keep value")

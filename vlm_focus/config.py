@@ -4,6 +4,7 @@ from these fields, defaults included) and the demo read these definitions."""
 
 from __future__ import annotations
 
+import argparse
 import numbers
 import re
 from dataclasses import asdict, dataclass, field
@@ -50,12 +51,35 @@ def parse_keep(value: Any) -> float | int:
     return value
 
 
-def read_keep(value: Any) -> float | int:
+STAGES_RULE = (
+    "one value, or a multi-stage schedule written as a colon or comma list (2:8:16 or 2,8,16)"
+)
+
+
+def read_stages(name: str, value: str, read_one: Any) -> Any:
+    """The one reading of a multi-stage option (``layer``, ``keep``) as a command line, a form
+    field or a harness's ``key=value`` argument gives it: ``"2"`` is one value, ``"2:8:16"`` or
+    ``"2,8,16"`` a schedule (a tuple, one value per stage), each part read by ``read_one``.
+    Harnesses that split their arguments on commas (lmms-eval) take the colon form."""
+    parts = re.split(r"[:,]", value.strip())
+    if len(parts) > 1 and not all(p.strip() for p in parts):
+        raise ValueError(f"{name}={value!r} has an empty stage; {name} takes {STAGES_RULE}")
+    values = tuple(read_one(p) for p in parts)
+    return values if len(values) > 1 else values[0]
+
+
+def read_keep(value: Any) -> float | int | tuple[float | int, ...]:
     """``keep`` as a command line (or a form field) gives it: text is an int when it is a whole
     number written without a point or exponent (``"64"``), else a float (``"0.25"``,
-    ``"1.0"``); then :func:`parse_keep`'s rule. Numbers pass straight to :func:`parse_keep`."""
+    ``"1.0"``); then :func:`parse_keep`'s rule. A schedule (``"0.5:0.25"``, one keep per stage
+    of ``layer``) is a tuple (:func:`read_stages`). Numbers pass straight to
+    :func:`parse_keep`."""
     if not isinstance(value, str):
         return parse_keep(value)
+    return read_stages("keep", value, _read_one_keep)
+
+
+def _read_one_keep(value: str) -> float | int:
     text = value.strip()
     if re.fullmatch(r"[+-]?\d+", text):
         return parse_keep(int(text))
@@ -64,6 +88,39 @@ def read_keep(value: Any) -> float | int:
     except ValueError:
         raise ValueError(f"keep={value!r} is not a number; keep takes {KEEP_RULE}") from None
     return parse_keep(number)
+
+
+def read_layer(value: Any, name: str = "layer") -> int | tuple[int, ...]:
+    """``layer`` (or another option of layer indices, ``name``) as a command line gives it:
+    ``"2"`` or a schedule ``"2:8:16"`` (a tuple, :func:`read_stages`); each stage a whole
+    number. Whether the layers are ``>= 0`` and increasing, and whether ``keep`` has as many
+    stages, is :class:`FocusConfig`'s check. Anything but text is returned unchanged."""
+    if not isinstance(value, str):
+        return value
+
+    def one(part: str) -> int:
+        if not re.fullmatch(r"[+-]?\d+", part.strip()):
+            raise ValueError(
+                f"{name}={value!r}: {part.strip()!r} is not a layer index; {name} takes "
+                f"{STAGES_RULE}"
+            )
+        return int(part)
+
+    return read_stages(name, value, one)
+
+
+def _argparse_type(read: Any) -> Any:
+    """``read`` as an argparse ``type``: its ``ValueError`` message becomes argparse's (which
+    would otherwise print only "invalid value")."""
+
+    def parse(text: str) -> Any:
+        try:
+            return read(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = read.__name__
+    return parse
 
 
 def keeps_everything(keep: Any) -> bool:
@@ -86,13 +143,18 @@ class FocusConfig:
     )
     keep: float | int | tuple = field(
         default=0.25,
-        metadata={"help": f"visual tokens kept per row: {KEEP_RULE}", "parse": str},
+        metadata={
+            "help": f"visual tokens kept per row: {KEEP_RULE}; one per stage of --layer (0.5:0.25)",
+            "parse": str,
+        },
     )
     layer: int | tuple = field(
         default=2,
         metadata={
-            "help": "prune after this many decoder layers (0 = before the first layer)",
-            "parse": int,
+            "help": "prune after this many decoder layers (0 = before the first layer); a "
+            "multi-stage schedule is a colon or comma list with one keep per stage (--layer 2:8 "
+            "--keep 0.5:0.25)",
+            "parse": _argparse_type(read_layer),
         },
     )
     query_rows: str = field(
@@ -158,7 +220,9 @@ class FocusConfig:
         keeps = self.keep if isinstance(self.keep, (tuple, list)) else (self.keep,)
         if len(layers) != len(keeps) or not layers:
             raise ValueError(
-                f"layer={self.layer!r} and keep={self.keep!r} must have the same number of stages"
+                f"layer={self.layer!r} and keep={self.keep!r} must have the same number of stages "
+                f"({len(layers)} and {len(keeps)}): one keep per layer, e.g. layer=(2, 8), "
+                "keep=(0.5, 0.25) (on a command line --layer 2:8 --keep 0.5:0.25)"
             )
         for layer in layers:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import FocusConfig
+from ..config import FocusConfig, read_keep, read_layer
 from ..hallucination import Mitigation, get_mitigation, mitigation_name, mitigations
 from ..pruners import get_pruner, pruners, pruners_with
 from ..setting import RunSetting
@@ -33,6 +33,8 @@ from ..setting import RunSetting
 FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
 #: attention_reweight's parameters as model arguments (the harness splits on commas)
 MITIGATION_OPTIONS = ("strength", "mitigate_layers", "mitigate_ratio")
+#: the command lines' readers of the options that take a multi-stage schedule
+_READERS = {"layer": read_layer, "keep": read_keep}
 
 
 def harness_limit(mitigation: Mitigation) -> str | None:
@@ -144,8 +146,8 @@ def parse_focus_args(options: dict[str, Any]) -> FocusArgs:
     guide = options.pop("guide", None)
     wrap: dict[str, Any] = {}
     for key, value in options.items():
-        if key in ("layer", "keep"):
-            value = _stages(key, value)
+        if key in _READERS:  # a colon list is a multi-stage schedule: layer=2:8:16
+            value = _READERS[key](value)
         wrap[key] = value
     if guide is not None and "pruner" not in wrap:
         takes = pruners_with("needs_guide")
@@ -195,22 +197,10 @@ def _focus_config(wrap: dict[str, Any]) -> FocusConfig:
     return FocusConfig(**fields, options=extra)
 
 
-def _stages(key: str, value: Any) -> Any:
-    """``"2:8:16"`` -> ``(2, 8, 16)``; counts stay ints, ratios floats; scalars unchanged."""
-    if not isinstance(value, str):
-        return value
-    parts = [p.strip() for p in value.split(":")]
-    try:
-        numbers = tuple(int(p) if p.isdigit() else float(p) for p in parts)
-    except ValueError:
-        raise ValueError(
-            f"{key}={value!r}: expected a number or a colon list of numbers (e.g. 2:8:16)"
-        ) from None
-    return numbers if len(numbers) > 1 else numbers[0]
-
-
 def _mitigation(value: Any) -> str | None:
-    """The registry name ``mitigate=`` stands for (earlier names warn), or ``None``."""
+    """The registry name ``mitigate=`` names, or ``None`` for ``none``; an unknown name (a
+    removed one such as ``reweight`` included) raises ``ValueError`` listing the registered
+    ones."""
     if value is None:
         return None
     try:
@@ -241,7 +231,7 @@ def _mitigation_options(mitigate: str | None, options: dict[str, Any]) -> dict[s
             raise ValueError(f"strength={s!r} must be a number")
         out["strength"] = float(s)
     if "mitigate_layers" in given:
-        layers = _stages("mitigate_layers", given["mitigate_layers"])
+        layers = read_layer(given["mitigate_layers"], "mitigate_layers")
         layers = layers if isinstance(layers, tuple) else (layers,)
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
             raise ValueError(
