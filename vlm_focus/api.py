@@ -29,8 +29,9 @@ class FocusHandle:
 
     @property
     def last_trace(self) -> FocusTrace | None:
-        """What the last prefill with images did (``None`` before the first one); still
-        readable after ``remove()``."""
+        """What the last prefill with images did while this handle was attached (``None``
+        before the first one); still readable after ``remove()``, when it describes the last
+        pruned run, and a removed handle cannot be entered again."""
         return self._engine.last_trace if self._engine is not None else self._final_trace
 
     @property
@@ -48,6 +49,11 @@ class FocusHandle:
             delattr(self.model, _HANDLE_ATTR)
 
     def __enter__(self) -> FocusHandle:
+        if not self.active:
+            raise ValueError(
+                "this FocusHandle was removed (a `with` block or remove() ended it), so its "
+                "model is no longer pruned; call vf.wrap(model, ...) again for a new handle"
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -242,11 +242,15 @@ class CallTracker:
         self.step = self.step + 1 if stored > 0 else 0
         if stored == 0:
             recorded = self._encoder.take()
+            if not recorded and kwargs.get("mm_encoder_outputs"):
+                # generate() encoded the images once and hands the same encoder outputs to
+                # every full-sequence call (use_cache=False, an assistant's passes)
+                recorded = self._encoder.last
             inputs = {**recorded, **{k: v for k, v in kwargs.items() if v is not None}}
             self.prefill = Prefill(
                 input_ids=input_ids,
                 valid=valid,
-                visual=self.adapter.visual_mask(self.model, input_ids) & valid,
+                visual=self.adapter.visual_mask(self.model, input_ids, inputs) & valid,
                 inputs=inputs,
             )
             self._prefill_cache = None if cache is None else weakref.ref(cache)
@@ -273,9 +277,12 @@ class CallTracker:
         self.call = CallState(input_ids, None, None, kwargs, compiled=True)
 
     def _short_by(self, cache: Any) -> int:
-        """How many prompt tokens layer 0's cache lacks (pruning before layer 0), so that a
-        call without a mask is still placed at its original position."""
-        if cache is None or self._prefill_cache is None or self._prefill_cache() is not cache:
+        """How many prompt tokens layer 0's static cache lacks (pruning before layer 0), so
+        that a call without a mask is still placed at its original position. (A dynamic
+        cache's pruned layers report their original lengths.)"""
+        if not is_static(cache) or self._prefill_cache is None:
+            return 0
+        if self._prefill_cache() is not cache:
             return 0
         kept = self.prompt_positions(0)
         return 0 if kept is None else self.prompt_length - kept.shape[1]

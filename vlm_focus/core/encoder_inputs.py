@@ -31,6 +31,8 @@ class EncoderInputs:
     def __init__(self, model: nn.Module, adapter: ModelAdapter) -> None:
         self.adapter = adapter
         self.recorded: dict[str, Any] = {}
+        #: what the last prefill took: a later call with the same encoder outputs reuses it
+        self.last: dict[str, Any] = {}
         self._owner = getattr(model, "base_model", model)
         self._names: list[str] = []
         if not adapter.layout_inputs:
@@ -50,7 +52,9 @@ class EncoderInputs:
         """The recorded inputs, cleared (one prefill consumes them)."""
         out = dict(self.recorded)
         self.recorded.clear()
-        return out
+        if out:
+            self.last = out
+        return dict(out)
 
     def close(self) -> None:
         per_owner = _LISTENERS.get(self._owner, {})

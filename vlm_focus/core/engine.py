@@ -33,6 +33,7 @@ sequence (Qwen3-VL's DeepStack), fed with the original positions each layer outp
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from ..config import FocusConfig, keep_count
 from ..kernels import warm_up
 from ..model_adapters import ImageLayout, ModelAdapter
 from ..trace import FocusTrace, StageTrace
+from .cache_lengths import held_length, report_original_length
 from .calls import (
     CACHE_KEYS,
     CallTracker,
@@ -86,7 +88,13 @@ class _Prefill:
     static: bool = False
     static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     prefilling: bool = True  # the prompt's own call (False from the first decode step on)
-    compact_mask: bool = False  # this decode step's mask spans layer 0's kept prompt (K = 0)
+    # per stage layer, the local indices its stage kept (a recomputed layer, e.g. under
+    # gradient checkpointing, slices the same tokens again instead of scoring twice)
+    stage_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # labels: the next-token target of every original position ([B, S]) and the loss kwargs;
+    # the loss is taken over the positions the last layer holds (see FocusEngine._after_model)
+    targets: torch.Tensor | None = None
+    loss_kwargs: dict = field(default_factory=dict)
     # positions="compact": the visual tokens every row dropped, on the device (a tensor, so a
     # compiled decode step does not specialise on the count)
     dropped: torch.Tensor | None = None
@@ -189,6 +197,34 @@ def _check_room(cache: Any, needed: int, prompt: int) -> None:
         )
 
 
+class _ScoresPromptRows:
+    """An instance wrapper on ``model.generate``: inside one generation, a pruned prompt is
+    scored with the rows of the prompt ``generate()`` was given, whatever else its first call
+    carries. Assisted decoding's first call holds the prompt and the assistant's draft, and
+    without a cache every step re-runs the prompt and the tokens generated so far; scored by
+    the prompt's rows, both keep what greedy decoding with a cache keeps. ``remove()`` puts
+    the class method back."""
+
+    def __init__(self, model: nn.Module, tracker: CallTracker) -> None:
+        self.model = model
+        original = model.generate
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+                return original(*args, **kwargs)
+            with tracker.scoring_prompt(ids.shape[1]):
+                return original(*args, **kwargs)
+
+        self.wrapper = generate
+        model.__dict__["generate"] = generate
+
+    def remove(self) -> None:
+        if self.model.__dict__.get("generate") is self.wrapper:
+            del self.model.__dict__["generate"]
+
+
 class FocusEngine:
     """Owns the hooks on one model instance and the state of the current prefill."""
 
@@ -202,7 +238,10 @@ class FocusEngine:
         self.stages = dict(config.stages)
         self.first_layer = min(self.stages)
         self.layers = adapter.decoder_layers(model)
-        self.state: _Prefill | None = None
+        self.state: _Prefill | None = None  # the prefill the current call belongs to
+        # every live prefill by the cache it filled: generations may interleave on one model
+        # (assisted decoding with the model as its own assistant runs two caches)
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.last_trace: FocusTrace | None = None
         self._hooks: list[Any] = []
         self._static_caches: weakref.WeakSet = weakref.WeakSet()  # whose buffers it resized
@@ -217,6 +256,8 @@ class FocusEngine:
         self.tracker = CallTracker.acquire(self.model, self.adapter)
         self.tracker.engine = self  # wrap() refuses a model that is already wrapped
         self._hooks.append(self.model.register_forward_pre_hook(self._on_model, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._after_model, with_kwargs=True))
+        self._hooks.append(_ScoresPromptRows(self.model, self.tracker))
         if self.first_layer == 0:
             decoder = self.adapter.decoder(self.model)
             self._hooks.append(
@@ -305,22 +346,53 @@ class FocusEngine:
         call = tracker.call
         if call is None:
             if tracker.has_images:
-                raise ValueError(f"vlm_focus needs {tracker.problem} to prune images")
+                self._unreadable_call(tracker.problem)
             self._pass_through(True)
             return args, kwargs
-        if tracker.has_images:
-            self._start_prefill(call, cache, kwargs)
-            return args, kwargs
-        state = self.state
-        if state is not None and cache is not None and state.cache is not None:
-            if state.cache() is cache and (call.compiled or cache_length(cache) > 0):
-                return args, self._begin_decode_step(state, call, cache, kwargs)
+        extends = cache is not None and (call.compiled or cache_length(cache) > 0)
+        if tracker.has_images and not extends:
+            return args, self._start_prefill(call, cache, kwargs)
+        state = self._states.get(cache) if extends else None
+        if state is not None:
+            if tracker.has_images:
+                # generate() sends a continued prompt's images again with its new tokens (a
+                # later chat turn on a returned cache); they are already in the cache
+                self._check_no_new_images(call, cache)
+            self.state = state
+            return args, self._begin_decode_step(state, call, cache, kwargs)
         if call.compiled:  # a compiled step after a text-only prompt: nothing is pruned
             self.state = None
             return args, kwargs
+        if tracker.has_images:
+            self._check_no_new_images(call, cache)
         # a text-only call passes through unpruned; a new prompt (empty cache) is the latest call
-        self._pass_through(cache_length(cache) == 0)
+        self._pass_through(not extends)
         return args, kwargs
+
+    def _unreadable_call(self, problem: str | None) -> None:
+        """A call with images that the tracker could not read (``inputs_embeds`` without
+        ``input_ids``): it runs unpruned, with a warning when pruning was asked for."""
+        if problem and problem.startswith("input_ids"):
+            if any(keep != 1.0 for _, keep in self.config.stages):
+                warnings.warn(
+                    "vlm_focus: this call passes inputs_embeds without input_ids, so the visual "
+                    "tokens cannot be found and it runs unpruned; pass input_ids (and the pixel "
+                    "inputs) to prune",
+                    stacklevel=3,
+                )
+            return
+        raise ValueError(f"vlm_focus needs {problem} to prune images")
+
+    def _check_no_new_images(self, call: Any, cache: Any) -> None:
+        """Images whose tokens arrive on a cache that already holds tokens cannot be pruned."""
+        if self.adapter.visual_mask(self.model, call.input_ids).any():
+            raise ValueError(
+                "vlm_focus prunes images in a prefill with an empty cache; this call brings "
+                f"new image tokens onto a cache that already holds {cache_length(cache)} tokens "
+                "(a later chat turn with a new image). Run the whole conversation as one prompt "
+                "on a fresh cache (pass every turn and image to the processor, no "
+                "past_key_values), or call handle.remove() for calls that extend a cache"
+            )
 
     def _begin_decode_step(self, state: _Prefill, call: Any, cache: Any, kwargs: dict) -> dict:
         """A decode step on the cache this prefill filled. On a static cache nothing here reads
@@ -334,21 +406,24 @@ class FocusEngine:
             # which cached keys are padding (a 2-D mask, whatever mask the call has; a static
             # cache's step uses the prompt's own, mapped once when the prompt ended)
             state.fixation.begin_step(None if state.static else call.valid)
-        if self.config.positions == "compact":
-            # Compact positions count on from the pruned prompt: the original ones minus what
-            # every row dropped. Without position_ids the decoder counts on from layer 0's cache,
-            # which holds the pruned prompt: compact already.
-            position_ids = kwargs.get("position_ids")
-            if position_ids is not None:
-                kwargs = dict(kwargs)
-                kwargs["position_ids"] = position_ids - _on(state.dropped, position_ids)
-        elif self.first_layer == 0 and kwargs.get("position_ids") is None:
+        compact = self.config.positions == "compact"
+        # A dynamic cache reports original lengths (cache_lengths), so the decoder places a
+        # step itself; a static layer 0 at K = 0 counts only its kept prompt.
+        if kwargs.get("position_ids") is None and (
+            compact or (state.static and self.first_layer == 0)
+        ):
             if call.compiled:
                 raise ValueError(
                     "vlm_focus with layer=0 under torch.compile needs the decode step's "
                     "position_ids (generate() passes them)"
                 )
             kwargs = self._fill_decode_inputs(kwargs, call.input_ids, cache)
+        if compact:
+            # Compact positions count on from the pruned prompt: the original ones minus what
+            # every row dropped.
+            position_ids = kwargs["position_ids"]
+            kwargs = dict(kwargs)
+            kwargs["position_ids"] = position_ids - _on(state.dropped, position_ids)
         return kwargs
 
     def _pass_through(self, new_prompt: bool) -> None:
@@ -359,28 +434,11 @@ class FocusEngine:
         if new_prompt:
             self.last_trace = None
 
-    def _start_prefill(self, call: Any, cache: Any, kwargs: dict) -> None:
-        if cache_length(cache) > 0:
-            raise ValueError(
-                "vlm_focus prunes images in a prefill with an empty cache; this call brings "
-                f"images onto a cache that already holds {cache_length(cache)} tokens (a later "
-                "chat turn). Run the whole conversation as one prompt on a fresh cache (pass "
-                "every turn and image to the processor, no past_key_values), or call "
-                "handle.remove() for calls that extend a cache"
-            )
-        if kwargs.get("labels") is not None:
-            raise ValueError(
-                "labels are not supported while pruning (the forward returns logits for the "
-                "kept tokens only); compute the loss unwrapped or with keep=1.0"
-            )
-        for name in self.adapter.required_with_images:
-            if kwargs.get(name) is None:
-                raise ValueError(
-                    f"'{self.adapter.model_type}' needs `{name}` (from the processor) with images"
-                )
+    def _start_prefill(self, call: Any, cache: Any, kwargs: dict) -> dict:
+        """Lay out a prompt with images and plan its stages; returns the call's kwargs (without
+        ``labels`` when the loss is taken over the kept positions, see :meth:`_after_model`)."""
         prefill = self.tracker.prefill  # the tracker read this call's ids, padding and inputs
         input_ids, valid, visual = prefill.input_ids, prefill.valid, prefill.visual
-        layout = prefill.layout(self.model, self.adapter)
         n_visual = visual.sum(1).tolist()
         if 0 in n_visual and any(n_visual):
             warnings.warn(
@@ -397,6 +455,17 @@ class FocusEngine:
             drops.append(drop)
             counts.append(remaining)
             remaining = [r - drop for r in remaining]
+        # Nothing to drop (keep=1.0): the prompt runs as the model runs it, so no input the
+        # layout needs is asked for and no layout is built.
+        layout: list[list[ImageLayout]] = [[] for _ in n_visual]
+        if any(drops) or self.pruner.decode_time:
+            for name in self.adapter.required_with_images:
+                if prefill.inputs.get(name) is None:
+                    raise ValueError(
+                        f"'{self.adapter.model_type}' needs `{name}` (from the processor) with "
+                        "images to prune them"
+                    )
+            layout = prefill.layout(self.model, self.adapter)
         batch, seq = input_ids.shape
         if is_static(cache):
             self._fit_static_buffers(cache, seq, drops)
@@ -422,6 +491,10 @@ class FocusEngine:
                 else None
             ),
         )
+        if any(drops) and (
+            kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        ):
+            kwargs = self._take_labels(kwargs)
         if self.pruner.decode_time:
             options = self.pruner.options
             self.state.fixation = StepFixation(
@@ -437,6 +510,67 @@ class FocusEngine:
             )
             trace.fixation = self.state.fixation
         self.last_trace = trace
+        return kwargs
+
+    def _take_labels(self, kwargs: dict) -> dict:
+        """Training on a pruned prompt: the forward returns logits for the kept positions only,
+        so the model cannot shift ``labels`` itself. Each original position's next-token
+        target is taken here and the loss is computed after the forward over the positions
+        the last layer holds (:meth:`_after_model`): the full run's loss with the pruned visual
+        tokens' own targets left out (they are image tokens, whose labels are ignored)."""
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels", None)
+        targets = kwargs.pop("shift_labels", None)
+        ignore = kwargs.get("ignore_index", -100)
+        if targets is None:
+            targets = torch.nn.functional.pad(labels, (0, 1), value=ignore)[:, 1:]
+        self.state.targets = targets
+        self.state.loss_kwargs = {
+            k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index") if k in kwargs
+        }
+        return kwargs
+
+    def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """After a prefill: its pruned cache layers report original lengths, and the loss of
+        a call with labels is taken over the kept positions."""
+        state = self.state
+        if state is None or not state.prefilling or not self._active:
+            return None
+        cache = state.cache() if state.cache is not None else None
+        if cache is not None and not state.static:
+            for index in range(self.first_layer, len(self.layers)):
+                dropped = state.full_len - state.per_layer[index].shape[1]
+                if dropped and index < len(cache.layers):
+                    report_original_length(cache.layers[index], dropped)
+        if state.targets is None:
+            return None
+        state.targets, targets = None, state.targets
+        if isinstance(output, tuple):  # return_dict=False: the loss comes first
+            return (self._pruned_loss(module, output[0], targets), *output)
+        loss = self._pruned_loss(module, output.logits, targets)
+        return type(output)(**{**dict(output.items()), "loss": loss})
+
+    def _pruned_loss(
+        self, model: nn.Module, logits: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        state = self.state
+        held = state.per_layer[len(self.layers) - 1]  # [B, S'] original positions
+        targets = targets.to(held.device)
+        ignore = state.loss_kwargs.get("ignore_index", -100)
+        lost = targets.scatter(1, held, ignore)
+        targets = targets.gather(1, held)
+        targets = targets[:, targets.shape[1] - logits.shape[1] :]  # logits_to_keep
+        if bool((lost != ignore).any()):
+            warnings.warn(
+                "vlm_focus: some pruned visual tokens had a next-token target (a label right "
+                "after an image); the loss leaves those positions out. Mask the labels of the "
+                "prompt (-100) to train on answers only",
+                stacklevel=3,
+            )
+        vocab = model.config.get_text_config().vocab_size
+        return model.loss_function(
+            logits=logits, labels=None, shift_labels=targets, vocab_size=vocab, **state.loss_kwargs
+        )
 
     def _fit_static_buffers(self, cache: Any, seq: int, drops: list[int]) -> None:
         """Size each pruned layer's static buffer to what it holds: its kept prompt and the
@@ -456,11 +590,14 @@ class FocusEngine:
         self._static_caches.add(cache)
 
     def _fill_decode_inputs(self, kwargs: dict, input_ids: torch.Tensor, cache: Any) -> dict:
-        """With K = 0 every cache is short, so a decode step without ``position_ids`` would be
-        positioned from the short cache: supply the original positions (full prompt + step)."""
+        """A decode step's original positions (full prompt + step), for a step without
+        ``position_ids`` that the decoder would place wrongly: on a static cache at K = 0
+        (layer 0 counts its kept prompt) or with compact positions (renumbered from them)."""
         state = self.state
         batch, n_new = input_ids.shape
-        width = state.full_len + cache_length(cache) - state.per_layer[0].shape[1] + n_new
+        width = cache_length(cache) + n_new  # a dynamic cache reports original lengths
+        if state.static and self.first_layer == 0:
+            width += state.full_len - state.per_layer[0].shape[1]
         text = torch.arange(width - n_new, width, device=input_ids.device).expand(batch, -1)
         kwargs = dict(kwargs)
         kwargs["position_ids"] = self.adapter.decode_positions(
@@ -526,20 +663,28 @@ class FocusEngine:
         self, index: int, layer: nn.Module, hidden: torch.Tensor, kwargs: dict, cache: Any
     ) -> tuple[torch.Tensor, dict]:
         state = self.state
-        if hidden.shape[1] != state.current.shape[1]:
-            raise RuntimeError(
-                f"layer {index} got {hidden.shape[1]} tokens, expected {state.current.shape[1]}"
-            )
-        if cache is not None and state.cache is None:
-            state.cache = weakref.ref(cache)
-            state.static = is_static(cache)
         cos, sin = kwargs["position_embeddings"]
-        if index in self.stages:
-            local = self._run_stage(index, layer, hidden, cos, sin)
-            hidden = _gather_seq(hidden, local.to(hidden.device), 1)
-            state.current = state.current.gather(1, local.to(state.current.device))
-        current = state.current
-        state.per_layer[index] = current
+        replay = index in state.per_layer  # recomputed (gradient checkpointing): same slices
+        if replay:
+            current = state.per_layer[index]
+            if index in state.stage_rows:
+                hidden = _gather_seq(hidden, state.stage_rows[index].to(hidden.device), 1)
+        else:
+            if hidden.shape[1] != state.current.shape[1]:
+                raise RuntimeError(
+                    f"layer {index} got {hidden.shape[1]} tokens, expected {state.current.shape[1]}"
+                )
+            if cache is not None and state.cache is None:
+                state.cache = weakref.ref(cache)
+                state.static = is_static(cache)
+                self._states[cache] = state
+            if index in self.stages:
+                local = self._run_stage(index, layer, hidden, cos, sin)
+                state.stage_rows[index] = local
+                hidden = _gather_seq(hidden, local.to(hidden.device), 1)
+                state.current = state.current.gather(1, local.to(state.current.device))
+            current = state.current
+            state.per_layer[index] = current
         state.decode_cols[index] = self._once("cols", None, current, lambda: self._columns(current))
         kwargs = dict(kwargs)
         # The decoder hands every layer the same full-length cos/sin, mask and position ids, and
@@ -576,7 +721,7 @@ class FocusEngine:
                 current,
                 lambda: self._kept_positions(position_ids, current, position_ids.dim() - 1),
             )
-        if index == len(self.layers) - 1:
+        if index == len(self.layers) - 1 and not replay:
             state.trace.sequence = current
             if state.fixation is not None:  # its focal layer's cache holds the kept prompt
                 state.fixation.hold(state.per_layer[self.first_layer], state.valid)
@@ -625,8 +770,10 @@ class FocusEngine:
 
     def _columns(self, current: torch.Tensor) -> torch.Tensor:
         """Prefill columns of the decode mask a layer holding ``current`` keeps: the decode mask
-        spans the full prompt, or layer 0's kept prompt when K = 0 (the decoder hook sliced it)."""
-        base = self.state.per_layer.get(0) if self.first_layer == 0 else None
+        spans the full prompt, or layer 0's kept prompt on a static cache at K = 0 (the decoder
+        hook sliced it)."""
+        static_k0 = self.first_layer == 0 and self.state.static
+        base = self.state.per_layer.get(0) if static_k0 else None
         return current if base is None else torch.searchsorted(base, current)
 
     def _once(self, name: str, source: Any, current: torch.Tensor, make: Callable[[], Any]) -> Any:
@@ -701,11 +848,11 @@ class FocusEngine:
         if not isinstance(mask, torch.Tensor):
             return kwargs  # no mask: every cached key is attendable, nothing to slice
         width, n_new = mask.shape[-1], hidden.shape[1]
-        own = cache_length(cache, index)
+        own = held_length(cache, index)
         if width == own + n_new:
             return kwargs
         kept_cols = state.decode_cols[index]
-        prompt = state.full_len if self.first_layer > 0 else state.per_layer[0].shape[1]
+        prompt = state.full_len
         if width - prompt != own - kept_cols.shape[1] + n_new:
             raise RuntimeError(f"layer {index}: decode mask width {width} matches no cache length")
         kwargs = dict(kwargs)

@@ -60,6 +60,14 @@ def text_positions(
     return positions
 
 
+def has_video(inputs: Mapping[str, Any]) -> bool:
+    """The call carries video inputs (pixels, grids or generate()'s encoded videos)."""
+    encoded = inputs.get("mm_encoder_outputs") or {}
+    return "video" in encoded or any(
+        "video" in key and value is not None for key, value in inputs.items()
+    )
+
+
 LayoutFn = Callable[[nn.Module, torch.Tensor, Mapping[str, Any]], list[list[ImageLayout]]]
 
 
@@ -189,11 +197,14 @@ class ModelAdapter:
             raise ValueError(f"config of '{self.model_type}' has none of {self.image_token_attrs}")
         return image, video
 
-    def visual_mask(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[B, S]`` bool: which positions hold visual tokens."""
+    def visual_mask(
+        self, model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any] | None = None
+    ) -> torch.Tensor:
+        """``[B, S]`` bool: which positions hold visual tokens. With the call's ``inputs``, a
+        video-token id in a prompt without video inputs is text, as the model reads it."""
         image, video = self.token_ids(model)
         mask = input_ids == image
-        if video is not None:
+        if video is not None and (inputs is None or has_video(inputs)):
             mask |= input_ids == video
         return mask
 

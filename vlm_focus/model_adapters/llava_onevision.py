@@ -20,11 +20,25 @@ import torch
 from torch import nn
 
 from ..geometry import Size
-from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
+from .base import (
+    ImageLayout,
+    ModelAdapter,
+    chunk_positions,
+    grid_cells,
+    has_video,
+    rows_per_prompt,
+)
 from .llava_next import anyres_canvas
 
-_NEWLINE_CELL = torch.tensor([[0, -1, -1]])
-_NO_PATCH = torch.tensor([[-1, -1]])
+
+# Built per call, never at import: a module imported under ``torch.device("meta")`` (or a
+# default CUDA device) would otherwise hold its constants there.
+def _newline_cell() -> torch.Tensor:
+    return torch.tensor([[0, -1, -1]], device="cpu")
+
+
+def _no_patch() -> torch.Tensor:
+    return torch.tensor([[-1, -1]], device="cpu")
 
 
 def _side(model: nn.Module) -> int:
@@ -62,7 +76,7 @@ def _anyres_tokens(model: nn.Module, image_size: list[int]):
     newline = torch.tensor([1, -1, -1]).expand(out_h, 1, 3)
     hires_cells = torch.cat([hires_cells, newline], dim=1).reshape(-1, 3)
     hires_patches = torch.stack([crop, patch], dim=-1)
-    hires_patches = torch.cat([hires_patches, _NO_PATCH.expand(out_h, 1, 2)], dim=1)
+    hires_patches = torch.cat([hires_patches, _no_patch().expand(out_h, 1, 2)], dim=1)
     base_cells, base_patches = _base(side)
     cells = torch.cat([base_cells, hires_cells])
     patches = torch.cat([base_patches, hires_patches.reshape(-1, 2)])
@@ -82,7 +96,7 @@ def _single_view_tokens(model: nn.Module):
     """(cells, patches, grids, crops) of an image shown as its base grid plus one newline."""
     side = _side(model)
     cells, patches = _base(side)
-    return torch.cat([cells, _NEWLINE_CELL]), torch.cat([patches, _NO_PATCH]), [(side, side)], 1
+    return torch.cat([cells, _newline_cell()]), torch.cat([patches, _no_patch()]), [(side, side)], 1
 
 
 def _video_tokens(model: nn.Module, frames: int):
@@ -153,7 +167,9 @@ def onevision_layout(
                 )
             )
             positions = positions[cells.shape[0] :]
-        positions = torch.nonzero(ids[b] == video_id).flatten() if video_id is not None else None
+        # a video-token id in a prompt without video inputs is text, as the model reads it
+        reads_video = video_id is not None and has_video(inputs)
+        positions = torch.nonzero(ids[b] == video_id).flatten() if reads_video else None
         while positions is not None and positions.numel():
             if frames is None:
                 raise ValueError("llava_onevision: video tokens without pixel_values_videos")

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, chunk_positions, grid_cells, rows_per_prompt
+from .base import (
+    ImageLayout,
+    ModelAdapter,
+    chunk_positions,
+    grid_cells,
+    has_video,
+    rows_per_prompt,
+)
 
 
 def _grid_layouts(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, list, torch.Tensor]]:
@@ -38,6 +45,8 @@ def qwen_layout(
         "video": deque(_grid_layouts(inputs.get("video_grid_thw", torch.zeros(0, 3)), merge)),
     }
     ids = input_ids.cpu()
+    if not has_video(inputs):  # a video-token id without video inputs is text
+        video_id = None
     batch = ids.shape[0]
     repeat = {
         kind: rows_per_prompt(
@@ -56,6 +65,8 @@ def qwen_layout(
             continue
         row_layouts = []
         for kind, token in (("image", image_id), ("video", video_id)):
+            if token is None:
+                continue
             positions = torch.nonzero(ids[b] == token).flatten()
             while positions.numel():
                 if not grids[kind]:
