@@ -397,6 +397,35 @@ def test_an_image_the_processor_does_not_shrink_is_not_zoomed(monkeypatch):
     assert [f.answer for f in again] == plain  # route="always" asks them plainly
 
 
+def test_a_look_that_does_not_zoom_asks_and_times_one_plain_pass(monkeypatch):
+    """route="always" on images the processor does not shrink: nothing to crop, so the one
+    pass is the plain one, labelled and timed as such (no re-ask), and mixed with a zoomed row
+    the batch asks the zoomed row alone with its crop."""
+    model = make_model("llava")
+    processor = _processor("llava")
+    small, large = _photo(32, 32, 8), _photo(96, 64, 2)
+    plain, _ = zoom.first_pass(model, processor, [small], [QUESTION], max_new_tokens=2)
+    found = zoom.look_closer(model, processor, [small], [QUESTION], max_new_tokens=2)[0]
+    assert found.routed and not found.zoomed
+    assert found.answer == found.plain_answer == plain[0]
+    assert found.seconds["reask"] == 0 and found.seconds["plain"] > 0
+    assert found.seconds["total"] == pytest.approx(found.seconds["plain"])
+    spy = _Recorder(model, monkeypatch)
+    mixed = zoom.look_closer(
+        model,
+        processor,
+        [small, large],
+        [QUESTION, QUESTION],
+        max_new_tokens=2,
+        anchor="peak",
+    )
+    assert [f.zoomed for f in mixed] == [False, True]
+    assert mixed[0].answer == mixed[0].plain_answer == plain[0]
+    assert mixed[1].plain_answer is None
+    assert [f.seconds["reask"] > 0 for f in mixed] == [False, True]
+    assert [len(c["input_ids"]) for c in spy.calls] == [1, 1]  # the plain row, the crop's row
+
+
 def test_calibration_picks_the_conformal_quantile():
     # 9 hard cases (scores 0.1 ... 0.9 shuffled) among 12; recall 0.8 -> k = ceil(10 * 0.8) = 8
     scores = [0.5, 0.2, 0.95, 0.9, 0.3, 0.7, 0.99, 0.6, 0.4, 0.8, 0.1, 0.97]

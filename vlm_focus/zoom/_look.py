@@ -208,8 +208,9 @@ class ZoomAnswer:
     Attributes:
         question: the question asked.
         answer: the final answer (the zoomed one where the row was zoomed).
-        plain_answer: the plain pass's answer (``None`` with ``route="always"``, and for a row
-            that an attention-map statistic routed: it is asked zoomed only).
+        plain_answer: the plain pass's answer (``None`` for a row asked zoomed only: with
+            ``route="always"``, or routed by an attention-map statistic); a row that is not
+            :attr:`zoomed` is asked plainly, and this is its answer.
         confidence: the routing statistic's score (``ZoomOptions.statistic``): the plain
             pass's first-token confidence, or the attention map's score; ``None`` where it was
             not computed (``route="always"``; a map statistic on an image the zoom cannot crop).
@@ -222,6 +223,7 @@ class ZoomAnswer:
             first-token statistic, or the smallest crop already covers the image).
         seconds: this row's share of each phase's batch time (``plain``, ``map``, ``reask``)
             and their sum (``total``); the mean of ``total`` is the batch's wall time per row.
+            A row that is not :attr:`zoomed` has no ``reask`` time: its one pass is plain.
     """
 
     question: str
@@ -632,7 +634,6 @@ def look_closer(
         else:
             routed = route(confidence, opts.threshold)
 
-    answers: list[str | None] = list(plain)
     zoomed = [False] * n
     rows = [b for b in range(n) if routed[b]]
     for b in rows:
@@ -640,32 +641,28 @@ def look_closer(
             crops[b] = [Frame(0, 0, sizes[b].width, sizes[b].height)]
     if not by_map:
         read_maps([b for b in rows if croppable[b]])
-    if rows:
-        # a crop equal to the whole image shows nothing new: keep (or get) the plain answer
-        ask = []
-        for b in rows:
-            zoomed[b] = not all(c.is_whole(sizes[b]) for c in crops[b])
-            if zoomed[b] or plain[b] is None:
-                ask.append(b)
-        if ask:
-            start = now()
-            image_rows = [
-                reask_images(pictures[b], crops[b], mode) if zoomed[b] else [pictures[b]]
-                for b in ask
-            ]
-            texts, _ = _generate(
-                model,
-                processor,
-                image_rows,
-                [questions[b] for b in ask],
-                opts.max_new_tokens,
-                generate_kwargs,
-                logits=False,
-            )
-            share = (now() - start) / len(ask)
-            for b, text in zip(ask, texts, strict=True):
-                answers[b] = text
-                spent["reask"][b] = share
+    for b in rows:
+        zoomed[b] = not all(c.is_whole(sizes[b]) for c in crops[b])
+    # a crop equal to the whole image shows nothing new: such a row keeps (or gets) the plain
+    # answer, from a plain pass, timed as one
+    ask_plainly([b for b in rows if not zoomed[b] and plain[b] is None], logits=False)
+    answers: list[str | None] = list(plain)
+    ask = [b for b in rows if zoomed[b]]
+    if ask:
+        start = now()
+        texts, _ = _generate(
+            model,
+            processor,
+            [reask_images(pictures[b], crops[b], mode) for b in ask],
+            [questions[b] for b in ask],
+            opts.max_new_tokens,
+            generate_kwargs,
+            logits=False,
+        )
+        share = (now() - start) / len(ask)
+        for b, text in zip(ask, texts, strict=True):
+            answers[b] = text
+            spent["reask"][b] = share
 
     out = []
     for b in range(n):
