@@ -15,6 +15,7 @@ from typing import Any
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
 from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
 from .core.options import add_options, inherit, parse_config
+from .loading import MissingExtra
 from .setting import RunSetting, focus_config
 
 
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(COMMANDS[args.command][0], args)
         return _run(config) if args.command == "run" else _bench(config)
-    except (ValueError, TypeError, OSError) as err:  # bad input, a missing file or model
+    except (ValueError, TypeError, OSError, MissingExtra) as err:
+        # bad input, a missing file or model, a missing or broken torchvision
         print(f"vlm-focus {args.command}: error: {err}", file=sys.stderr)
         return 2
 

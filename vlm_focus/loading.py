@@ -15,6 +15,9 @@ from .model_adapters import get_adapter
 DEFAULT_MODEL = EMBEDDED
 #: Seconds to wait for the hub before saying it cannot be reached.
 HUB_TIMEOUT = 10.0
+#: The torch / torchvision pair the video processors are tested with (a torchvision built for
+#: another torch fails at import); pyproject's ``video`` extra pins the same pair.
+VIDEO_INSTALL = "pip install torch==2.14.1 torchvision==0.29.1"
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -47,13 +50,18 @@ def load_model(
 ) -> tuple[torch.nn.Module, Any]:
     """``(model, processor)`` for a supported VLM, loaded with safetensors only.
 
-    Raises ``ValueError`` for a model type without an adapter (before loading any weights).
+    Raises ``ValueError`` for a model type without an adapter, and :class:`MissingExtra` for a
+    model whose processor needs torchvision where it is missing or does not match torch
+    (before loading any weights).
     """
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
+    check_torchvision()  # one that does not load breaks transformers' own imports
     path = resolve_model_path(model)
     config = _config(path, trust_remote_code)
-    get_adapter(_ConfigHolder(config))  # unsupported model types fail here, named
+    adapter = get_adapter(_ConfigHolder(config))  # unsupported model types fail here, named
+    if adapter.video_token_attrs:  # the model reads videos: its processor has a video processor
+        check_torchvision(config.model_type)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
     vlm = AutoModelForImageTextToText.from_pretrained(
         path,
         dtype=dtype,
@@ -63,6 +71,45 @@ def load_model(
     )
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     return vlm.to(device).eval(), processor
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A module a command or a model needs is missing, or installed but unable to load; the
+    message names it and the install that fixes it, in one line."""
+
+
+def check_torchvision(video_model: str | None = None) -> None:
+    """Raise :class:`MissingExtra` naming :data:`VIDEO_INSTALL` when torchvision is installed
+    but does not load (a build for another torch: "operator torchvision::nms does not exist";
+    transformers imports it wherever it is installed, so every model fails), or when it is
+    missing and ``video_model`` (a ``model_type``) needs it: the processors of the models that
+    read videos (Qwen-VL, LLaVA-OneVision) hold a video processor that cannot load without
+    it."""
+    import importlib
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        if video_model is not None:
+            raise MissingExtra(
+                f"the {video_model} processor reads videos with torchvision, which is not "
+                f"installed: {VIDEO_INSTALL}",
+                name="torchvision",
+            )
+        return
+    try:
+        importlib.import_module("torchvision")
+    except (ImportError, RuntimeError, OSError) as err:
+        try:
+            installed = f"torchvision {importlib.metadata.version('torchvision')}"
+        except importlib.metadata.PackageNotFoundError:
+            installed = "torchvision"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MissingExtra(
+            f"{installed} does not load with torch {torch.__version__} ({first}); torch and "
+            f"torchvision must be a matching pair: {VIDEO_INSTALL}",
+            name="torchvision",
+        ) from None
 
 
 class ModelNotFoundError(OSError):
