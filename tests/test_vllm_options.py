@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +101,82 @@ def test_serve_embedded_serves_the_embedded_model_on_a_chosen_host():
     overrides = json.loads(command[command.index("--hf-overrides") + 1])
     assert overrides["architectures"] == ["VlmFocusLlavaForConditionalGeneration"]
     assert command[-4:] == ["--host", "0.0.0.0", "--api-key", "k"]
+
+
+def test_serve_embedded_sizes_the_kv_cache_unless_the_user_does():
+    from vlm_focus.integrations.vllm.__main__ import EMBEDDED_KV_CACHE_BYTES
+
+    flag = ["--kv-cache-memory-bytes", str(EMBEDDED_KV_CACHE_BYTES)]
+    command = serve_command(["embedded", "--port", "8000"], environ={})
+    at = command.index(flag[0])
+    assert command[at : at + 2] == flag  # not vLLM's default: 92% of a CPU machine's memory
+    assert command[-4:] == ["--host", "127.0.0.1", "--port", "8000"]
+    for user in (
+        ["--kv-cache-memory-bytes", "123"],
+        ["--kv_cache_memory_bytes=123"],
+        ["--gpu-memory-utilization", "0.5"],
+    ):
+        command = serve_command(["embedded", *user], environ={})
+        assert flag[0] not in command[: -len(user)], user
+    assert flag[0] not in serve_command(["embedded"], environ={"VLLM_CPU_KVCACHE_SPACE": "2"})
+
+
+def _run_supervised(args: list[str], grace: float, stop_after: float | None) -> tuple[int, float]:
+    """``supervise`` on ``python -c *args``; SIGTERM to this process ``stop_after`` seconds in
+    (its handler forwards it). Returns the exit code and the seconds it took."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from vlm_focus.integrations.vllm.__main__ import supervise
+
+    timer = None
+    if stop_after is not None:
+        timer = threading.Timer(stop_after, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+    start = time.monotonic()
+    try:
+        code = supervise([sys.executable, "-c", *args], grace=grace)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return code, time.monotonic() - start
+
+
+#: A server stand-in: starts a grandchild that outlives it (as multiprocessing's resource tracker
+#: can), writes its pid to argv[1], then exits with code 3 or, with argv[2] == "stubborn",
+#: ignores SIGTERM and runs on (as vLLM's API server does while its engine starts).
+SERVER = """
+import signal, subprocess, sys, time
+pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid
+open(sys.argv[1], "w").write(str(pid))
+if sys.argv[2] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("kind", "code"), [("exits", 3), ("stubborn", 128 + 9)])
+def test_serve_helper_takes_the_servers_processes_down(tmp_path, kind, code):
+    import os
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    got, seconds = _run_supervised([SERVER, str(pid_file), kind], grace=1.0, stop_after=2.0)
+    assert got == code
+    assert seconds < 30
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{grandchild}/stat").read_text().split(")")[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(grandchild, 9)
+        raise AssertionError("the server's child outlived the helper")

@@ -191,10 +191,17 @@ def test_without_the_override_vllm_runs_its_own_unpruned_model(model_dir, refere
         assert output["tokens"] == reference[(prompt_text(question), None, 1.0)]["tokens"]
 
 
-def _start_server(command: list[str], log, log_path: Path) -> subprocess.Popen:
-    """Start a server from ``command`` (its ``--port``) and wait until ``/health`` answers."""
+def _start_server(
+    command: list[str], log, log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Start a server from ``command`` (its ``--port``) in ``env`` (default: :func:`_env`) and
+    wait until ``/health`` answers."""
     server = subprocess.Popen(
-        command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        env=_env() if env is None else env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     port = command[command.index("--port") + 1]
     deadline = time.monotonic() + ENGINE_TIMEOUT

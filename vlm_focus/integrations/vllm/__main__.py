@@ -7,6 +7,14 @@ every other argument to the server unchanged. MODEL ``embedded`` is the embedded
 The server listens on 127.0.0.1 unless ``--host`` is given (vLLM alone listens on every
 interface); pass ``--api-key`` to refuse requests without the key. ``--print`` shows the
 equivalent ``vllm serve`` command line instead of running it.
+
+For the embedded model the KV cache gets a fixed size (:data:`EMBEDDED_KV_CACHE_BYTES`) unless
+the command line or the environment sizes it: vLLM's own default reserves a fraction of all
+memory (92% of RAM on a CPU) and refuses to start where other processes hold more than the rest.
+
+The server runs as a child in a process group of its own; SIGTERM, SIGINT and SIGHUP to this command
+go on to it, and once it exits whatever it left behind in its group (vLLM's engine and
+multiprocessing helpers) is terminated too.
 """
 
 from __future__ import annotations
@@ -15,12 +23,26 @@ import argparse
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ...asset_paths import EMBEDDED, default_model_path
 from ...config import KEEP_RULE, read_keep
 from . import ARCHITECTURES, BUDGETS, PRUNERS, ServeOptions, hf_overrides
+
+#: The embedded model's KV cache unless the user sizes it: 8 KiB a token (float32; 4 layers, k
+#: and v, 8 heads of 32), so 131072 tokens, 256 prompts of its 512-token context.
+EMBEDDED_KV_CACHE_BYTES = 2**30
+#: The ``vllm serve`` flags that size the KV cache, and the CPU backend's variable (GiB).
+KV_CACHE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: Seconds the server's leftover processes get after SIGTERM before SIGKILL.
+SHUTDOWN_GRACE = 10.0
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _model_type(model: str) -> str:
@@ -32,8 +54,16 @@ def _model_type(model: str) -> str:
     return AutoConfig.from_pretrained(model).model_type
 
 
-def serve_command(argv: list[str]) -> list[str]:
-    """The ``vllm serve`` argument list for ``serve`` arguments ``argv``."""
+def sizes_kv_cache(args: list[str], environ: Mapping[str, str]) -> bool:
+    """Whether server arguments ``args`` or the environment set the KV cache's size."""
+    flags = {arg.split("=")[0].replace("_", "-") for arg in args if arg.startswith("--")}
+    return bool(flags & set(KV_CACHE_FLAGS)) or bool(environ.get(KV_CACHE_ENV))
+
+
+def serve_command(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``vllm serve`` argument list for ``serve`` arguments ``argv`` in the environment
+    ``environ`` (default: this process's)."""
+    environ = os.environ if environ is None else environ
     defaults = ServeOptions()
     parser = argparse.ArgumentParser(
         prog="python -m vlm_focus.integrations.vllm serve",
@@ -63,8 +93,11 @@ def serve_command(argv: list[str]) -> list[str]:
     parser.add_argument("--print", action="store_true", help="print the vllm command only")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     args, rest = parser.parse_known_args(argv)
+    server_defaults = []  # server arguments the user left out
     if args.model == EMBEDDED:
         args.model = str(default_model_path())
+        if not sizes_kv_cache(rest, environ):
+            server_defaults += ["--kv-cache-memory-bytes", str(EMBEDDED_KV_CACHE_BYTES)]
     keep = read_keep(args.keep)  # keep's one reading, as on every command line
     overrides = hf_overrides(
         args.model_type or _model_type(args.model),
@@ -75,7 +108,7 @@ def serve_command(argv: list[str]) -> list[str]:
         min_per_region=args.min_per_region,
     )
     command = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides)]
-    command += ["--host", args.host, *rest]
+    command += [*server_defaults, "--host", args.host, *rest]
     return (["--print"] if args.print else []) + command
 
 
@@ -92,7 +125,59 @@ def main(argv: list[str] | None = None) -> None:
     # command looks up its version under the distribution name "vllm" and fails).
     _, _, model, *rest = command
     program = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *rest]
-    os.execv(sys.executable, program)
+    raise SystemExit(supervise(program))
+
+
+def supervise(program: list[str], grace: float = SHUTDOWN_GRACE) -> int:
+    """Run ``program`` in a process group of its own until it exits, passing on the signals
+    that stop a server; then stop what it left in its group. A server that is still running
+    ``grace`` seconds after such a signal (vLLM's API server ignores SIGTERM while its engine
+    starts) is stopped with its group. Returns its exit code (``128 + signal`` when a signal
+    ended it)."""
+    if sys.version_info >= (3, 11):
+        child = subprocess.Popen(program, process_group=0)
+    else:
+        child = subprocess.Popen(program, preexec_fn=os.setpgrp)
+    asked: list[float] = []  # when the first stop signal came
+
+    def forward(signum, _frame) -> None:
+        asked.append(time.monotonic())
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    try:
+        while child.poll() is None and not (asked and time.monotonic() > asked[0] + grace):
+            try:
+                child.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        stop_group(child.pid, grace)
+    code = child.wait()
+    return 128 - code if code < 0 else code
+
+
+def stop_group(pgid: int, grace: float = SHUTDOWN_GRACE) -> None:
+    """SIGTERM to every process left in process group ``pgid``; SIGKILL to the group if any is
+    still there after ``grace`` seconds."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return  # the group is empty
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":
