@@ -78,3 +78,20 @@ def test_bad_video_input_names_the_problem(tmp_path, capsys):
     for extra, message in cases:
         assert cli.main([*base, *extra]) == 2
         assert message in capsys.readouterr().err, extra
+
+
+def test_run_and_bench_say_how_many_frames_a_short_video_gave(tmp_path, capsys):
+    model = _checkpoint("qwen2_5_vl", tmp_path / "model")
+    video = _mp4(tmp_path / "clip.mp4")  # FRAMES = 8
+    argv = ["--model", str(model), "--video", str(video), "--frames", "64", "--repeats", "1"]
+    said = f"warning   --frames 64 asked, but the video has {FRAMES} frames: all {FRAMES} used"
+    assert cli.main(["run", *argv, "--max-new-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"video {video} ({FRAMES} frames)" in out and said in out
+    assert cli.main(["run", *argv, "--max-new-tokens", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["frames"], report["frames_asked"]) == (FRAMES, 64)
+    assert cli.main(["bench", *argv, "--keeps", "0.5"]) == 0
+    assert said.replace("warning   ", "warning: ") in capsys.readouterr().out
+    assert cli.main(["run", *argv[:-4], "--frames", "4", "--repeats", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["frames"] == 4

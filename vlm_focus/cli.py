@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
 from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
@@ -197,7 +197,19 @@ def pruners_table() -> str:
     return "\n".join(lines)
 
 
-def _load(config: InputOptions):
+class _Loaded(NamedTuple):
+    """What ``run`` and ``bench`` read: the model, its inputs and where they came from."""
+
+    model: Any
+    processor: Any
+    inputs: dict[str, Any]
+    source: str  # the image or video file
+    prompt: str
+    device: str
+    frames: int | None  # the video frames taken (None for an image)
+
+
+def _load(config: InputOptions) -> _Loaded:
     from .loading import (
         build_inputs,
         build_video_inputs,
@@ -218,17 +230,38 @@ def _load(config: InputOptions):
     prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
     if config.video is not None:
         frames, metadata = load_video(config.video, config.frames)
-        inputs = build_video_inputs(processor, frames, metadata, prompt)
-        return model, processor, to_model(model, inputs), config.video, prompt, device
+        inputs = to_model(model, build_video_inputs(processor, frames, metadata, prompt))
+        return _Loaded(model, processor, inputs, config.video, prompt, device, len(frames))
     image_path = config.image
     if image_path is None:
         scenes = sample_scene_paths()
         if not scenes:
             raise ValueError("no --image given and no bundled sample scene found")
         image_path = scenes[0]
-    inputs = build_inputs(processor, load_image(image_path), prompt)
-    inputs = to_model(model, inputs)
-    return model, processor, inputs, str(image_path), prompt, device
+    inputs = to_model(model, build_inputs(processor, load_image(image_path), prompt))
+    return _Loaded(model, processor, inputs, str(image_path), prompt, device, None)
+
+
+def _frames_warning(config: InputOptions, loaded: _Loaded) -> str | None:
+    """What to say when the video had fewer frames than ``--frames`` asked (all are taken)."""
+    if loaded.frames is None or loaded.frames >= config.frames:
+        return None
+    return (
+        f"--frames {config.frames} asked, but the video has {loaded.frames} frames: all "
+        f"{loaded.frames} used"
+    )
+
+
+def _kept_line(trace: Any) -> str:
+    """The visual tokens kept, and what each decode step reads where the pruner picks them
+    per step (fixation: the prompt may keep every token)."""
+    line = f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}"
+    if trace.n_fixated:
+        line += (
+            f" by the prompt; each of {len(trace.fixations)} decode steps reads "
+            f"{trace.n_fixated[0]}/{trace.n_visual[0]}"
+        )
+    return line
 
 
 def _run(config: RunConfig) -> int:
@@ -239,7 +272,7 @@ def _run(config: RunConfig) -> int:
     from .loading import decode_new_tokens
     from .timing import prefill_report, pruned_prefill_timing
 
-    model, processor, inputs, image, prompt, device = _load(config)
+    model, processor, inputs, source, prompt, device, frames = loaded = _load(config)
     focus = config.focus()
     plain = RunSetting(max_new_tokens=config.max_new_tokens)  # the pruning is wrapped below
     with torch.inference_mode():
@@ -257,13 +290,15 @@ def _run(config: RunConfig) -> int:
         )
     report = {
         "model": model.config.model_type,
-        "video" if config.video is not None else "image": image,
+        "video" if config.video is not None else "image": source,
+        **({} if frames is None else {"frames": frames, "frames_asked": config.frames}),
         "prompt": prompt,
         "answer_unpruned": full,
         "answer_pruned": pruned,
         **{k: v for k, v in focus.to_dict().items() if k != "warm_kernels"},
         "visual_kept": trace.n_kept[0],
         "visual_total": trace.n_visual[0],
+        **({"visual_per_decode_step": trace.n_fixated[0]} if trace.n_fixated else {}),
         "pruned": timing is not None,
         "device": device,
     }
@@ -280,14 +315,19 @@ def _run(config: RunConfig) -> int:
     if config.json:
         print(json.dumps(report))
         return 0
-    print(f"model     {report['model']}   {'video' if config.video else 'image'} {image}")
+    shown = source if frames is None else f"{source} ({frames} frames)"
+    print(f"model     {report['model']}   {'video' if config.video else 'image'} {shown}")
     print(f"prompt    {prompt}")
     print(f"unpruned  {full}")
     print(f"pruned    {pruned}   ({RunSetting(focus=focus).tag})")
-    print(f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}")
-    print(f"timing    {prefill_report(timing, trace.n_kept[0], trace.n_visual[0])}, {device}")
-    if timing is not None and timing.warning():
-        print(f"warning   {timing.warning()}")
+    print(_kept_line(trace))
+    timed = prefill_report(timing, trace.n_kept[0], trace.n_visual[0])
+    if timing is None and trace.n_fixated:  # the prompt kept all: the decode steps prune
+        timed = "prefill unpruned, nothing to time there (benchmarks/decode.py times decoding)"
+    print(f"timing    {timed}, {device}")
+    for warning in (_frames_warning(config, loaded), timing and timing.warning()):
+        if warning:
+            print(f"warning   {warning}")
     return 0
 
 
@@ -296,12 +336,15 @@ def _bench(config: BenchConfig) -> int:
 
     from .timing import prefill_fn, prefill_report, pruned_prefill_timing
 
-    model, _, inputs, _, _, device = _load(config)
+    loaded = _load(config)
+    model, inputs, device = loaded.model, loaded.inputs, loaded.device
     print(
         f"prefill, {RunSetting(focus=config.focus()).tag}, {device}: each keep timed in "
         f"{config.repeats} pairs alternating with the unpruned model; the times shown are the "
         "median pair's, and the speed-up is their ratio (min-max over all pairs)"
     )
+    if _frames_warning(config, loaded):
+        print(f"warning: {_frames_warning(config, loaded)}")
     doubtful = []
     for keep in config.keep_values():
         focus = config.focus(keep)

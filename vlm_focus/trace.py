@@ -109,6 +109,16 @@ class FocusTrace:
             return []
         return self.fixation.fixated_positions()
 
+    @property
+    def n_fixated(self) -> list[int]:
+        """Decode-time fixation: per row, the most visual tokens one decoding step attended
+        to (what the decode steps keep, where :attr:`n_kept` is what the prompt keeps); ``[]``
+        without fixation or before any decoding step."""
+        steps = self.fixations
+        if not steps:
+            return []
+        return [max(int(step[row].numel()) for step in steps) for row in range(len(steps[0]))]
+
     @cached_property
     def visual_positions(self) -> list[torch.Tensor]:
         visual = self.visual.cpu()
