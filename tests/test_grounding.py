@@ -588,6 +588,24 @@ def test_mentions_of_the_answer_and_the_prompt():
     assert gp.answer_text() == "xfh xf xgd"
 
 
+def test_places_and_question_words_are_not_mentions():
+    """Without a vocabulary a mention is a content word: places (`top_right`, one token in a
+    word-level vocabulary, `center`) and question words (`where`) name no object."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vlm_focus.grounding._words import find_mentions
+
+    words = "<unk> where is the red_circle top_right center middle_left , green_square".split()
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    text = "where is the red_circle top_right , green_square center , red_circle middle_left"
+    ids = tok.encode(text, add_special_tokens=False)
+    found = find_mentions(ids, tok, None)
+    assert found == [("red_circle", [3]), ("green_square", [6]), ("red_circle", [9])]
+
+
 def test_ground_gives_the_map_point_and_boxes_in_the_images_pixels():
     from PIL import Image
     from transformers import LlavaForConditionalGeneration

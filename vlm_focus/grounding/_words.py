@@ -7,21 +7,26 @@ from typing import Any
 
 from ._token_masks import phrase_spans, tokenizer_of
 
-#: Words that never name an object (used when no object vocabulary is given).
+#: Words that never name an object (used when no object vocabulary is given): function words,
+#: question words, the words of the prompts and places (``top``, ``center``).
 STOP_WORDS = frozenset(
     "a an the is are was were be been there here this that these those it its of in on at to "
     "and or with by for from as image picture photo shows showing show has have there's "
     "yes no not left right top bottom above below next near some one two three four many "
-    "describe answer question single word phrase using".split()
+    "middle center centre upper lower "
+    "what where which who how does do can "
+    "describe answer question single word phrase using video frame appears first last".split()
 )
 
 
 def content_word(tokenizer: Any, token: int) -> str | None:
     """The word a token decodes to (stripped, lower case) when it can name something: longer
-    than two characters, letters (and ``_``) only, not a :data:`STOP_WORDS` word."""
+    than two characters, letters (and ``_``) only, and not made of :data:`STOP_WORDS` words
+    alone (``top_right``, one token in some vocabularies, is a place, not an object)."""
     word = tokenizer_of(tokenizer).decode([token]).strip().lower()
-    if len(word) > 2 and word.replace("_", "").isalpha() and word not in STOP_WORDS:
-        return word
+    if len(word) > 2 and word.replace("_", "").isalpha():
+        if not all(part in STOP_WORDS for part in word.split("_") if part):
+            return word
     return None
 
 
