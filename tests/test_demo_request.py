@@ -410,16 +410,56 @@ def test_draw_boxes_draws_the_rectangle_edges():
     assert (out[9, 15] == 0).all()  # inside stays untouched
 
 
-def test_a_prompt_without_content_words_is_mapped_as_a_whole(tiny, scene):
+def test_a_prompt_that_names_no_object_is_mapped_but_not_grounded(tiny, scene, always_present):
+    """ "Describe the image." names no object: the page shows where the question looks, with
+    no box, no presence and no row in the table."""
     result = run(tiny, scene, prompt="Describe the image.")
     assert result.ok, result.message
-    assert result.prompt_map.phrase == "Describe the image."
+    m = result.prompt_map
+    assert m.phrase == "Describe the image."
     model, processor = tiny
     inputs = build_inputs(processor, Image.fromarray(scene), "Describe the image.")
     ref = grounding.heatmap(
         model, inputs, "Describe the image.", processor=processor, images=[scene]
     )[0][0]
-    torch.testing.assert_close(result.prompt_map.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(m.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
+    assert m.boxes == [] and m.scores == [] and m.presence is None and m.present is None
+    np.testing.assert_array_equal(m.overlay, heat_overlay(result.image, m.map.pixels))
+    assert all(row[0] != m.phrase for row in result.box_rows())
+    assert any(n.startswith("The prompt names no object") for n in result.notices)
+
+
+def test_only_objects_are_grounded_and_each_once(tiny, scene, always_present):
+    """Places (`top_right`, `center`) and question words (`where`) are no objects; an object the
+    answer names twice gets one map, of both mentions."""
+    model, processor = tiny
+    question = "Where is the red_circle?"
+    inputs = build_inputs(processor, Image.fromarray(scene), question)
+    tok = processor.tokenizer
+    text = "red_triangle top_right , blue_square center , red_triangle center"
+    answer = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    whole = Frame(0, 0, IMAGE_SIZE, IMAGE_SIZE)
+    prompt_map, object_maps = req._ground(
+        model, processor, inputs, question, answer, Image.fromarray(scene), whole
+    )
+    assert prompt_map.phrase == "red_circle"
+    assert [m.phrase for m in object_maps] == ["red_triangle", "blue_square"]
+    seq = inputs["input_ids"].shape[1]
+    both = torch.zeros(1, seq + answer.shape[1], dtype=torch.bool)
+    both[0, [seq, seq + 6]] = True  # the two red_triangle tokens
+    ref = grounding.heatmap(model, inputs, both, answer=answer, processor=processor, images=[scene])
+    torch.testing.assert_close(object_maps[0].map.pixels, ref[0][0].pixels, atol=1e-6, rtol=1e-4)
+
+
+def test_words_the_model_cannot_read_are_named_in_a_notice(tiny, scene):
+    result = run(tiny, scene, prompt="Is there a big elephant in the image?")
+    assert result.ok, result.message
+    assert any(
+        n.startswith("The model cannot read 'big', 'elephant': its tokenizer does not know")
+        for n in result.notices
+    ), result.notices
+    known = run(tiny, scene, prompt="Is there a green_square in the image?")
+    assert not any("cannot read" in n for n in known.notices), known.notices
 
 
 @pytest.mark.parametrize("kind", ["llava_next", "qwen2_vl", "qwen2_5_vl"])
@@ -635,8 +675,8 @@ def test_a_video_gets_both_answers_and_the_prompts_map_in_each_frame(tiny_qwen, 
         "frames 2-3 (0.50-0.75 s)",
         "frame 4 (1.00 s)",
     ]
-    assert result.notices == [
-        "Each frame shows the attention to 'what video', all on one colour scale."
+    assert result.notices == [  # no object named: the whole question's map
+        "Each frame shows the attention to 'what is in this video', all on one colour scale."
     ]
     # the image-only outputs stay empty
     assert result.video and result.image is None and result.kept_overlay is None
@@ -651,7 +691,8 @@ def test_each_frames_overlay_is_its_map_on_its_first_frame_on_one_scale(tiny_qwe
     frames, metadata = load_video(clip)
     inputs = build_video_inputs(processor, frames, metadata, VIDEO_QUESTION)
     gp = grounding.GroundingPass(model, inputs, processor=processor, sizes=[VIDEO_SIZE])
-    heat = gp.map(gp.mentions(source="prompt", within=VIDEO_QUESTION)[0])
+    assert gp.mentions(source="prompt", within=VIDEO_QUESTION) == [[]]  # it names no object
+    heat = gp.map(VIDEO_QUESTION, source="prompt")
     views = heat.frame_maps
     assert len(views) == len(result.frame_maps) == 3
     peak = max(float(v.pixels.max()) for v in views)

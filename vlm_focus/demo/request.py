@@ -20,7 +20,8 @@ What one request computes, all on the model the app loaded once:
    adapter's layout to grid cells, drawn over the image;
 4. attention maps from one teacher-forced pass over prompt + pruned answer on the unpruned model
    (a ``grounding.GroundingPass`` at the model's default grounding layers, TAG maps): one for
-   the prompt's content words, one per object word of the answer (its ``mentions()``), each
+   the objects the prompt names (a prompt that names none: the question's map, no boxes), one
+   per object the answer names, once each (its ``mentions()``; places are no objects), each
    with its presence score (``grounding.presence``, the model's own ``P(yes)``) and, when
    present, boxes (``grounding.boxes``) and their region score (the MTLA share of the map's
    attention inside the box, ``grounding.box_share``); an absent phrase shows "not found"
@@ -72,6 +73,7 @@ from ..grounding import (
     boxes,
     presence,
     presence_threshold,
+    unknown_words,
 )
 from ..loading import build_inputs, build_video_inputs, decode_new_tokens, load_video, to_model
 from ..model_adapters import (
@@ -506,6 +508,7 @@ def run_request(
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
+            notices += _unknown_words_notice(prompt, processor)
             inputs = to_model(model, _model_inputs(processor, source, prompt))
             setting = RunSetting(
                 focus=FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own),
@@ -533,6 +536,19 @@ def run_request(
         return DemoResult(ok=False, message=f"The request failed ({type(err).__name__}: {err}).")
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _unknown_words_notice(prompt: str, processor: Any) -> list[str]:
+    """A notice naming the prompt's words the model's tokenizer cannot spell (none: no notice)."""
+    unknown = unknown_words(prompt, processor)
+    if not unknown:
+        return []
+    quoted = ", ".join(f"'{w}'" for w in unknown)
+    return [
+        f"The model cannot read {quoted}: its tokenizer does not know "
+        f"{'this word' if len(unknown) == 1 else 'these words'} (each becomes its unknown "
+        "token), so it can neither answer about them nor find them."
+    ]
 
 
 def _model_inputs(
@@ -647,6 +663,11 @@ def _compute(
         )
     if prompt_map is None:
         notices.append("The prompt has no words to map onto the image.")
+    elif prompt_map.presence is None:
+        notices.append(
+            "The prompt names no object: its map shows where the whole question looks, "
+            "without boxes."
+        )
     zoomed = _zoom_view(answers.zoom, image, processor, notices, seen)
     return DemoResult(
         ok=True,
@@ -764,24 +785,27 @@ def _ground(
 ) -> tuple[GroundedMap | None, list[GroundedMap]]:
     """Prompt and answer-object maps from one teacher-forced pass over prompt + answer (the
     model's default grounding layers), each phrase with its presence score: an absent phrase
-    gets its map and "not found", no box. The part of the photo the model never saw is
+    gets its map and "not found", no box. Only objects are grounded: a prompt that names none
+    keeps the question's map without boxes or presence, and each object the answer names gets
+    one map, of all its mentions (places such as ``top_right`` are no objects,
+    :data:`~vlm_focus.grounding.STOP_WORDS`). The part of the photo the model never saw is
     shaded."""
     image = np.asarray(picture, dtype=np.uint8)
     gp = GroundingPass(model, inputs, processor=processor, images=[picture], answer=answer)
     threshold = presence_threshold(model)
     heat, label, words = _prompt_heat(gp, prompt, processor)
-    objects = gp.mentions(source="answer")[0]
-    phrases = sorted({m.text for m in words + objects})
+    objects: dict[str, list[Mention]] = {}  # each object once, with all its mentions
+    for mention in gp.mentions(source="answer")[0]:
+        objects.setdefault(mention.text, []).append(mention)
+    phrases = sorted({m.text for m in words} | set(objects))
     scores = dict(zip(phrases, presence(model, processor, picture, phrases), strict=True))
 
-    def grounded(
-        heat: HeatMap, phrase: str, max_boxes: int, named: list[Mention] | None
-    ) -> GroundedMap:
-        # a map of several words is present when one of them is; no words: no presence
-        score = max(scores[m.text] for m in named) if named else None
-        present = None if score is None else score > threshold
+    def grounded(heat: HeatMap, phrase: str, max_boxes: int, named: list[Mention]) -> GroundedMap:
+        # a map of several words is present when one of them is
+        score = max(scores[m.text] for m in named)
+        present = score > threshold
         base = shade_unseen(heat_overlay(image, heat.pixels), seen)
-        if present is False:
+        if not present:
             overlay = label_overlay(base, f"{phrase}: {NOT_FOUND} ({score:.2f})")
             return GroundedMap(phrase, overlay, [], [], heat, score, present)
         found_boxes = _boxes(heat, max_boxes)
@@ -794,9 +818,13 @@ def _ground(
         return GroundedMap(phrase, overlay, found_boxes, box_scores, heat, score, present)
 
     prompt_map = None
-    if heat is not None:
-        prompt_map = grounded(heat, label, MAX_BOXES, words or None)
-    object_maps = [grounded(gp.map(m), m.text, 1, [m]) for m in objects]
+    if heat is not None and words:
+        prompt_map = grounded(heat, label, MAX_BOXES, words)
+    elif heat is not None:  # no object named: where the question looks, nothing to box
+        prompt_map = GroundedMap(
+            label, shade_unseen(heat_overlay(image, heat.pixels), seen), [], [], heat
+        )
+    object_maps = [grounded(gp.map(named), text, 1, named) for text, named in objects.items()]
     return prompt_map, object_maps
 
 
