@@ -3,6 +3,8 @@ and clear errors on bad input."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from reference import manual_decode
@@ -280,3 +282,17 @@ def test_a_config_passes_live_option_objects_as_they_are():
     config = vf.FocusConfig(pruner="guided", keep=0.5, layer=0, options={"guide": guide})
     with vf.wrap(model, config=config) as handle:
         assert handle.config.options["guide"] is guide
+
+
+def test_a_batch_of_uneven_images_warns_with_its_kept_counts():
+    """Rows keep one common length; a row that keeps far more than its own share is named,
+    once per handle, with what each row keeps and would keep alone."""
+    model = make_model("qwen2_5_vl")
+    inputs = make_inputs("qwen2_5_vl", model, batch=3)  # 12, 8 and 4 visual tokens
+    with torch.no_grad(), vf.wrap(model, keep=0.25, layer=1) as handle:
+        with pytest.warns(UserWarning, match=r"keep \[9, 5, 1\].*alone would keep \[3, 2, 1\]"):
+            model(**inputs)
+        assert handle.last_trace.n_kept == [9, 5, 1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(**inputs)  # once per handle

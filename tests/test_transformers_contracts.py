@@ -143,17 +143,15 @@ def test_search_modes_equal_the_masked_reference(kind, layer):
         dict(num_beams=2, num_return_sequences=2, do_sample=False),
     ]
     with torch.no_grad():
-        outs = []
-        with vf.wrap(model, keep=0.5, layer=layer) as handle:
-            for mode in modes:
+        for mode in modes:
+            with vf.wrap(model, keep=0.5, layer=layer) as handle:
                 torch.manual_seed(0)
-                outs.append(model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, **mode))
-            trace = handle.last_trace
-        with masked_reference(model, layers, trace):
-            for mode, out in zip(modes, outs):
+                out = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, **mode)
+            trace = handle.last_trace  # the prompt's rows, as generate() expanded them
+            with masked_reference(model, layers, trace):
                 torch.manual_seed(0)
                 ref = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, **mode)
-                assert torch.equal(out, ref), mode
+            assert torch.equal(out, ref), mode
 
 
 # --- 4. labels: the masked reference's loss and gradients -------------------------------------
@@ -203,7 +201,7 @@ def test_keep_one_training_equals_unwrapped(kind):
     loss, grads = _loss_and_grads(model, inputs, labels)
     with vf.wrap(model, keep=1.0, layer=1):
         hooked_loss, hooked_grads = _loss_and_grads(model, inputs, labels)
-        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
         shifted = model(**inputs, labels=labels, shift_labels=shift).loss
         as_tuple = model(**inputs, labels=labels, return_dict=False)[0]
     assert torch.equal(loss, hooked_loss)
@@ -360,3 +358,36 @@ def test_keep_one_needs_no_layout_input():
             assert torch.equal(model(**inputs).logits, plain)
         with vf.wrap(model, keep=0.5, layer=1), pytest.raises(ValueError, match="mm_token_type"):
             model(**inputs)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_hidden_states_and_attentions_line_up_with_positions_at(layer):
+    """``output_hidden_states`` / ``output_attentions`` of a pruned prefill: layer i's entries
+    hold the tokens at ``last_trace.positions_at(i)``, equal to the masked reference there."""
+    model = make_model("llava", attn="eager").eval()
+    inputs = _inputs("llava", model, batch=2)
+    layers = get_adapter(model).decoder_layers(model)
+    with torch.no_grad():
+        with vf.wrap(model, keep=0.5, layer=layer) as handle:
+            out = model(**inputs, output_hidden_states=True, output_attentions=True)
+        trace = handle.last_trace
+        with masked_reference(model, layers, trace):
+            ref = model(**inputs, output_hidden_states=True)
+    full = inputs["input_ids"].shape[1]
+    first = trace.positions_at(0)  # hidden_states[0] is layer 0's input, as layer 0 reads it
+    assert out.hidden_states[0].shape[1] == (full if first is None else first.shape[1])
+    for i in range(len(layers)):
+        held = trace.positions_at(i)
+        if i < layer:
+            assert held is None and out.hidden_states[i + 1].shape[1] == full
+            continue
+        assert out.attentions[i].shape[-2:] == (held.shape[1], held.shape[1])
+        # the last layer's output is normed before it is returned, in both runs alike
+        expected = ref.hidden_states[i + 1].gather(
+            1, held[..., None].expand(-1, -1, ref.hidden_states[0].shape[-1])
+        )
+        real = inputs["attention_mask"].gather(1, held).bool()  # padding rows are not compared
+        torch.testing.assert_close(
+            out.hidden_states[i + 1][real], expected[real], atol=1e-4, rtol=0
+        )
+    assert torch.equal(trace.positions_at(len(layers) - 1), trace.sequence)

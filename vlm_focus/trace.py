@@ -138,6 +138,17 @@ class FocusTrace:
     def scores(self) -> list[torch.Tensor]:
         return self.stages[0].scores if self.stages else []
 
+    def positions_at(self, layer: int) -> torch.Tensor | None:
+        """``[B, S']`` original positions of the tokens decoder layer ``layer`` reads and
+        outputs, or ``None`` when it holds every token (before the first stage). With
+        ``output_hidden_states=True``, ``hidden_states[layer + 1]`` lines up with it; with
+        ``output_attentions=True``, the rows and columns of ``attentions[layer]``."""
+        held = None
+        for stage in self.stages:
+            if stage.layer <= layer:
+                held = stage.positions.masked_select(stage.keep).view(stage.keep.shape[0], -1)
+        return held
+
     @property
     def n_kept(self) -> list[int]:
         return [int(k.numel()) for k in self.kept]

@@ -245,6 +245,7 @@ class FocusEngine:
         self.last_trace: FocusTrace | None = None
         self._hooks: list[Any] = []
         self._static_caches: weakref.WeakSet = weakref.WeakSet()  # whose buffers it resized
+        self._warned_uneven = False
         self.tracker: CallTracker | None = None
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
         self._flash = attn.startswith("flash")
@@ -455,6 +456,8 @@ class FocusEngine:
             drops.append(drop)
             counts.append(remaining)
             remaining = [r - drop for r in remaining]
+        if any(drops):
+            self._warn_uneven_rows(n_visual, remaining)
         # Nothing to drop (keep=1.0): the prompt runs as the model runs it, so no input the
         # layout needs is asked for and no layout is built.
         layout: list[list[ImageLayout]] = [[] for _ in n_visual]
@@ -511,6 +514,24 @@ class FocusEngine:
             trace.fixation = self.state.fixation
         self.last_trace = trace
         return kwargs
+
+    def _warn_uneven_rows(self, n_visual: list[int], kept: list[int]) -> None:
+        """Rows keep one common length, so a row with more visual tokens than the others keeps
+        more than its own share; say so, with the numbers, once per handle."""
+        alone = list(n_visual)
+        for _, keep in self.config.stages:
+            keep = self.pruner.prefill_keep(keep)
+            alone = [min(r, keep_count(keep, n)) for r, n in zip(alone, n_visual)]
+        if self._warned_uneven or all(k <= 1.25 * a + 2 for k, a in zip(kept, alone)):
+            return
+        self._warned_uneven = True
+        warnings.warn(
+            f"vlm_focus: rows with {n_visual} visual tokens keep {kept} of them, where each "
+            f"alone would keep {alone}: a batch keeps one common length, so each row drops "
+            "what the row with the fewest visual tokens drops. Batch images of similar token "
+            "counts together (or one image per call) to keep each row's own share",
+            stacklevel=3,
+        )
 
     def _take_labels(self, kwargs: dict) -> dict:
         """Training on a pruned prompt: the forward returns logits for the kept positions only,
