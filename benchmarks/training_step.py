@@ -96,7 +96,7 @@ def main() -> None:
         f"Machine: {machine()}. {args.pairs} pairs per row (ABBA); the ratio is the median "
         "pair's, min-max in brackets. Command: `python benchmarks/training_step.py`.",
         "",
-        "| layer K | keep | unpruned s | pruned s | speed-up | pairs min-max | forward FLOPs bound |",
+        "| layer K | keep | unpruned s | pruned s | speed-up | pairs min-max | FLOPs bound |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
