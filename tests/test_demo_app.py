@@ -63,6 +63,22 @@ def test_opt_ins_reach_launch():
     )
 
 
+def test_the_command_line_says_how_to_share_in_its_own_words(capsys):
+    """``vlm-focus demo`` takes ``--share``: its banner says so, and gradio's own, which tells
+    a script to set ``share=True`` in ``launch()``, stays quiet."""
+    demo = FakeBlocks()
+    app.launch(demo, app._parser().parse_args([]))
+    assert capsys.readouterr().out == (
+        "vlm-focus demo: serving on http://127.0.0.1:7860; no public link (start with --share "
+        "to make one)\n"
+    )
+    assert demo.calls["launch"]["quiet"] is True
+    app.launch(FakeBlocks(), app._parser().parse_args(["--share", "--port", "8123"]))
+    assert capsys.readouterr().out == (
+        "vlm-focus demo: serving on http://127.0.0.1:8123; a public gradio link follows (--share)\n"
+    )
+
+
 def test_theme_uses_local_fonts_only():
     args = app._parser().parse_args([])
     demo = FakeBlocks()
@@ -158,6 +174,28 @@ def test_build_app_serves_the_model_and_names_the_endpoint():
     assert (layer["props"]["minimum"], layer["props"]["maximum"]) == (0, 1)  # 2 decoder layers
     sample = next(c for c in config["components"] if c["props"].get("elem_id") == "sample")
     assert len(sample["props"]["choices"]) >= 1
+
+
+def test_every_input_of_the_answer_endpoint_may_be_left_out():
+    """An API call about a video sends no image: no parameter of /answer is required, and
+    each defaults to the page's own value."""
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
+    demo = app.build_app(model, build_processor(SPECS["tiny"]))
+    parameters = demo.get_api_info()["named_endpoints"]["/answer"]["parameters"]
+    defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters}
+    assert all(p["parameter_has_default"] for p in parameters), parameters
+    assert defaults == {
+        "image_value": None,
+        "prompt_value": app.DEFAULT_QUESTION,
+        "pruner_value": app.DEFAULT_PRUNER,
+        "keep_value": app.DEFAULT_KEEP,
+        "layer_value": 1,  # the default layer, on a model of 2 decoder layers
+        "mit_value": "none",
+        "zoom_value": False,
+        "options_value": "",
+        "video_value": None,
+    }
 
 
 @pytest.mark.parametrize("payload", [None])

@@ -26,6 +26,7 @@ import pytest
 from PIL import Image
 
 from vlm_focus.organism import default_model_path, sample_scene_paths
+from vlm_focus.organism.scenes import CATEGORIES
 
 QUESTION = "Is there a red_circle in the image?"  # absent from the first sample: "not found"
 PRESENT = "Is there a green_square in the image?"
@@ -293,4 +294,73 @@ def test_browser_uploads_a_video_and_sees_one_map_per_frame(video_server, tmp_pa
     assert image_outputs_hidden == [True, True, True]
     assert toasts == [], toasts  # no "Video not playable", no error
     assert outside == [], f"the page reached beyond the demo server: {outside}"
+    assert "Traceback" not in log.read_text()
+
+
+def test_the_command_lines_banner_names_its_share_flag(server):
+    """The demo started from the command line says how to get a public link with ``--share``,
+    not with gradio's ``share=True`` in ``launch()``."""
+    _, _, log = server
+    deadline = time.monotonic() + 30
+    while "--share" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    text = log.read_text()
+    assert "no public link (start with --share to make one)" in text, text
+    assert "share=True" not in text, text
+
+
+def test_browser_grounds_each_object_once_and_names_unread_words(server):
+    """ "Describe the image." names no object: the table lists the objects of the answer, each
+    once, and no place (the sample's answer puts two objects at `center` and two at `top`). A
+    phrase the tokenizer cannot spell is named in the status."""
+    from playwright.sync_api import expect, sync_playwright
+
+    url, _, log = server
+    sample = next(p for p in sample_scene_paths() if p.stem == "scene_9000006")
+    outside = []
+    with sync_playwright() as p:
+        browser, page = open_page(p, url, outside)
+        try:
+            page.locator("#image input[type=file]").set_input_files(str(sample))
+            page.locator("#prompt textarea").fill("Describe the image.")
+            page.locator("#run").click()
+            expect(page.locator("#status")).to_contain_text("Done in", timeout=60_000)
+            expect(page.locator("#status")).to_contain_text("The prompt names no object")
+            answer = page.locator("#answer-unpruned textarea").input_value()
+            cells = page.locator("#boxes [role=row][data-index] [role=gridcell]:first-child")
+            phrases = cells.all_inner_texts()
+            page.locator("#prompt textarea").fill("Is there a green square in the image?")
+            page.locator("#run").click()
+            expect(page.locator("#status")).to_contain_text(
+                "The model cannot read 'green', 'square'", timeout=60_000
+            )
+            status = page.locator("#status").inner_text()
+        finally:
+            browser.close()
+    words = answer.replace(",", " ").split()
+    objects = [w for w in dict.fromkeys(words) if w in CATEGORIES]  # each once, in order
+    assert words.count("center") == 2 and words.count("top") == 2, answer
+    assert [t.strip() for t in phrases] == objects, (phrases, answer)
+    assert status.startswith("Done in"), status
+    assert outside == [], f"the page reached beyond the demo server: {outside}"
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_video_alone_through_the_api(video_server, tmp_path):
+    """gradio_client asks about a video without sending an image (every input has a
+    default)."""
+    from gradio_client import Client, handle_file
+    from test_demo_request import VIDEO_QUESTION, write_video
+
+    url, log = video_server
+    clip = write_video(tmp_path / "clip.mp4", frames=4)
+    client = Client(url, verbose=False)
+    status, answer, *_, frames = client.predict(
+        video_value=handle_file(str(clip)),
+        prompt_value=VIDEO_QUESTION,
+        api_name="/answer",
+    )
+    assert status.startswith("Done in"), status
+    captions = [item["caption"].rsplit(":", 1)[0] for item in frames["value"]]
+    assert captions == ["frames 0-1 (0.00-0.25 s)", "frames 2-3 (0.50-0.75 s)"]
     assert "Traceback" not in log.read_text()

@@ -339,13 +339,15 @@ def build_app(
         def pick(choice: str | None):
             return samples.get(choice) if choice else gr.skip()
 
+        # every input has a default, so an API call may leave any out: the image for a video
+        # (gradio marks a parameter optional when its default is None or its component's value)
         def respond(
-            image_value,
-            prompt_value,
-            pruner_value,
-            keep_value,
-            layer_value,
-            mit_value,
+            image_value=None,
+            prompt_value=DEFAULT_QUESTION,
+            pruner_value=DEFAULT_PRUNER,
+            keep_value=DEFAULT_KEEP,
+            layer_value=default_layer,
+            mit_value="none",
             zoom_value=False,
             options_value="",
             video_value=None,
@@ -434,12 +436,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _banner(args: argparse.Namespace) -> str:
+    """What the command line prints on start: the address, and how to get a public link in
+    its own words (``--share``; gradio's own banner names ``launch(share=True)``, which is
+    right for a script calling :func:`build_app`, not for ``vlm-focus demo``)."""
+    where = f"vlm-focus demo: serving on http://{args.host}:{args.port}"
+    if args.share:
+        return f"{where}; a public gradio link follows (--share)"
+    return f"{where}; no public link (start with --share to make one)"
+
+
 def launch(demo: Any, args: argparse.Namespace, *, block: bool = True):
-    """Queue and launch ``demo`` with the command line's network options."""
+    """Queue and launch ``demo`` with the command line's network options, printing
+    :func:`_banner` instead of gradio's own start-up lines."""
     import gradio as gr
 
     theme = gr.themes.Default(font=LOCAL_FONTS, font_mono=LOCAL_MONO)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size)
+    print(_banner(args), flush=True)
     return demo.launch(
         server_name=args.host,
         server_port=args.port,
@@ -451,7 +465,7 @@ def launch(demo: Any, args: argparse.Namespace, *, block: bool = True):
         footer_links=[],
         theme=theme,
         css=CSS,
-        quiet=not block,
+        quiet=True,  # gradio's banner speaks of launch(share=True); _banner() of --share
     )
 
 
@@ -493,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
         served=served,
         model_panel=not args.lock_model,
     )
-    print(f"vlm-focus demo: serving on http://{args.host}:{args.port}", flush=True)
     launch(demo, args)
     return 0
 
