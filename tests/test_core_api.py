@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from reference import manual_decode
+from reference import assert_pruned_equals_masked, manual_decode
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
@@ -284,15 +284,42 @@ def test_a_config_passes_live_option_objects_as_they_are():
         assert handle.config.options["guide"] is guide
 
 
-def test_a_batch_of_uneven_images_warns_with_its_kept_counts():
-    """Rows keep one common length; a row that keeps far more than its own share is named,
-    once per handle, with what each row keeps and would keep alone."""
+def test_a_batch_of_uneven_images_keeps_each_rows_share():
+    """Each row keeps its own share (as alone), masking the rest of it as keys in the slots the
+    batch keeps; equal to the masked reference in prefill and cached decode."""
     model = make_model("qwen2_5_vl")
     inputs = make_inputs("qwen2_5_vl", model, batch=3)  # 12, 8 and 4 visual tokens
+    for attn_model in (model, make_model("qwen2_5_vl", attn="eager")):
+        trace = assert_pruned_equals_masked(attn_model, inputs, steps=4, keep=0.25, layer=1)
+        assert trace.n_kept == [3, 2, 1]
+    for b, kept in enumerate(trace.kept):  # each row keeps what it keeps alone
+        alone = inputs
+        row = {
+            k: v[b : b + 1] for k, v in alone.items() if k not in ("pixel_values", "image_grid_thw")
+        }
+        sizes = alone["image_grid_thw"].prod(-1).tolist()
+        row["image_grid_thw"] = alone["image_grid_thw"][b : b + 1]
+        row["pixel_values"] = alone["pixel_values"][sum(sizes[:b]) : sum(sizes[: b + 1])]
+        with torch.no_grad(), vf.wrap(model, keep=0.25, layer=1) as handle:
+            model(**row)
+        assert torch.equal(handle.last_trace.kept[0], kept)  # the row keeps its padding
+    unpadded = {**inputs, "attention_mask": torch.ones_like(inputs["attention_mask"])}
+    trace = assert_pruned_equals_masked(model, unpadded, steps=4, keep=0.25, layer=0)
+    assert trace.n_kept == [3, 2, 1]  # SDPA without a padding mask: the mask is built
+    trace = assert_pruned_equals_masked(model, inputs, steps=4, keep=(0.5, 0.25), layer=(0, 2))
+    assert [[k.numel() for k in stage.kept] for stage in trace.stages] == [[6, 4, 2], [3, 2, 1]]
+
+
+def test_the_common_rule_warns_with_each_rows_kept_count():
+    """Where rows cannot keep their own share (a static cache), rows keep one common length;
+    a row far above its share is named, once per handle, with both counts."""
+    model = make_model("qwen2_5_vl")
+    inputs = make_inputs("qwen2_5_vl", model, batch=3)
+    static = dict(max_new_tokens=2, cache_implementation="static")
     with torch.no_grad(), vf.wrap(model, keep=0.25, layer=1) as handle:
         with pytest.warns(UserWarning, match=r"keep \[9, 5, 1\].*alone would keep \[3, 2, 1\]"):
-            model(**inputs)
+            model.generate(**inputs, **static)
         assert handle.last_trace.n_kept == [9, 5, 1]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            model(**inputs)  # once per handle
+            model.generate(**inputs, **static)  # once per handle

@@ -27,11 +27,15 @@ class StageTrace:
     visual: torch.Tensor  # [B, S] bool: its candidates
     keep: torch.Tensor  # [B, S] bool: what it kept (text and padding included)
     score_values: torch.Tensor  # [B, S] scores (non-visual entries meaningless)
+    # [B, S] bool: kept in the row's slots but masked as keys (a batch row that keeps its own
+    # share while the batch keeps one length), or None
+    masked: torch.Tensor | None = None
 
     @cached_property
     def _host(self) -> tuple[torch.Tensor, ...]:
+        keep = self.keep if self.masked is None else self.keep & ~self.masked
         return tuple(
-            t.detach().cpu() for t in (self.positions, self.visual, self.keep, self.score_values)
+            t.detach().cpu() for t in (self.positions, self.visual, keep, self.score_values)
         )
 
     @cached_property

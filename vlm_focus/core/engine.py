@@ -58,7 +58,7 @@ from .calls import (
 )
 from .fixation import FixedView, StepFixation
 from .pruner import Pruner, StageContext
-from .selection import frame_shares, keep_mask, kept_columns, selected_keep
+from .selection import frame_shares, keep_mask, kept_columns, lowest_visual, selected_keep
 
 
 @dataclass
@@ -70,6 +70,9 @@ class _Prefill:
     valid: torch.Tensor  # [B, S] bool, original
     full_len: int
     drops: list[int]  # visual tokens every row drops at each stage
+    # per stage, per row: visual tokens it keeps in its slots but masks as keys, so that each
+    # row keeps its own share while the batch keeps one length (host; all 0 without this rule)
+    extras: list[list[int]]
     visual_counts: list[list[int]]  # per stage, per row: visual tokens before it (host)
     inputs: dict[str, Any]
     trace: FocusTrace
@@ -94,6 +97,8 @@ class _Prefill:
     # labels: the next-token target of every original position ([B, S]) and the loss kwargs;
     # the loss is taken over the positions the last layer holds (see FocusEngine._after_model)
     targets: torch.Tensor | None = None
+    masked: torch.Tensor | None = None  # [B, S] original positions masked as keys (extras)
+    masked_at: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, [B, S'] local
     loss_kwargs: dict = field(default_factory=dict)
     # positions="compact": the visual tokens every row dropped, on the device (a tensor, so a
     # compiled decode step does not specialise on the count)
@@ -149,6 +154,28 @@ def _slice_mask(mask: Any, rows: torch.Tensor | None, cols: torch.Tensor) -> Any
     if mask.dim() == 2:
         return _gather_seq(mask, cols, 1)
     raise ValueError(f"unexpected attention mask with shape {list(mask.shape)}")
+
+
+def _mask_keys(mask: Any, masked: torch.Tensor, n_queries: int, width: int) -> torch.Tensor:
+    """``mask`` (4-D ``[B, 1, q, width]``, additive or bool, or ``None`` for plain causal
+    attention) with the prompt keys ``masked [B, S']`` (its first ``S'`` columns) masked out."""
+    batch, held = masked.shape
+    cols = torch.zeros(batch, width, dtype=torch.bool, device=masked.device)
+    cols[:, :held] = masked
+    cols = cols[:, None, None, :]
+    if mask is None:  # causal: query j (the last n_queries of width keys) sees keys <= itself
+        keys = torch.arange(width, device=masked.device)
+        queries = torch.arange(width - n_queries, width, device=masked.device)
+        return (keys[None, :] <= queries[:, None])[None, None] & ~cols
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError(
+            "vlm_focus: a batch whose rows keep different shares masks keys, which needs a 4-D "
+            f"attention mask or none, got {type(mask).__name__}"
+        )
+    cols = cols.to(mask.device)
+    if mask.dtype == torch.bool:
+        return mask & ~cols
+    return mask.masked_fill(cols, torch.finfo(mask.dtype).min)
 
 
 def _decode_columns(kept: torch.Tensor, full_len: int, width: int) -> torch.Tensor:
@@ -330,9 +357,13 @@ class FocusEngine:
             return {}
         out = {}
         for index, held in state.per_layer.items():
-            if held.shape[1] == state.full_len:
+            masked = state.masked_at.get(index)
+            if held.shape[1] == state.full_len and masked is None:
                 continue
-            has = torch.zeros_like(state.visual).scatter(1, held.to(state.visual.device), True)
+            held = held.to(state.visual.device)
+            has = torch.zeros_like(state.visual).scatter(1, held, True)
+            if masked is not None:
+                has = has.scatter(1, held, ~masked.to(has.device))
             out[index] = state.visual & ~has
         return out
 
@@ -448,20 +479,26 @@ class FocusEngine:
                 "batch runs unpruned (batch text-only prompts separately to prune the others)",
                 stacklevel=2,
             )
-        drops, counts, remaining = [], [], list(n_visual)
+        per_row = self._per_row_shares(cache)
+        drops, extras, counts = [], [], []
+        remaining, attended = list(n_visual), list(n_visual)  # in the row's slots / unmasked
         for _, keep in self.config.stages:
             keep = self.pruner.prefill_keep(keep)
-            want = [r - min(r, keep_count(keep, n)) for r, n in zip(remaining, n_visual)]
+            target = [min(a, keep_count(keep, n)) for a, n in zip(attended, n_visual)]
+            want = [r - t for r, t in zip(remaining, target)]
             drop = min(want)
+            extra = [w - drop for w in want] if per_row else [0] * len(want)
             drops.append(drop)
+            extras.append(extra)
             counts.append(remaining)
             remaining = [r - drop for r in remaining]
-        if any(drops):
+            attended = [r - e for r, e in zip(remaining, extra)]
+        if any(drops) and not per_row:
             self._warn_uneven_rows(n_visual, remaining)
         # Nothing to drop (keep=1.0): the prompt runs as the model runs it, so no input the
         # layout needs is asked for and no layout is built.
         layout: list[list[ImageLayout]] = [[] for _ in n_visual]
-        if any(drops) or self.pruner.decode_time:
+        if any(drops) or any(map(any, extras)) or self.pruner.decode_time:
             for name in self.adapter.required_with_images:
                 if prefill.inputs.get(name) is None:
                     raise ValueError(
@@ -479,6 +516,7 @@ class FocusEngine:
             valid=valid,
             full_len=seq,
             drops=drops,
+            extras=extras,
             visual_counts=counts,
             inputs={k: v for k, v in prefill.inputs.items() if k not in CACHE_KEYS},
             trace=trace,
@@ -494,7 +532,7 @@ class FocusEngine:
                 else None
             ),
         )
-        if any(drops) and (
+        if (any(drops) or any(map(any, extras))) and (
             kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
         ):
             kwargs = self._take_labels(kwargs)
@@ -515,9 +553,22 @@ class FocusEngine:
         self.last_trace = trace
         return kwargs
 
+    def _per_row_shares(self, cache: Any) -> bool:
+        """Rows of a batch keep their own share of visual tokens: each drops what the row with
+        the fewest drops, and masks the rest of its share as keys in the slots it keeps (the
+        batch keeps one length, so this costs what the longest row costs). A static cache
+        (fixed masks per slot), flash attention (no key masks), compact positions (which count
+        every kept slot) and decode-time selection keep the common rule instead."""
+        return not (
+            is_static(cache)
+            or self._flash
+            or self.config.positions == "compact"
+            or self.pruner.decode_time
+        )
+
     def _warn_uneven_rows(self, n_visual: list[int], kept: list[int]) -> None:
-        """Rows keep one common length, so a row with more visual tokens than the others keeps
-        more than its own share; say so, with the numbers, once per handle."""
+        """Under the common rule a row with more visual tokens than the others keeps more than
+        its own share; say so, with the numbers, once per handle."""
         alone = list(n_visual)
         for _, keep in self.config.stages:
             keep = self.pruner.prefill_keep(keep)
@@ -578,8 +629,14 @@ class FocusEngine:
         held = state.per_layer[len(self.layers) - 1]  # [B, S'] original positions
         targets = targets.to(held.device)
         ignore = state.loss_kwargs.get("ignore_index", -100)
-        lost = targets.scatter(1, held, ignore)
+        masked = state.masked_at.get(len(self.layers) - 1)  # [B, S'] in the held slots
+        counted = torch.ones_like(held, dtype=torch.bool) if masked is None else ~masked
+        lost = targets.masked_fill(
+            torch.zeros_like(targets, dtype=torch.bool).scatter(1, held, counted), ignore
+        )
         targets = targets.gather(1, held)
+        if masked is not None:
+            targets = targets.masked_fill(masked.to(targets.device), ignore)
         targets = targets[:, targets.shape[1] - logits.shape[1] :]  # logits_to_keep
         if bool((lost != ignore).any()):
             warnings.warn(
@@ -730,6 +787,21 @@ class FocusEngine:
                 current,
                 lambda: _slice_mask(mask, _on(current, mask), _on(current, mask)),
             )
+        if state.masked is not None:
+            masked = self._once(
+                "masked",
+                state.masked,
+                current,
+                lambda: _gather_seq(state.masked, _on(current, state.masked), 1),
+            )
+            state.masked_at[index] = masked
+            mask = kwargs["attention_mask"]
+            kwargs["attention_mask"] = self._once(
+                "masked_mask",
+                mask,
+                current,
+                lambda: _mask_keys(mask, masked, hidden.shape[1], masked.shape[1]),
+            )
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, torch.Tensor) and self._flash:
             # Kept ids have gaps, which flash-attention at batch 1 reads as packed sequences
@@ -866,6 +938,24 @@ class FocusEngine:
             kwargs = dict(kwargs)
             kwargs["attention_mask"] = self._static_decode_mask(index, mask)
             return kwargs
+        masked = state.masked_at.get(index)
+        if masked is not None:  # this layer's masked prompt keys stay masked at every step
+            kwargs = dict(self._decode_mask(index, hidden, kwargs, cache))
+            mask = kwargs.get("attention_mask")
+            width = held_length(cache, index) + hidden.shape[1]
+            kwargs["attention_mask"] = self._once(
+                "decode_masked",
+                mask,
+                masked,
+                lambda: _mask_keys(mask, masked, hidden.shape[1], width),
+            )
+            return kwargs
+        return self._decode_mask(index, hidden, kwargs, cache)
+
+    def _decode_mask(self, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any) -> dict:
+        """A decode step's mask, column-sliced to the keys layer ``index`` holds."""
+        state = self.state
+        mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor):
             return kwargs  # no mask: every cached key is attendable, nothing to slice
         width, n_new = mask.shape[-1], hidden.shape[1]
@@ -907,7 +997,8 @@ class FocusEngine:
         batch, seq = current.shape
         visual = state.visual.to(device).gather(1, current)
         drop = state.drops[stage_index]
-        if drop == 0:  # nothing to drop (keep=1.0, or a row without visual tokens)
+        extra = state.extras[stage_index]
+        if drop == 0 and not any(extra):  # nothing to drop (keep=1.0, or a text-only row)
             keep = torch.ones_like(visual)
             zeros = torch.zeros(visual.shape, device=visual.device)
             state.trace.stages.append(StageTrace(index, current, visual, keep, zeros))
@@ -936,15 +1027,32 @@ class FocusEngine:
         start = watch.start(device)
         with torch.no_grad():
             selection = self.pruner.select(ctx, n_keep)
+        ranking = selection.scores
         if self.config.budget == "frame":
             frames = state.frames.to(device).gather(1, current)
-            keep = keep_mask(frame_shares(selection.scores, visual, frames), visual, drop)
+            ranking = frame_shares(ranking, visual, frames)
+        before = None if state.masked is None else state.masked.to(device).gather(1, current)
+        masked = None
+        if any(extra) or before is not None:
+            if before is not None:  # what an earlier stage masked goes first
+                floor = torch.finfo(torch.float32).min
+                ranking = ranking.float().masked_fill(before, floor)
+            keep = keep_mask(ranking, visual, drop)
+            share = torch.tensor(extra, device=device) + drop
+            masked = lowest_visual(ranking, visual, share) & keep
+            state.masked = torch.zeros_like(state.visual).scatter(
+                1, current.to(state.visual.device), masked.to(state.visual.device)
+            )
+        elif self.config.budget == "frame":
+            keep = keep_mask(ranking, visual, drop)
         else:  # the pruner's own top n_keep when every row keeps the same count
             kept = selection.kept if len(set(counts)) == 1 else None
             keep = selected_keep(selection.scores, kept, visual, drop)
         watch.stop(start, device)
         local = kept_columns(keep, seq - drop)
-        state.trace.stages.append(StageTrace(index, current, visual, keep, selection.scores))
+        state.trace.stages.append(
+            StageTrace(index, current, visual, keep, selection.scores, masked=masked)
+        )
         return local
 
 

@@ -15,6 +15,17 @@ def keep_mask(scores: torch.Tensor, visual: torch.Tensor, drop: int) -> torch.Te
     return torch.ones_like(visual).scatter(1, dropped, False)
 
 
+def lowest_visual(scores: torch.Tensor, visual: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: row ``b``'s ``counts[b]`` lowest-scoring visual tokens (the rule of
+    :func:`keep_mask`, with a count per row)."""
+    ranked = scores.float().masked_fill(~visual, float("-inf"))
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # visual first
+    steps = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, steps)
+    first = visual.sum(1, keepdim=True) - counts.to(visual.device)[:, None]
+    return visual & (rank >= first)
+
+
 def selected_keep(
     scores: torch.Tensor, kept: torch.Tensor | None, visual: torch.Tensor, drop: int
 ) -> torch.Tensor:
