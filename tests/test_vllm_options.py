@@ -22,6 +22,7 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
             "budget": "frame",
             "tiles": 2,
             "min_per_region": 1,
+            "positions": "original",
         },
     }
     assert plugin.ServeOptions.from_config(overrides["vlm_focus"]).keep == 0.5
@@ -35,6 +36,8 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
         ({"keep": 0}, "count"),
         ({"tiles": 0}, "tiles"),
         ({"budget": "frames"}, "budget='frames' is not one of"),
+        ({"positions": "compact"}, "positions='compact' is not one of \\('original',\\)"),
+        ({"positions": "shifted"}, "positions='shifted' is not one of"),
     ],
 )
 def test_bad_settings_name_what_is_allowed(options, message):
@@ -80,6 +83,19 @@ def test_a_server_count_is_read_once_by_keeps_rule_and_serves_any_image():
     assert options.keep == 4096 and type(options.keep) is int
     assert plugin.hf_overrides("qwen2_5_vl", keep=4096)["vlm_focus"]["keep"] == 4096
     assert type(plugin.ServeOptions(keep=np.float32(0.5)).keep) is float
+
+
+def test_llava_classes_serve_original_positions_by_default_and_compact_on_request():
+    for model_type in ("llava", "llava_next", "llava_onevision"):
+        assert plugin.hf_overrides(model_type)["vlm_focus"]["positions"] == "original"
+        chosen = plugin.hf_overrides(model_type, positions="compact")["vlm_focus"]
+        assert chosen["positions"] == "compact"
+    assert plugin.ServeOptions.from_config({"positions": "compact"}).positions == "compact"
+    with pytest.raises(ValueError, match="positions='shifted' is not one of"):
+        plugin.hf_overrides("llava", positions="shifted")
+    command = serve_command(["embedded", "--positions", "compact"])
+    overrides = json.loads(command[command.index("--hf-overrides") + 1])
+    assert overrides["vlm_focus"]["positions"] == "compact"
 
 
 def test_each_class_serves_its_own_pruners_with_its_default_first():

@@ -1,10 +1,15 @@
 """The embedded default model (LLaVA-1.5 architecture) served by vLLM with the plugin equals
-``vf.wrap(..., layer=0, positions="compact")`` in transformers.
+``vf.wrap(..., layer=0)`` in transformers: kept tokens at their original positions, and with
+``positions="compact"`` ``vf.wrap(..., layer=0, positions="compact")``.
 
 Runs in the vLLM environment (see ``test_vllm_plugin.py``); the transformers side
 (``transformers_llava.py``) runs in the main environment. Two sample scenes x two questions x
 ``fastv``, ``text``, ``debiased`` and ``pool`` at keeps 0.25 and 0.11 go through one engine in one
-batch: greedy tokens, the pruned prompt's ids and the kept cells equal transformers'. The same
+batch, in prefill chunks of a few tokens (so that an image is split between steps): greedy
+tokens, the pruned prompt's ids and the kept cells equal transformers'. The README's caption
+(its sample scene, "Describe the image.") is the one of original positions, which differs from
+the compact one; a server with ``positions="compact"`` gives the compact ones. A video gets the
+plugin's own message. The same
 image under two questions keeps different cells (the prompt is part of its cache identity). The
 served model behind ``--api-key`` refuses a request without the key, answers one with it as
 transformers does, answers a bad setting with a 400 that names it, and under 32 requests at once
@@ -75,17 +80,28 @@ OVERRIDES = {
     "architectures": ["VlmFocusLlavaForConditionalGeneration"],
     "vlm_focus": {"pruner": "fastv", "keep": 0.25},
 }
+#: Settings also run with positions="compact", on a server of its own.
+COMPACT = [s for s in SETTINGS if s[:2] in (("fastv", 0.25), ("pool", 0.11))]
+#: Prefill chunks of this many tokens: an image's kept placeholders span several.
+CHUNK = 16
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """transformers outputs keyed by (image, question, pruner, keep); pruner None = unpruned."""
+    """transformers outputs keyed by (image, question, pruner, keep) at original positions
+    (pruner None = unpruned), and by (image, question, pruner, keep, "compact")."""
     work = tmp_path_factory.mktemp("reference")
     cases = [
         {"image": image, "question": q, "pruner": pruner, "keep": keep}
         for image in IMAGES
         for q in QUESTIONS
         for pruner, keep in [(None, 1.0)] + [s[:2] for s in SETTINGS]
+    ]
+    cases += [
+        {"image": image, "question": q, "pruner": pruner, "keep": keep, "positions": "compact"}
+        for image in IMAGES
+        for q in QUESTIONS
+        for pruner, keep, _ in COMPACT
     ]
     (work / "cases.json").write_text(json.dumps(cases))
     subprocess.run(
@@ -100,7 +116,12 @@ def reference(tmp_path_factory) -> dict:
         timeout=600,
     )
     out = json.loads((work / "out.json").read_text())
-    return {(c["image"], c["question"], c["pruner"], c["keep"]): c for c in out}
+
+    def key(case: dict) -> tuple:
+        setting = (case["image"], case["question"], case["pruner"], case["keep"])
+        return (*setting, case["positions"]) if "positions" in case else setting
+
+    return {key(c): c for c in out}
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +134,44 @@ def pruned(reference, tmp_path_factory) -> tuple[list[tuple], dict]:
                 keys.append((image, question, pruner, keep))
                 cases.append({"prompt_token_ids": prompt_ids, "image": image, "request": request})
     work = tmp_path_factory.mktemp("pruned")
-    return keys, _offline(MODEL, cases, work, OVERRIDES)
+    # a video, which the LLaVA class does not take: its error, after the batch
+    cases.append({"prompt_token_ids": prompt_ids, "video": _video(work), "expect_error": True})
+    result = _offline(MODEL, cases, work, OVERRIDES, {"max_num_batched_tokens": CHUNK})
+    result["video_error"] = result["outputs"].pop()["error"]
+    return keys, result
 
 
-def test_served_embedded_model_equals_transformers_compact(pruned, reference):
-    keys, result = pruned
+@pytest.fixture(scope="module")
+def compact(reference, tmp_path_factory) -> tuple[list[tuple], dict]:
+    """The COMPACT settings through a server with positions="compact"."""
+    keys, cases = [], []
+    for image in IMAGES:
+        for question in QUESTIONS:
+            prompt_ids = reference[(image, question, None, 1.0)]["prompt_ids"]
+            for pruner, keep, request in COMPACT:
+                keys.append((image, question, pruner, keep, "compact"))
+                cases.append({"prompt_token_ids": prompt_ids, "image": image, "request": request})
+    overrides = {**OVERRIDES, "vlm_focus": {**OVERRIDES["vlm_focus"], "positions": "compact"}}
+    return keys, _offline(MODEL, cases, tmp_path_factory.mktemp("compact"), overrides)
+
+
+def _video(work: Path) -> str:
+    """A ``.npy`` of four random 32 x 48 px frames."""
+    import numpy as np
+
+    frames = (np.random.default_rng(0).random((4, 32, 48, 3)) * 255).astype(np.uint8)
+    np.save(work / "video.npy", frames)
+    return str(work / "video.npy")
+
+
+def test_a_video_gets_the_plugins_own_message(pruned):
+    _, result = pruned
+    assert "prunes images only" in result["video_error"], result["video_error"]
+
+
+@pytest.mark.parametrize("served", ["pruned", "compact"])
+def test_served_embedded_model_equals_transformers(served, request, reference):
+    keys, result = request.getfixturevalue(served)
     assert result["plugin_loaded"]
     recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
     for key, output in zip(keys, result["outputs"], strict=True):
@@ -125,6 +179,16 @@ def test_served_embedded_model_equals_transformers_compact(pruned, reference):
         assert output["prompt_token_ids"] == expected["pruned_ids"], key
         assert output["tokens"] == expected["tokens"], key
         assert (expected["n"], tuple(expected["kept"])) in recorded, key
+
+
+def test_the_readme_caption_is_served_at_original_positions(pruned, reference):
+    """The README's sample scene and caption prompt, fastv 0.25 (the server's default): the
+    served caption is vf.wrap's at original positions, which differs from the compact one."""
+    keys, result = pruned
+    setting = (str(MODEL.parent / "samples" / "scene_9000001.png"), QUESTIONS[1], "fastv", 0.25)
+    served = result["outputs"][keys.index(setting)]["tokens"]
+    assert served == reference[setting]["tokens"]
+    assert served != reference[(*setting, "compact")]["tokens"]
 
 
 def test_an_images_attention_selection_follows_its_prompt(reference):

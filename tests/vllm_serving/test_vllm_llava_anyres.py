@@ -1,12 +1,14 @@
-"""LLaVA-NeXT and LLaVA-OneVision served by vLLM with the plugin equal ``vf.wrap(..., layer=0,
-positions="compact")`` in transformers (see ``test_vllm_plugin.py`` for the set-up).
+"""LLaVA-NeXT and LLaVA-OneVision served by vLLM with the plugin equal ``vf.wrap(..., layer=0)``
+in transformers, kept tokens at their original positions (see ``test_vllm_plugin.py`` for the
+set-up).
 
 On a tiny random-weight model of each class: two images whose anyres layouts differ (64 x 32 px: two
 crops; 50 x 38 px: an unpadded, cut grid), ``fastv``, ``text``, ``debiased`` (whose padding fix
 reads the original image size and the model adapter's geometry) and ``pool`` set per request, all
 through one engine in one batch: greedy tokens and kept tokens equal transformers'. Both sides
 read the pixels the vLLM environment's own processor makes (the main environment lacks
-torchvision, and anyres resizing differs between image-processor back ends).
+torchvision, and anyres resizing differs between image-processor back ends). A video gets the
+plugin's own message.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def model_dir(family, tmp_path_factory) -> Path:
 
 
 def test_served_anyres_llava_equals_transformers(family, model_dir, tmp_path):
+    import numpy as np
     import torch
     from PIL import Image
     from transformers import AutoProcessor
@@ -77,8 +80,14 @@ def test_served_anyres_llava_equals_transformers(family, model_dir, tmp_path):
         for name in IMAGES
         for _, _, request in SETTINGS
     ]
+    # a video, which neither class takes: its error, after the batch
+    frames = (np.random.default_rng(0).random((4, 32, 48, 3)) * 255).astype(np.uint8)
+    np.save(tmp_path / "video.npy", frames)
+    requests.append({"prompt": PROMPT, "video": str(tmp_path / "video.npy"), "expect_error": True})
     overrides = {"architectures": [CLASSES[family]], "vlm_focus": {"pruner": "fastv", "keep": 0.25}}
     result = _offline(model_dir, requests, tmp_path, overrides)
+    video_error = result["outputs"].pop()["error"]
+    assert "prunes images only" in video_error, video_error
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_index"]
     recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
     for key, want, output in zip(keys, expected, result["outputs"], strict=True):

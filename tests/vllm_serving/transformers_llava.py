@@ -3,11 +3,11 @@ MAIN environment, called by the tests in the vLLM environment as a script:
 
     python tests/vllm_serving/transformers_llava.py CASES.json OUT.json
 
-Each case is ``{"image": path, "question": str, "pruner": str | null, "keep": float}``; per case
-it writes the chat prompt (text), its token ids with the image as one placeholder (what vLLM
-expands), the greedy continuation of ``vf.wrap(model, pruner, keep, layer=0,
-positions="compact")`` (unwrapped for ``pruner: null``) and the kept cells (raster order of the
-12 x 12 grid).
+Each case is ``{"image": path, "question": str, "pruner": str | null, "keep": float,
+"positions": "original" | "compact" (default "original")}``; per case it writes the chat prompt
+(text), its token ids with the image as one placeholder (what vLLM expands), the greedy
+continuation of ``vf.wrap(model, pruner, keep, layer=0, positions=positions)`` (unwrapped for
+``pruner: null``) and the kept cells (raster order of the 12 x 12 grid).
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ def run(cases: list[dict]) -> list[dict]:
                 kept = list(range(n_cells))
             else:
                 with vf.wrap(
-                    model, pruner=case["pruner"], keep=case["keep"], layer=0, positions="compact"
+                    model,
+                    pruner=case["pruner"],
+                    keep=case["keep"],
+                    layer=0,
+                    positions=case.get("positions", "original"),
                 ) as handle:
                     tokens = model.generate(**inputs, **generate)
                     kept = (handle.last_trace.kept[0] - at).tolist()

@@ -8,9 +8,9 @@ base grid; anyres pinpoints 32x64, 64x32, 64x64; Llama text, Qwen2 for OneVision
 the smallest vLLM's CPU attention takes), a word-level tokenizer, the processor's configs and two
 images (64 x 32 px, and 50 x 38 px, whose unpadded grid is cut). ``run`` reads the processor
 outputs the vLLM environment's own processor made (``INPUTS.pt``: ``[{"inputs": {...}, "pruner",
-"keep"}]``; the same pixels vLLM sees) and writes, per case, the greedy continuation of
-``vf.wrap(model, pruner, keep, layer=0, positions="compact")`` and the kept tokens (indices into
-the image's tokens).
+"keep", "positions" (default "original")}]``; the same pixels vLLM sees) and writes, per case,
+the greedy continuation of ``vf.wrap(model, pruner, keep, layer=0, positions=positions)`` and
+the kept tokens (indices into the image's tokens).
 """
 
 from __future__ import annotations
@@ -143,7 +143,11 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
         with (
             torch.no_grad(),
             vf.wrap(
-                model, pruner=case["pruner"], keep=case["keep"], layer=0, positions="compact"
+                model,
+                pruner=case["pruner"],
+                keep=case["keep"],
+                layer=0,
+                positions=case.get("positions", "original"),
             ) as handle,
         ):
             tokens = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)

@@ -20,10 +20,10 @@ serves prompts of every size), shared out by ``budget="frame"``'s rule. The mode
 image before the LLM (:data:`SERVED` lists each class's pruners: the attention pruners score with
 layer 0 of vLLM's own decoder over the unpruned prompt; ``pool`` is spatially uniform;
 ``pyramid`` is PTP's bottom-up saliency, the embedding norm) and returns exactly the kept
-embeddings, in prompt order: at their original M-RoPE positions on Qwen-VL, consecutively on
-LLaVA. This equals ``vf.wrap(model, pruner=..., keep=..., layer=0, budget="frame")`` in
-transformers (``alpha=0`` for ``pyramid``; ``positions="compact"`` for LLaVA), where a count
-above the prompt's tokens raises instead.
+embeddings, in prompt order, each at its original position (:data:`POSITIONS`: the LLaVA classes
+can also serve them consecutively, ``positions="compact"``). This equals ``vf.wrap(model,
+pruner=..., keep=..., layer=0, budget="frame", positions=...)`` in transformers (``alpha=0`` for
+``pyramid``), where a count above the prompt's tokens raises instead.
 
 The Qwen-VL classes also prune videos (:data:`VIDEO_BUDGETS`): a prompt with one video keeps
 ``keep_count(keep, N, clamp=True)`` of its ``N`` tokens, every frame the same share
@@ -52,6 +52,11 @@ CONFIG_KEY = "vlm_focus"
 REQUEST_KEYS = ("vlm_focus_pruner", "vlm_focus_keep", "vlm_focus_budget")
 #: What ``budget`` may say: how a video's kept tokens are shared out over its frames.
 BUDGETS = ("frame", "span")
+#: What ``positions`` may say: where the kept tokens sit for the LLM's RoPE. ``"original"``:
+#: where they sat in the unpruned prompt, and every later token (text, decoding) as if nothing
+#: had been pruned (``vf.wrap``'s default); ``"compact"``: consecutively, as vLLM numbers any
+#: prompt of 1-D RoPE (``vf.wrap(..., positions="compact")``).
+POSITIONS = ("original", "compact")
 #: ``model_type`` -> (vLLM's architecture, the plugin's pruning architecture).
 ARCHITECTURES = {
     "qwen2_5_vl": (
@@ -69,13 +74,14 @@ ARCHITECTURES = {
         "VlmFocusLlavaOnevisionForConditionalGeneration",
     ),
 }
-#: ``model_type`` -> the pruners its class serves, the default first, and its position rule.
+#: ``model_type`` -> the pruners its class serves and the positions it serves them at, the
+#: defaults first (Qwen-VL's M-RoPE positions are always the original ones).
 SERVED = {
-    "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
-    "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), "original M-RoPE positions"),
-    "llava": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
-    "llava_next": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
-    "llava_onevision": (("fastv", "text", "debiased", "pool"), 'consecutive (positions="compact")'),
+    "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), ("original",)),
+    "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), ("original",)),
+    "llava": (("fastv", "text", "debiased", "pool"), POSITIONS),
+    "llava_next": (("fastv", "text", "debiased", "pool"), POSITIONS),
+    "llava_onevision": (("fastv", "text", "debiased", "pool"), POSITIONS),
 }
 #: ``model_type`` -> the budgets its class prunes videos with, the default first (a class not
 #: listed serves images only). Qwen3-VL writes a timestamp before every frame, so a frame's
@@ -123,10 +129,20 @@ class ServeOptions:
     )
     tiles: int = field(default=2, metadata={"help": "pyramid: regions per side of the grid"})
     min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})
+    positions: str | None = field(
+        default=None,
+        metadata={
+            "help": "where kept tokens sit for the RoPE: 'original' (as unpruned) or 'compact' "
+            "(consecutive); None: the class's default (SERVED)",
+            "choices": POSITIONS,
+        },
+    )
 
     def __post_init__(self) -> None:
         self.keep = check_request(self.pruner or PRUNERS[0], self.keep)
         check_budget(self.budget)
+        if self.positions is not None:
+            check_positions(self.positions)
         for name, low in (("tiles", 1), ("min_per_region", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -172,6 +188,14 @@ def check_budget(budget: Any, budgets: tuple[str, ...] = BUDGETS) -> str:
     return budget
 
 
+def check_positions(positions: Any, served: tuple[str, ...] = POSITIONS) -> str:
+    """``positions`` if it is one of ``served`` (those a class serves), else a ``ValueError``
+    that names it."""
+    if positions not in served:
+        raise ValueError(f"vlm_focus positions={positions!r} is not one of {tuple(served)}")
+    return positions
+
+
 def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
     """``--hf-overrides`` for a model of ``model_type`` served pruned with ``options``
     (:class:`ServeOptions` fields)."""
@@ -181,9 +205,10 @@ def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
             f"supported: {sorted(ARCHITECTURES)}"
         )
     settings = ServeOptions(**options)
-    served = SERVED[model_type][0]
+    served, positions = SERVED[model_type]
     settings.pruner = settings.pruner or served[0]
     check_request(settings.pruner, settings.keep, served)
+    settings.positions = check_positions(settings.positions or positions[0], positions)
     return {"architectures": [ARCHITECTURES[model_type][1]], CONFIG_KEY: settings.to_dict()}
 
 
@@ -196,19 +221,28 @@ def recorded_kept(model: Any) -> list[dict[str, Any]]:
 
 def register() -> None:
     """Entry point of ``vllm.general_plugins``: registers the pruning classes by import path
-    (nothing heavy is imported until vLLM builds such a model). Safe to call repeatedly."""
+    (nothing heavy is imported until vLLM builds such a model), and for the classes of 1-D
+    RoPE (those that can serve ``positions="compact"``) the config hook that gives them
+    original positions (:mod:`._positions`). Safe to call repeatedly."""
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from ._positions import OriginalPositionsConfig
 
     known = set(ModelRegistry.get_supported_archs())
     for name, path in _CLASSES.items():
         if name not in known:
             ModelRegistry.register_model(name, path)
+    for model_type, (_, positions) in SERVED.items():
+        if "compact" in positions:
+            MODELS_CONFIG_MAP.setdefault(ARCHITECTURES[model_type][1], OriginalPositionsConfig)
 
 
 __all__ = [
     "ARCHITECTURES",
     "BUDGETS",
     "CONFIG_KEY",
+    "POSITIONS",
     "PRUNERS",
     "REQUEST_KEYS",
     "SERVED",
@@ -216,6 +250,7 @@ __all__ = [
     "VIDEO_BUDGETS",
     "VIDEO_PRUNERS",
     "check_budget",
+    "check_positions",
     "check_request",
     "hf_overrides",
     "recorded_kept",

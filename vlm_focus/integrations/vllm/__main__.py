@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ...asset_paths import EMBEDDED, default_model_path
 from ...config import KEEP_RULE, read_keep
-from . import ARCHITECTURES, BUDGETS, PRUNERS, ServeOptions, hf_overrides
+from . import ARCHITECTURES, BUDGETS, POSITIONS, PRUNERS, ServeOptions, hf_overrides
 
 #: The embedded model's KV cache unless the user sizes it: 8 KiB a token (float32; 4 layers, k
 #: and v, 8 heads of 32), so 131072 tokens, 256 prompts of its 512-token context.
@@ -87,6 +87,13 @@ def serve_command(argv: list[str], environ: Mapping[str, str] | None = None) -> 
         choices=BUDGETS,
         help="a video's share-out: every frame the same share, or where the pruner chooses",
     )
+    parser.add_argument(
+        "--positions",
+        default=defaults.positions,
+        choices=POSITIONS,
+        help="where kept tokens sit for the RoPE: as unpruned, or consecutive (LLaVA classes; "
+        "default: the class's, original)",
+    )
     parser.add_argument("--tiles", type=int, default=defaults.tiles)
     parser.add_argument("--min-per-region", type=int, default=defaults.min_per_region)
     parser.add_argument("--model-type", default=None, help=f"one of {sorted(ARCHITECTURES)}")
@@ -106,6 +113,7 @@ def serve_command(argv: list[str], environ: Mapping[str, str] | None = None) -> 
         budget=args.budget,
         tiles=args.tiles,
         min_per_region=args.min_per_region,
+        positions=args.positions,
     )
     command = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides)]
     command += [*server_defaults, "--host", args.host, *rest]

@@ -11,10 +11,11 @@ subclasses vLLM's own LLaVA class and changes one thing:
 - ``embed_multimodal``: runs vLLM's vision tower and projector unchanged, then keeps the cells
   ``vf.wrap(model, pruner=..., keep=..., layer=0)`` keeps: ``pool`` from the grid alone, the
   attention pruners from layer 0 of vLLM's own decoder (:mod:`._layer0`) over the unpruned
-  prompt. It returns only the kept embeddings, in raster order.
-
-LLaVA's RoPE is 1-D and vLLM numbers the pruned prompt's tokens consecutively, which is
-``vf.wrap(..., positions="compact")`` in transformers.
+  prompt. It returns only the kept embeddings, in raster order;
+- positions (:mod:`._positions`): by default each kept token sits where it sat in the unpruned
+  prompt, and so does every later token, as in ``vf.wrap(..., layer=0)``; with
+  ``positions="compact"`` vLLM numbers the pruned prompt consecutively, as in
+  ``vf.wrap(..., layer=0, positions="compact")``.
 
 Attention pruners score one image per prompt (a prompt with several images is refused by the
 processor: their layer-0 softmax would need every image's embeddings at once).
@@ -31,12 +32,16 @@ from vllm.model_executor.models.llava import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from ...geometry import Size
 from . import SERVED
 from ._layer0 import grid_layout
 from ._model import PruningModel
-from ._processor import PruningProcessorMixin
+from ._mrope import POSITION_CHANNELS, decode_cells, encode_cells
+from ._positions import original_positions
+from ._processor import ImagesOnlyInfo, PruningProcessorMixin
+from ._request import TOKENS_FIELD
 
 #: Checkpoints saved by transformers 5 name the CLIP tower without its ``vision_model.`` level.
 CLIP_WITHOUT_VISION_MODEL = WeightsMapper(
@@ -59,6 +64,113 @@ def _grid(hf_config) -> tuple[int, int]:
         )
     side = vision.image_size // vision.patch_size
     return side, side
+
+
+#: An offset is written as three base-4096 digits, each as :func:`._mrope.encode_cells` writes
+#: a cell coordinate (exact in bf16): up to 4096**3 tokens an image.
+_DIGIT = 4096
+
+
+def encode_offsets(offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n]`` integer offsets -> ``[n, POSITION_CHANNELS]`` channels in ``dtype``."""
+    digits = torch.stack([offsets // _DIGIT**2, offsets // _DIGIT % _DIGIT, offsets % _DIGIT], -1)
+    return encode_cells(digits, dtype)
+
+
+def decode_offsets(channels: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_offsets`: ``[n, POSITION_CHANNELS]`` -> ``[n]`` long."""
+    digits = decode_cells(channels)
+    return (digits[:, 0] * _DIGIT + digits[:, 1]) * _DIGIT + digits[:, 2]
+
+
+class OriginalPositionsModel:
+    """Mixed in before a 1-D RoPE pruning model (see the module docstring). ``served_positions``
+    are the positions it serves, its default first; ``self.vlm_focus`` its settings."""
+
+    served_positions: tuple[str, ...] = ("original", "compact")
+    #: vLLM's M-RoPE interface (``SupportsMRoPE``), used at original positions
+    supports_mrope = True
+
+    def setup_positions(self, vllm_config) -> None:
+        """Checks at construction: the config hook ran (the plugin is loaded in every vLLM
+        process) and CUDA graphs leave ``forward`` eager for prefill."""
+        self.original_positions = original_positions(self.vlm_focus)
+        self._step_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not self.original_positions:
+            return
+        if not vllm_config.model_config.uses_mrope:
+            raise ValueError(
+                "vlm_focus positions='original' needs the plugin's config hook, which did not "
+                "run: load the vlm_focus plugin in every vLLM process (VLLM_PLUGINS), or serve "
+                "positions='compact'"
+            )
+        graphs = vllm_config.compilation_config.cudagraph_mode
+        if graphs is not None and graphs.mixed_mode() == graphs.FULL:
+            raise ValueError(
+                "vlm_focus positions='original' needs piecewise CUDA graphs for prefill: use "
+                "cudagraph_mode FULL_AND_PIECEWISE (vLLM's default), PIECEWISE or "
+                "FULL_DECODE_ONLY, not FULL, or serve positions='compact'"
+            )
+
+    def with_offsets(self, kept_embeds: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """An image's kept rows ``[k, D]`` with each one's index among the image's unpruned
+        tokens (``kept [k]``) appended, at original positions; unchanged at compact ones."""
+        if not self.original_positions:
+            return kept_embeds
+        channels = encode_offsets(kept.long(), kept_embeds.dtype).to(kept_embeds.device)
+        return torch.cat([kept_embeds, channels], dim=-1)
+
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        """Positions ``[3, N]`` (three equal rows) of the pruned prompt and the decode delta:
+        the unpruned prompt's positions for its text; an image's first position for each of its
+        kept tokens, to which :meth:`forward` adds the token's offset."""
+        pieces, start, position = [], 0, 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            offset, length = feature.mm_position.offset, feature.mm_position.length
+            text = offset - start
+            pieces += [torch.arange(text) + position, torch.full((length,), position + text)]
+            position += text + int(feature.data[TOKENS_FIELD].data)
+            start = offset + length
+        tail = len(input_tokens) - start
+        pieces.append(torch.arange(tail) + position)
+        positions = torch.cat(pieces).long().expand(3, -1).contiguous()
+        return positions, position + tail - len(input_tokens)
+
+    def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
+        """vLLM's embedding merge, after taking the offset channels off the image embeddings
+        (kept for :meth:`forward`, which runs next on the same flattened batch)."""
+        self._step_offsets = None
+        if (
+            self.original_positions
+            and multimodal_embeddings is not None
+            and len(multimodal_embeddings)
+        ):
+            offsets = torch.cat(
+                [decode_offsets(mm[:, -POSITION_CHANNELS:]) for mm in multimodal_embeddings]
+            )  # [n_mm], in placeholder order
+            where = torch.nonzero(is_multimodal).flatten()
+            if where.numel() != offsets.shape[0]:
+                raise RuntimeError(f"{offsets.shape[0]} image embeddings for {where.numel()} slots")
+            self._step_offsets = (where, offsets.to(where.device))
+            multimodal_embeddings = [
+                copy_mm_embedding_modality(mm, mm[:, :-POSITION_CHANNELS])
+                for mm in multimodal_embeddings
+            ]
+        return super().embed_input_ids(
+            input_ids, multimodal_embeddings, is_multimodal=is_multimodal
+        )
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+        """vLLM's forward; at original positions (M-RoPE rows ``[3, N]``) each kept image token
+        first gets its offset, then the language model reads the first row."""
+        if positions.dim() == 2:
+            if self._step_offsets is not None:
+                where, offsets = self._step_offsets
+                self._step_offsets = None
+                # in place: the runner's persistent buffer, which a CUDA-graph replay reads
+                positions[:, where] += offsets.to(positions.dtype)
+            positions = positions[0]
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
 
 
 class LlavaFamilyProcessor(PruningProcessorMixin):
@@ -87,9 +199,15 @@ class WithInstruction:
         return super().get_dummy_text(mm_counts) + "\n?"
 
 
-class LlavaFamilyModel(PruningModel):
-    """The LLaVA model classes' share: the image token, and kept rows chosen on each image's
-    layout (:meth:`image_layout`, the class's)."""
+class LlavaFamilyModel(OriginalPositionsModel, PruningModel):
+    """The LLaVA model classes' share: the image token, kept rows chosen on each image's
+    layout (:meth:`image_layout`, the class's), and their positions (:mod:`._positions`)."""
+
+    served_positions = SERVED["llava"][1]
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.setup_positions(vllm_config)
 
     @property
     def image_token_id(self) -> int:
@@ -109,8 +227,12 @@ class LlavaFamilyModel(PruningModel):
         for emb, size, request in zip(embeds, sizes, requests, strict=True):
             original = None if size is None else Size(width=size[1], height=size[0])
             kept = self.keep_cells(request, emb, self.image_layout(size), original)
-            out.append(emb[kept.to(emb.device)])
+            out.append(self.with_offsets(emb[kept.to(emb.device)], kept))
         return tuple(out)
+
+
+class VlmFocusLlavaProcessingInfo(ImagesOnlyInfo, LlavaProcessingInfo):
+    """Images only, and a video gets the plugin's own message."""
 
 
 class VlmFocusLlavaMultiModalProcessor(LlavaFamilyProcessor, LlavaMultiModalProcessor):
@@ -125,7 +247,7 @@ class VlmFocusLlavaDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuilder):
 
 @MULTIMODAL_REGISTRY.register_processor(
     VlmFocusLlavaMultiModalProcessor,
-    info=LlavaProcessingInfo,
+    info=VlmFocusLlavaProcessingInfo,
     dummy_inputs=VlmFocusLlavaDummyInputsBuilder,
 )
 class VlmFocusLlavaForConditionalGeneration(LlavaFamilyModel, LlavaForConditionalGeneration):

@@ -4,8 +4,9 @@ Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.regist
 is a base grid, then its anyres crops stitched into one grid unpadded to the image's aspect
 ratio, with a newline token closing each row; its tokens' layout comes from vlm_focus's own
 LLaVA-NeXT adapter (:func:`vlm_focus.model_adapters.llava_next.image_cells`), so ``pool`` and
-the attention pruners choose from the layout ``vf.wrap`` sees. Positions are consecutive, as
-for LLaVA-1.5: the transformers reference is ``vf.wrap(..., layer=0, positions="compact")``.
+the attention pruners choose from the layout ``vf.wrap`` sees. Positions as for LLaVA-1.5
+(:mod:`._positions`): original by default, the transformers reference ``vf.wrap(...,
+layer=0)``; or ``positions="compact"``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,14 @@ from ._llava import (
     LlavaFamilyProcessor,
     WithInstruction,
 )
+from ._processor import ImagesOnlyInfo
 
 #: What this class serves, its default first.
 PRUNERS = SERVED["llava_next"][0]
+
+
+class VlmFocusLlavaNextProcessingInfo(ImagesOnlyInfo, LlavaNextProcessingInfo):
+    """Images only, and a video gets the plugin's own message."""
 
 
 class VlmFocusLlavaNextMultiModalProcessor(LlavaFamilyProcessor, LlavaNextMultiModalProcessor):
@@ -44,7 +50,7 @@ class VlmFocusLlavaNextDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuild
 
 @MULTIMODAL_REGISTRY.register_processor(
     VlmFocusLlavaNextMultiModalProcessor,
-    info=LlavaNextProcessingInfo,
+    info=VlmFocusLlavaNextProcessingInfo,
     dummy_inputs=VlmFocusLlavaNextDummyInputsBuilder,
 )
 class VlmFocusLlavaNextForConditionalGeneration(

@@ -3,8 +3,9 @@
 Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.register`). An image
 is its base grid, then its anyres crops stitched into one grid (unpadded, downscaled past
 ``anyres_max_N``) with a newline closing each row; the tokens' layout comes from vlm_focus's own
-OneVision adapter (:func:`vlm_focus.model_adapters.llava_onevision.image_cells`). Positions are
-consecutive: the transformers reference is ``vf.wrap(..., layer=0, positions="compact")``.
+OneVision adapter (:func:`vlm_focus.model_adapters.llava_onevision.image_cells`). Positions as
+for LLaVA-1.5 (:mod:`._positions`): original by default, the transformers reference
+``vf.wrap(..., layer=0)``; or ``positions="compact"``.
 
 One image per prompt: vLLM tiles every image of a prompt, while the model (and
 ``vf.wrap``) shows each image of a several-image prompt as its base grid alone, so there is no

@@ -29,11 +29,13 @@ class PruningModel:
     """
 
     pruners: tuple[str, ...]
+    #: the positions the class serves its kept tokens at, its default first (:data:`POSITIONS`)
+    served_positions: tuple[str, ...] = ("original",)
     layer_adapter = VllmLayerAdapter()
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vlm_focus = serve_options(self.config, self.pruners)
+        self.vlm_focus = serve_options(self.config, self.pruners, self.served_positions)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             # later stages would not see what the first one kept
             raise ValueError(
@@ -58,7 +60,7 @@ class PruningModel:
     def item_requests(self, fields: tuple, sizes: list[int]) -> list[Request]:
         """``(pruner, kept count, prompt ids, budget)`` per item of ``sizes`` tokens; inputs
         the processor did not make get the server's setting, per item."""
-        keeps, codes, budgets, prompts = fields
+        keeps, codes, budgets, prompts, _ = fields
         n = len(sizes)
         if keeps is None or codes is None:
             keeps = [keep_count(self.vlm_focus.keep, size, clamp=True) for size in sizes]

@@ -102,10 +102,11 @@ class PruningProcessorMixin:
       the prompt is part of each item's cache identity.
     - Each image gets :func:`prompt_counts` placeholders, each video frame its
       :func:`video_counts` share (or the video its whole count, for ``"span"``), and the model
-      gets per-item fields (:func:`._request.item_fields`): that count, the pruner, the budget
-      and the prompt. A count depends on the other items of its prompt, so a prompt with
-      several items bypasses the processor cache (which processes only the items it lacks), and
-      each of its items' cache identity adds its place and count to vLLM's hash.
+      gets per-item fields (:func:`._request.item_fields`): that count, the pruner, the budget,
+      the prompt and the item's unpruned token count. A count depends on the other items of
+      its prompt, so a prompt with several items bypasses the processor cache (which processes
+      only the items it lacks), and each of its items' cache identity adds its place and count
+      to vLLM's hash.
     """
 
     pruners: tuple[str, ...]
@@ -177,21 +178,25 @@ class PruningProcessorMixin:
         counts = mm_items.get_all_counts()
         prompt = list(hf_kwargs.get(PROMPT_FIELD, ()))
         if counts.get("image", 0):
-            kept = prompt_counts(keep, self._image_sizes(data))
-            self._put_fields(data, "image", kept, pruner, budget, [prompt] * len(kept))
+            sizes = self._image_sizes(data)
+            kept = prompt_counts(keep, sizes)
+            self._put_fields(data, "image", kept, sizes, pruner, budget, [prompt] * len(kept))
         if counts.get("video", 0):
-            kept = [sum(c) for c in video_counts(keep, budget, self._video_frames(data))]
+            frames = self._video_frames(data)
+            kept = [sum(c) for c in video_counts(keep, budget, frames)]
             prompts = [
                 replace_once(prompt, *self._unpruned_video(data, i)) if prompt else []
                 for i in range(len(kept))
             ]
-            self._put_fields(data, "video", kept, pruner, budget, prompts)
+            sizes = [t * n for t, n in frames]
+            self._put_fields(data, "video", kept, sizes, pruner, budget, prompts)
         return data
 
-    def _put_fields(self, data, modality, kept, pruner, budget, prompts) -> None:
-        keep_name, pruner_name, budget_name, prompt_name = item_fields(modality)
+    def _put_fields(self, data, modality, kept, sizes, pruner, budget, prompts) -> None:
+        keep_name, pruner_name, budget_name, prompt_name, tokens_name = item_fields(modality)
         n = len(kept)
         data[keep_name] = torch.tensor(kept)
+        data[tokens_name] = torch.tensor(sizes)
         data[pruner_name] = torch.full((n,), self.pruners.index(pruner))
         data[budget_name] = torch.full((n,), BUDGETS.index(budget))
         width = max(len(p) for p in prompts)
@@ -238,7 +243,7 @@ class PruningProcessorMixin:
         """The replacement of a video with its kept count of placeholders, from vLLM's
         unpruned one (``unpruned(item_idx)``: token ids or :class:`PromptUpdateDetails`)."""
         token = self._video_token()
-        keep_name, _, budget_name, _ = item_fields("video")
+        keep_name, _, budget_name, *_ = item_fields("video")
 
         def kept(item_idx: int):
             item = out_mm_kwargs["video"][item_idx]
@@ -281,9 +286,9 @@ class PruningProcessorMixin:
 
 
 class ImagesOnlyInfo:
-    """Mixed in before the processing info of a vLLM class that also takes videos: the pruning
-    class serves images, and a request with a video gets the plugin's own message (not vLLM's
-    "At most 0 video(s)") before any processing."""
+    """Mixed in before the processing info of a pruning class that serves images only (the
+    LLaVA classes): a request with a video gets the plugin's own message (not vLLM's "At most 0
+    video(s)") before any processing, in the chat server's message parsing and offline."""
 
     def get_supported_mm_limits(self):
         return {"image": None}

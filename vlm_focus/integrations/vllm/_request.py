@@ -8,31 +8,47 @@ from typing import Any
 
 import torch
 
-from . import BUDGETS, CONFIG_KEY, REQUEST_KEYS, ServeOptions, check_budget, check_request
+from . import (
+    BUDGETS,
+    CONFIG_KEY,
+    REQUEST_KEYS,
+    ServeOptions,
+    check_budget,
+    check_positions,
+    check_request,
+)
 
 #: The ``mm_processor_kwargs`` keys: a request's own pruner, keep and budget
 #: (:data:`REQUEST_KEYS`), and the prompt's token ids, which the processor adds for an attention
 #: pruner so that they are part of each item's cache identity.
 PRUNER_FIELD, KEEP_FIELD, BUDGET_FIELD = REQUEST_KEYS
 PROMPT_FIELD = "vlm_focus_prompt"
+#: The per-item field of an item's unpruned token count (what it moves the position on by).
+TOKENS_FIELD = "vlm_focus_tokens"
 
 
-def item_fields(modality: str) -> tuple[str, str, str, str]:
+def item_fields(modality: str) -> tuple[str, str, str, str, str]:
     """Names of the per-item fields the processor hands the model for ``modality``: the kept
-    count, the pruner's index in the class's list, the budget's index in :data:`BUDGETS` and
-    the prompt (an image's: as the request wrote it; a video's: with the video's unpruned
-    tokens in place). A field belongs to one modality, so a video's carry a suffix."""
-    names = (KEEP_FIELD, PRUNER_FIELD, BUDGET_FIELD, PROMPT_FIELD)
+    count, the pruner's index in the class's list, the budget's index in :data:`BUDGETS`, the
+    prompt (an image's: as the request wrote it; a video's: with the video's unpruned tokens in
+    place) and the unpruned token count. A field belongs to one modality, so a video's carry a
+    suffix."""
+    names = (KEEP_FIELD, PRUNER_FIELD, BUDGET_FIELD, PROMPT_FIELD, TOKENS_FIELD)
     return names if modality == "image" else tuple(f"{name}_{modality}" for name in names)
 
 
-def serve_options(hf_config: Any, pruners: Sequence[str]) -> ServeOptions:
+def serve_options(
+    hf_config: Any, pruners: Sequence[str], positions: Sequence[str] | None = None
+) -> ServeOptions:
     """The server's settings from the model's HF config, its pruner checked against the
-    class's ``pruners`` (``None``: the class's first, its default)."""
+    class's ``pruners`` and, when given, its positions against the class's ``positions``
+    (``None`` in the config: the class's first, its default)."""
     options = ServeOptions.from_config(getattr(hf_config, CONFIG_KEY, None))
     if options.pruner is None:
         options.pruner = pruners[0]
     check_request(options.pruner, options.keep, pruners)
+    if positions is not None:
+        options.positions = check_positions(options.positions or positions[0], positions)
     return options
 
 
