@@ -13,9 +13,9 @@ import sys
 from typing import Any
 
 from ..core.options import add_options, parse_config
+from ..loading import MissingExtra
 from .chair_run import ChairConfig, run_chair
 from .coco_run import CocoConfig, run_coco
-from .common import MissingExtra
 from .pope_run import PopeConfig, run_pope
 
 COMMANDS: dict[str, tuple[type, Any, str]] = {

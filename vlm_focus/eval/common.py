@@ -18,6 +18,7 @@ from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_f
 from ..core.options import default_of, inherit, show
 from ..core.registry import get_pruner, pruners_with, read_pruner_options
 from ..hallucination import mitigation_choices, mitigation_name
+from ..loading import MissingExtra
 from ..setting import RunSetting, focus_config
 
 ON_MISSING = ("skip", "stop")
@@ -207,11 +208,6 @@ class PruneOptions(EvalOptions):
         if focus is not None and get_pruner(pruner).needs_guide:
             guide = self.guide or ("embedded" if is_embedded(self.model) else None)
         return RunSetting(focus=focus, mitigation=self.mitigate, guide=guide, **overrides)
-
-
-class MissingExtra(ModuleNotFoundError):
-    """A module an evaluation command needs is not installed; the message names the command,
-    the module and what installs it, in one line."""
 
 
 def check_extras(options: EvalOptions) -> bool:
