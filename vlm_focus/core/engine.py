@@ -472,6 +472,8 @@ class FocusEngine:
         prefill = self.tracker.prefill  # the tracker read this call's ids, padding and inputs
         input_ids, valid, visual = prefill.input_ids, prefill.valid, prefill.visual
         n_visual = visual.sum(1).tolist()
+        # a text-only row has nothing to drop or score, so such a batch keeps the common rule
+        per_row = self._per_row_shares(cache) and 0 not in n_visual
         if 0 in n_visual and any(n_visual):
             warnings.warn(
                 "vlm_focus: this batch mixes rows without visual tokens and rows with images; "
@@ -479,7 +481,6 @@ class FocusEngine:
                 "batch runs unpruned (batch text-only prompts separately to prune the others)",
                 stacklevel=2,
             )
-        per_row = self._per_row_shares(cache)
         drops, extras, counts = [], [], []
         remaining, attended = list(n_visual), list(n_visual)  # in the row's slots / unmasked
         for _, keep in self.config.stages:
