@@ -18,6 +18,15 @@ rises: the table says whether it did.
 
 Writes ``serving.json`` and ``serving.md`` under ``--out``. On a GPU the same script runs a
 7B-shaped model (``--model`` a folder with its config and weights).
+
+``serving.py pope`` measures what serving costs in accuracy instead: the embedded model answers
+the held-out POPE questions of the first ``--images`` scenes (all three splits) unpruned and
+pruned (``--pruner`` at ``--keep``, layer 0), with the kept tokens at their original positions
+and at compact ones, through ``vf.wrap`` in transformers (the main environment's interpreter,
+``--reference-python``, default ``$VLM_FOCUS_REFERENCE_PYTHON``) and through vLLM (one offline
+engine per position rule); it reports each one's accuracy, its retention (accuracy over the
+unpruned accuracy of the same side) and how many answers vLLM and ``vf.wrap`` share. Writes
+``serving_pope.json`` and ``serving_pope.md``.
 """
 
 from __future__ import annotations
@@ -271,5 +280,179 @@ def main() -> None:
     print(markdown(report))
 
 
+#: Position rules of the POPE comparison; ``None`` rows are unpruned.
+POPE_RUNS = (("unpruned", None), ("original", "original"), ("compact", "compact"))
+POPE_MAX_TOKENS = 8
+
+
+def pope_reference(work: str, images: str, pruner: str, keep: str) -> None:
+    """Main environment: the POPE cases (prompt ids, image, label, split) of the first
+    ``images`` held-out scenes, and ``vf.wrap``'s answer to each under every :data:`POPE_RUNS`
+    entry, into ``work/reference.json``."""
+    import torch
+
+    import vlm_focus as vf
+    from vlm_focus.asset_paths import heldout_path
+    from vlm_focus.config import read_keep
+    from vlm_focus.eval.pope import LLAVA_SUFFIX, SPLITS, read_questions
+    from vlm_focus.eval.scenes import write_heldout_set
+    from vlm_focus.loading import build_inputs, load_image, load_model
+
+    folder = Path(work)
+    write_heldout_set(folder / "images", int(images))
+    names = {p.name for p in (folder / "images").glob("*.png")}
+    model, processor = load_model("embedded", dtype=torch.float32)
+    image_id = model.config.image_token_index
+    cases = []
+    for split in SPLITS:
+        for row in read_questions(heldout_path(f"pope_{split}.jsonl")):
+            if row["image"] not in names:
+                continue
+            image = str(folder / "images" / row["image"])
+            inputs = build_inputs(processor, load_image(image), row["text"] + LLAVA_SUFFIX)
+            ids = inputs["input_ids"][0].tolist()
+            at, n = ids.index(image_id), ids.count(image_id)
+            case = {"split": split, "label": row["label"], "image": image}
+            case["prompt_ids"] = ids[:at] + [image_id] + ids[at + n :]
+            for name, positions in POPE_RUNS:
+                settings = dict(pruner=pruner, keep=read_keep(keep), layer=0, positions=positions)
+                with torch.no_grad():
+                    if positions is None:
+                        out = model.generate(**inputs, max_new_tokens=POPE_MAX_TOKENS)
+                    else:
+                        with vf.wrap(model, **settings):
+                            out = model.generate(**inputs, max_new_tokens=POPE_MAX_TOKENS)
+                answer = processor.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+                case[name] = answer
+            cases.append(case)
+    (folder / "reference.json").write_text(json.dumps(cases))
+
+
+def pope_engine(work: str, model: str, pruner: str, keep: str, positions: str) -> None:
+    """vLLM environment: one offline engine of the plugin (``positions``; ``"unpruned"``:
+    keep 1.0) answers every case of ``work/reference.json`` into ``work/vllm_{positions}.json``."""
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    folder = Path(work)
+    cases = json.loads((folder / "reference.json").read_text())
+    setting = {"pruner": pruner, "keep": json.loads(keep)}
+    if positions == "unpruned":
+        setting = {"pruner": "pool", "keep": 1.0}
+    else:
+        setting["positions"] = positions
+    overrides = {"architectures": ["VlmFocusLlavaForConditionalGeneration"], "vlm_focus": setting}
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        hf_overrides=overrides,
+        max_model_len=512,
+        limit_mm_per_prompt={"image": 1},
+        enforce_eager=True,
+        seed=0,
+    )
+    images = {c["image"]: Image.open(c["image"]).convert("RGB") for c in cases}
+    requests = [
+        {"prompt_token_ids": c["prompt_ids"], "multi_modal_data": {"image": images[c["image"]]}}
+        for c in cases
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=POPE_MAX_TOKENS)
+    outputs = llm.generate(requests, params, use_tqdm=True)
+    answers = [o.outputs[0].text for o in outputs]
+    (folder / f"vllm_{positions}.json").write_text(json.dumps(answers))
+
+
+def pope_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="serving.py pope", description=__doc__.split("\n\n")[-1])
+    parser.add_argument(
+        "--images", type=int, default=100, help="held-out scenes (6 questions each a split)"
+    )
+    parser.add_argument("--pruner", default="fastv")
+    parser.add_argument("--keep", default="0.25")
+    parser.add_argument("--reference-python", default=os.environ.get("VLM_FOCUS_REFERENCE_PYTHON"))
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    if not args.reference_python:
+        raise SystemExit("pass --reference-python (the main environment's python)")
+    from vlm_focus.asset_paths import default_model_path
+    from vlm_focus.eval.metrics import parse_yes_no
+
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp())
+    script = str(Path(__file__).resolve())
+    print(f"work folder: {work}", flush=True)
+    reference = [args.reference_python, script, "pope-reference", str(work)]
+    subprocess.run([*reference, str(args.images), args.pruner, args.keep], check=True)
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    for name, _ in POPE_RUNS:
+        engine = [sys.executable, script, "pope-engine", str(work), str(default_model_path())]
+        subprocess.run([*engine, args.pruner, args.keep, name], check=True, env=env)
+    cases = json.loads((work / "reference.json").read_text())
+    served = {name: json.loads((work / f"vllm_{name}.json").read_text()) for name, _ in POPE_RUNS}
+
+    def accuracy(answers: list[str]) -> float:
+        right = [parse_yes_no(a)[0] == c["label"] for a, c in zip(answers, cases, strict=True)]
+        return sum(right) / len(right)
+
+    rows = []
+    for name, _ in POPE_RUNS:
+        wrap = [c[name] for c in cases]
+        rows.append(
+            {
+                "run": name,
+                "vf_wrap": accuracy(wrap),
+                "vllm": accuracy(served[name]),
+                "same_answers": sum(
+                    parse_yes_no(a)[0] == parse_yes_no(b)[0]
+                    for a, b in zip(wrap, served[name], strict=True)
+                )
+                / len(cases),
+            }
+        )
+    for row in rows:
+        row["vf_wrap_retention"] = row["vf_wrap"] / rows[0]["vf_wrap"]
+        row["vllm_retention"] = row["vllm"] / rows[0]["vllm"]
+    report = {
+        "settings": {
+            "pruner": args.pruner,
+            "keep": args.keep,
+            "images": args.images,
+            "questions": len(cases),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "command": "python benchmarks/serving.py pope " + " ".join(argv),
+            "wall_s": time.monotonic() - started,
+        },
+        "rows": rows,
+    }
+    (args.out / "serving_pope.json").write_text(json.dumps(report, indent=2))
+    lines = [
+        f"# POPE through vLLM against vf.wrap: {args.pruner} keep {args.keep} at layer 0",
+        "",
+        f"Embedded model, held-out POPE, {len(cases)} questions ({args.images} scenes, three "
+        f"splits), greedy, {report['settings']['machine']}, {report['settings']['wall_s']:.0f} s. "
+        "Retention = accuracy / the same side's unpruned accuracy; same answers = share of "
+        "questions where vLLM's parsed answer equals vf.wrap's.",
+        "",
+        "| positions | vf.wrap accuracy | retention | vLLM accuracy | retention | same answers |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['run']} | {row['vf_wrap']:.3f} | {row['vf_wrap_retention']:.3f} | "
+            f"{row['vllm']:.3f} | {row['vllm_retention']:.3f} | {row['same_answers']:.3f} |"
+        )
+    lines += ["", f"Command: `{report['settings']['command']}`", ""]
+    (args.out / "serving_pope.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["pope"]:
+        pope_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["pope-reference"]:
+        pope_reference(*sys.argv[2:])
+    elif sys.argv[1:2] == ["pope-engine"]:
+        pope_engine(*sys.argv[2:])
+    else:
+        main()
