@@ -42,12 +42,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...config import KEEP_RULE, parse_keep
+from ._positions import CONFIG_KEY  # the settings' key in the HF config (--hf-overrides)
 
 #: Every pruner some class serves (each class serves those :data:`SERVED` lists for it).
 PRUNERS = ("pool", "pyramid", "fastv", "text", "debiased")
 
-#: Key of the plugin's settings inside the model's Hugging Face config (``--hf-overrides``).
-CONFIG_KEY = "vlm_focus"
 #: Per-request keys of ``mm_processor_kwargs``.
 REQUEST_KEYS = ("vlm_focus_pruner", "vlm_focus_keep", "vlm_focus_budget")
 #: What ``budget`` may say: how a video's kept tokens are shared out over its frames.
