@@ -117,8 +117,10 @@ def test_a_manual_decode_loop(positions):
 
 
 def test_compact_keeps_the_tokens_original_keeps():
-    """Only RoPE positions change: the scores, the kept set and the trace's ORIGINAL positions
-    are those of positions="original"."""
+    """Only RoPE positions change: the scores, the tokens every layer holds and the trace's
+    ORIGINAL positions are those of positions="original". (In a batch of uneven rows, original
+    positions also mask the rest of a larger row's share among those tokens; compact, which
+    numbers every slot, keeps them.)"""
     model = make_model("llava_next")
     inputs = make_case("llava_next", "image", model, batch=2)
     traces = {}
@@ -128,10 +130,11 @@ def test_compact_keeps_the_tokens_original_keeps():
             traces[positions] = handle.last_trace
     original, compact = traces["original"], traces["compact"]
     assert torch.equal(original.sequence, compact.sequence)
-    assert all(torch.equal(a, b) for a, b in zip(original.kept, compact.kept, strict=True))
+    for a, b in zip(original.kept, compact.kept, strict=True):
+        assert set(a.tolist()) <= set(b.tolist())
     assert all(torch.equal(a, b) for a, b in zip(original.scores, compact.scores, strict=True))
     n_visual = [int(v.numel()) for v in original.visual_positions]
-    assert compact.n_visual == n_visual and compact.n_kept == original.n_kept
+    assert compact.n_visual == n_visual and min(compact.n_kept) == min(original.n_kept)
 
 
 def test_remove_restores_the_model_exactly():

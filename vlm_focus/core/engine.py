@@ -384,7 +384,12 @@ class FocusEngine:
         extends = cache is not None and (call.compiled or cache_length(cache) > 0)
         if tracker.has_images and not extends:
             return args, self._start_prefill(call, cache, kwargs)
-        state = self._states.get(cache) if extends else None
+        if call.compiled:
+            # a compiled step decodes the prompt that ran last, eagerly (the tracker checks its
+            # cache); no lookup by cache, whose guards would recompile the step
+            state = self.state if self.state is not None and self.state.static else None
+        else:
+            state = self._states.get(cache) if extends else None
         if state is not None:
             if tracker.has_images:
                 # generate() sends a continued prompt's images again with its new tokens (a
