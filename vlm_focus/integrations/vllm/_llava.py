@@ -32,13 +32,12 @@ from vllm.model_executor.models.llava import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from ...geometry import Size
 from . import SERVED
 from ._layer0 import grid_layout
 from ._model import PruningModel
-from ._mrope import POSITION_CHANNELS, decode_cells, encode_cells
+from ._mrope import decode_cells, encode_cells, take_position_channels
 from ._positions import original_positions
 from ._processor import ImagesOnlyInfo, PruningProcessorMixin
 from ._request import TOKENS_FIELD
@@ -140,22 +139,10 @@ class OriginalPositionsModel:
         """vLLM's embedding merge, after taking the offset channels off the image embeddings
         (kept for :meth:`forward`, which runs next on the same flattened batch)."""
         self._step_offsets = None
-        if (
-            self.original_positions
-            and multimodal_embeddings is not None
-            and len(multimodal_embeddings)
-        ):
-            offsets = torch.cat(
-                [decode_offsets(mm[:, -POSITION_CHANNELS:]) for mm in multimodal_embeddings]
-            )  # [n_mm], in placeholder order
-            where = torch.nonzero(is_multimodal).flatten()
-            if where.numel() != offsets.shape[0]:
-                raise RuntimeError(f"{offsets.shape[0]} image embeddings for {where.numel()} slots")
-            self._step_offsets = (where, offsets.to(where.device))
-            multimodal_embeddings = [
-                copy_mm_embedding_modality(mm, mm[:, :-POSITION_CHANNELS])
-                for mm in multimodal_embeddings
-            ]
+        if self.original_positions:
+            self._step_offsets, multimodal_embeddings = take_position_channels(
+                multimodal_embeddings, is_multimodal, decode_offsets
+            )  # offsets [n_mm], in placeholder order
         return super().embed_input_ids(
             input_ids, multimodal_embeddings, is_multimodal=is_multimodal
         )

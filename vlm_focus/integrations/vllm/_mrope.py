@@ -104,6 +104,23 @@ def decode_cells(channels: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0] * _SPLIT + pairs[..., 1]
 
 
+def take_position_channels(multimodal_embeddings, is_multimodal, decode) -> tuple:
+    """Split one step's visual embeddings into their position channels and the rest:
+    ``((where, values), embeddings)``, where ``where`` are the flat slots of the visual tokens,
+    ``values`` are ``decode(channels)`` in placeholder order and ``embeddings`` lack the
+    channels; ``(None, multimodal_embeddings)`` when the step carries none."""
+    if multimodal_embeddings is None or not len(multimodal_embeddings):
+        return None, multimodal_embeddings
+    values = torch.cat([decode(mm[:, -POSITION_CHANNELS:]) for mm in multimodal_embeddings])
+    where = torch.nonzero(is_multimodal).flatten()
+    if where.numel() != values.shape[0]:
+        raise RuntimeError(f"{values.shape[0]} visual embeddings for {where.numel()} slots")
+    stripped = [
+        copy_mm_embedding_modality(mm, mm[:, :-POSITION_CHANNELS]) for mm in multimodal_embeddings
+    ]
+    return (where, values.to(where.device)), stripped
+
+
 class MRopePruningModel(PruningModel):
     """Mixed in before vLLM's Qwen-VL model class (see the module docstring).
     ``scored_width`` is how many leading features of an item's row the LLM's first layer
@@ -245,19 +262,9 @@ class MRopePruningModel(PruningModel):
     def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
         """vLLM's embedding merge, after taking the cell channels off the visual embeddings
         (kept for :meth:`forward`, which runs next on the same flattened batch)."""
-        self._step_cells = None
-        if multimodal_embeddings is not None and len(multimodal_embeddings) > 0:
-            cells = torch.cat(
-                [decode_cells(mm[:, -POSITION_CHANNELS:]) for mm in multimodal_embeddings]
-            )  # [n_mm, 3], in placeholder order
-            where = torch.nonzero(is_multimodal).flatten()
-            if where.numel() != cells.shape[0]:
-                raise RuntimeError(f"{cells.shape[0]} visual embeddings for {where.numel()} slots")
-            self._step_cells = (where, cells.to(where.device))
-            multimodal_embeddings = [
-                copy_mm_embedding_modality(mm, mm[:, :-POSITION_CHANNELS])
-                for mm in multimodal_embeddings
-            ]
+        self._step_cells, multimodal_embeddings = take_position_channels(
+            multimodal_embeddings, is_multimodal, decode_cells
+        )  # cells [n_mm, 3], in placeholder order
         return super().embed_input_ids(
             input_ids, multimodal_embeddings, is_multimodal=is_multimodal
         )

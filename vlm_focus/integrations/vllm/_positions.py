@@ -54,6 +54,10 @@ class OriginalPositionsConfig:
     :meth:`._llava.OriginalPositionsModel.get_mrope_input_positions` gives."""
 
     @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        """vLLM calls this hook first, with the model config alone: nothing to do there."""
+
+    @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         hf_config = vllm_config.model_config.hf_config
         entry = getattr(hf_config, CONFIG_KEY, None)
