@@ -216,12 +216,18 @@ def test_pruned_loss_takes_shift_labels_and_tuples_and_warns_on_lost_targets():
     inputs = _inputs("llava", model, batch=2)
     labels = _answer_labels(inputs)
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-    with torch.no_grad(), vf.wrap(model, keep=0.5, layer=1):
+    with torch.no_grad(), vf.wrap(model, keep=0.5, layer=1) as handle:
         loss = model(**inputs, labels=labels).loss
         assert torch.equal(model(**inputs, shift_labels=shift, labels=labels).loss, loss)
         assert torch.equal(model(**inputs, labels=labels, return_dict=False)[0], loss)
         with pytest.warns(UserWarning, match="next-token target"):
             model(**inputs, labels=inputs["input_ids"])  # image tokens labelled too
+        # shift_labels aligned with the returned logits (a trainer that read their shape)
+        sequence = handle.last_trace.sequence
+        aligned = shift.gather(1, sequence)
+        assert torch.equal(model(**inputs, shift_labels=aligned, labels=labels).loss, loss)
+        with pytest.raises(ValueError, match="one per returned logit"):
+            model(**inputs, shift_labels=shift[:, :-1], labels=labels)
 
 
 def test_gradient_checkpointing_recomputes_the_same_pruned_layers():

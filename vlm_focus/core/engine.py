@@ -635,6 +635,22 @@ class FocusEngine:
         held = state.per_layer[len(self.layers) - 1]  # [B, S'] original positions
         targets = targets.to(held.device)
         ignore = state.loss_kwargs.get("ignore_index", -100)
+        vocab = model.config.get_text_config().vocab_size
+        if targets.shape[1] != state.full_len:
+            if targets.shape[1] != logits.shape[1]:
+                raise ValueError(
+                    f"labels / shift_labels have {targets.shape[1]} positions; pass one per "
+                    f"prompt token ({state.full_len}, original positions) or, as shift_labels, "
+                    f"one per returned logit ({logits.shape[1]}, last_trace.sequence)"
+                )
+            # already aligned with the logits the pruned forward returns
+            return model.loss_function(
+                logits=logits,
+                labels=None,
+                shift_labels=targets,
+                vocab_size=vocab,
+                **state.loss_kwargs,
+            )
         masked = state.masked_at.get(len(self.layers) - 1)  # [B, S'] in the held slots
         counted = torch.ones_like(held, dtype=torch.bool) if masked is None else ~masked
         lost = targets.masked_fill(
@@ -651,7 +667,6 @@ class FocusEngine:
                 "prompt (-100) to train on answers only",
                 stacklevel=3,
             )
-        vocab = model.config.get_text_config().vocab_size
         return model.loss_function(
             logits=logits, labels=None, shift_labels=targets, vocab_size=vocab, **state.loss_kwargs
         )
