@@ -80,8 +80,8 @@ def test_trace_records_original_positions_and_counts():
         logits = _logits(model, inputs)
     trace = handle.last_trace
     assert trace.n_visual == [12, 8]
-    # Same drop count per row: row 1 drops 4 (its half), so row 0 keeps 12 - 4.
-    assert trace.n_kept == [8, 4]
+    # Each row keeps its half: both drop 4 from their slots, and row 0 masks 2 more as keys.
+    assert trace.n_kept == [6, 4]
     ids = inputs["input_ids"]
     for b in range(2):
         assert bool((ids[b, trace.kept[b]] == 120).all())
@@ -231,8 +231,8 @@ def test_missing_processor_inputs_are_named():
         model(**inputs)
     model = make_model("llava")
     inputs = make_inputs("llava", model)
-    with vf.wrap(model), pytest.raises(ValueError, match="labels"):
-        model(**inputs, labels=inputs["input_ids"])
+    with vf.wrap(model), pytest.raises(ValueError, match="one per returned logit"):
+        model(**inputs, labels=inputs["input_ids"][:, :-1])  # labels are taken; a wrong length
 
 
 def test_config_object_and_keyword_options_combine():

@@ -305,7 +305,9 @@ def test_pope_zoom_records_its_options_and_keeps_settings_apart(setup, tmp_path)
     records = read_jsonl(folder / "unpruned-zoom_always-zl0.1.jsonl")
     assert len(records) == 2
     for r in records:
-        assert r["routed"] is True and r["plain_answer"] is None and r["confidence"] is None
+        assert r["routed"] is True and r["confidence"] is None
+        # a zoomed row is asked zoomed only; a row whose crop is the whole image, plainly
+        assert (r["plain_answer"] is None) == r["zoomed"]
         assert {"plain", "map", "reask", "total"} == set(r["zoom_s"])
         assert r["generate_s"] > 0 and isinstance(r["crops"], list)
     summary = json.loads((folder / "unpruned-zoom_always-zl0.1.json").read_text())
