@@ -10,6 +10,7 @@ from reference import greedy_generate, masked_reference
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
+from vlm_focus.config import keep_count
 from vlm_focus.pruners import guided_generate
 
 ATOL = 2e-5
@@ -38,11 +39,10 @@ def check(kind, pruner, layer=1, keep=0.5, attn="sdpa", **options):
     stages = trace.stages
     assert len(stages) == (len(layer) if isinstance(layer, tuple) else 1)
     keeps = keep if isinstance(keep, tuple) else (keep,)
-    drop = [min(n - round(k * n) for n in trace.n_visual) for k in keeps]
     for i, stage in enumerate(stages):
         for b, kept in enumerate(stage.kept):
-            # exact counts: every row drops the same number, per stage (keeps are nested ratios)
-            assert kept.numel() == trace.n_visual[b] - drop[i]
+            # exact counts: every row keeps its own share, per stage (keeps are nested ratios)
+            assert kept.numel() == keep_count(keeps[i], trace.n_visual[b])
             assert set(kept.tolist()) <= set(trace.visual_positions[b].tolist())
     with torch.no_grad(), masked_reference(model, layers, trace):
         ref_logits = model(**inputs).logits[:, -1]
