@@ -504,7 +504,8 @@ class FocusEngine:
         # Nothing to drop (keep=1.0): the prompt runs as the model runs it, so no input the
         # layout needs is asked for and no layout is built.
         layout: list[list[ImageLayout]] = [[] for _ in n_visual]
-        if any(drops) or any(map(any, extras)) or self.pruner.decode_time:
+        prunes = any(drops) or any(map(any, extras))
+        if prunes or self.pruner.decode_time:
             for name in self.adapter.required_with_images:
                 if prefill.inputs.get(name) is None:
                     raise ValueError(
@@ -538,9 +539,7 @@ class FocusEngine:
                 else None
             ),
         )
-        if (any(drops) or any(map(any, extras))) and (
-            kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
-        ):
+        if prunes and (kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None):
             kwargs = self._take_labels(kwargs)
         if self.pruner.decode_time:
             options = self.pruner.options
@@ -706,34 +705,21 @@ class FocusEngine:
 
     # --- decoder hook (K = 0 decode): slice the 2-D mask before masks are built -----------------
     def _on_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A decode step on a static cache at K = 0: layer 0's buffer holds its kept prompt, so
+        the 2-D mask is sliced to it before the decoder builds its masks. (A dynamic cache
+        reports original lengths, so its masks are built full width and sliced per layer.)"""
         state = self.state if self._active else None
+        if state is None or not state.static or state.prefilling or 0 not in state.per_layer:
+            return args, kwargs
         mask = kwargs.get("attention_mask")
-        cache = cache_of(kwargs)
-        if state is None or 0 not in state.per_layer:
-            return args, kwargs
-        if state.prefilling if state.static else cache_length(cache) == 0:
-            return args, kwargs
-        state.compact_mask = False
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            kept = state.per_layer[0]
-            if state.static:  # layer 0's buffer holds its kept prompt (host counts, no read)
-                compact = kept.shape[1] != state.full_len
-            else:
-                compact = mask.shape[1] != cache_length(cache) + self._new_tokens(kwargs)
-            if compact:
-                state.compact_mask = True
-                kwargs = dict(kwargs)
-                kwargs["attention_mask"] = _gather_seq(
-                    mask, _decode_columns(kept, state.full_len, mask.shape[1]), 1
-                )
+        kept = state.per_layer[0]
+        # host counts, no read: layer 0 dropped tokens when it holds fewer than the prompt
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and kept.shape[1] != state.full_len:
+            kwargs = dict(kwargs)
+            kwargs["attention_mask"] = _gather_seq(
+                mask, _decode_columns(kept, state.full_len, mask.shape[1]), 1
+            )
         return args, kwargs
-
-    @staticmethod
-    def _new_tokens(kwargs: dict) -> int:
-        embeds = kwargs.get("inputs_embeds")
-        if embeds is not None:
-            return embeds.shape[1]
-        return kwargs["input_ids"].shape[1]
 
     # --- layer hooks ----------------------------------------------------------------------------
     def _layer_hook(self, index: int) -> Callable:
