@@ -36,7 +36,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from ...geometry import Size
 from . import SERVED
 from ._layer0 import grid_layout
-from ._model import PruningModel
+from ._model import PruningModel, require_piecewise_prefill
 from ._mrope import decode_cells, encode_cells, take_position_channels
 from ._positions import original_positions
 from ._processor import ImagesOnlyInfo, PruningProcessorMixin
@@ -103,13 +103,9 @@ class OriginalPositionsModel:
                 "run: load the vlm_focus plugin in every vLLM process (VLLM_PLUGINS), or serve "
                 "positions='compact'"
             )
-        graphs = vllm_config.compilation_config.cudagraph_mode
-        if graphs is not None and graphs.mixed_mode() == graphs.FULL:
-            raise ValueError(
-                "vlm_focus positions='original' needs piecewise CUDA graphs for prefill: use "
-                "cudagraph_mode FULL_AND_PIECEWISE (vLLM's default), PIECEWISE or "
-                "FULL_DECODE_ONLY, not FULL, or serve positions='compact'"
-            )
+        require_piecewise_prefill(
+            vllm_config, "vlm_focus positions='original'", otherwise="positions='compact'"
+        )
 
     def with_offsets(self, kept_embeds: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """An image's kept rows ``[k, D]`` with each one's index among the image's unpruned

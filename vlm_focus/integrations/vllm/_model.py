@@ -18,6 +18,19 @@ from ._scores import select
 Request = tuple[str, int, torch.Tensor, str]
 
 
+def require_piecewise_prefill(vllm_config, what: str, otherwise: str = "") -> None:
+    """Refuse ``cudagraph_mode`` FULL: a full graph of a prefill batch replays without
+    ``forward()``'s position fix, which ``what`` needs. ``otherwise`` names a setting that
+    does without it."""
+    graphs = vllm_config.compilation_config.cudagraph_mode
+    if graphs is not None and graphs.mixed_mode() == graphs.FULL:
+        raise ValueError(
+            f"{what} needs piecewise CUDA graphs for prefill: use cudagraph_mode "
+            "FULL_AND_PIECEWISE (vLLM's default), PIECEWISE or FULL_DECODE_ONLY, not FULL"
+            + (f", or serve {otherwise}" if otherwise else "")
+        )
+
+
 class PruningModel:
     """Mixed in before a vLLM model class. The class sets ``pruners`` (what it serves, default
     first), ``image_token_id`` and ``layer_adapter`` (its model adapter's geometry, for

@@ -30,7 +30,7 @@ import torch
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
 from ._layer0 import grid_layout
-from ._model import PruningModel
+from ._model import PruningModel, require_piecewise_prefill
 from ._processor import PruningProcessorMixin
 
 #: Position channels appended to each kept embedding: ``(t, h, w)`` of its cell, each split as
@@ -140,14 +140,7 @@ class MRopePruningModel(PruningModel):
                 "architecture, which prunes videos by its own pruner and budget: use one or "
                 "the other"
             )
-        graphs = vllm_config.compilation_config.cudagraph_mode
-        if graphs is not None and graphs.mixed_mode() == graphs.FULL:
-            # a full graph of a prefill batch would replay without forward()'s position fix
-            raise ValueError(
-                "vlm_focus's pruning architecture needs piecewise CUDA graphs for prefill: use "
-                "cudagraph_mode FULL_AND_PIECEWISE (vLLM's default), PIECEWISE or "
-                "FULL_DECODE_ONLY, not FULL"
-            )
+        require_piecewise_prefill(vllm_config, "vlm_focus's pruning architecture")
         # (flattened token indices, [n, 3] cells) of the visual tokens of the step being run
         self._step_cells: tuple[torch.Tensor, torch.Tensor] | None = None
 
