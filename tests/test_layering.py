@@ -155,6 +155,115 @@ def test_the_layering_checks_find_what_they_look_for():
     assert _floor("vlm_focus.core.engine") == 0 and _floor("vlm_focus.organism.loop") == 4
 
 
+#: The per-integration tables: facts about a model class that only one integration needs, one
+#: dict keyed by ``model_type`` (module -> the dict's name). Everywhere else a model class is
+#: asked of its adapter, never named.
+INTEGRATION_TABLES = {
+    "vlm_focus/integrations/lmms_eval.py": "DELEGATES",
+    "vlm_focus/integrations/vllm/__init__.py": "CLASSES",
+}
+
+
+def _strings(node: ast.AST) -> list[str]:
+    """The strings of a string constant, or of a tuple/list/set of them (else ``[]``)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            return [e.value for e in node.elts]
+    return []
+
+
+def _table_keys(tree: ast.Module, name: str) -> set[int]:
+    """``id`` of each key node of the module-level dict literal assigned to ``name``."""
+    keys = set()
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
+            keys |= {id(k) for k in node.value.keys if k is not None}
+    return keys
+
+
+def model_type_strings(source: str, relative: str, model_types: set[str]) -> list[str]:
+    """Where ``source`` (the module at package-relative path ``relative``) names a model
+    class outside ``model_adapters/`` and its integration's table."""
+    if relative.startswith("vlm_focus/model_adapters/"):
+        return []
+    tree = ast.parse(source)
+    allowed = _table_keys(tree, INTEGRATION_TABLES.get(relative, ""))
+    return [
+        f"{relative}:{node.lineno} {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in model_types and id(node) not in allowed
+    ]
+
+
+def pruner_name_checks(source: str, relative: str, names: set[str]) -> list[str]:
+    """Where ``source`` compares a pruner's name (``pruner == "pyramid"``, ``x.pruner in
+    (...)``) outside that pruner's own module, or keeps a module-level list of pruner names:
+    the pruner class says what it is and needs."""
+    own = Path(relative).stem if relative.startswith("vlm_focus/pruners/") else None
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            named = {s for side in (node.left, *node.comparators) for s in _strings(side)}
+            named &= names
+            if named - {own} and "pruner" in ast.unparse(node).lower():
+                found.append(f"{relative}:{node.lineno} {ast.unparse(node)}")
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        listed = _strings(value) if value is not None else []
+        if len(listed) >= 2 and set(listed) <= names and own is None:
+            found.append(f"{relative}:{node.lineno} a list of pruner names {listed}")
+    return found
+
+
+def _sources() -> list[tuple[str, str]]:
+    root = PACKAGE.parent
+    return [(p.read_text(), p.relative_to(root).as_posix()) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_no_model_class_is_named_outside_its_adapter_and_the_integration_tables():
+    from vlm_focus.model_adapters import supported_models
+
+    types = set(supported_models())
+    assert [f for s, rel in _sources() for f in model_type_strings(s, rel, types)] == []
+
+
+def test_no_pruner_name_is_compared_outside_its_own_module():
+    from vlm_focus.core.registry import pruners
+
+    names = set(pruners())
+    assert [f for s, rel in _sources() for f in pruner_name_checks(s, rel, names)] == []
+
+
+def test_the_name_checks_find_what_they_look_for():
+    types, names = {"llava", "qwen2_vl"}, {"fastv", "pyramid", "text"}
+    code = (
+        'TABLE = {"llava": 1}\nif model_type == "llava": pass\n'
+        'if config.pruner == "pyramid": pass\nif query_rows == "text": pass\n'
+        'PRUNERS = ("fastv", "pyramid")\n'
+    )
+    assert model_type_strings(code, "vlm_focus/x.py", types) == [
+        "vlm_focus/x.py:1 'llava'",
+        "vlm_focus/x.py:2 'llava'",
+    ]
+    assert model_type_strings(code, "vlm_focus/model_adapters/llava.py", types) == []
+    INTEGRATION_TABLES["vlm_focus/y.py"] = "TABLE"
+    try:
+        assert model_type_strings(code, "vlm_focus/y.py", types) == ["vlm_focus/y.py:2 'llava'"]
+    finally:
+        del INTEGRATION_TABLES["vlm_focus/y.py"]
+    assert pruner_name_checks(code, "vlm_focus/x.py", names) == [
+        "vlm_focus/x.py:3 config.pruner == 'pyramid'",
+        "vlm_focus/x.py:5 a list of pruner names ['fastv', 'pyramid']",
+    ]
+    assert pruner_name_checks(code, "vlm_focus/pruners/pyramid.py", names) == []
+
+
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", f"{code}\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
