@@ -1,10 +1,12 @@
 """The documentation site's pages (``docs/*.md``, built by ``mkdocs.yml``): every Python example
-runs as pasted from the repository root, the commands that need a setting show it, and the site
-builds in strict mode with every page in its navigation."""
+runs as pasted from the repository root, every generated table is what the code generates now,
+and the site builds in strict mode with every page in its navigation. The README, the home page:
+tests/test_readme.py; the commands of every page: tests/test_readme_commands.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -16,8 +18,15 @@ import yaml
 from doc_pages import DOCS, ROOT, examples, name, pages, python_blocks, section_block
 from torch._dynamo.utils import counters
 
+import vlm_focus as vf
+
 DOC_PAGES = [page for page in pages() if page.parent == DOCS]
 EXAMPLES = examples(DOC_PAGES)
+#: A table generated from the code sits between ``<!-- NAME:start (generated: vf.FUNCTION()) -->``
+#: and ``<!-- NAME:end -->``.
+GENERATED = re.compile(
+    r"<!-- ([\w-]+):start \(generated: (vf(?:\.\w+)+)\(\)\) -->\n(.*?)<!-- \1:end -->", re.S
+)
 
 
 def nav_pages() -> list[str]:
@@ -41,6 +50,17 @@ def test_the_pages_have_runnable_examples_and_mark_the_others():
 def test_a_page_example_runs_as_pasted(where, code, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     exec(compile(code, where, "exec"), {"__name__": "__docs__"})
+
+
+def test_every_generated_table_is_what_its_function_generates_now():
+    found = []
+    for page in pages():
+        for match in GENERATED.finditer(page.read_text()):
+            table, function, text = match.groups()
+            generate = functools.reduce(getattr, function.split(".")[1:], vf)
+            assert text == generate(), f"{name(page)}: {table} differs from {function}()"
+            found.append(table)
+    assert "pruner-options" in found
 
 
 def test_the_cpu_lmms_eval_example_is_limited_and_says_how_long_the_full_run_takes():
