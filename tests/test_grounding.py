@@ -892,8 +892,8 @@ def test_readme_grounding_example_gives_the_pixels_of_a_non_square_photo(tmp_pat
 
     from PIL import Image
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Grounding and hallucination mitigation") :]
+    readme = (Path(__file__).parents[1] / "docs" / "grounding.md").read_text()
+    section = readme[readme.index("# Grounding and hallucination mitigation") :]
     code = section[section.index("```python") + len("```python") : section.index("```\n", 10)]
     code = code[: code.index("with hallucination.")]  # the grounding part
     sample = "vlm_focus/assets/samples/scene_9000001.png"

@@ -28,7 +28,7 @@ from vlm_focus.eval.runner import read_jsonl
 from vlm_focus.model_adapters import get_adapter
 from vlm_focus.timing import NOTHING_PRUNED
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "pruners.md"
 FOCUS = cli_fields(FocusConfig)  # pruner, keep, layer, query_rows, reduce, budget
 LOAD = cli_fields(LoadOptions)  # model, device, attn, trust_remote_code
 

@@ -1,72 +1,77 @@
-"""The README's Python examples run as pasted: every ```python block, each in a fresh namespace
-from the repository root, except those marked as not run (they need the hub or a GPU)."""
+"""The README is the landing page: what the library is, the two commands, one example that runs
+as pasted, the support matrix, measured numbers and the links to the documentation."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from pathlib import Path
 
 import pytest
-import torch
-import transformers
-from torch._dynamo.utils import counters
+import yaml
+from doc_pages import README, ROOT, examples, python_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
-NOT_RUN = "<!-- readme-example: not run"
-
-
-def readme_examples() -> list[tuple[int, str]]:
-    """``(line, code)`` of every runnable Python block of the README."""
-    text = (ROOT / "README.md").read_text()
-    out = []
-    for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
-        before = text[: match.start()].rstrip().rsplit("\n", 1)[-1]
-        if not before.startswith(NOT_RUN):
-            out.append((text[: match.start()].count("\n") + 1, match.group(1)))
-    return out
+EXAMPLES = examples([README])
+TEXT = README.read_text()
 
 
-def test_the_readme_has_runnable_examples_and_marks_the_others():
-    text = (ROOT / "README.md").read_text()
-    assert len(EXAMPLES) >= 3
-    assert text.count(NOT_RUN) == text.count("```python") - len(EXAMPLES)
+def test_the_readme_is_a_landing_page_that_says_first_what_the_library_is():
+    assert len(TEXT.splitlines()) <= 250
+    first = TEXT.index("```")
+    assert TEXT.startswith("# vlm_focus\n") and "is a plugin for Hugging Face" in TEXT[:first]
 
 
-EXAMPLES = readme_examples()
+def test_the_two_commands_come_first_and_ci_runs_exactly_the_second():
+    install, tests = re.findall(r"```bash\n(.*?)\n```", TEXT, flags=re.S)[:2]
+    assert install == "pip install torch==2.13.0 -e . && vlm-focus run"
+    assert tests.startswith("pip install torch==2.14.1") and tests.endswith("python -m pytest -q")
+    assert TEXT.index(tests) < TEXT.index("## ")  # before any section
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^{re.escape(tests)}$", ci, re.M)
 
 
-@pytest.mark.parametrize("line, code", EXAMPLES, ids=[f"README.md:{line}" for line, _ in EXAMPLES])
-def test_a_readme_example_runs_as_pasted(line, code, monkeypatch, capsys):
+def test_the_readme_has_an_example_that_runs_and_marks_the_others():
+    blocks = python_blocks(README)
+    assert EXAMPLES and len(EXAMPLES) == sum(runs for _, _, runs in blocks)
+
+
+@pytest.mark.parametrize("where, code", EXAMPLES, ids=[where for where, _ in EXAMPLES])
+def test_a_readme_example_runs_as_pasted(where, code, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})
 
 
-def test_the_cpu_lmms_eval_example_is_limited_and_says_how_long_the_full_run_takes():
-    text = (ROOT / "README.md").read_text()
-    command = re.search(r"```bash\n(lmms-eval [^`]*?pretrained=embedded[^`]*?)```", text, re.S)
-    assert command and "--limit 100" in command.group(1)
-    after = text[command.end() : command.end() + 800]
-    assert "Without `--limit` lmms-eval answers all 3,000 questions" in after
+def test_the_support_matrix_is_one_marked_table_row_per_supported_model():
+    from vlm_focus import supported_models
+
+    start = TEXT.index("<!-- support-matrix:start -->")
+    end = TEXT.index("<!-- support-matrix:end -->")
+    rows = [r for r in TEXT[start:end].splitlines() if r.startswith("| ")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert header[1:] == [
+        "images",
+        "several images",
+        "video",
+        "static cache",
+        "lmms-eval",
+        "vLLM plugin",
+    ]
+    types = [re.search(r"\(`(\w+)`\)", row).group(1) for row in rows[1:]]
+    assert sorted(types) == sorted(supported_models())
 
 
-def test_the_fast_decoding_example_compiles_on_a_cpu_as_pasted(monkeypatch):
-    """The "Fast decoding" block, as pasted, compiles its decode steps on a CPU: dynamo builds
-    graphs (without ``_compile_all_devices`` transformers skips compiling off CUDA, and builds
-    none). Dynamo's eager backend stands in for inductor, whose C++ build takes minutes on a
-    CPU; tests/test_static_cache.py runs inductor."""
-    text = (ROOT / "README.md").read_text()
-    match = re.compile(r"```python\n(.*?)```", re.S).search(text, text.index("## Fast decoding"))
-    line = text[: match.start()].count("\n") + 1
+def test_every_measured_number_names_the_table_it_comes_from():
+    section = TEXT[TEXT.index("## Measured") :]
+    section = section[: section.index("\n## ")]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert rows
+    for row in rows:
+        source = row.strip("|").split("|")[-1].strip()
+        path = re.fullmatch(r"`([\w/.]+\.md)`", source).group(1)
+        assert (ROOT / path).is_file(), row
 
-    @dataclasses.dataclass
-    class EagerCompileConfig(transformers.CompileConfig):
-        backend: str = "eager"
 
-    monkeypatch.setattr(transformers, "CompileConfig", EagerCompileConfig)
-    monkeypatch.chdir(ROOT)
-    torch._dynamo.reset()
-    counters.clear()
-    exec(compile(match.group(1), f"README.md:{line}", "exec"), {"__name__": "__readme__"})
-    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
-    torch._dynamo.reset()
+def test_the_readme_links_every_page_of_the_site():
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", TEXT))
+    pages = {page for entry in nav for page in entry.values()} - {"index.md"}
+    assert pages - linked <= {"vllm_in_llm_pruning.md"}, pages - linked  # linked from vllm.md
+    assert linked <= pages
