@@ -59,7 +59,7 @@ from ._routing import (
     route,
 )
 
-ROUTES = ("always", "adaptive", "never")
+ROUTES = ("never", "always", "adaptive")
 ANCHORS = ("box", "peak")
 ASPECTS = ("view", "image", "box")
 
