@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._look import calibrate_model
+from ._calibrate import calibrate_model
 from ._routing import STATISTICS
 
 
