@@ -560,6 +560,21 @@ def test_options_are_checked():
             make_model("llava"), _processor("llava"), _photo(32, 32), QUESTION, zoom_factor=2
         )
     assert zoom.ZoomOptions(route="adaptive", threshold=0.9).to_json()["threshold"] == 0.9
+    with pytest.raises(ValueError, match=r"route='sometimes'; allowed: \('never', 'always'"):
+        zoom.ZoomOptions(route="sometimes")
+
+
+def test_the_zoom_options_are_one_table_that_the_evaluations_read():
+    import dataclasses
+
+    from vlm_focus.core.options import options
+    from vlm_focus.eval.generation import ZOOMS
+
+    infos = zoom.zoom_options()
+    assert infos == options(zoom.ZoomOptions) and all(info.help for info in infos)
+    assert [info.name for info in infos][:3] == ["route", "threshold", "statistic"]
+    (route,) = [f for f in dataclasses.fields(zoom.ZoomOptions) if f.name == "route"]
+    assert route.metadata["choices"] == zoom.ROUTES == ZOOMS == ("never", "always", "adaptive")
 
 
 # --- with vf.wrap(): prune the full view, zoom on a second pass -----------------------------------
