@@ -255,6 +255,8 @@ def test_mitigation_options_are_checked_by_their_dataclass_before_any_model():
         H.get_mitigation("instruction_contrast").parameters(beta=1.0)
     with pytest.raises(TypeError, match="weight must be a number, got 'x'"):
         H.get_mitigation("visual_beam").options(weight="x")
+    with pytest.raises(TypeError, match="ratio must be a number, got '0.5'"):
+        H.get_mitigation("instruction_contrast").options(ratio="0.5")
     with pytest.raises(ValueError, match="unknown parameter 'width' for mitigation 'visual_beam'"):
         H.get_mitigation("visual_beam").options(width=4)
 

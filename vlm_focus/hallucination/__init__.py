@@ -26,7 +26,6 @@ from ._reweight import AttentionReweight, AttentionReweightOptions, attention_re
 from ._vas import VisualAttention, vas
 from .registry import (
     Mitigation,
-    NoOptions,
     get_mitigation,
     mitigate,
     mitigation_choices,
@@ -43,7 +42,6 @@ __all__ = [
     "InstructionContrast",
     "InstructionContrastOptions",
     "Mitigation",
-    "NoOptions",
     "VisualAttention",
     "VisualBeam",
     "VisualBeamOptions",

@@ -11,7 +11,7 @@ from transformers import LogitsProcessor
 
 from ..core.probe import AttentionProbe, Rows
 from ._vas import visual_share
-from .registry import Mitigation, register_mitigation
+from .registry import Mitigation, check_numbers, register_mitigation
 
 
 @dataclass
@@ -28,8 +28,7 @@ class VisualBeamOptions:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weight, int | float) or isinstance(self.weight, bool):
-            raise TypeError(f"weight must be a number, got {self.weight!r}")
+        check_numbers(self, "weight")
 
 
 @register_mitigation

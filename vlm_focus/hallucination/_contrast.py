@@ -17,7 +17,7 @@ from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
 from ..generation import extend_with_answer
 from ..grounding import GENERIC_PROMPT
 from ..model_adapters import get_adapter
-from .registry import Mitigation, register_mitigation
+from .registry import Mitigation, check_numbers, register_mitigation
 
 
 def _instruction_attention(
@@ -57,6 +57,7 @@ class InstructionContrastOptions:
     )
 
     def __post_init__(self) -> None:
+        check_numbers(self, "alpha", "beta", "ratio")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
         if not 0 <= self.beta < 1:

@@ -12,7 +12,7 @@ from ..config import keep_count
 from ..core.attention import instruction_relevance
 from ..core.probe import AttentionBias, LayerView, Prefill, rows_from_mask
 from ..model_adapters import get_adapter
-from .registry import Mitigation, register_mitigation
+from .registry import Mitigation, check_numbers, register_mitigation
 
 
 def relevant_tokens(scores: torch.Tensor, visual: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -48,8 +48,7 @@ class AttentionReweightOptions:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.strength, int | float) or isinstance(self.strength, bool):
-            raise TypeError(f"strength must be a number, got {self.strength!r}")
+        check_numbers(self, "strength", "ratio")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must lie in (0, 1], got {self.ratio}")
 

@@ -33,18 +33,14 @@ from torch import nn
 from transformers import LogitsProcessor
 
 from ..core.options import OptionInfo, options, options_markdown
+from ..core.pruner import NoOptions  # the options of a method without options of its own
 
 NONE = "none"
 #: Names the mitigations had before 0.1.0, never given to another method: an older run's record
 #: that names one cannot be read as a different mitigation.
 RETIRED = ("reweight", "beam", "contrast")
 
-_Self = TypeVar("_Self", bound="Mitigation")
-
-
-@dataclasses.dataclass
-class NoOptions:
-    """A mitigation without options of its own."""
+_M = TypeVar("_M", bound="Mitigation")
 
 
 class Mitigation:
@@ -75,7 +71,7 @@ class Mitigation:
     def remove(self) -> None:
         """Stop steering: the model is exactly as before."""
 
-    def __enter__(self: _Self) -> _Self:
+    def __enter__(self: _M) -> _M:
         self.attach()
         return self
 
@@ -113,7 +109,16 @@ class Mitigation:
 _MITIGATIONS: dict[str, type[Mitigation]] = {}
 
 
-def register_mitigation(cls: type[Mitigation], *, replace: bool = False) -> type[Mitigation]:
+def check_numbers(options: Any, *names: str) -> None:
+    """``TypeError`` naming the first of the ``names`` fields of ``options`` that is not a
+    number (a bool is not one)."""
+    for name in names:
+        value = getattr(options, name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+
+
+def register_mitigation(cls: type[_M], *, replace: bool = False) -> type[_M]:
     """Register a :class:`Mitigation` subclass under ``cls.name`` (a lowercase identifier,
     neither ``"none"`` nor a :data:`RETIRED` name); ``@register_mitigation`` on the class."""
     if not (isinstance(cls, type) and issubclass(cls, Mitigation)):
