@@ -646,3 +646,32 @@ def test_an_evaluation_routes_on_the_statistic_its_calibration_was_made_with(tmp
     (setting,) = parse_sweep(PopeConfig(zoom="adaptive", zoom_calibration=path))
     assert setting.zoom.statistic == "margin"
     assert setting.zoom.threshold == zoom.Calibration.load(path).threshold
+
+
+def test_the_calibrate_command_takes_the_zoom_options_defaults(tmp_path, monkeypatch, capsys):
+    import json
+
+    import vlm_focus.loading
+    from vlm_focus.zoom import __main__ as command
+
+    rows = [{"image": "a.png", "text": QUESTION, "label": "yes"}]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    seen = {}
+
+    def calibrate_model(model, processor, images, questions, labels, **kwargs):
+        seen.update(kwargs)
+        return zoom.calibrate([0.5], [True], recall=kwargs["recall"]), []
+
+    monkeypatch.setattr(vlm_focus.loading, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(command, "calibrate_model", calibrate_model)
+    argv = ["calibrate", "--questions", str(questions), "--image-dir", str(tmp_path)]
+    assert command.main(argv) == 0
+    defaults = zoom.ZoomOptions()
+    assert (seen["statistic"], seen["max_new_tokens"]) == (
+        defaults.statistic,
+        defaults.max_new_tokens,
+    )
+    assert command.main([*argv, "--statistic", "peak", "--max-new-tokens", "4"]) == 0
+    assert (seen["statistic"], seen["max_new_tokens"]) == ("peak", 4)
+    assert '"threshold"' in capsys.readouterr().out
