@@ -473,7 +473,7 @@ def write_report(report: dict, out: Path) -> None:
     for method in by_method:
         if method != "greedy":
             m = H.get_mitigation(method)
-            params = {**m.defaults, **m.generate}
+            params = {**m.parameters(), **m.generate_args}
             text = ", ".join(f"{k}={'all' if v is None else v}" for k, v in params.items())
             if m.generic_prompt is not None:
                 text += f", generic prompt `{m.generic_prompt}`"

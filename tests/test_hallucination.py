@@ -3,10 +3,13 @@ exit, runs generate() on a left-padded batch of 2; VAS and IAVA against their fo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_models import KINDS, make_inputs, make_model
 
+import vlm_focus as vf
 from vlm_focus import hallucination as H
 from vlm_focus.config import keep_count
 from vlm_focus.hallucination._reweight import relevant_tokens
@@ -211,7 +214,7 @@ def test_only_the_registry_names_are_mitigations(old):
     with pytest.raises(ValueError, match="unknown mitigation"):
         H.get_mitigation(old)
     with pytest.raises(ValueError, match=f"mitigation name '{old}' is reserved"):
-        H.register_mitigation(H.Mitigation(old, H.visual_beam))  # never another method
+        H.register_mitigation(type("Old", (H.VisualBeam,), {"name": old}))  # never another
 
 
 def test_vas_takes_query_rows_only():
@@ -219,3 +222,69 @@ def test_vas_takes_query_rows_only():
     inputs = make_inputs("llava", model)
     with pytest.raises(TypeError, match="query"):
         H.vas(model, inputs, query="text")
+
+
+# --- one registration shape: typed options, a checking decorator, generated tables -----------
+def test_mitigation_options_are_each_options_dataclass_as_pruner_options_are():
+    from vlm_focus.core.options import options
+
+    for name in H.mitigations():
+        cls = H.get_mitigation(name)
+        infos = vf.mitigation_options(name)
+        assert infos == options(cls.Options) and all(info.help for info in infos)
+        assert cls.parameters() == {info.name: info.default for info in infos}
+    strength, layers, ratio = vf.mitigation_options("attention_reweight")
+    assert (strength.name, strength.type, strength.default) == ("strength", "float", 1.0)
+    assert (layers.name, layers.type, ratio.default) == ("layers", "list[int] | None", 0.25)
+    assert H.get_mitigation("visual_beam").describe(weight=2.0) == {
+        "mitigation": "visual_beam",
+        "weight": 2.0,
+        "layers": None,
+        "num_beams": 3,
+    }
+    with pytest.raises(ValueError, match="unknown mitigation 'nope'; allowed: none"):
+        vf.mitigation_options("nope")
+
+
+def test_mitigation_options_are_checked_by_their_dataclass_before_any_model():
+    from vlm_focus.setting import RunSetting
+
+    with pytest.raises(ValueError, match=r"ratio must lie in \(0, 1\], got 0"):
+        RunSetting(mitigation="attention_reweight", mitigation_options={"ratio": 0})
+    with pytest.raises(ValueError, match=r"beta \(plausibility cutoff\) must lie in \[0, 1\)"):
+        H.get_mitigation("instruction_contrast").parameters(beta=1.0)
+    with pytest.raises(TypeError, match="weight must be a number, got 'x'"):
+        H.get_mitigation("visual_beam").options(weight="x")
+    with pytest.raises(TypeError, match="ratio must be a number, got '0.5'"):
+        H.get_mitigation("instruction_contrast").options(ratio="0.5")
+    with pytest.raises(ValueError, match="unknown parameter 'width' for mitigation 'visual_beam'"):
+        H.get_mitigation("visual_beam").options(width=4)
+
+
+def test_register_mitigation_checks_what_it_registers(monkeypatch):
+    monkeypatch.setattr(H.registry, "_MITIGATIONS", dict(H.registry._MITIGATIONS))
+    with pytest.raises(ValueError, match="'attention_reweight' is already registered"):
+        H.register_mitigation(H.AttentionReweight)
+    assert H.register_mitigation(H.AttentionReweight, replace=True) is H.AttentionReweight
+    with pytest.raises(ValueError, match="'Odd-Name' must be a lowercase identifier"):
+        H.register_mitigation(type("Odd", (H.AttentionReweight,), {"name": "Odd-Name"}))
+    with pytest.raises(TypeError, match="expects a Mitigation subclass"):
+        H.register_mitigation(H.attention_reweight)
+    with pytest.raises(TypeError, match="Options must be a dataclass"):
+        H.register_mitigation(type("Loose", (H.Mitigation,), {"name": "loose", "Options": dict}))
+    assert H.mitigations() == ["attention_reweight", "instruction_contrast", "visual_beam"]
+
+
+def test_the_mitigations_command_prints_every_option(capsys):
+    from vlm_focus import cli
+
+    assert cli.main(["mitigations"]) == 0
+    out = capsys.readouterr().out
+    for name in H.mitigations():
+        summary = H.get_mitigation(name).summary
+        assert re.search(rf"^{name}: {re.escape(summary)}$", out, re.M)
+        for info in H.mitigation_options(name):
+            line = f"    {info.name}"
+            assert re.search(rf"^{line} +{re.escape(info.type)} = {info.default_text}  ", out, re.M)
+            assert info.help in out
+    assert "    and generate() with num_beams=3" in out

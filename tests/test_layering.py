@@ -324,16 +324,18 @@ def test_one_registry_of_mitigations_with_one_set_of_defaults():
     assert hal.mitigations() == ["attention_reweight", "instruction_contrast", "visual_beam"]
     assert hal.mitigation_choices()[0] == "none"
     beam = hal.get_mitigation("visual_beam")
-    assert beam.build is hal.visual_beam and beam.generate == {"num_beams": 3}
-    assert hal.get_mitigation("attention_reweight").defaults == {
+    assert beam is hal.VisualBeam and beam.generate_args == {"num_beams": 3}
+    assert hal.get_mitigation("attention_reweight").parameters() == {
         "strength": 1.0,
         "layers": None,
         "ratio": 0.25,
     }
     contrast = hal.get_mitigation("instruction_contrast")
+    from transformers import LogitsProcessor
+
     from vlm_focus.grounding import GENERIC_PROMPT
 
-    assert contrast.generic_prompt == GENERIC_PROMPT and contrast.processor
+    assert contrast.generic_prompt == GENERIC_PROMPT and issubclass(contrast, LogitsProcessor)
     for old in ("reweight", "beam", "contrast"):  # the names before 0.1.0 are gone
         with pytest.raises(ValueError, match=f"unknown mitigation '{old}'; allowed: none"):
             hal.mitigation_name(old)
@@ -344,7 +346,7 @@ def test_one_registry_of_mitigations_with_one_set_of_defaults():
     with pytest.raises(ValueError, match="already registered"):
         hal.register_mitigation(beam)
     with pytest.raises(ValueError, match="reserved"):
-        hal.register_mitigation(hal.Mitigation("beam", hal.visual_beam))
+        hal.register_mitigation(type("OldBeam", (hal.VisualBeam,), {"name": "beam"}))
 
 
 def test_the_run_setting_records_the_registry_defaults():

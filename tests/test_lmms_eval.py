@@ -4,6 +4,7 @@ yes-ratio of the shipped POPE variant."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -401,6 +402,19 @@ def test_the_harness_takes_its_mitigations_and_names_from_the_registry(monkeypat
         split_model_args({"mitigate": "reweight"})
     assert split_model_args({"mitigate": "none"})[0].mitigate is None
     monkeypatch.setattr(hal.registry, "_MITIGATIONS", dict(hal.registry._MITIGATIONS))
-    extra = hal.Mitigation("gentle_reweight", hal.attention_reweight, {"strength": 0.5})
-    hal.register_mitigation(extra)  # a new hook-only mitigation runs in the harness too
+
+    @dataclasses.dataclass
+    class GentleOptions(hal.AttentionReweightOptions):
+        strength: float = 0.5
+        warmup: int = dataclasses.field(default=0, metadata={"help": "steps before it acts"})
+
+    @hal.register_mitigation  # a new hook-only mitigation runs in the harness too
+    class GentleReweight(hal.AttentionReweight):
+        name, Options = "gentle_reweight", GentleOptions
+
     assert split_model_args({"mitigate": "gentle_reweight"})[0].mitigate == "gentle_reweight"
+    # its options are model arguments, read by their declared types, with no code of their own
+    gentle = split_model_args({"mitigate": "gentle_reweight", "warmup": "3"})[0]
+    assert gentle.mitigate_options == {"warmup": 3}
+    with pytest.raises(ValueError, match="warmup is not an option of mitigate='attention_"):
+        split_model_args({"mitigate": "attention_reweight", "warmup": 3})

@@ -560,6 +560,21 @@ def test_options_are_checked():
             make_model("llava"), _processor("llava"), _photo(32, 32), QUESTION, zoom_factor=2
         )
     assert zoom.ZoomOptions(route="adaptive", threshold=0.9).to_json()["threshold"] == 0.9
+    with pytest.raises(ValueError, match=r"route='sometimes'; allowed: \('never', 'always'"):
+        zoom.ZoomOptions(route="sometimes")
+
+
+def test_the_zoom_options_are_one_table_that_the_evaluations_read():
+    import dataclasses
+
+    from vlm_focus.core.options import options
+    from vlm_focus.eval.generation import ZOOMS
+
+    infos = zoom.zoom_options()
+    assert infos == options(zoom.ZoomOptions) and all(info.help for info in infos)
+    assert [info.name for info in infos][:3] == ["route", "threshold", "statistic"]
+    (route,) = [f for f in dataclasses.fields(zoom.ZoomOptions) if f.name == "route"]
+    assert route.metadata["choices"] == zoom.ROUTES == ZOOMS == ("never", "always", "adaptive")
 
 
 # --- with vf.wrap(): prune the full view, zoom on a second pass -----------------------------------
@@ -631,3 +646,32 @@ def test_an_evaluation_routes_on_the_statistic_its_calibration_was_made_with(tmp
     (setting,) = parse_sweep(PopeConfig(zoom="adaptive", zoom_calibration=path))
     assert setting.zoom.statistic == "margin"
     assert setting.zoom.threshold == zoom.Calibration.load(path).threshold
+
+
+def test_the_calibrate_command_takes_the_zoom_options_defaults(tmp_path, monkeypatch, capsys):
+    import json
+
+    import vlm_focus.loading
+    from vlm_focus.zoom import __main__ as command
+
+    rows = [{"image": "a.png", "text": QUESTION, "label": "yes"}]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    seen = {}
+
+    def calibrate_model(model, processor, images, questions, labels, **kwargs):
+        seen.update(kwargs)
+        return zoom.calibrate([0.5], [True], recall=kwargs["recall"]), []
+
+    monkeypatch.setattr(vlm_focus.loading, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(command, "calibrate_model", calibrate_model)
+    argv = ["calibrate", "--questions", str(questions), "--image-dir", str(tmp_path)]
+    assert command.main(argv) == 0
+    defaults = zoom.ZoomOptions()
+    assert (seen["statistic"], seen["max_new_tokens"]) == (
+        defaults.statistic,
+        defaults.max_new_tokens,
+    )
+    assert command.main([*argv, "--statistic", "peak", "--max-new-tokens", "4"]) == 0
+    assert (seen["statistic"], seen["max_new_tokens"]) == ("peak", 4)
+    assert '"threshold"' in capsys.readouterr().out

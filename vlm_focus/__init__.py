@@ -19,8 +19,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """Subpackages and ``vf.ground`` are imported on first use, so ``import vlm_focus`` stays
-    fast (``transformers`` and ``cv2`` load only when a feature needs them)."""
+    """Subpackages, ``vf.ground`` and ``vf.mitigation_options`` are imported on first use, so
+    ``import vlm_focus`` stays fast (``transformers`` and ``cv2`` load only when a feature
+    needs them)."""
     if name in ("grounding", "hallucination", "geometry", "zoom"):
         import importlib
 
@@ -29,6 +30,10 @@ def __getattr__(name: str):
         from .grounding import ground
 
         return ground
+    if name == "mitigation_options":
+        from .hallucination import mitigation_options
+
+        return mitigation_options
     raise AttributeError(f"module 'vlm_focus' has no attribute {name!r}")
 
 
@@ -44,6 +49,7 @@ __all__ = [
     "ground",
     "grounding",
     "hallucination",
+    "mitigation_options",
     "pruner_options",
     "pruners",
     "register_adapter",

@@ -133,6 +133,7 @@ def parser() -> argparse.ArgumentParser:
         )
         add_options(command, config_cls, exclude=exclude)
     sub.add_parser("pruners", help="the registered pruners and their options")
+    sub.add_parser("mitigations", help="the registered mitigations and their options")
     for name, (_, help_text) in _DELEGATES.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return p
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pruners":
         print(pruners_table(), end="")
         return 0
+    if args.command == "mitigations":
+        print(mitigations_table(), end="")
+        return 0
     try:
         config = parse_config(COMMANDS[args.command][0], args)
         return _run(config) if args.command == "run" else _bench(config)
@@ -183,18 +187,42 @@ def pruners_table() -> str:
         "",
     ]
     for name in vf.pruners():
-        cls = vf.pruners.get_pruner(name)
-        lines.append(f"{name}: {cls.summary}" if cls.summary else name)
-        infos = vf.pruner_options(name)
-        if not infos:
-            lines.append("    (no options of its own)")
-        width = max((len(i.name) for i in infos), default=0)
-        for info in infos:
-            lines.append(
-                f"    {info.name:<{width}}  {info.type} = {info.default_text}  {info.help}"
-            )
-        lines.append("")
+        lines += _options_block(name, vf.pruners.get_pruner(name).summary, vf.pruner_options(name))
     return "\n".join(lines)
+
+
+def mitigations_table() -> str:
+    """What ``vlm-focus mitigations`` prints: every mitigation, what it does, and its options
+    (from the same option tables as ``vlm-focus pruners``)."""
+    import vlm_focus as vf
+
+    lines = [
+        "Each mitigation's options are keywords of hallucination.mitigate(model, NAME, ...) "
+        "and of RunSetting(mitigation=NAME, mitigation_options={...}); --mitigate NAME runs "
+        "it with its defaults:",
+        "",
+    ]
+    for name in vf.hallucination.mitigations():
+        mitigation = vf.hallucination.get_mitigation(name)
+        block = _options_block(name, mitigation.summary, vf.mitigation_options(name))
+        if mitigation.generate_args:
+            given = ", ".join(f"{k}={v}" for k, v in mitigation.generate_args.items())
+            block.insert(-1, f"    and generate() with {given}")
+        if mitigation.generic_prompt is not None:
+            block.insert(-1, f"    and a second prompt per request: {mitigation.generic_prompt!r}")
+        lines += block
+    return "\n".join(lines)
+
+
+def _options_block(name: str, summary: str, infos: list[Any]) -> list[str]:
+    """One registered entry's lines: its name and summary, then one line per option."""
+    lines = [f"{name}: {summary}" if summary else name]
+    if not infos:
+        lines.append("    (no options of its own)")
+    width = max((len(i.name) for i in infos), default=0)
+    for info in infos:
+        lines.append(f"    {info.name:<{width}}  {info.type} = {info.default_text}  {info.help}")
+    return [*lines, ""]
 
 
 class _Loaded(NamedTuple):

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .. import hallucination as hal
 from .. import zoom as zm
 from ..config import keep_count
 from ..generation import new_token_counts
@@ -18,8 +17,7 @@ from ..loading import build_inputs, decode_new_tokens, load_image, to_model
 from ..model_adapters import get_adapter
 from ..setting import RunSetting
 
-MITIGATIONS = hal.mitigation_choices()  # "none" and the registry's names
-ZOOMS = ("never", "always", "adaptive")
+ZOOMS = zm.ROUTES  # "never" is no zoom
 
 
 class _PrefillClock(LogitsProcessor):

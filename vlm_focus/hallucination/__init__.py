@@ -12,14 +12,17 @@
     with hal.mitigate(model, "visual_beam", inputs) as active:   # by name, with the defaults
         model.generate(**inputs, **active.generate_kwargs())   # that every entry point uses
     hal.mitigations()   # ['attention_reweight', 'instruction_contrast', 'visual_beam']
+    hal.mitigation_options("attention_reweight")   # strength, layers, ratio: type, default, help
 
 Each method installs instance hooks only while active and removes them on exit, under SDPA or
-eager attention.
+eager attention. A method registers like a pruner: a :class:`Mitigation` subclass with an
+``Options`` dataclass, under ``@register_mitigation`` (:mod:`.registry`).
 """
 
-from ._beam import VisualBeam, visual_beam
-from ._contrast import InstructionContrast, instruction_contrast
-from ._reweight import AttentionReweight, attention_reweight
+# Importing each built-in registers it (``@register_mitigation`` on its class).
+from ._beam import VisualBeam, VisualBeamOptions, visual_beam
+from ._contrast import InstructionContrast, InstructionContrastOptions, instruction_contrast
+from ._reweight import AttentionReweight, AttentionReweightOptions, attention_reweight
 from ._vas import VisualAttention, vas
 from .registry import (
     Mitigation,
@@ -27,22 +30,29 @@ from .registry import (
     mitigate,
     mitigation_choices,
     mitigation_name,
+    mitigation_options,
+    mitigation_options_markdown,
     mitigations,
     register_mitigation,
 )
 
 __all__ = [
     "AttentionReweight",
+    "AttentionReweightOptions",
     "InstructionContrast",
+    "InstructionContrastOptions",
     "Mitigation",
     "VisualAttention",
     "VisualBeam",
+    "VisualBeamOptions",
     "attention_reweight",
     "get_mitigation",
     "instruction_contrast",
     "mitigate",
     "mitigation_choices",
     "mitigation_name",
+    "mitigation_options",
+    "mitigation_options_markdown",
     "mitigations",
     "register_mitigation",
     "vas",

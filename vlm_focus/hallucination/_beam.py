@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -11,18 +11,40 @@ from transformers import LogitsProcessor
 
 from ..core.probe import AttentionProbe, Rows
 from ._vas import visual_share
+from .registry import Mitigation, check_numbers, register_mitigation
 
 
-class VisualBeam(LogitsProcessor):
+@dataclass
+class VisualBeamOptions:
+    """The options of :func:`visual_beam`."""
+
+    weight: float = field(
+        default=1.0,
+        metadata={"help": "added to a candidate's score per unit of its tokens' visual share"},
+    )
+    layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "decoder layers whose attention is read (none: every layer)"},
+    )
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "weight")
+
+
+@register_mitigation
+class VisualBeam(Mitigation, LogitsProcessor):
     """A ``LogitsProcessor`` and context manager; see :func:`visual_beam`."""
 
-    def __init__(self, model: nn.Module, weight: float, layers: Sequence[int] | None) -> None:
-        if not isinstance(weight, int | float) or isinstance(weight, bool):
-            raise TypeError(f"weight must be a number, got {weight!r}")
+    name = "visual_beam"
+    Options = VisualBeamOptions
+    summary = "beam search re-ranked by the visual attention of each candidate's tokens"
+    generate_args = {"num_beams": 3}
+
+    def __init__(self, model: nn.Module, options: VisualBeamOptions) -> None:
         self.model = model
-        self.weight = float(weight)
+        self.weight = float(options.weight)
         self._probe = AttentionProbe(
-            model, layers, rows="last", decode=True, on_rows=self._on_rows, keep=False
+            model, options.layers, rows="last", decode=True, on_rows=self._on_rows, keep=False
         )
         self.layers = self._probe.layers
         self._sum: torch.Tensor | None = None
@@ -31,12 +53,8 @@ class VisualBeam(LogitsProcessor):
         self.current: torch.Tensor | None = None  # [B'] visual share of the latest rows
         self.history: list[torch.Tensor] = []
 
-    def __enter__(self) -> VisualBeam:
+    def attach(self) -> None:
         self._probe.attach()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
     def remove(self) -> None:
         """Remove the probe's hooks: the model is exactly as before."""
@@ -63,7 +81,10 @@ class VisualBeam(LogitsProcessor):
 
 
 def visual_beam(
-    model: nn.Module, *, weight: float = 1.0, layers: Sequence[int] | None = None
+    model: nn.Module,
+    *,
+    weight: float = VisualBeamOptions.weight,
+    layers: Sequence[int] | None = VisualBeamOptions.layers,
 ) -> VisualBeam:
     """Beam search re-ranked by visual attention.
 
@@ -79,4 +100,4 @@ def visual_beam(
         with visual_beam(model, weight=2.0) as proc:
             model.generate(**inputs, num_beams=3, logits_processor=[proc])
     """
-    return VisualBeam(model, weight, layers)
+    return VisualBeam(model, VisualBeamOptions(weight=weight, layers=layers))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,7 +15,9 @@ from ..core.attention import instruction_relevance
 from ..core.calls import CallTracker
 from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
 from ..generation import extend_with_answer
+from ..grounding import GENERIC_PROMPT
 from ..model_adapters import get_adapter
+from .registry import Mitigation, check_numbers, register_mitigation
 
 
 def _instruction_attention(
@@ -33,33 +36,61 @@ def _instruction_attention(
     return visual, attention / attention.sum(1, keepdim=True).clamp(min=1e-12)
 
 
-class InstructionContrast(LogitsProcessor):
+@dataclass
+class InstructionContrastOptions:
+    """The options of :func:`instruction_contrast`."""
+
+    alpha: float = field(
+        default=1.0, metadata={"help": "contrast weight: (1 + alpha) l_full - alpha l_irr, >= 0"}
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "plausibility cutoff: tokens below beta * the top probability drop"},
+    )
+    ratio: float = field(
+        default=0.5,
+        metadata={"help": "share of the visual tokens that are instruction-irrelevant, in (0, 1)"},
+    )
+    layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "decoder layers whose attention is read (none: every layer)"},
+    )
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "alpha", "beta", "ratio")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if not 0 <= self.beta < 1:
+            raise ValueError(f"beta (plausibility cutoff) must lie in [0, 1), got {self.beta}")
+        if not 0 < self.ratio < 1:
+            raise ValueError(f"ratio (irrelevant share) must lie in (0, 1), got {self.ratio}")
+
+
+@register_mitigation
+class InstructionContrast(Mitigation, LogitsProcessor):
     """A ``LogitsProcessor`` and context manager; see :func:`instruction_contrast`."""
+
+    name = "instruction_contrast"
+    Options = InstructionContrastOptions
+    summary = "contrast against a run that sees only the instruction-irrelevant visual tokens"
+    generic_prompt = GENERIC_PROMPT
 
     def __init__(
         self,
         model: nn.Module,
         inputs: Mapping[str, Any],
         generic_inputs: Mapping[str, Any],
-        *,
-        alpha: float,
-        beta: float,
-        ratio: float,
-        layers: Sequence[int] | None,
+        options: InstructionContrastOptions,
     ) -> None:
-        if alpha < 0:
-            raise ValueError(f"alpha must be >= 0, got {alpha}")
-        if not 0 <= beta < 1:
-            raise ValueError(f"beta (plausibility cutoff) must lie in [0, 1), got {beta}")
-        if not 0 < ratio < 1:
-            raise ValueError(f"ratio (irrelevant share) must lie in (0, 1), got {ratio}")
         for name, value in (("inputs", inputs), ("generic_inputs", generic_inputs)):
             if not isinstance(value, Mapping) or "input_ids" not in value:
                 raise TypeError(f"{name} must be the processor's output mapping with input_ids")
         self.model = model
         self.inputs = dict(inputs)
-        self.alpha, self.beta, self.ratio = float(alpha), float(beta), float(ratio)
+        self.alpha, self.beta = float(options.alpha), float(options.beta)
+        self.ratio = float(options.ratio)
         n_layers = len(get_adapter(model).decoder_layers(model))
+        layers = options.layers
         self.layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
         visual, user = _instruction_attention(model, inputs, self.layers)
         g_visual, generic = _instruction_attention(model, generic_inputs, self.layers)
@@ -81,12 +112,8 @@ class InstructionContrast(LogitsProcessor):
         self.active = False
         self.last_irrelevant_logits: torch.Tensor | None = None
 
-    def __enter__(self) -> InstructionContrast:
+    def attach(self) -> None:
         self.active = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
     def remove(self) -> None:
         self.active = False
@@ -152,10 +179,10 @@ def instruction_contrast(
     inputs: Mapping[str, Any],
     generic_inputs: Mapping[str, Any],
     *,
-    alpha: float = 1.0,
-    beta: float = 0.1,
-    ratio: float = 0.5,
-    layers: Sequence[int] | None = None,
+    alpha: float = InstructionContrastOptions.alpha,
+    beta: float = InstructionContrastOptions.beta,
+    ratio: float = InstructionContrastOptions.ratio,
+    layers: Sequence[int] | None = InstructionContrastOptions.layers,
 ) -> InstructionContrast:
     """Instruction-aware visual contrastive decoding (IAVA-style).
 
@@ -175,6 +202,5 @@ def instruction_contrast(
         with instruction_contrast(model, inputs, generic_inputs) as proc:
             model.generate(**inputs, logits_processor=[proc])
     """
-    return InstructionContrast(
-        model, inputs, generic_inputs, alpha=alpha, beta=beta, ratio=ratio, layers=layers
-    )
+    options = InstructionContrastOptions(alpha=alpha, beta=beta, ratio=ratio, layers=layers)
+    return InstructionContrast(model, inputs, generic_inputs, options)

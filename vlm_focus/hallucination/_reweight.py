@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from ..config import keep_count
 from ..core.attention import instruction_relevance
 from ..core.probe import AttentionBias, LayerView, Prefill, rows_from_mask
 from ..model_adapters import get_adapter
+from .registry import Mitigation, check_numbers, register_mitigation
 
 
 def relevant_tokens(scores: torch.Tensor, visual: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -29,36 +30,55 @@ def relevant_tokens(scores: torch.Tensor, visual: torch.Tensor, ratio: float) ->
     return out
 
 
-class AttentionReweight:
+@dataclass
+class AttentionReweightOptions:
+    """The options of :func:`attention_reweight`."""
+
+    strength: float = field(
+        default=1.0,
+        metadata={"help": "added to the attention logits of text rows to the relevant tokens"},
+    )
+    layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "decoder layers to reweight (none: every layer)"},
+    )
+    ratio: float = field(
+        default=0.25,
+        metadata={"help": "share of the visual tokens that are task-relevant, in (0, 1]"},
+    )
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "strength", "ratio")
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must lie in (0, 1], got {self.ratio}")
+
+
+@register_mitigation
+class AttentionReweight(Mitigation):
     """Context manager; see :func:`attention_reweight`."""
 
-    def __init__(
-        self, model: nn.Module, strength: float, layers: Sequence[int] | None, ratio: float
-    ) -> None:
-        if not isinstance(strength, int | float) or isinstance(strength, bool):
-            raise TypeError(f"strength must be a number, got {strength!r}")
-        if not 0 < ratio <= 1:
-            raise ValueError(f"ratio must lie in (0, 1], got {ratio}")
+    name = "attention_reweight"
+    Options = AttentionReweightOptions
+    summary = "raise the attention logits of the instruction-relevant visual tokens"
+
+    def __init__(self, model: nn.Module, options: AttentionReweightOptions) -> None:
         n_layers = len(get_adapter(model).decoder_layers(model))
         self.model = model
-        self.strength = float(strength)
-        self.ratio = float(ratio)
+        self.strength = float(options.strength)
+        self.ratio = float(options.ratio)
         self.adapter = get_adapter(model)
         self.relevant: dict[int, torch.Tensor] = {}  # layer -> [B, S] bool (last prefill)
         self.text_rows: torch.Tensor | None = None  # [B, S] bool
         self._prefill: Prefill | None = None
         self._has_visual = False
+        layers = options.layers
         self._bias = AttentionBias(
             model, range(n_layers) if layers is None else layers, self._bias_fn
         )
         self.layers = self._bias.layers
 
-    def __enter__(self) -> AttentionReweight:
+    def attach(self) -> None:
         self._bias.attach()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
     def remove(self) -> None:
         """Remove every hook: the model is exactly as before."""
@@ -100,9 +120,9 @@ class AttentionReweight:
 def attention_reweight(
     model: nn.Module,
     *,
-    strength: float = 1.0,
-    layers: Sequence[int] | None = None,
-    ratio: float = 0.25,
+    strength: float = AttentionReweightOptions.strength,
+    layers: Sequence[int] | None = AttentionReweightOptions.layers,
+    ratio: float = AttentionReweightOptions.ratio,
 ) -> AttentionReweight:
     """Raise the attention logits of task-relevant visual tokens (attention intervention).
 
@@ -125,4 +145,5 @@ def attention_reweight(
     a context manager around ``generate()``; works with SDPA and eager (the layer's mask becomes
     an additive float mask).
     """
-    return AttentionReweight(model, strength, layers, ratio)
+    options = AttentionReweightOptions(strength=strength, layers=layers, ratio=ratio)
+    return AttentionReweight(model, options)

@@ -1,19 +1,19 @@
-"""The mitigations by name: one registry, one set of default parameters, one way to run them.
+"""The mitigations by name: one registry, one set of typed options, one way to run them.
 
-The evaluations, the demo and the integrations choose a mitigation by its name here and run it
-with :func:`mitigate`, so that every entry point runs the same method with the same settings::
+A mitigation registers the way a pruner does: a :class:`Mitigation` subclass that sets
+``name``, ``summary`` and ``Options`` (a dataclass whose fields carry their ``help`` and whose
+``__post_init__`` checks the values), under the checking decorator :func:`register_mitigation`
+in its own module. The evaluations, the demo and the integrations choose one by its name and run
+it with :func:`mitigate`, so every entry point runs the same method with the same defaults::
 
     from vlm_focus import hallucination as hal
 
+    hal.mitigation_options("visual_beam")   # each option's name, type, default and help
     with hal.mitigate(model, "visual_beam", inputs) as active:
         model.generate(**inputs, **active.generate_kwargs(), max_new_tokens=32)
 
-Each :class:`Mitigation` records the public function that builds it, its default parameters
-(the only defaults the entry points use), the ``generate()`` arguments the method needs
-(``visual_beam``'s beam width) and whether it contrasts against a generic prompt
-(``instruction_contrast``).
-
-Defaults (the settings of ``benchmarks/results/grounding_quality.md``):
+Defaults (the settings of ``benchmarks/results/grounding_quality.md``), as the options
+dataclasses declare them:
 
 - ``attention_reweight``: ``strength=1.0``, every layer, the top ``ratio=0.25`` of visual tokens;
 - ``visual_beam``: ``weight=1.0``, every layer, ``num_beams=3``;
@@ -23,83 +23,117 @@ Defaults (the settings of ``benchmarks/results/grounding_quality.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from torch import nn
+from transformers import LogitsProcessor
 
-from ._beam import visual_beam
-from ._contrast import instruction_contrast
-from ._reweight import attention_reweight
+from ..core.options import OptionInfo, options, options_markdown
+from ..core.pruner import NoOptions  # the options of a method without options of its own
 
 NONE = "none"
 #: Names the mitigations had before 0.1.0, never given to another method: an older run's record
 #: that names one cannot be read as a different mitigation.
 RETIRED = ("reweight", "beam", "contrast")
 
+_M = TypeVar("_M", bound="Mitigation")
 
-@dataclass(frozen=True)
+
 class Mitigation:
-    """A registered mitigation.
+    """Base class of a mitigation: a context manager that steers ``generate()`` while active
+    (hooks, or a ``LogitsProcessor`` handed to ``generate()``) and is exactly undone on exit.
 
-    Attributes:
-        name: the registry name (a lowercase identifier).
-        build: the public function that returns its context manager, called as
-            ``build(model, **params)`` or, with ``generic_prompt``, as
-            ``build(model, inputs, generic_inputs, **params)``.
-        defaults: its parameters and their defaults, the one set every entry point uses.
-        generate: ``generate()`` arguments the method needs (e.g. ``num_beams``).
-        processor: True when the context manager is a ``LogitsProcessor`` for ``generate()``.
-        generic_prompt: for a contrast against a generic prompt: that prompt (the caller builds
-            ``generic_inputs`` from the same images with it).
-        summary: one line on what it does.
+    A subclass sets the class attributes below, implements :meth:`attach` and :meth:`remove`,
+    and is built as ``cls(model, options)`` or, with ``generic_prompt``, as
+    ``cls(model, inputs, generic_inputs, options)``, ``options`` an instance of ``Options``.
+    A subclass that is a ``LogitsProcessor`` goes into ``generate()``'s ``logits_processor``.
     """
 
-    name: str
-    build: Callable[..., Any]
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    generate: Mapping[str, Any] = field(default_factory=dict)
-    processor: bool = False
-    generic_prompt: str | None = None
-    summary: str = ""
+    #: The registry name (a lowercase identifier).
+    name: ClassVar[str] = ""
+    #: Its options: a dataclass with ``help`` metadata, checked in ``__post_init__``.
+    Options: ClassVar[type] = NoOptions
+    #: One line for ``vlm-focus mitigations``: what it does.
+    summary: ClassVar[str] = ""
+    #: ``generate()`` arguments the method needs (e.g. ``num_beams``).
+    generate_args: ClassVar[Mapping[str, Any]] = {}
+    #: For a contrast against a generic prompt: that prompt (the caller builds
+    #: ``generic_inputs`` from the same images with it).
+    generic_prompt: ClassVar[str | None] = None
 
-    def parameters(self, **overrides: Any) -> dict[str, Any]:
-        """The defaults with ``overrides``; an unknown parameter raises ``ValueError``."""
-        unknown = sorted(set(overrides) - set(self.defaults))
+    def attach(self) -> None:
+        """Start steering (install hooks)."""
+
+    def remove(self) -> None:
+        """Stop steering: the model is exactly as before."""
+
+    def __enter__(self: _M) -> _M:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls.Options)]
+
+    @classmethod
+    def options(cls, **overrides: Any) -> Any:
+        """The ``Options`` with ``overrides`` over the defaults, checked by the dataclass; an
+        unknown parameter raises ``ValueError`` naming what the mitigation takes."""
+        unknown = sorted(set(overrides) - set(cls.option_names()))
         if unknown:
             raise ValueError(
                 f"unknown parameter {', '.join(map(repr, unknown))} for mitigation "
-                f"{self.name!r}; it takes: {', '.join(self.defaults) or 'none'}"
+                f"{cls.name!r}; it takes: {', '.join(cls.option_names()) or 'none'}"
             )
-        return {**self.defaults, **overrides}
+        return cls.Options(**overrides)
 
-    def describe(self, **overrides: Any) -> dict[str, Any]:
+    @classmethod
+    def parameters(cls, **overrides: Any) -> dict[str, Any]:
+        """Every option's value, the defaults with ``overrides`` (checked), in field order."""
+        chosen = cls.options(**overrides)
+        return {f.name: getattr(chosen, f.name) for f in dataclasses.fields(chosen)}
+
+    @classmethod
+    def describe(cls, **overrides: Any) -> dict[str, Any]:
         """What a run records: the name, the parameters and the ``generate()`` arguments."""
-        return {"mitigation": self.name, **self.parameters(**overrides), **self.generate}
+        return {"mitigation": cls.name, **cls.parameters(**overrides), **cls.generate_args}
 
 
-_MITIGATIONS: dict[str, Mitigation] = {}
+_MITIGATIONS: dict[str, type[Mitigation]] = {}
 
 
-def register_mitigation(mitigation: Mitigation, *, replace: bool = False) -> Mitigation:
-    """Register ``mitigation`` under its name (a lowercase identifier, neither ``"none"`` nor
-    a :data:`RETIRED` name)."""
-    if not isinstance(mitigation, Mitigation):
-        raise TypeError(f"register_mitigation expects a Mitigation, got {mitigation!r}")
-    name = mitigation.name
+def check_numbers(options: Any, *names: str) -> None:
+    """``TypeError`` naming the first of the ``names`` fields of ``options`` that is not a
+    number (a bool is not one)."""
+    for name in names:
+        value = getattr(options, name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+
+
+def register_mitigation(cls: type[_M], *, replace: bool = False) -> type[_M]:
+    """Register a :class:`Mitigation` subclass under ``cls.name`` (a lowercase identifier,
+    neither ``"none"`` nor a :data:`RETIRED` name); ``@register_mitigation`` on the class."""
+    if not (isinstance(cls, type) and issubclass(cls, Mitigation)):
+        raise TypeError(f"register_mitigation expects a Mitigation subclass, got {cls!r}")
+    name = cls.name
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"mitigation name {name!r} must be a lowercase identifier")
     if name == NONE or name in RETIRED:
         raise ValueError(f"mitigation name {name!r} is reserved")
     if name in _MITIGATIONS and not replace:
         raise ValueError(f"a mitigation named {name!r} is already registered (replace=True)")
-    if not callable(mitigation.build):
-        raise TypeError(f"mitigation {name!r}: build must be callable")
-    _MITIGATIONS[name] = mitigation
-    return mitigation
+    if not dataclasses.is_dataclass(cls.Options):
+        raise TypeError(f"mitigation {name!r}: Options must be a dataclass, got {cls.Options!r}")
+    _MITIGATIONS[name] = cls
+    return cls
 
 
 def mitigations() -> list[str]:
@@ -122,21 +156,34 @@ def mitigation_name(name: str | None) -> str:
     return name
 
 
-def get_mitigation(name: str) -> Mitigation:
-    """The registered :class:`Mitigation`; an unknown name raises ``ValueError``."""
+def get_mitigation(name: str) -> type[Mitigation]:
+    """The registered :class:`Mitigation` class; an unknown name raises ``ValueError``."""
     canonical = mitigation_name(name)
     if canonical == NONE:
         raise ValueError("'none' is no mitigation; call mitigate(model, 'none') or skip it")
     return _MITIGATIONS[canonical]
 
 
+def mitigation_options(name: str) -> list[OptionInfo]:
+    """The options of mitigation ``name`` (its ``Options`` dataclass), each with its name,
+    type, default and help, in field order: the keywords of its public function, of
+    :func:`mitigate` and of ``RunSetting(mitigation_options=...)``."""
+    return options(get_mitigation(name).Options)
+
+
+def mitigation_options_markdown() -> str:
+    """A table of every option of every registered mitigation, as the docs print it."""
+    rows = [(name, info) for name in mitigations() for info in mitigation_options(name)]
+    return options_markdown(rows, first="mitigation")
+
+
 class Active:
     """What :func:`mitigate` yields: the running method and the ``generate()`` arguments it
     needs."""
 
-    def __init__(self, mitigation: Mitigation | None, handle: Any = None) -> None:
+    def __init__(self, mitigation: type[Mitigation] | None, handle: Any = None) -> None:
         self.mitigation = mitigation
-        self.handle = handle  # the method's context manager (a LogitsProcessor or hooks)
+        self.handle = handle  # the running Mitigation (a LogitsProcessor or hooks)
 
     @property
     def name(self) -> str:
@@ -145,9 +192,9 @@ class Active:
     def generate_kwargs(self, logits_processor: Sequence[Any] = ()) -> dict[str, Any]:
         """Arguments for ``generate()``: the method's own (``num_beams``) and
         ``logits_processor`` = the given processors followed by the method's."""
-        out: dict[str, Any] = dict(self.mitigation.generate) if self.mitigation else {}
+        out: dict[str, Any] = dict(self.mitigation.generate_args) if self.mitigation else {}
         processors = list(logits_processor)
-        if self.mitigation is not None and self.mitigation.processor:
+        if isinstance(self.handle, LogitsProcessor):
             processors.append(self.handle)
         if processors:
             out["logits_processor"] = processors
@@ -163,7 +210,7 @@ def mitigate(
     generic_inputs: Mapping[str, Any] | None = None,
     **params: Any,
 ) -> Iterator[Active]:
-    """Run the mitigation ``name`` (with its default parameters, ``params`` overriding) while
+    """Run the mitigation ``name`` (with its default options, ``params`` overriding) while
     the block runs; yields an :class:`Active` whose :meth:`~Active.generate_kwargs` go to
     ``generate()``. ``"none"`` (or ``None``) runs nothing.
 
@@ -174,48 +221,15 @@ def mitigate(
         yield Active(None)
         return
     mitigation = _MITIGATIONS[canonical]
-    kwargs = mitigation.parameters(**params)
+    chosen = mitigation.options(**params)
     if mitigation.generic_prompt is not None:
         if inputs is None or generic_inputs is None:
             raise ValueError(
                 f"mitigation {canonical!r} needs inputs and generic_inputs (the same images "
                 f"under the prompt {mitigation.generic_prompt!r})"
             )
-        handle = mitigation.build(model, inputs, generic_inputs, **kwargs)
+        handle = mitigation(model, inputs, generic_inputs, chosen)
     else:
-        handle = mitigation.build(model, **kwargs)
+        handle = mitigation(model, chosen)
     with handle:
         yield Active(mitigation, handle)
-
-
-def _generic_prompt() -> str:
-    from ..grounding import GENERIC_PROMPT
-
-    return GENERIC_PROMPT
-
-
-for _mitigation in (
-    Mitigation(
-        "attention_reweight",
-        attention_reweight,
-        defaults={"strength": 1.0, "layers": None, "ratio": 0.25},
-        summary="raise the attention logits of the instruction-relevant visual tokens",
-    ),
-    Mitigation(
-        "visual_beam",
-        visual_beam,
-        defaults={"weight": 1.0, "layers": None},
-        generate={"num_beams": 3},
-        processor=True,
-        summary="beam search re-ranked by the visual attention of each candidate's tokens",
-    ),
-    Mitigation(
-        "instruction_contrast",
-        instruction_contrast,
-        defaults={"alpha": 1.0, "beta": 0.1, "ratio": 0.5, "layers": None},
-        processor=True,
-        generic_prompt=_generic_prompt(),
-        summary="contrast against a run that sees only the instruction-irrelevant visual tokens",
-    ),
-):
-    register_mitigation(_mitigation)

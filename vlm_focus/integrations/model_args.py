@@ -10,8 +10,11 @@ takes out the ones that belong to vlm_focus and checks them, before any weights 
 - the chosen pruner's own options (``base``, ``alpha``, ``seed``, ...), checked by that pruner's
   options dataclass; ``guide=PATH`` (or ``guide=embedded``) names the small model of a pruner
   that takes one (``guided``);
-- a mitigation from :mod:`vlm_focus.hallucination`: ``mitigate=attention_reweight`` with
-  ``strength``, ``mitigate_layers`` (a colon list) and ``mitigate_ratio``.
+- a mitigation from :mod:`vlm_focus.hallucination` that runs inside a harness
+  (``mitigate=attention_reweight``) with its options, read by their declared types
+  (:func:`vlm_focus.hallucination.mitigation_options`): ``strength``, ``mitigate_layers`` (a
+  colon list) and ``mitigate_ratio``. An option whose name a flat list would read as pruning's
+  (``layers``, ``ratio``, or a name that pruning uses) takes the ``mitigate_`` prefix.
 
 Any of the pruning options turns pruning on (with :class:`~vlm_focus.FocusConfig`'s defaults
 for the rest); without them the model runs unpruned.
@@ -25,26 +28,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformers import LogitsProcessor
+
 from ..config import FocusConfig, read_keep, read_layer
-from ..hallucination import Mitigation, get_mitigation, mitigation_name, mitigations
+from ..core.options import OptionInfo
+from ..hallucination import (
+    Mitigation,
+    get_mitigation,
+    mitigation_name,
+    mitigation_options,
+    mitigations,
+)
 from ..pruners import get_pruner, pruners, pruners_with
 from ..setting import RunSetting
 
 FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
-#: attention_reweight's parameters as model arguments (the harness splits on commas)
-MITIGATION_OPTIONS = ("strength", "mitigate_layers", "mitigate_ratio")
 #: the command lines' readers of the options that take a multi-stage schedule
 _READERS = {"layer": read_layer, "keep": read_keep}
+#: mitigation options that a flat list of model arguments would read as pruning's (``layer``,
+#: keep's ratio), so they take the ``mitigate_`` prefix
+_READ_AS_PRUNING = ("layers", "ratio")
 
 
-def harness_limit(mitigation: Mitigation) -> str | None:
+def harness_limit(mitigation: type[Mitigation]) -> str | None:
     """Why ``mitigation`` cannot run inside a harness's model class, or ``None``: the harness
     calls ``generate()`` itself, so a method that needs its own ``generate()`` arguments (a
     logits processor, a beam width) or a second prompt per request cannot run through it."""
     if mitigation.generic_prompt is not None:
         return "it needs a second, generic prompt per request"
-    if mitigation.processor or mitigation.generate:
-        extra = "".join(f"{k} and " for k in mitigation.generate)
+    if issubclass(mitigation, LogitsProcessor) or mitigation.generate_args:
+        extra = "".join(f"{k} and " for k in mitigation.generate_args)
         return f"it needs {extra}its logits processor in generate()"
     return None
 
@@ -59,9 +72,20 @@ def pruner_option_names() -> dict[str, list[str]]:
     return {name: get_pruner(name).option_names() for name in pruners()}
 
 
+def mitigation_arguments() -> dict[str, str]:
+    """The model argument of each option of the mitigations a harness runs, to that option:
+    its own name, or ``mitigate_NAME`` where pruning would claim the name."""
+    pruning = set(FOCUS_FIELDS).union(*pruner_option_names().values(), _READ_AS_PRUNING)
+    out = {}
+    for name in harness_mitigations():
+        for option in get_mitigation(name).option_names():
+            out[f"mitigate_{option}" if option in pruning else option] = option
+    return out
+
+
 def focus_option_names() -> list[str]:
     """Every model argument vlm_focus takes (config fields, all pruners' options, mitigation)."""
-    names = set(FOCUS_FIELDS) | {"mitigate", *MITIGATION_OPTIONS}
+    names = set(FOCUS_FIELDS) | {"mitigate", *mitigation_arguments()}
     for options in pruner_option_names().values():
         names.update(options)
     return sorted(names)
@@ -219,32 +243,58 @@ def _mitigation(value: Any) -> str | None:
 
 
 def _mitigation_options(mitigate: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    given = {k: options.pop(k) for k in MITIGATION_OPTIONS if k in options}
+    """The options of ``mitigate`` that ``options`` gives (taken out of it), read by their
+    declared types and checked by the mitigation's options dataclass."""
+    arguments = mitigation_arguments()
+    given = {arg: options.pop(arg) for arg in arguments if arg in options}
     if given and mitigate is None:
+        takers = [
+            name
+            for name in harness_mitigations()
+            if {arguments[arg] for arg in given} & set(get_mitigation(name).option_names())
+        ]
         raise ValueError(
-            f"{', '.join(sorted(given))} set without mitigate=; pass mitigate=attention_reweight"
+            f"{', '.join(sorted(given))} set without mitigate=; pass mitigate="
+            + " or mitigate=".join(takers)
         )
+    if not given:
+        return {}
+    infos = {info.name: info for info in mitigation_options(mitigate)}
     out: dict[str, Any] = {}
-    if "strength" in given:
-        s = given["strength"]
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise ValueError(f"strength={s!r} must be a number")
-        out["strength"] = float(s)
-    if "mitigate_layers" in given:
-        layers = read_layer(given["mitigate_layers"], "mitigate_layers")
-        layers = layers if isinstance(layers, tuple) else (layers,)
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
-            raise ValueError(
-                f"mitigate_layers={given['mitigate_layers']!r} must be layer indices >= 0 "
-                "(a colon list, e.g. 0:1)"
-            )
-        out["layers"] = list(layers)
-    if "mitigate_ratio" in given:
-        r = given["mitigate_ratio"]
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
-            raise ValueError(f"mitigate_ratio={r!r} must be a ratio in (0, 1]")
-        out["ratio"] = float(r)
+    for arg, value in given.items():
+        option = arguments[arg]
+        if option not in infos:
+            takes = ", ".join(a for a, o in arguments.items() if o in infos) or "no options"
+            raise ValueError(f"{arg} is not an option of mitigate={mitigate!r}; it takes: {takes}")
+        out[option] = _read_option(arg, value, infos[option])
+    try:
+        get_mitigation(mitigate).options(**out)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"mitigate={mitigate!r}: {err}") from None
     return out
+
+
+def _read_option(arg: str, value: Any, info: OptionInfo) -> Any:
+    """A mitigation option's value as a harness gives it, by the option's declared type: a
+    number, or layer indices as a colon list (the harness splits its arguments on commas)."""
+    kinds = {kind.strip() for kind in info.type.split("|")}
+    if "None" in kinds and (value is None or str(value).lower() == "none"):
+        return None
+    if "list[int]" in kinds:
+        layers = read_layer(value, arg)
+        layers = list(layers) if isinstance(layers, tuple | list) else [layers]
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+            raise ValueError(f"{arg}={value!r} must be layer indices >= 0 (a colon list, e.g. 0:1)")
+        return layers
+    for kind, cast in (("int", int), ("float", float)):
+        if kind in kinds:
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                raise ValueError(f"{arg}={value!r} must be a number")
+            try:
+                return cast(value)
+            except ValueError:
+                raise ValueError(f"{arg}={value!r} must be a number") from None
+    return value
 
 
 def _guide_path(guide: Any) -> str:

@@ -23,26 +23,19 @@ read for every question the zoom can crop, before any answer).
 
 Crops are :class:`vlm_focus.geometry.Frame` rectangles in the image's whole pixels; the crop
 rules are pure functions on :mod:`vlm_focus.geometry` sizes (:func:`crop_box`);
-the default re-ask per model type comes from its adapter (:func:`default_mode`).
+the default re-ask per model type comes from its adapter (:func:`default_mode`). Every option,
+its routes (:data:`ROUTES`) included, is a field of :class:`ZoomOptions`, listed with its type,
+default and help by :func:`zoom_options`.
 """
 
 from ..geometry import frame_aspect, native_side
+from ._calibrate import answers_match, calibrate_model
 from ._crop import crop_box, union_box
-from ._look import (
-    ANCHORS,
-    ASPECTS,
-    ROUTES,
-    ZoomAnswer,
-    ZoomOptions,
-    answers_match,
-    calibrate_model,
-    choose_crops,
-    first_pass,
-    look_closer,
-    reask,
-    routing_statistics,
-)
+from ._look import ZoomAnswer, look_closer, reask
+from ._options import ANCHORS, ASPECTS, ROUTES, ZoomOptions, zoom_options
+from ._passes import first_pass, routing_statistics
 from ._reask import MODES, chat_text, default_mode, mode_for, multi_image_inputs
+from ._regions import choose_crops
 from ._routing import (
     MAP_STATISTICS,
     STATISTICS,
@@ -88,4 +81,5 @@ __all__ = [
     "route",
     "routing_statistics",
     "union_box",
+    "zoom_options",
 ]

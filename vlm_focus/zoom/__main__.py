@@ -14,12 +14,14 @@ question's content words); the latter calibrates on the images the zoom can crop
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from ._look import calibrate_model
-from ._routing import STATISTICS
+from ..core.options import add_options
+from ._calibrate import calibrate_model
+from ._options import ZoomOptions
 
 
 def _read(path: Path, image_dir: Path, limit: int | None) -> tuple[list, list, list]:
@@ -54,15 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--model", default=None, help="path or hub id (default: the embedded one)")
     cal.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     cal.add_argument("--recall", type=float, default=0.9, help="share of hard cases to route")
-    cal.add_argument(
-        "--statistic",
-        choices=STATISTICS,
-        default="top1",
-        help="routing statistic: first-token top1/margin or attention-map peak/entropy/outside",
-    )
+    # the routing statistic and the answer length as the zoom's options table has them
+    shared = ("statistic", "max_new_tokens")
+    others = [f.name for f in dataclasses.fields(ZoomOptions) if f.name not in shared]
+    add_options(cal, ZoomOptions, exclude=others, defaults=True)
     cal.add_argument("--limit", type=int, default=None, help="use the first N questions")
     cal.add_argument("--batch-size", type=int, default=8)
-    cal.add_argument("--max-new-tokens", type=int, default=16)
     cal.add_argument("--out", type=Path, default=None, help="write the calibration JSON here")
     args = parser.parse_args(argv)
 
