@@ -137,7 +137,7 @@ def run_chair(config: ChairConfig) -> dict | None:
     """Caption the images under one setting; returns its summary (on the main process)."""
     from .data import resolve_set, split_missing
     from .generation import Generator
-    from .runner import process_state, run_items
+    from .runner import process_state
     from .tables import write_table
 
     if not isinstance(config, ChairConfig):
@@ -182,16 +182,15 @@ def run_chair(config: ChairConfig) -> dict | None:
         return f"CHAIR_s={m['CHAIR_s']:.3f} CHAIR_i={m['CHAIR_i']:.3f} recall={m['recall']:.3f}"
 
     root = config.out / "chair" / model_tag(config.model)
-    records = run_items(
+    records = config.run_items(
+        state,
         present,
         process,
         root / f"{setting.tag}.jsonl",
         key="image_id",
-        batch_size=config.batch_size,
-        state=state,
         desc=f"chair {setting.tag}",
         metric=metric,
-        config={"model": config.model_name, **setting.describe(), "prompt": prompt},
+        record={**setting.describe(), "prompt": prompt},
     )
     if not state.is_main_process:
         return None

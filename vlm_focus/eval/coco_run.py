@@ -162,7 +162,7 @@ def run_coco(config: CocoConfig) -> dict | None:
     from ..setting import RunSetting
     from .data import resolve_set, split_missing
     from .generation import Generator
-    from .runner import process_state, run_items
+    from .runner import process_state
     from .tables import write_table
 
     if not isinstance(config, CocoConfig):
@@ -247,17 +247,15 @@ def run_coco(config: CocoConfig) -> dict | None:
     if config.layers is None and heads is None:
         map_layers += " (grounding.default_layers)"
     map_heads_text = "every head" if config.heads is None else str(config.heads)
-    records = run_items(
+    records = config.run_items(
+        state,
         rows,
         process,
         folder / "queries.jsonl",
         key="query_id",
-        batch_size=config.batch_size,
-        state=state,
         desc=f"coco grounding {config.setting}",
         metric=metric,
-        config={
-            "model": config.model_name,
+        record={
             "prompt": template,
             "absent": config.absent,
             "max_boxes": config.max_boxes,

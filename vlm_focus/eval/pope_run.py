@@ -39,7 +39,7 @@ from .pope import (
     summarise,
     write_questions,
 )
-from .runner import process_state, run_items
+from .runner import process_state
 from .tables import write_table
 
 TABLE_COLUMNS = (
@@ -367,17 +367,15 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
                 guide_processor=guide[1],
             ).records
 
-        records = run_items(
+        records = config.run_items(
+            state,
             present,
             process,
             root / split / f"{setting.tag}.jsonl",
             key="question_id",
-            batch_size=config.batch_size,
-            state=state,
             desc=f"pope {split} {setting.tag}",
             metric=running_metric,
-            config={
-                "model": config.model_name,
+            record={
                 **setting.describe(),
                 "prompt_suffix": suffix,
                 "questions": source,
