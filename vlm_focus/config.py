@@ -10,6 +10,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .core.options import check_choices
+
 QUERY_ROWS = ("last", "text")
 REDUCTIONS = ("mean", "max")
 BUDGETS = ("span", "frame")
@@ -224,14 +226,7 @@ class FocusConfig:
         keeps = tuple(parse_keep(k) for k in keeps)
         _check_schedule(keeps)
         self.keep = keeps if isinstance(self.keep, (tuple, list)) else keeps[0]
-        if self.query_rows not in QUERY_ROWS:
-            raise ValueError(f"query_rows={self.query_rows!r} is not one of {QUERY_ROWS}")
-        if self.reduce not in REDUCTIONS:
-            raise ValueError(f"reduce={self.reduce!r} is not one of {REDUCTIONS}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
-        if self.positions not in POSITIONS:
-            raise ValueError(f"positions={self.positions!r} is not one of {POSITIONS}")
+        check_choices(self)  # every option that has choices
         if not isinstance(self.warm_kernels, bool):
             raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):

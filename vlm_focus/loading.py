@@ -11,6 +11,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .asset_paths import default_model_path, is_embedded
+from .core.options import check_choices
 from .model_adapters import get_adapter
 
 #: Seconds to wait for the hub before saying it cannot be reached.
@@ -102,8 +103,7 @@ class LoadOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.attn not in ATTENTION:
-            raise ValueError(f"attn={self.attn!r} is not one of {ATTENTION}")
+        check_choices(self)
         if self.model is not None and not str(self.model).strip():
             raise ValueError("model is empty: pass a model folder or hub id, or leave it out")
 

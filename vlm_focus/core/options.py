@@ -114,6 +114,15 @@ def inherit_options(
     return add
 
 
+def check_choices(config: Any) -> None:
+    """``ValueError`` for a field of the dataclass ``config`` whose value is not one of its
+    metadata's ``choices``, naming the field, the value and the choices."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(config, f.name) not in choices:
+            raise ValueError(f"{f.name}={getattr(config, f.name)!r} is not one of {choices}")
+
+
 def config_of(cls: type, source: Any, **overrides: Any) -> Any:
     """``cls`` (a config dataclass, e.g. :class:`~vlm_focus.FocusConfig`) built from the
     fields of ``source`` that it has (a command's options that inherit them), with

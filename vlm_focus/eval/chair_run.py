@@ -27,15 +27,7 @@ from .chair import (
     extract_objects,
     truth_objects,
 )
-from .common import (
-    PruneOptions,
-    check_extras,
-    load,
-    model_tag,
-    on_shared_items,
-    read_summaries,
-    write_json,
-)
+from .common import PruneOptions, check_extras, on_shared_items, read_summaries, write_json
 
 
 @dataclass
@@ -152,8 +144,8 @@ def run_chair(config: ChairConfig) -> dict | None:
     setting = config.setting(max_new_tokens=max_new)
     items = [{"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids]
     present, missing = split_missing(items, cocoset, config.on_missing)
-    model, processor = load(config, state)
-    guide = setting.load_guide(config.device or str(state.device)) or (None, None)
+    model, processor = config.load(config.device_of(state))
+    guide = setting.load_guide(config.device_of(state)) or (None, None)
     generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     table = ObjectWords.for_categories(cocoset.category_names.values())
     truth = _truth(cocoset, table)
@@ -181,7 +173,7 @@ def run_chair(config: ChairConfig) -> dict | None:
         m = chair_metrics({r["image_id"]: r["caption"] for r in records}, truth, table)
         return f"CHAIR_s={m['CHAIR_s']:.3f} CHAIR_i={m['CHAIR_i']:.3f} recall={m['recall']:.3f}"
 
-    root = config.out / "chair" / model_tag(config.model)
+    root = config.results
     records = config.run_items(
         state,
         present,

@@ -118,6 +118,15 @@ class EvalOptions(LoadOptions):
     def model_name(self) -> str:
         return "embedded" if is_embedded(self.model) else str(self.model)
 
+    @property
+    def results(self) -> Path:
+        """The command's results folder for this model: ``out/<command>/<model tag>``."""
+        return self.out / self.command / model_tag(self.model)
+
+    def device_of(self, state: Any) -> str:
+        """The device this process runs on: ``device``, else the process's own."""
+        return self.device or str(state.device)
+
     def run_items(
         self,
         state: Any,
@@ -278,11 +287,6 @@ def model_tag(model: str | None) -> str:
         return "embedded"
     parts = [x for x in re.split(r"[\\/]+", str(model)) if x][-2:]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "--".join(parts))
-
-
-def load(options: LoadOptions, state: Any) -> tuple[Any, Any]:
-    """(model, processor) on this process's device."""
-    return options.load(options.device or str(state.device))
 
 
 def write_json(path: Path, data: Any) -> None:
