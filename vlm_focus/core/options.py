@@ -81,12 +81,12 @@ def inherit_options(
     source: type,
     *,
     before: str,
-    field: Callable[[str], Any] | None = None,
+    make_field: Callable[[str], Any] | None = None,
 ) -> Callable[[type], type]:
     """A class decorator, written under ``@dataclass``: the decorated class gains every
     command-line field of the dataclass ``source`` that it does not define itself, in
-    ``source``'s order, placed before its own field ``before``. ``field(name)`` makes each
-    field (default: :func:`inherit`, ``source``'s default and metadata); a field whose
+    ``source``'s order, placed before its own field ``before``. ``make_field(name)`` makes
+    each field (default: :func:`inherit`, ``source``'s default and metadata); a field whose
     default is ``None`` is typed as optional."""
 
     def add(cls: type) -> type:
@@ -97,7 +97,7 @@ def inherit_options(
         for f in dataclasses.fields(source):
             if f.name in own or not f.metadata.get("cli", True):
                 continue
-            made = field(f.name) if field is not None else inherit(source, f.name)
+            made = make_field(f.name) if make_field else inherit(source, f.name)
             type_name = _type_name(f.type)
             if made.default is None and not type_name.endswith("| None"):
                 type_name += " | None"

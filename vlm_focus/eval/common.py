@@ -158,7 +158,7 @@ class EvalOptions(LoadOptions):
 
 
 @dataclass
-@inherit_options(FocusConfig, before="pruner_option", field=_focus)
+@inherit_options(FocusConfig, before="pruner_option", make_field=_focus)
 class PruneOptions(EvalOptions):
     """An evaluation that generates: optional pruning (the :class:`~vlm_focus.FocusConfig`
     options, with its defaults) and an optional mitigation from the registry.
