@@ -13,13 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
-from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
-from .core.options import add_options, inherit, parse_config
-from .loading import MissingExtra
-from .setting import RunSetting, focus_config
+from .config import FocusConfig, read_keep
+from .core.options import (
+    add_command,
+    config_of,
+    inherit_options,
+    options,
+    parse_config,
+    pruner_option_field,
+)
+from .loading import LoadOptions, MissingExtra
+from .setting import RunSetting
 
 
 @dataclass
+@inherit_options(FocusConfig, before="pruner_option")
 class InputOptions(LoadOptions):
     """One image or video, one prompt and one pruning setting (``vlm-focus run`` and
     ``bench``)."""
@@ -43,13 +51,7 @@ class InputOptions(LoadOptions):
             "default_text": f"{CAPTION_PROMPT!r}, the embedded models' caption prompt",
         },
     )
-    pruner: str = inherit(FocusConfig, "pruner")
-    keep: float | int = inherit(FocusConfig, "keep")
-    layer: int = inherit(FocusConfig, "layer")
-    query_rows: str = inherit(FocusConfig, "query_rows")
-    reduce: str = inherit(FocusConfig, "reduce")
-    budget: str = inherit(FocusConfig, "budget")
-    positions: str = inherit(FocusConfig, "positions")
+    # FocusConfig's command-line options come here (inherit_options)
     pruner_option: list[str] = pruner_option_field()
     repeats: int = field(
         default=5,
@@ -83,7 +85,7 @@ class InputOptions(LoadOptions):
 
     def focus(self, keep: Any = None) -> FocusConfig:
         """The :class:`~vlm_focus.FocusConfig` of these options (with another ``keep``)."""
-        return focus_config(self, **({} if keep is None else {"keep": keep}))
+        return config_of(FocusConfig, self, **({} if keep is None else {"keep": keep}))
 
 
 @dataclass
@@ -128,10 +130,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (config_cls, help_text, exclude) in COMMANDS.items():
-        command = sub.add_parser(
-            name, help=help_text, description=config_cls.__doc__, allow_abbrev=False
-        )
-        add_options(command, config_cls, exclude=exclude)
+        add_command(sub, name, config_cls, help_text, exclude=exclude)
     sub.add_parser("pruners", help="the registered pruners and their options")
     sub.add_parser("mitigations", help="the registered mitigations and their options")
     for name, (_, help_text) in _DELEGATES.items():
@@ -177,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
 def pruners_table() -> str:
     """What ``vlm-focus pruners`` prints: every pruner, what it scores, and its options."""
     import vlm_focus as vf
-
-    from .core.options import options
 
     shared = ", ".join(o.name for o in options(FocusConfig, cli_only=True))
     lines = [
@@ -231,6 +228,7 @@ class _Loaded(NamedTuple):
     model: Any
     processor: Any
     inputs: dict[str, Any]
+    media: Any  # what the inputs were built from: [the image], or the decoded video
     source: str  # the image or video file
     prompt: str
     device: str
@@ -238,36 +236,25 @@ class _Loaded(NamedTuple):
 
 
 def _load(config: InputOptions) -> _Loaded:
-    from .loading import (
-        build_inputs,
-        build_video_inputs,
-        load_image,
-        load_model,
-        load_video,
-        resolve_device,
-        to_model,
-    )
+    from .loading import load_image, load_video, model_inputs, resolve_device
 
     device = resolve_device(config.device)
-    model, processor = load_model(
-        config.model,
-        device=device,
-        attn_implementation=config.attn,
-        trust_remote_code=config.trust_remote_code,
-    )
+    model, processor = config.load(device)
     prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
     if config.video is not None:
-        frames, metadata = load_video(config.video, config.frames)
-        inputs = to_model(model, build_video_inputs(processor, frames, metadata, prompt))
-        return _Loaded(model, processor, inputs, config.video, prompt, device, len(frames))
+        video = load_video(config.video, config.frames)
+        inputs = model_inputs(model, processor, video, [prompt])
+        frames = len(video.frames)
+        return _Loaded(model, processor, inputs, video, config.video, prompt, device, frames)
     image_path = config.image
     if image_path is None:
         scenes = sample_scene_paths()
         if not scenes:
             raise ValueError("no --image given and no bundled sample scene found")
         image_path = scenes[0]
-    inputs = to_model(model, build_inputs(processor, load_image(image_path), prompt))
-    return _Loaded(model, processor, inputs, str(image_path), prompt, device, None)
+    media = [load_image(image_path)]
+    inputs = model_inputs(model, processor, media, [prompt])
+    return _Loaded(model, processor, inputs, media, str(image_path), prompt, device, None)
 
 
 def _frames_warning(config: InputOptions, loaded: _Loaded) -> str | None:
@@ -280,14 +267,14 @@ def _frames_warning(config: InputOptions, loaded: _Loaded) -> str | None:
     )
 
 
-def _kept_line(trace: Any) -> str:
+def _kept_line(kept: int, total: int, trace: Any) -> str:
     """The visual tokens kept, and what each decode step reads where the pruner picks them
     per step (fixation: the prompt may keep every token)."""
-    line = f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}"
-    if trace.n_fixated:
+    line = f"visual tokens kept {kept}/{total}"
+    if trace is not None and trace.n_fixated:
         line += (
             f" by the prompt; each of {len(trace.fixations)} decode steps reads "
-            f"{trace.n_fixated[0]}/{trace.n_visual[0]}"
+            f"{trace.n_fixated[0]}/{total}"
         )
     return line
 
@@ -295,38 +282,29 @@ def _kept_line(trace: Any) -> str:
 def _run(config: RunConfig) -> int:
     import torch
 
-    import vlm_focus as vf
+    from .timing import prefill_report
 
-    from .loading import decode_new_tokens
-    from .timing import prefill_report, pruned_prefill_timing
-
-    model, processor, inputs, source, prompt, device, frames = loaded = _load(config)
+    model, processor, inputs, media, source, prompt, device, frames = loaded = _load(config)
     focus = config.focus()
-    plain = RunSetting(max_new_tokens=config.max_new_tokens)  # the pruning is wrapped below
+    setting = RunSetting(focus=focus, max_new_tokens=config.max_new_tokens)
     with torch.inference_mode():
-        full = decode_new_tokens(processor, inputs, plain.generate(model, inputs))[0]
-        with vf.wrap(model, focus) as handle:
-            pruned = decode_new_tokens(processor, inputs, plain.generate(model, inputs))[0]
-        trace = handle.last_trace
-        timing = pruned_prefill_timing(
-            model,
-            inputs,
-            lambda: vf.wrap(model, focus),
-            trace.n_kept[0],
-            trace.n_visual[0],
-            config.repeats,
+        unpruned = setting.plain().answer(model, processor, media, [prompt], inputs=inputs)
+        pruned = setting.answer(model, processor, media, [prompt], inputs=inputs)
+        kept, total, timing, trace = setting.prefill_timing(
+            model, inputs, repeats=config.repeats, answer=pruned
         )
+    fixated = trace is not None and trace.n_fixated
     report = {
         "model": model.config.model_type,
         "video" if config.video is not None else "image": source,
         **({} if frames is None else {"frames": frames, "frames_asked": config.frames}),
         "prompt": prompt,
-        "answer_unpruned": full,
-        "answer_pruned": pruned,
+        "answer_unpruned": unpruned.texts[0],
+        "answer_pruned": pruned.texts[0],
         **{k: v for k, v in focus.to_dict().items() if k != "warm_kernels"},
-        "visual_kept": trace.n_kept[0],
-        "visual_total": trace.n_visual[0],
-        **({"visual_per_decode_step": trace.n_fixated[0]} if trace.n_fixated else {}),
+        "visual_kept": kept,
+        "visual_total": total,
+        **({"visual_per_decode_step": trace.n_fixated[0]} if fixated else {}),
         "pruned": timing is not None,
         "device": device,
     }
@@ -346,11 +324,11 @@ def _run(config: RunConfig) -> int:
     shown = source if frames is None else f"{source} ({frames} frames)"
     print(f"model     {report['model']}   {'video' if config.video else 'image'} {shown}")
     print(f"prompt    {prompt}")
-    print(f"unpruned  {full}")
-    print(f"pruned    {pruned}   ({RunSetting(focus=focus).tag})")
-    print(_kept_line(trace))
-    timed = prefill_report(timing, trace.n_kept[0], trace.n_visual[0])
-    if timing is None and trace.n_fixated:  # the prompt kept all: the decode steps prune
+    print(f"unpruned  {unpruned.texts[0]}")
+    print(f"pruned    {pruned.texts[0]}   ({RunSetting(focus=focus).tag})")
+    print(_kept_line(kept, total, trace))
+    timed = prefill_report(timing, kept, total)
+    if timing is None and fixated:  # the prompt kept all: the decode steps prune
         timed = "prefill unpruned, nothing to time there (benchmarks/decode.py times decoding)"
     print(f"timing    {timed}, {device}")
     for warning in (_frames_warning(config, loaded), timing and timing.warning()):
@@ -360,9 +338,7 @@ def _run(config: RunConfig) -> int:
 
 
 def _bench(config: BenchConfig) -> int:
-    import vlm_focus as vf
-
-    from .timing import prefill_fn, prefill_report, pruned_prefill_timing
+    from .timing import prefill_report
 
     loaded = _load(config)
     model, inputs, device = loaded.model, loaded.inputs, loaded.device
@@ -375,14 +351,8 @@ def _bench(config: BenchConfig) -> int:
         print(f"warning: {_frames_warning(config, loaded)}")
     doubtful = []
     for keep in config.keep_values():
-        focus = config.focus(keep)
-        with vf.wrap(model, focus) as handle:
-            prefill_fn(model, inputs)()
-        trace = handle.last_trace
-        kept, total = trace.n_kept[0], trace.n_visual[0]
-        timing = pruned_prefill_timing(
-            model, inputs, lambda f=focus: vf.wrap(model, f), kept, total, config.repeats
-        )
+        setting = RunSetting(focus=config.focus(keep))
+        kept, total, timing, _ = setting.prefill_timing(model, inputs, repeats=config.repeats)
         print(f"keep={keep!s:<5} kept {kept:>4}/{total:<4} {prefill_report(timing, kept, total)}")
         if timing is not None and not timing.trusted:
             doubtful.append((keep, timing.warning()))

@@ -9,13 +9,13 @@ their count come with it: a ratio whose spread is wide is not to be trusted.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor
 
 #: Above this relative spread of the paired ratios ((max - min) / median) a ratio is flagged.
 TRUSTED_SPREAD = 0.15
@@ -25,19 +25,25 @@ def _sync() -> Callable[[], None]:
     return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
 
-def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()``; CUDA work is synchronised before each clock read."""
-    sync = _sync()
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def sync_of(model: torch.nn.Module) -> Callable[[], None]:
+    """What waits for ``model``'s device before a clock read (nothing on a CPU)."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.cuda.synchronize if cuda else (lambda: None)
+
+
+class PrefillClock(LogitsProcessor):
+    """Notes when ``generate()`` first asks for the next token: the end of prefill
+    (``first``, a ``time.perf_counter()`` reading; ``None`` until then)."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        if self.first is None:
+            self.sync()
+            self.first = time.perf_counter()
+        return scores
 
 
 @dataclass

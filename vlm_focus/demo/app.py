@@ -17,8 +17,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import numpy as np  # noqa: E402
 
-from ..config import FocusConfig, LoadOptions  # noqa: E402
+from ..config import FocusConfig  # noqa: E402
 from ..core.options import add_options, default_of, parse_config  # noqa: E402
+from ..loading import LoadOptions  # noqa: E402
 from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
 
 DESCRIPTION = (

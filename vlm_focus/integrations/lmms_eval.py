@@ -6,10 +6,12 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,pruner=fastv,keep=0.25,layer=2 \\
         --tasks pope,mme --log_samples --output_path results/
 
-The class reads the checkpoint's ``model_type`` from its config (no weights), takes vlm_focus's
-own arguments out of ``--model_args`` and checks them (:mod:`vlm_focus.integrations.model_args`),
-then builds lmms-eval's HF class for that model type with the rest (``pretrained``,
-``batch_size``, ``device``, ...) and wraps its model. Prompt building, image processing,
+Every model type of :func:`vlm_focus.supported_models` runs except those :data:`DELEGATES`
+leaves out, with the reason (the error says it before any weights load). The class reads the
+checkpoint's ``model_type`` from its config (no weights), takes vlm_focus's own arguments out
+of ``--model_args`` and checks them (:mod:`vlm_focus.integrations.model_args`), then builds
+lmms-eval's HF class for that model type with the rest (``pretrained``, ``batch_size``,
+``device``, ...) and wraps its model. Prompt building, image processing,
 decoding and batching stay lmms-eval's.
 
 What pruning did is recorded per request in ``token_counts`` of the ``--log_samples`` output
@@ -38,7 +40,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.model_utils.gen_metrics import log_metrics
 from loguru import logger
 
-from ..loading import build_inputs, load_model, resolve_model_path, to_model
+from ..loading import resolve_model_path
 from ..model_adapters import get_adapter
 from .model_args import FocusArgs, split_model_args
 
@@ -46,15 +48,17 @@ from .model_args import FocusArgs, split_model_args
 @dataclass(frozen=True)
 class Delegate:
     """lmms-eval's class for one model type: its import path, whether it takes chat requests,
-    and the largest batch it runs (``None``: any)."""
+    and the largest batch it runs (``None``: any); or, with no class, why the model type is
+    left out (``left_out``)."""
 
-    class_path: str
+    class_path: str | None
     chat: bool = True
     max_batch: int | None = None
+    left_out: str | None = None
 
 
-# lmms-eval 0.7.3's HF classes. The llava chat class and the simple qwen2_vl class answer one
-# request per generate() call.
+# Every model type vlm_focus supports, with lmms-eval 0.7.3's HF class or why there is none.
+# The llava chat class and the simple qwen2_vl class answer one request per generate() call.
 DELEGATES: dict[str, Delegate] = {
     "llava": Delegate("lmms_eval.models.chat.llava_hf.LlavaHf", max_batch=1),
     "llava_next": Delegate("lmms_eval.models.chat.llava_hf.LlavaHf", max_batch=1),
@@ -62,6 +66,12 @@ DELEGATES: dict[str, Delegate] = {
     "qwen2_vl": Delegate("lmms_eval.models.simple.qwen2_vl.Qwen2_VL", chat=False, max_batch=1),
     "qwen2_5_vl": Delegate("lmms_eval.models.chat.qwen2_5_vl.Qwen2_5_VL"),
     "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL"),
+    "qwen3_vl_moe": Delegate(
+        None,
+        left_out="lmms-eval 0.7.3's Qwen3_VL picks its mixture-of-experts class from the "
+        "checkpoint's name (a part like 'A3B'), not from its config, so a local or renamed "
+        "checkpoint would load as the dense model; `vlm-focus eval` runs it",
+    ),
 }
 
 
@@ -107,12 +117,7 @@ class VlmFocus(lmms):
         trust = bool(kwargs.get("trust_remote_code", False))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         model_type = getattr(config, "model_type", None)
-        if model_type not in DELEGATES:
-            raise ValueError(
-                f"pretrained={pretrained!r} has model_type {model_type!r}; --model vlm_focus "
-                f"supports: {', '.join(sorted(DELEGATES))}"
-            )
-        spec = DELEGATES[model_type]
+        spec = _delegate(model_type, pretrained)
         module_name, class_name = spec.class_path.rsplit(".", 1)
         delegate_cls = getattr(importlib.import_module(module_name), class_name)
         accepted = _init_parameters(delegate_cls)
@@ -142,17 +147,11 @@ class VlmFocus(lmms):
         self._prefill: dict[str, Any] | None = None
         model = self.delegate.model
         self._sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else _no_sync
-        self.guide, self.guide_processor = None, None
-        run_options = {}
-        if self.focus.guide is not None:
-            self.guide, self.guide_processor = load_model(
-                self.focus.guide, device=str(_device_of(model))
-            )
-            run_options["guide_inputs"] = self._guide_inputs
+        self.guide = self.run_setting.load_guide(str(_device_of(model)))
         # the pruning stays attached until remove(); the mitigation runs per generate_until
         self._wrapped = contextlib.ExitStack()
         self.handle = self._wrapped.enter_context(
-            self.run_setting.wrapped(model, guide=self.guide, **run_options)
+            self.run_setting.wrapped(model, guide=self.guide, guide_rows=self._guide_rows)
         )
         with self._mitigation():  # checks the options against the model (its layer count)
             pass
@@ -306,9 +305,9 @@ class VlmFocus(lmms):
             }
         return None
 
-    def _guide_inputs(self, large_inputs: dict) -> dict:
-        """The guide model's inputs for the batch being prefilled: the same images and
-        instruction text, through the guide's own processor."""
+    def _guide_rows(self) -> tuple[list, list[str]]:
+        """The images and instruction texts of the batch being prefilled, from which the
+        setting builds the guide model's inputs."""
         images, prompts = [], []
         for row in self._current:
             media, text = _media(row.messages), _text(row.messages)
@@ -318,8 +317,7 @@ class VlmFocus(lmms):
                 )
             images.append(media[0])
             prompts.append(text)
-        inputs = build_inputs(self.guide_processor, images, prompts)
-        return to_model(self.guide, inputs)
+        return images, prompts
 
     def _mitigation(self) -> Any:
         """The setting's mitigation (its defaults, the model arguments overriding), or none."""
@@ -341,6 +339,23 @@ class VlmFocus(lmms):
                 "vlm_focus_prefill_s": sum(f["prefill_s"] for f in facts) / n,
             },
         )
+
+
+def _delegate(model_type: str | None, pretrained: str) -> Delegate:
+    """The delegate of ``model_type``; ``ValueError`` saying first why there is none."""
+    runs = ", ".join(sorted(t for t, d in DELEGATES.items() if d.class_path is not None))
+    spec = DELEGATES.get(model_type)
+    if spec is None:
+        raise ValueError(
+            f"--model vlm_focus does not run model_type {model_type!r} (pretrained="
+            f"{pretrained!r}); it runs: {runs}"
+        )
+    if spec.class_path is None:
+        raise ValueError(
+            f"--model vlm_focus does not run model_type {model_type!r} (pretrained="
+            f"{pretrained!r}): {spec.left_out}. It runs: {runs}"
+        )
+    return spec
 
 
 def _init_parameters(cls: type) -> list[str]:
