@@ -11,7 +11,7 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from vlm_focus.demo import app
-from vlm_focus.demo.request import DemoResult, FrameMap, GroundedMap
+from vlm_focus.demo.result import DemoResult, FrameMap, GroundedMap
 from vlm_focus.grounding import Box
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
 from vlm_focus.timing import PairedTiming

@@ -19,7 +19,9 @@ import numpy as np  # noqa: E402
 
 from ..config import FocusConfig, LoadOptions  # noqa: E402
 from ..core.options import add_options, default_of, parse_config  # noqa: E402
-from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
+from .inputs import MITIGATIONS  # noqa: E402
+from .request import MODEL_LOCK, run_request  # noqa: E402
+from .result import DemoResult  # noqa: E402
 
 DESCRIPTION = (
     "Gradio page: ask about an image or a short video, see the answer pruned and unpruned, "
