@@ -203,6 +203,7 @@ class _Loaded(NamedTuple):
     model: Any
     processor: Any
     inputs: dict[str, Any]
+    media: Any  # what the inputs were built from: [the image], or the decoded video
     source: str  # the image or video file
     prompt: str
     device: str
@@ -210,15 +211,7 @@ class _Loaded(NamedTuple):
 
 
 def _load(config: InputOptions) -> _Loaded:
-    from .loading import (
-        build_inputs,
-        build_video_inputs,
-        load_image,
-        load_model,
-        load_video,
-        resolve_device,
-        to_model,
-    )
+    from .loading import load_image, load_model, load_video, model_inputs, resolve_device
 
     device = resolve_device(config.device)
     model, processor = load_model(
@@ -229,17 +222,19 @@ def _load(config: InputOptions) -> _Loaded:
     )
     prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
     if config.video is not None:
-        frames, metadata = load_video(config.video, config.frames)
-        inputs = to_model(model, build_video_inputs(processor, frames, metadata, prompt))
-        return _Loaded(model, processor, inputs, config.video, prompt, device, len(frames))
+        video = load_video(config.video, config.frames)
+        inputs = model_inputs(model, processor, video, [prompt])
+        frames = len(video.frames)
+        return _Loaded(model, processor, inputs, video, config.video, prompt, device, frames)
     image_path = config.image
     if image_path is None:
         scenes = sample_scene_paths()
         if not scenes:
             raise ValueError("no --image given and no bundled sample scene found")
         image_path = scenes[0]
-    inputs = to_model(model, build_inputs(processor, load_image(image_path), prompt))
-    return _Loaded(model, processor, inputs, str(image_path), prompt, device, None)
+    media = [load_image(image_path)]
+    inputs = model_inputs(model, processor, media, [prompt])
+    return _Loaded(model, processor, inputs, media, str(image_path), prompt, device, None)
 
 
 def _frames_warning(config: InputOptions, loaded: _Loaded) -> str | None:
@@ -252,14 +247,14 @@ def _frames_warning(config: InputOptions, loaded: _Loaded) -> str | None:
     )
 
 
-def _kept_line(trace: Any) -> str:
+def _kept_line(kept: int, total: int, trace: Any) -> str:
     """The visual tokens kept, and what each decode step reads where the pruner picks them
     per step (fixation: the prompt may keep every token)."""
-    line = f"visual tokens kept {trace.n_kept[0]}/{trace.n_visual[0]}"
-    if trace.n_fixated:
+    line = f"visual tokens kept {kept}/{total}"
+    if trace is not None and trace.n_fixated:
         line += (
             f" by the prompt; each of {len(trace.fixations)} decode steps reads "
-            f"{trace.n_fixated[0]}/{trace.n_visual[0]}"
+            f"{trace.n_fixated[0]}/{total}"
         )
     return line
 
@@ -267,38 +262,29 @@ def _kept_line(trace: Any) -> str:
 def _run(config: RunConfig) -> int:
     import torch
 
-    import vlm_focus as vf
+    from .timing import prefill_report
 
-    from .loading import decode_new_tokens
-    from .timing import prefill_report, pruned_prefill_timing
-
-    model, processor, inputs, source, prompt, device, frames = loaded = _load(config)
+    model, processor, inputs, media, source, prompt, device, frames = loaded = _load(config)
     focus = config.focus()
-    plain = RunSetting(max_new_tokens=config.max_new_tokens)  # the pruning is wrapped below
+    setting = RunSetting(focus=focus, max_new_tokens=config.max_new_tokens)
     with torch.inference_mode():
-        full = decode_new_tokens(processor, inputs, plain.generate(model, inputs))[0]
-        with vf.wrap(model, focus) as handle:
-            pruned = decode_new_tokens(processor, inputs, plain.generate(model, inputs))[0]
-        trace = handle.last_trace
-        timing = pruned_prefill_timing(
-            model,
-            inputs,
-            lambda: vf.wrap(model, focus),
-            trace.n_kept[0],
-            trace.n_visual[0],
-            config.repeats,
+        unpruned = setting.plain().answer(model, processor, media, [prompt], inputs=inputs)
+        pruned = setting.answer(model, processor, media, [prompt], inputs=inputs)
+        kept, total, timing, trace = setting.prefill_timing(
+            model, inputs, repeats=config.repeats, answer=pruned
         )
+    fixated = trace is not None and trace.n_fixated
     report = {
         "model": model.config.model_type,
         "video" if config.video is not None else "image": source,
         **({} if frames is None else {"frames": frames, "frames_asked": config.frames}),
         "prompt": prompt,
-        "answer_unpruned": full,
-        "answer_pruned": pruned,
+        "answer_unpruned": unpruned.texts[0],
+        "answer_pruned": pruned.texts[0],
         **{k: v for k, v in focus.to_dict().items() if k != "warm_kernels"},
-        "visual_kept": trace.n_kept[0],
-        "visual_total": trace.n_visual[0],
-        **({"visual_per_decode_step": trace.n_fixated[0]} if trace.n_fixated else {}),
+        "visual_kept": kept,
+        "visual_total": total,
+        **({"visual_per_decode_step": trace.n_fixated[0]} if fixated else {}),
         "pruned": timing is not None,
         "device": device,
     }
@@ -318,11 +304,11 @@ def _run(config: RunConfig) -> int:
     shown = source if frames is None else f"{source} ({frames} frames)"
     print(f"model     {report['model']}   {'video' if config.video else 'image'} {shown}")
     print(f"prompt    {prompt}")
-    print(f"unpruned  {full}")
-    print(f"pruned    {pruned}   ({RunSetting(focus=focus).tag})")
-    print(_kept_line(trace))
-    timed = prefill_report(timing, trace.n_kept[0], trace.n_visual[0])
-    if timing is None and trace.n_fixated:  # the prompt kept all: the decode steps prune
+    print(f"unpruned  {unpruned.texts[0]}")
+    print(f"pruned    {pruned.texts[0]}   ({RunSetting(focus=focus).tag})")
+    print(_kept_line(kept, total, trace))
+    timed = prefill_report(timing, kept, total)
+    if timing is None and fixated:  # the prompt kept all: the decode steps prune
         timed = "prefill unpruned, nothing to time there (benchmarks/decode.py times decoding)"
     print(f"timing    {timed}, {device}")
     for warning in (_frames_warning(config, loaded), timing and timing.warning()):
@@ -332,9 +318,7 @@ def _run(config: RunConfig) -> int:
 
 
 def _bench(config: BenchConfig) -> int:
-    import vlm_focus as vf
-
-    from .timing import prefill_fn, prefill_report, pruned_prefill_timing
+    from .timing import prefill_report
 
     loaded = _load(config)
     model, inputs, device = loaded.model, loaded.inputs, loaded.device
@@ -347,14 +331,8 @@ def _bench(config: BenchConfig) -> int:
         print(f"warning: {_frames_warning(config, loaded)}")
     doubtful = []
     for keep in config.keep_values():
-        focus = config.focus(keep)
-        with vf.wrap(model, focus) as handle:
-            prefill_fn(model, inputs)()
-        trace = handle.last_trace
-        kept, total = trace.n_kept[0], trace.n_visual[0]
-        timing = pruned_prefill_timing(
-            model, inputs, lambda f=focus: vf.wrap(model, f), kept, total, config.repeats
-        )
+        setting = RunSetting(focus=config.focus(keep))
+        kept, total, timing, _ = setting.prefill_timing(model, inputs, repeats=config.repeats)
         print(f"keep={keep!s:<5} kept {kept:>4}/{total:<4} {prefill_report(timing, kept, total)}")
         if timing is not None and not timing.trusted:
             doubtful.append((keep, timing.warning()))

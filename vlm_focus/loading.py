@@ -4,7 +4,7 @@ one video."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -174,7 +174,20 @@ def load_image(image: str | Path | Image.Image) -> Image.Image:
         raise ValueError(f"{path} is not a readable image: {err}") from err
 
 
-def load_video(video: str | Path, frames: int = 8) -> tuple[Any, Any]:
+class Video(NamedTuple):
+    """One decoded video: its frames ``[T, H, W, 3]`` (uint8 RGB) and the metadata a processor
+    needs to place them in time."""
+
+    frames: Any
+    metadata: Any
+
+
+def is_video(media: Any) -> bool:
+    """``media`` is one decoded video (its ``frames`` and ``metadata``), not a list of images."""
+    return hasattr(media, "frames") and hasattr(media, "metadata")
+
+
+def load_video(video: str | Path, frames: int = 8) -> Video:
     """``(frames [T, H, W, 3] uint8 RGB, metadata)`` of a video file, ``frames`` of them taken
     at even steps (all of a shorter video), decoded by transformers' ``load_video`` with its
     OpenCV back end; the metadata (``fps``, ``total_num_frames``, ``frames_indices``, ...) is
@@ -198,7 +211,7 @@ def load_video(video: str | Path, frames: int = 8) -> tuple[Any, Any]:
         steps = np.linspace(0, metadata.total_num_frames - 1, count).round().astype(int)
         return steps.tolist()
 
-    return decode(str(path), backend="opencv", sample_indices_fn=even_steps)
+    return Video(*decode(str(path), backend="opencv", sample_indices_fn=even_steps))
 
 
 def build_video_inputs(
@@ -266,3 +279,31 @@ def decode_new_tokens(processor: Any, inputs: dict, sequences: torch.Tensor) -> 
     """The generated continuation of each row, as text."""
     new = sequences[:, inputs["input_ids"].shape[1] :]
     return [t.strip() for t in processor.batch_decode(new, skip_special_tokens=True)]
+
+
+def model_inputs(
+    model: torch.nn.Module, processor: Any, media: Any, prompts: list[str]
+) -> dict[str, Any]:
+    """``processor``'s inputs of one image per prompt (PIL images or paths), or of one
+    :class:`Video` and one prompt, on ``model``'s device and in its dtype."""
+    if is_video(media):
+        if len(prompts) != 1:
+            raise ValueError(f"a video takes one prompt, got {len(prompts)}")
+        video = build_video_inputs(processor, media.frames, media.metadata, prompts[0])
+        return to_model(model, video)
+    return to_model(model, build_inputs(processor, [load_image(i) for i in media], list(prompts)))
+
+
+def visual_counts(model: torch.nn.Module, inputs: dict[str, Any]) -> list[int]:
+    """Visual tokens per row; ``ValueError`` when a row has none (no image in the inputs)."""
+    visual = get_adapter(model).visual_mask(model, inputs["input_ids"])
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        visual = visual & mask.bool()
+    counts = visual.sum(1).tolist()
+    if min(counts) == 0:
+        raise ValueError(
+            "the model's inputs hold no image tokens (check that the processor inserts the "
+            "image placeholder: a vision-language model and its own processor are needed)"
+        )
+    return counts

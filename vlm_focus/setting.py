@@ -1,12 +1,15 @@
 """One run setting: what a run does to the model, its tag, its description, and the one place
-that applies it around ``generate()``.
+that runs it.
 
 A :class:`RunSetting` holds a :class:`~vlm_focus.FocusConfig` (or ``None``: unpruned), a
 mitigation from :mod:`vlm_focus.hallucination`, an optional :class:`~vlm_focus.zoom.ZoomOptions`
-and where the guide model came from. The evaluations, the demo and the lmms-eval plugin build
-one and call :meth:`RunSetting.generate` (or :meth:`RunSetting.wrapped` around their own
-``generate()``), so a setting means the same everywhere and is written the same way in file
-names and logs (:attr:`RunSetting.tag`, :meth:`RunSetting.describe`).
+and where the guide model came from. The commands, the evaluations, the demo and the lmms-eval
+plugin build one and call :meth:`RunSetting.answer` (or, to keep the pruning on a model that
+someone else drives, :meth:`RunSetting.wrapped` and :meth:`RunSetting.mitigated`): it attaches
+the pruning, builds the guide model's and the mitigation's inputs, applies the mitigation or
+the zoom, and counts and times what it did. A setting therefore means the same everywhere and
+is written the same way in file names and logs (:attr:`RunSetting.tag`,
+:meth:`RunSetting.describe`).
 
 Which combinations run is read from the pruner's class, not its name: a pruner that
 ``needs_guide`` generates through its guide, and one that ``drives_decoding`` (it drives
@@ -19,20 +22,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from . import hallucination as hal
+from . import zoom as zm
 from .api import FocusHandle, wrap
-from .config import FocusConfig, keeps_everything
+from .asset_paths import guide_model_path
+from .config import FocusConfig, keep_count, keeps_everything
 from .core.pruner import Pruner
 from .core.registry import get_pruner, pruners_with
 from .generation import greedy_generate
+from .loading import (
+    decode_new_tokens,
+    is_video,
+    load_image,
+    load_model,
+    model_inputs,
+    visual_counts,
+)
 from .pruners import guided_generate
+from .timing import PairedTiming, PrefillClock, prefill_fn, pruned_prefill_timing, sync_of
+from .trace import FocusTrace
 from .zoom import ZoomOptions
 
 #: What a tag writes for FocusConfig's fields away from their defaults.
@@ -195,25 +211,162 @@ class RunSetting:
         }
 
     # --- running it -------------------------------------------------------------------------
+    def plain(self) -> RunSetting:
+        """The unpruned, unmitigated setting with this one's answer length (the baseline a
+        pruned answer is compared with)."""
+        return RunSetting(max_new_tokens=self.max_new_tokens)
+
+    def answer(
+        self,
+        model: nn.Module,
+        processor: Any,
+        media: Sequence[Any] | Any,
+        prompts: Sequence[str],
+        *,
+        inputs: dict[str, Any] | None = None,
+        guide: Guide | None = None,
+        zoom_focus: Sequence[str | None] | None = None,
+        **generate_kwargs: Any,
+    ) -> RunAnswer:
+        """Answer ``prompts`` about ``media`` under this setting, greedily: the pruning attached
+        for the call, then the mitigation, the zoom (:func:`vlm_focus.zoom.look_closer`) or
+        the guide (a pruner that ``needs_guide``: ``guide`` is its model and processor, see
+        :meth:`load_guide`).
+
+        ``media`` is one image per prompt (PIL images or paths), or one video (an object
+        with ``frames`` and ``metadata``, as :func:`~vlm_focus.loading.load_video` gives them)
+        for one prompt. ``inputs``: the model's inputs of these rows when the caller already
+        built them (else built here). ``zoom_focus``: each row's phrase whose attention picks
+        the zoom's crop (default the prompt's content words). ``generate_kwargs`` go to every
+        ``generate()`` call."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if inputs is None:
+            inputs = model_inputs(model, processor, media, prompts)
+        total = visual_counts(model, inputs)
+        sync = sync_of(model)
+        clock = PrefillClock(sync)
+        processors = [clock, *generate_kwargs.pop("logits_processor", ())]
+        kwargs = {"logits_processor": processors, **generate_kwargs}
+        sequences, found = None, None
+        with torch.no_grad(), self.wrapped(model, guide=guide) as handle:
+            sync()
+            start = time.perf_counter()
+            if self.zoom is not None:
+                if is_video(media):
+                    raise ValueError("the zoom looks closer at images, not at a video")
+                found = zm.look_closer(
+                    model,
+                    processor,
+                    [load_image(i) for i in media],
+                    prompts,
+                    focus=zoom_focus,
+                    config=self.zoom,
+                    generate_kwargs=kwargs,
+                )
+            else:
+                guide_inputs = generic = None
+                if self.needs_guide:
+                    guide_inputs = model_inputs(guide.model, guide.processor, media, prompts)
+                if self.generic_prompt is not None:
+                    generic = model_inputs(
+                        model, processor, media, [self.generic_prompt] * len(prompts)
+                    )
+                sequences = self.generate(
+                    model,
+                    inputs,
+                    handle=handle,
+                    guide_inputs=guide_inputs,
+                    generic_inputs=generic,
+                    **kwargs,
+                )
+            sync()
+            seconds = time.perf_counter() - start
+        trace = handle.last_trace if handle is not None else None
+        if found is not None:
+            texts = [f.answer.strip() for f in found]
+            # the plain view's visual tokens by keep's rule (a crop adds its own)
+            kept = [keep_count(self.focus.keep, n) if self.pruned else n for n in total]
+        else:
+            texts = decode_new_tokens(processor, inputs, sequences)
+            kept = [int(k) for k in trace.n_kept] if trace is not None else list(total)
+        return RunAnswer(
+            texts=texts,
+            inputs=inputs,
+            sequences=sequences,
+            trace=trace,
+            visual_kept=kept,
+            visual_total=total,
+            zoom=found,
+            prefill_s=(clock.first or start + seconds) - start,
+            seconds=seconds,
+        )
+
+    def prefill_timing(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        *,
+        repeats: int = 5,
+        answer: RunAnswer | None = None,
+    ) -> PrefillTiming:
+        """The first row's visual tokens kept and the prefill timed unpruned against pruned in
+        ``repeats`` alternating pairs (:func:`vlm_focus.timing.pruned_prefill_timing`;
+        ``None`` when nothing is pruned). The counts come from ``answer`` (this setting's
+        :meth:`answer` of ``inputs``), else from one pruned prefill run here."""
+        if answer is None:
+            with self.wrapped(model) as handle:
+                prefill_fn(model, inputs)()
+            trace = handle.last_trace if handle is not None else None
+            total = visual_counts(model, inputs)[0]
+            kept = int(trace.n_kept[0]) if trace is not None else total
+        else:
+            trace, kept, total = answer.trace, answer.visual_kept[0], answer.visual_total[0]
+        timing = pruned_prefill_timing(
+            model, inputs, lambda: self.wrapped(model), kept, total, repeats
+        )
+        return PrefillTiming(kept, total, timing, trace)
+
+    def load_guide(self, device: str) -> Guide | None:
+        """The guide model and processor of a pruner that ``needs_guide``, from
+        :attr:`guide` (``"embedded"``: the embedded guide model); ``None`` for any other
+        setting."""
+        if not self.needs_guide:
+            return None
+        if self.guide is None:
+            raise ValueError(
+                f"pruner {self.focus.pruner!r} needs guide=PATH_OR_HUB_ID (--guide, a small VLM)"
+            )
+        path = str(guide_model_path()) if self.guide == "embedded" else self.guide
+        return Guide(*load_model(path, device=device))
+
     @contextlib.contextmanager
     def wrapped(
-        self, model: nn.Module, *, guide: nn.Module | None = None, **run_options: Any
-    ) -> Iterator[Any]:
-        """The setting's pruning attached to ``model`` while the block runs; yields the
+        self,
+        model: nn.Module,
+        *,
+        guide: Guide | None = None,
+        guide_rows: Callable[[], tuple[Sequence[Any], Sequence[str]]] | None = None,
+    ) -> Iterator[FocusHandle | None]:
+        """The setting's pruning attached to ``model`` while the block runs, for a caller whose
+        ``generate()`` someone else drives (lmms-eval); yields the
         :class:`~vlm_focus.FocusHandle` (``None`` unpruned). ``guide`` is the guide model of
-        a pruner that ``needs_guide``; ``run_options`` are pruner options that only exist at
-        run time (e.g. ``guided``'s ``guide_inputs`` callback)."""
+        a pruner that ``needs_guide``; ``guide_rows()``, when given, returns the images and
+        prompts of the batch being prefilled, from which the guide's inputs are built."""
         if not self.pruned:
             yield None
             return
-        options = {**self.focus.options, **run_options}
+        options = dict(self.focus.options)
         if self.needs_guide:
             if guide is None:
                 raise ValueError(
                     f"pruner {self.focus.pruner!r} needs a guide model (a small VLM; the "
                     "command lines take --guide PATH or embedded)"
                 )
-            options["guide"] = guide
+            options["guide"] = guide.model
+            if guide_rows is not None:
+                options["guide_inputs"] = lambda _inputs: model_inputs(
+                    guide.model, guide.processor, *guide_rows()
+                )
         config = dataclasses.replace(self.focus, options=options)
         handle = wrap(model, config=config)
         try:
@@ -235,7 +388,7 @@ class RunSetting:
         block of :meth:`wrapped` (``handle``); returns the sequences. A pruner that
         ``needs_guide`` generates through its guide (``guide_inputs``: the same rows built by
         the guide's processor); ``instruction_contrast`` needs ``generic_inputs`` (the rows
-        with the mitigation's ``generic_prompt``)."""
+        with the mitigation's ``generic_prompt``). :meth:`answer` builds these itself."""
         kwargs = {"max_new_tokens": self.max_new_tokens, **generate_kwargs}
         if self.needs_guide:
             if handle is None or guide_inputs is None:
@@ -266,11 +419,50 @@ class RunSetting:
 
     @property
     def generic_prompt(self) -> str | None:
-        """The prompt the mitigation contrasts against, if it does (build its inputs from the
-        same images for :meth:`generate`'s ``generic_inputs``)."""
+        """The prompt the mitigation contrasts against, if it does (:meth:`answer` builds its
+        inputs from the same images)."""
         if self.mitigation == "none":
             return None
         return hal.get_mitigation(self.mitigation).generic_prompt
+
+
+class Guide(NamedTuple):
+    """The guide model of a pruner that ``needs_guide``, and its processor."""
+
+    model: nn.Module
+    processor: Any
+
+
+@dataclass
+class RunAnswer:
+    """What :meth:`RunSetting.answer` did, per row of the batch.
+
+    ``sequences`` are the prompt and new tokens ``[B, S + T]`` (``None`` with a zoom, whose
+    passes keep their own); ``trace`` is the pruned run's (``None`` unpruned); ``visual_kept``
+    / ``visual_total`` count each row's visual tokens; ``zoom`` holds the zoom's answers (with
+    their crops and timings); ``prefill_s`` and ``seconds`` are the batch's wall seconds up to
+    the first new token and in all (the setting's input building included, the pruning's
+    attaching not)."""
+
+    texts: list[str]
+    inputs: dict[str, Any]
+    sequences: torch.Tensor | None
+    trace: FocusTrace | None
+    visual_kept: list[int]
+    visual_total: list[int]
+    zoom: list[zm.ZoomAnswer] | None
+    prefill_s: float
+    seconds: float
+
+
+class PrefillTiming(NamedTuple):
+    """What :meth:`RunSetting.prefill_timing` measured: the first row's visual tokens kept of
+    its total, the paired timing (``None``: nothing pruned) and the pruned run's trace."""
+
+    visual_kept: int
+    visual_total: int
+    timing: PairedTiming | None
+    trace: FocusTrace | None
 
 
 def focus_config(source: Any, **overrides: Any) -> FocusConfig:
@@ -286,4 +478,10 @@ def _how_it_drives(pruner: type[Pruner]) -> str:
     return "it drives decoding itself, picking new visual keys at every step"
 
 
-__all__ = ["RunSetting", "focus_config"]
+__all__ = [
+    "Guide",
+    "PrefillTiming",
+    "RunAnswer",
+    "RunSetting",
+    "focus_config",
+]

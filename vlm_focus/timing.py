@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor
 
 #: Above this relative spread of the paired ratios ((max - min) / median) a ratio is flagged.
 TRUSTED_SPREAD = 0.15
@@ -23,6 +24,27 @@ TRUSTED_SPREAD = 0.15
 
 def _sync() -> Callable[[], None]:
     return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+
+def sync_of(model: torch.nn.Module) -> Callable[[], None]:
+    """What waits for ``model``'s device before a clock read (nothing on a CPU)."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.cuda.synchronize if cuda else (lambda: None)
+
+
+class PrefillClock(LogitsProcessor):
+    """Notes when ``generate()`` first asks for the next token: the end of prefill
+    (``first``, a ``time.perf_counter()`` reading; ``None`` until then)."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        if self.first is None:
+            self.sync()
+            self.first = time.perf_counter()
+        return scores
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

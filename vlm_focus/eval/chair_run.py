@@ -31,7 +31,6 @@ from .common import (
     PruneOptions,
     check_extras,
     load,
-    load_guide,
     model_tag,
     on_shared_items,
     read_summaries,
@@ -154,7 +153,7 @@ def run_chair(config: ChairConfig) -> dict | None:
     items = [{"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids]
     present, missing = split_missing(items, cocoset, config.on_missing)
     model, processor = load(config, state)
-    guide = load_guide(config, state) if setting.needs_guide else (None, None)
+    guide = setting.load_guide(config.device or str(state.device)) or (None, None)
     generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     table = ObjectWords.for_categories(cocoset.category_names.values())
     truth = _truth(cocoset, table)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..asset_paths import guide_model_path, is_embedded
+from ..asset_paths import is_embedded
 from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
 from ..core.options import default_of, inherit, show
 from ..core.registry import get_pruner, pruners_with, read_pruner_options
@@ -256,19 +256,6 @@ def load(options: LoadOptions, state: Any) -> tuple[Any, Any]:
         attn_implementation=options.attn,
         trust_remote_code=options.trust_remote_code,
     )
-
-
-def load_guide(options: PruneOptions, state: Any) -> tuple[Any, Any]:
-    """The guide model for ``pruner="guided"``: ``guide``, or the embedded guide model when the
-    embedded model runs."""
-    from ..loading import load_model
-
-    path = options.guide
-    if path is None and is_embedded(options.model):
-        path = str(guide_model_path())
-    if path is None:
-        raise ValueError("pruner 'guided' needs guide=PATH_OR_HUB_ID (--guide, a small VLM)")
-    return load_model(path, device=options.device or str(state.device))
 
 
 def write_json(path: Path, data: Any) -> None:

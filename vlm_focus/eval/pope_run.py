@@ -21,7 +21,6 @@ from .common import (
     PruneOptions,
     check_extras,
     load,
-    load_guide,
     model_tag,
     on_shared_items,
     read_summaries,
@@ -281,7 +280,7 @@ def run_pope(config: PopeConfig) -> list[dict]:
     for setting in settings:
         try:
             if setting.needs_guide and guide[0] is None:
-                guide = load_guide(config, state)
+                guide = setting.load_guide(config.device or str(state.device))
             summaries += _run_setting(config, state, model, processor, guide, setting, sets, root)
         except (ValueError, FileNotFoundError, RuntimeError) as err:
             if not config.sweep:

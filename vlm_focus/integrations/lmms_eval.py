@@ -38,7 +38,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.model_utils.gen_metrics import log_metrics
 from loguru import logger
 
-from ..loading import build_inputs, load_model, resolve_model_path, to_model
+from ..loading import resolve_model_path
 from ..model_adapters import get_adapter
 from .model_args import FocusArgs, split_model_args
 
@@ -142,17 +142,11 @@ class VlmFocus(lmms):
         self._prefill: dict[str, Any] | None = None
         model = self.delegate.model
         self._sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else _no_sync
-        self.guide, self.guide_processor = None, None
-        run_options = {}
-        if self.focus.guide is not None:
-            self.guide, self.guide_processor = load_model(
-                self.focus.guide, device=str(_device_of(model))
-            )
-            run_options["guide_inputs"] = self._guide_inputs
+        self.guide = self.run_setting.load_guide(str(_device_of(model)))
         # the pruning stays attached until remove(); the mitigation runs per generate_until
         self._wrapped = contextlib.ExitStack()
         self.handle = self._wrapped.enter_context(
-            self.run_setting.wrapped(model, guide=self.guide, **run_options)
+            self.run_setting.wrapped(model, guide=self.guide, guide_rows=self._guide_rows)
         )
         with self._mitigation():  # checks the options against the model (its layer count)
             pass
@@ -306,9 +300,9 @@ class VlmFocus(lmms):
             }
         return None
 
-    def _guide_inputs(self, large_inputs: dict) -> dict:
-        """The guide model's inputs for the batch being prefilled: the same images and
-        instruction text, through the guide's own processor."""
+    def _guide_rows(self) -> tuple[list, list[str]]:
+        """The images and instruction texts of the batch being prefilled, from which the
+        setting builds the guide model's inputs."""
         images, prompts = [], []
         for row in self._current:
             media, text = _media(row.messages), _text(row.messages)
@@ -318,8 +312,7 @@ class VlmFocus(lmms):
                 )
             images.append(media[0])
             prompts.append(text)
-        inputs = build_inputs(self.guide_processor, images, prompts)
-        return to_model(self.guide, inputs)
+        return images, prompts
 
     def _mitigation(self) -> Any:
         """The setting's mitigation (its defaults, the model arguments overriding), or none."""
