@@ -536,7 +536,7 @@ def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene, a
 
 
 # --- look closer ----------------------------------------------------------------------------
-def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene, monkeypatch):
+def test_zoom_answer_equals_look_closer_on_the_pruned_model(tiny, scene, monkeypatch):
     from vlm_focus import zoom
 
     model, processor = tiny

@@ -22,7 +22,7 @@ from .. import hallucination as hal
 from ..config import parse_keep
 from ..geometry import Size
 from ..grounding import unknown_words
-from ..loading import build_inputs, build_video_inputs, load_video
+from ..loading import load_video
 from ..model_adapters import ModelAdapter, get_adapter, supported_models
 
 logger = logging.getLogger(__name__)
@@ -258,13 +258,6 @@ def unknown_words_notice(prompt: str, processor: Any) -> list[str]:
     ]
 
 
-def model_inputs(processor: Any, source: Image.Image | DecodedVideo, prompt: str) -> dict[str, Any]:
-    """The processor's inputs for the image or the decoded video and one prompt."""
-    if isinstance(source, DecodedVideo):
-        return build_video_inputs(processor, source.frames, source.metadata, prompt)
-    return build_inputs(processor, source, prompt)
-
-
 __all__ = [
     "MAX_PIXELS",
     "MAX_PROMPT_CHARS",
@@ -275,7 +268,6 @@ __all__ = [
     "check_options",
     "check_prompt",
     "given",
-    "model_inputs",
     "prepare_image",
     "prepare_video",
     "supported_adapter",

@@ -28,7 +28,6 @@ from ..grounding import (
     presence_threshold,
 )
 from ..model_adapters import ImageLayout, get_adapter, model_frames
-from ..trace import FocusTrace
 from .inputs import DecodedVideo
 from .overlays import (
     draw_boxes,
@@ -77,13 +76,13 @@ class ImageView:
         grid, frame = kept_grid(self.layout, kept, self.frames)
         return shade_unseen(kept_mask_overlay(self.image, grid, frame, **style), self.seen)
 
-    def fixation_strip(self, trace: FocusTrace, tokens: Sequence[str]) -> np.ndarray | None:
-        """Where each decoding step of a decode-time pruner looked, one panel per step with
-        the token it wrote (``tokens``: the answer's, the first written before any fixation);
-        ``None`` for a pruner that fixes nothing."""
-        if not trace.fixations:
-            return None
-        panels = [self.kept_overlay(s[0], dim=0.35) for s in trace.fixations[:MAX_FIXATION_STEPS]]
+    def fixation_strip(
+        self, fixations: Sequence[list[torch.Tensor]], tokens: Sequence[str]
+    ) -> np.ndarray:
+        """Where each decoding step of a decode-time pruner looked (``fixations``: the
+        trace's, each step's row 0 drawn), one panel per step with the token it wrote
+        (``tokens``: the answer's; the first is written before any fixation)."""
+        panels = [self.kept_overlay(step[0], dim=0.35) for step in fixations[:MAX_FIXATION_STEPS]]
         return frame_strip(panels, [str(t) for t in tokens[1 : len(panels) + 1]])
 
     def notices(self) -> list[str]:

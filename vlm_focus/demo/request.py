@@ -7,13 +7,14 @@ image and a video, a video for a model that takes images only, an empty prompt, 
 model, an option outside its range) never raises: the result carries ``ok=False`` and a message
 meant for the user.
 
-What one request computes, all on the model the app loaded once:
+What one request computes, all on the model the app loaded once, each answer through a
+:class:`~vlm_focus.setting.RunSetting` (:mod:`.answers`):
 
-1. the answer of the pruned model (``vf.wrap(model, pruner, keep, layer)``) and of the unpruned
+1. the answer of the pruned model (``FocusConfig(pruner, keep, layer)``) and of the unpruned
    one, greedy; with a mitigation (by its name in ``hallucination``'s registry, with the
    registry's parameters), also the pruned model's answer under it;
 2. prefill time of the same input, unpruned and pruned, measured in this request in
-   ``repeats`` alternating pairs (:func:`vlm_focus.timing.paired_seconds`) and reported as the
+   ``repeats`` alternating pairs (``RunSetting.prefill_timing``) and reported as the
    command lines report it: the median pair's times, their ratio, the pairs' spread and a
    warning when it is too wide; nothing is timed when nothing is pruned;
 3. the kept-token mask: ``trace.kept`` (original sequence positions) mapped through the
@@ -29,10 +30,10 @@ What one request computes, all on the model the app loaded once:
    ``vlm_focus.geometry``, from the processor's own settings; the part of the photo the
    processor crops away is shaded, with a notice;
 5. with ``zoom=True``, the pruned model looks closer (:func:`vlm_focus.zoom.look_closer`,
-   ``route="always"``, inside the same ``vf.wrap``): the answer with the crop of the prompt's
-   attention, next to the plain pruned answer, and the crop box drawn on its map. An image no
-   larger than the model's view has nothing to crop (the organism's 192-px scenes): a notice
-   says so, and the zoomed answer is the plain one;
+   ``route="always"``, a setting of its own on the same pruning): the answer with the crop of
+   the prompt's attention, next to the plain pruned answer, and the crop box drawn on its map.
+   An image no larger than the model's view has nothing to crop (the organism's 192-px
+   scenes): a notice says so, and the zoomed answer is the plain one;
 6. a video instead of an image (``video=``, a model whose adapter knows a video token): its
    frames are decoded by :func:`vlm_focus.loading.load_video` and handed to the model's own
    processor; 1 and 2 run as for an image, and the prompt's map is drawn once per frame
@@ -52,11 +53,8 @@ from typing import Any
 from PIL import Image
 from torch import nn
 
-from .. import zoom as zm
 from ..config import FocusConfig
-from ..loading import to_model
-from ..setting import RunSetting
-from .answers import Answers, answer
+from .answers import Answers, DemoSettings, answer
 from .inputs import (
     MAX_SIDE,
     DecodedVideo,
@@ -64,7 +62,6 @@ from .inputs import (
     check_options,
     check_prompt,
     given,
-    model_inputs,
     prepare_image,
     unknown_words_notice,
     video_request,
@@ -116,38 +113,19 @@ def run_request(
             keep = int(keep)
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
+        settings = DemoSettings.of(
+            FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own),
+            mitigation,
+            bool(zoom),
+            max_new_tokens,
+        )
         with MODEL_LOCK:  # the processor too: a fast tokenizer refuses concurrent calls
             notices += unknown_words_notice(prompt, processor)
-            inputs = to_model(model, model_inputs(processor, source, prompt))
-            setting = RunSetting(
-                focus=FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own),
-                mitigation=mitigation,
-                max_new_tokens=max_new_tokens,
-            )
-            generic = None
-            if setting.generic_prompt is not None:
-                generic = to_model(model, model_inputs(processor, source, setting.generic_prompt))
-            look_closer = None
-            if zoom and not isinstance(source, DecodedVideo):
-
-                def look_closer() -> zm.ZoomAnswer:
-                    # prune the full view, zoom on a second pass: both under the same wrap
-                    return zm.look_closer(
-                        model,
-                        processor,
-                        source,
-                        prompt,
-                        route="always",
-                        max_new_tokens=setting.max_new_tokens,
-                    )
-
-            answers = answer(
-                model, processor, inputs, setting, repeats, generic=generic, look_closer=look_closer
-            )
+            answers = answer(model, processor, source, prompt, settings, repeats)
             if isinstance(source, DecodedVideo):
-                result = _video_result(model, processor, source, prompt, inputs, answers)
+                result = _video_result(model, processor, source, prompt, answers)
             else:
-                result = _image_result(model, processor, source, prompt, inputs, answers)
+                result = _image_result(model, processor, source, prompt, answers)
         result.notices = notices + result.notices
     except DemoInputError as err:
         return DemoResult(ok=False, message=str(err))
@@ -161,22 +139,20 @@ def run_request(
 
 
 def _image_result(
-    model: nn.Module,
-    processor: Any,
-    picture: Image.Image,
-    prompt: str,
-    inputs: dict[str, Any],
-    answers: Answers,
+    model: nn.Module, processor: Any, picture: Image.Image, prompt: str, answers: Answers
 ) -> DemoResult:
     """An image request's page: the answers, the kept-token mask, the fixation strip, the
     maps with their boxes and the zoom."""
+    inputs, trace = answers.pruned.inputs, answers.pruned.trace
     view = ImageView.of(model, processor, inputs, picture)
-    kept = answers.trace.kept[0]
-    written = answers.pruned_seq[:1, inputs["input_ids"].shape[1] :]
-    tokens = []
-    if answers.trace.fixations:  # a decode-time pruner: each step's token under its fixation
-        tokens = processor.tokenizer.convert_ids_to_tokens(written[0].tolist())
-    prompt_map, object_maps = ground(model, processor, inputs, prompt, written, picture, view.seen)
+    kept = view.layout.positions if trace is None else trace.kept[0]  # None: nothing pruned
+    strip = None
+    if trace is not None and trace.fixations:  # a decode-time pruner: where each step looked
+        tokens = processor.tokenizer.convert_ids_to_tokens(answers.written[0].tolist())
+        strip = view.fixation_strip(trace.fixations, tokens)
+    prompt_map, object_maps = ground(
+        model, processor, inputs, prompt, answers.written, picture, view.seen
+    )
     notices = view.notices() + prompt_map_notices(prompt_map)
     zoomed = zoom_view(answers.zoom, view.image, processor, notices, view.seen)
     return DemoResult(
@@ -186,24 +162,17 @@ def _image_result(
         prompt_map=prompt_map,
         object_maps=object_maps,
         kept_overlay=view.kept_overlay(kept),
-        fixation_strip=view.fixation_strip(answers.trace, tokens),
-        n_kept=int(kept.numel()),
-        n_visual=view.n_visual,
+        fixation_strip=strip,
         **answers.result_fields(),
         **zoomed,
     )
 
 
 def _video_result(
-    model: nn.Module,
-    processor: Any,
-    video: DecodedVideo,
-    prompt: str,
-    inputs: dict[str, Any],
-    answers: Answers,
+    model: nn.Module, processor: Any, video: DecodedVideo, prompt: str, answers: Answers
 ) -> DemoResult:
     """A video request's page: the answers and the prompt's map in each view of the video."""
-    maps, label = frame_maps(model, processor, inputs, prompt, video)
+    maps, label = frame_maps(model, processor, answers.pruned.inputs, prompt, video)
     if maps:
         notices = [f"Each frame shows the attention to '{label}', all on one colour scale."]
     else:
@@ -211,8 +180,6 @@ def _video_result(
     return DemoResult(
         ok=True,
         notices=notices,
-        n_kept=int(answers.trace.n_kept[0]),
-        n_visual=int(answers.trace.n_visual[0]),
         video=True,
         frame_maps=maps,
         **answers.result_fields(),
