@@ -107,3 +107,24 @@ def test_every_supported_class_has_a_tiny_config_and_others_are_named():
     assert config.model_type == "llava" and config.text_config.num_hidden_layers == 3
     with pytest.raises(ValueError, match="model_type='gpt2' has no tiny config; allowed: llava"):
         tiny_config("gpt2")
+
+
+def test_adapters_declare_their_processors_arithmetic():
+    """Each adapter names the resize rule its processor follows; geometry does the arithmetic,
+    refuses a processor without a rule, and an adapter with an unknown rule does not build."""
+    from vlm_focus import geometry as geo
+    from vlm_focus.model_adapters import ImageLayout
+    from vlm_focus.model_adapters.base import grid_cells
+
+    rules = {name: get_adapter(make_model(name)).processor_rule for name in ("llava", "qwen2_vl")}
+    assert rules == {"llava": "single", "qwen2_vl": "dynamic"}
+    llava = get_adapter(make_model("llava"))
+    layout = ImageLayout(torch.arange(4), grid_cells(2, 2), [(2, 2)])
+    size = geo.Size(90, 60)
+    assert llava.frames(layout, size) == [geo.Frame(15.0, 0.0, 60.0, 60.0)]  # fallback: crop
+    assert llava.frames(layout, size, rule="pad") == [geo.rule_frame(size, "pad")]
+    processor = type("Processor", (), {"do_resize": True, "size": {"shortest_edge": 4}})()
+    with pytest.raises(ValueError, match="needs processor_rule="):
+        geo.view_frames(layout, size, processor=processor)
+    with pytest.raises(ValueError, match="processor_rule='tiles'; allowed"):
+        dataclasses.replace(llava, processor_rule="tiles")

@@ -37,9 +37,12 @@ rectangle (per axis, processed = ``a * original + b``):
   caught;
 * video frames are squashed to the grid (the frame is the whole frame).
 
-Without a processor the model adapter's fallback rule applies (``ModelAdapter.fallback_geometry``;
-one of :data:`RULES` per view). A fallback is a guess about the processor; pass ``processor=``
-for exact frames.
+Which of these three the processor follows is the model adapter's declaration
+(``ModelAdapter.processor_rule``, one of :data:`PROCESSOR_RULES`); the processor's settings give
+the numbers. Without a processor the model adapter's fallback rule applies
+(``ModelAdapter.fallback_geometry``; one of :data:`RULES` per view). A fallback is a guess about
+the processor; pass ``processor=`` for exact frames. ``ModelAdapter.frames`` is the one entry
+that reads both declarations.
 
 When the original size is unknown (LLaVA's and Qwen's processor outputs do not carry it, while
 LLaVA-NeXT's and LLaVA-OneVision's ``image_sizes`` do), pixel maps raise and say what to pass;
@@ -62,6 +65,13 @@ import torch.nn.functional as F
 #: resized, then centre-cropped), ``"pad"`` (padded to a ``max(w, h)`` square, as LLaVA-1.5's
 #: ``expand2square`` and ``LlavaImageProcessor(do_pad=True)``).
 RULES = ("resize", "crop", "pad")
+
+#: The arithmetic an image processor family places the image by, as a model adapter declares
+#: it (``ModelAdapter.processor_rule``): ``"single"`` (one view: pad to a square, resize,
+#: centre crop, as CLIP's and ``LlavaImageProcessor`` do), ``"anyres"`` (a base view and a
+#: tiled high-resolution view from ``image_grid_pinpoints``), ``"dynamic"`` (the whole image
+#: squashed to the ``smart_resize`` size, Qwen-VL's).
+PROCESSOR_RULES = ("single", "anyres", "dynamic")
 
 
 class Size(NamedTuple):
@@ -452,12 +462,14 @@ def _resize_and_crop(chain: _Chain, ip: Any) -> None:
         chain.centre_crop(int(height), int(width), _torch_backend(ip))
 
 
-def _is_anyres(ip: Any) -> bool:
-    return bool(_get(ip, "image_grid_pinpoints"))
-
-
-def _is_dynamic(ip: Any) -> bool:
-    return _get(ip, "merge_size") is not None and _get(ip, "patch_size") is not None
+def check_processor_rule(processor_rule: Any) -> str:
+    """``processor_rule`` if it is one of :data:`PROCESSOR_RULES`, else ``ValueError``."""
+    if processor_rule not in PROCESSOR_RULES:
+        raise ValueError(
+            f"processor_rule={processor_rule!r}; allowed: {PROCESSOR_RULES} (the model "
+            "adapter declares its processor's: ModelAdapter.processor_rule)"
+        )
+    return processor_rule
 
 
 def _anyres_base(size: Size, ip: Any) -> Frame:
@@ -538,15 +550,18 @@ def smart_resize_grid(size: Size, ip: Any) -> tuple[int, int]:
     return h_bar // factor, w_bar // factor
 
 
-def processor_frames(image_processor: Any, layout: Any, size: Size) -> list[Frame]:
+def processor_frames(
+    image_processor: Any, layout: Any, size: Size, *, processor_rule: str
+) -> list[Frame]:
     """Per view of ``layout``, the frame the image processor's own settings give a ``size``
-    image (see the module docstring for the rules)."""
+    image by the arithmetic of its family, ``processor_rule`` (one of :data:`PROCESSOR_RULES`;
+    see the module docstring for the rules)."""
     ip = image_processor
     n_views = len(layout.grids)
     whole = Frame(0.0, 0.0, float(size.width), float(size.height))
-    if layout.kind == "video" or _is_dynamic(ip):
+    if layout.kind == "video" or check_processor_rule(processor_rule) == "dynamic":
         return [whole] * n_views
-    if _is_anyres(ip):
+    if processor_rule == "anyres":
         if n_views == 1:  # an image the processor did not tile
             chain = _Chain(size)
             if callable(getattr(ip, "pad_to_square", None)):
@@ -573,17 +588,25 @@ def _consistent(grid: tuple[int, int], size: Size) -> bool:
 
 
 def check_size(
-    layout: Any, size: Size, *, image_processor: Any = None, aspect: bool = False, where: str = ""
+    layout: Any,
+    size: Size,
+    *,
+    image_processor: Any = None,
+    processor_rule: str | None = None,
+    aspect: bool = False,
+    where: str = "",
 ) -> None:
     """Raise when ``size`` cannot be the original size of ``layout``'s image: a
-    dynamic-resolution processor's grid must equal its ``smart_resize`` grid, and (``aspect``)
-    a grid that follows the image's aspect ratio must fit it. The message says when width
-    and height look swapped."""
+    dynamic-resolution processor's (``processor_rule="dynamic"``) grid must equal its
+    ``smart_resize`` grid, and (``aspect``) a grid that follows the image's aspect ratio must
+    fit it. The message says when width and height look swapped."""
     if layout.kind == "video":
         return
     grid = tuple(int(v) for v in layout.grids[0])
     swapped = Size(size.height, size.width)
-    dynamic = image_processor is not None and _is_dynamic(image_processor)
+    if processor_rule is not None:
+        check_processor_rule(processor_rule)
+    dynamic = image_processor is not None and processor_rule == "dynamic"
     if dynamic and smart_resize_grid(size, image_processor) == grid:
         return
     if dynamic and smart_resize_grid(swapped, image_processor) == grid:
@@ -608,6 +631,7 @@ def view_frames(
     size: Size,
     *,
     processor: Any = None,
+    processor_rule: str | None = None,
     rule: str | None = None,
     fallback: Sequence[str] = ("resize",),
 ) -> list[Frame]:
@@ -615,8 +639,9 @@ def view_frames(
     grid spans on the ``size`` original image.
 
     ``rule`` (one of :data:`RULES`) forces one placement for every view; else the processor's
-    settings decide (:func:`processor_frames`); else ``fallback``, one rule per view (the last
-    one repeats), from the model adapter.
+    settings decide, by its family's arithmetic ``processor_rule`` (:func:`processor_frames`);
+    else ``fallback``, one rule per view (the last one repeats). Both come from the model
+    adapter, whose :meth:`~vlm_focus.model_adapters.ModelAdapter.frames` is the usual entry.
     """
     size = as_size(size)
     n_views = len(layout.grids)
@@ -624,7 +649,13 @@ def view_frames(
         return [rule_frame(size, rule)] * n_views
     image_processor = image_processor_of(processor)
     if image_processor is not None:
-        return processor_frames(image_processor, layout, size)
+        if processor_rule is None:
+            raise ValueError(
+                f"processor={type(processor).__name__} needs processor_rule= (one of "
+                f"{PROCESSOR_RULES}): the model adapter declares it; call "
+                "get_adapter(model).frames(layout, size, processor=processor)"
+            )
+        return processor_frames(image_processor, layout, size, processor_rule=processor_rule)
     if layout.kind == "video":
         return [rule_frame(size, "resize")] * n_views
     rules = list(fallback) or ["resize"]
@@ -772,6 +803,7 @@ def native_side(processor: Any) -> int:
 
 
 __all__ = [
+    "PROCESSOR_RULES",
     "RULES",
     "Frame",
     "Size",
@@ -780,6 +812,7 @@ __all__ = [
     "as_sizes",
     "best_resolution",
     "box_cover",
+    "check_processor_rule",
     "check_size",
     "content_fraction",
     "coverage",

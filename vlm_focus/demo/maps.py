@@ -27,7 +27,7 @@ from ..grounding import (
     presence,
     presence_threshold,
 )
-from ..model_adapters import ImageLayout, get_adapter, model_frames
+from ..model_adapters import ImageLayout, get_adapter
 from .inputs import DecodedVideo
 from .overlays import (
     draw_boxes,
@@ -60,8 +60,9 @@ class ImageView:
     def of(
         cls, model: nn.Module, processor: Any, inputs: dict[str, Any], picture: Image.Image
     ) -> ImageView:
-        layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
-        frames = model_frames(model, layout, as_size(picture), processor=processor)
+        adapter = get_adapter(model)
+        layout = adapter.layout(model, inputs["input_ids"], inputs)[0][0]
+        frames = adapter.frames(layout, as_size(picture), processor=processor)
         seen, seen_share = seen_region(as_size(picture), frames)  # what the processor kept
         return cls(np.asarray(picture, dtype=np.uint8), layout, frames, seen, seen_share)
 

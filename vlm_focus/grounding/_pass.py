@@ -30,13 +30,10 @@ from ..geometry import (
     Frame,
     Size,
     as_sizes,
-    check_size,
     describe_seen,
-    image_processor_of,
     layout_sizes,
     seen_region,
     unknown_size_message,
-    view_frames,
 )
 from ..loading import to_model
 from ..model_adapters import get_adapter
@@ -214,18 +211,10 @@ class GroundingPass:
     def _frames(self, layout: Any, size: Size | None, row: int, image: int) -> list[Frame] | None:
         if size is None:
             return None
-        check_size(
-            layout,
-            size,
-            image_processor=image_processor_of(self.processor),
-            aspect=self.adapter.aspect_grids,
-            where=f"row {row}, image {image}: ",
-        )
-        table = self.adapter.fallback_geometry
-        fallback = table.get(len(layout.grids), table.get(0, ("resize",)))
-        return view_frames(
-            layout, size, processor=self.processor, rule=self.geometry, fallback=fallback
-        )
+        try:
+            return self.adapter.frames(layout, size, processor=self.processor, rule=self.geometry)
+        except ValueError as err:
+            raise ValueError(f"row {row}, image {image}: {err}") from None
 
     def seen(self, row: int = 0, image: int = 0) -> Frame:
         """The part of row ``row``'s image ``image`` the model saw, in its pixels

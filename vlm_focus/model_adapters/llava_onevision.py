@@ -194,4 +194,5 @@ LLAVA_ONEVISION = ModelAdapter(
     # A tiled image: base view squashed, anyres grid over the whole image; an untiled one (a
     # prompt with several images) is padded to a square first.
     fallback_geometry={0: ("resize",), 1: ("pad",)},
+    processor_rule="anyres",
 )

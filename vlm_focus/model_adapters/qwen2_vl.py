@@ -117,6 +117,7 @@ QWEN2_VL = ModelAdapter(
     encoders=("get_image_features", "get_video_features"),
     # Dynamic resolution: the whole image squashed to a grid that keeps its aspect ratio.
     fallback_geometry={0: ("resize",)},
+    processor_rule="dynamic",
     aspect_grids=True,
 )
 # Qwen2.5-VL lays out and positions visual tokens exactly as Qwen2-VL does.
