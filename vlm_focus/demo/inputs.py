@@ -19,7 +19,8 @@ from torch import nn
 import vlm_focus as vf
 
 from .. import hallucination as hal
-from ..config import parse_keep
+from ..config import FocusConfig, parse_keep
+from ..core.options import options
 from ..geometry import Size
 from ..grounding import unknown_words
 from ..loading import load_video
@@ -245,6 +246,18 @@ def check_options(
         raise DemoInputError(f"{err}.") from None
 
 
+def check_focus_options(focus_options: Mapping[str, Any]) -> None:
+    """Every name is a command-line option of ``FocusConfig`` (its values are checked by
+    ``FocusConfig`` itself)."""
+    known = [o.name for o in options(FocusConfig, cli_only=True)]
+    unknown = sorted(set(focus_options) - set(known))
+    if unknown:
+        raise DemoInputError(
+            f"Unknown pruning option {', '.join(map(repr, unknown))}; the options are "
+            f"{', '.join(known)}."
+        )
+
+
 def unknown_words_notice(prompt: str, processor: Any) -> list[str]:
     """A notice naming the prompt's words the model's tokenizer cannot spell (none: no notice)."""
     unknown = unknown_words(prompt, processor)
@@ -265,6 +278,7 @@ __all__ = [
     "MITIGATIONS",
     "DecodedVideo",
     "DemoInputError",
+    "check_focus_options",
     "check_options",
     "check_prompt",
     "given",

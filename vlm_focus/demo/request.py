@@ -59,6 +59,7 @@ from .inputs import (
     MAX_SIDE,
     DecodedVideo,
     DemoInputError,
+    check_focus_options,
     check_options,
     check_prompt,
     given,
@@ -93,12 +94,14 @@ def run_request(
     repeats: int = 5,
     zoom: bool = False,
     pruner_options: str | Mapping[str, Any] = "",
+    **focus_options: Any,
 ) -> DemoResult:
     """Answer ``prompt`` about ``image`` pruned and unpruned, and draw what the model attended to;
     with ``zoom``, also the pruned model's answer when it looks closer (module docstring, 5).
     ``video``: a video file to ask about instead of an image (module docstring, 6).
     ``pruner_options``: the pruner's own options, ``"base=text, positional=false"`` (as the
-    command lines' ``--pruner-option``) or a dict.
+    command lines' ``--pruner-option``) or a dict. ``focus_options``: the other options of
+    :class:`~vlm_focus.FocusConfig` (``query_rows``, ``reduce``, ...), at its defaults.
 
     Never raises for bad input or a failing model call: see :class:`DemoResult`.
     """
@@ -113,8 +116,9 @@ def run_request(
             keep = int(keep)
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
+        check_focus_options(focus_options)
         settings = DemoSettings.of(
-            FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own),
+            FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own, **focus_options),
             mitigation,
             bool(zoom),
             max_new_tokens,
