@@ -16,6 +16,9 @@ import json
 import multiprocessing as mp
 import platform
 import resource
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +28,23 @@ import vlm_focus as vf
 from vlm_focus.kernels import score_and_select
 from vlm_focus.model_adapters.tiny import tiny_model
 from vlm_focus.pruners import apply_rope
-from vlm_focus.timing import median_seconds, prefill_fn
+from vlm_focus.timing import prefill_fn
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()``; CUDA work is synchronised before each clock read."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
 
 HIDDEN, LAYERS, HEADS, MLP, VOCAB = 1024, 8, 16, 2816, 32000
 IMAGE_TOKEN = 31999

@@ -10,7 +10,7 @@ import pytest
 import vlm_focus as vf
 from vlm_focus import setting
 from vlm_focus.config import FocusConfig
-from vlm_focus.core.options import cli_fields
+from vlm_focus.core.options import options
 from vlm_focus.core.pruner import Pruner
 from vlm_focus.integrations import model_args
 
@@ -21,7 +21,7 @@ def _quoted(text: str) -> list[str]:
 
 def test_wrap_lists_focus_config_fields_by_their_names():
     listed = re.search(r"are :class:`FocusConfig` fields \((.*?)\)", vf.wrap.__doc__, re.S)
-    assert _quoted(listed.group(1)) == cli_fields(FocusConfig)
+    assert _quoted(listed.group(1)) == [o.name for o in options(FocusConfig, cli_only=True)]
 
 
 def test_the_run_setting_names_capabilities_pruners_have():

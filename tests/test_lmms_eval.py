@@ -404,3 +404,32 @@ def test_the_harness_takes_its_mitigations_and_names_from_the_registry(monkeypat
     extra = hal.Mitigation("gentle_reweight", hal.attention_reweight, {"strength": 0.5})
     hal.register_mitigation(extra)  # a new hook-only mitigation runs in the harness too
     assert split_model_args({"mitigate": "gentle_reweight"})[0].mitigate == "gentle_reweight"
+
+
+def test_delegates_cover_every_supported_model_or_say_why_not():
+    import vlm_focus as vf
+    from vlm_focus.integrations.lmms_eval import DELEGATES
+
+    assert sorted(DELEGATES) == sorted(vf.supported_models())
+    for model_type, spec in DELEGATES.items():
+        assert (spec.class_path is None) == bool(spec.left_out), model_type
+    left_out = sorted(t for t, spec in DELEGATES.items() if spec.class_path is None)
+    assert left_out == ["qwen3_vl_moe"]  # lmms-eval 0.7.3 picks its MoE class by name
+
+
+def test_a_left_out_model_type_says_why_before_weights_load(monkeypatch, tmp_path):
+    from transformers import PreTrainedModel, Qwen3VLMoeConfig
+
+    from vlm_focus.integrations.lmms_eval import DELEGATES, VlmFocus
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("model weights were loaded before the model type was checked")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    Qwen3VLMoeConfig().save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        VlmFocus(pretrained=str(tmp_path))
+    message = str(err.value)
+    assert message.startswith("--model vlm_focus does not run model_type 'qwen3_vl_moe'")
+    assert DELEGATES["qwen3_vl_moe"].left_out in message
+    assert "It runs: llava, " in message and "qwen3_vl_moe" not in message.split("It runs:")[1]

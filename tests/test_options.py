@@ -17,20 +17,25 @@ import torch
 
 import vlm_focus as vf
 from vlm_focus import cli
-from vlm_focus.config import FocusConfig, LoadOptions, parse_keep, read_keep
-from vlm_focus.core.options import cli_fields, default_of, flag, help_text, options
+from vlm_focus.config import FocusConfig, parse_keep, read_keep
+from vlm_focus.core.options import default_of, flag, help_text, options
 from vlm_focus.eval import cli as eval_cli
 from vlm_focus.eval.chair_run import ChairConfig
 from vlm_focus.eval.coco_run import CocoConfig
 from vlm_focus.eval.common import model_tag
 from vlm_focus.eval.pope_run import PopeConfig
 from vlm_focus.eval.runner import read_jsonl
+from vlm_focus.loading import LoadOptions
 from vlm_focus.model_adapters import get_adapter
 from vlm_focus.timing import NOTHING_PRUNED
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-FOCUS = cli_fields(FocusConfig)  # pruner, keep, layer, query_rows, reduce, budget
-LOAD = cli_fields(LoadOptions)  # model, device, attn, trust_remote_code
+FOCUS = [
+    o.name for o in options(FocusConfig, cli_only=True)
+]  # pruner, keep, layer, query_rows, reduce, budget
+LOAD = [
+    o.name for o in options(LoadOptions, cli_only=True)
+]  # model, device, attn, trust_remote_code
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
-from .config import FocusConfig, LoadOptions, pruner_option_field, read_keep
-from .core.options import add_options, inherit, parse_config
-from .loading import MissingExtra
-from .setting import RunSetting, focus_config
+from .config import FocusConfig, read_keep
+from .core.options import (
+    add_command,
+    config_of,
+    inherit_options,
+    options,
+    parse_config,
+    pruner_option_field,
+)
+from .loading import LoadOptions, MissingExtra
+from .setting import RunSetting
 
 
 @dataclass
+@inherit_options(FocusConfig, before="pruner_option")
 class InputOptions(LoadOptions):
     """One image or video, one prompt and one pruning setting (``vlm-focus run`` and
     ``bench``)."""
@@ -43,13 +51,7 @@ class InputOptions(LoadOptions):
             "default_text": f"{CAPTION_PROMPT!r}, the embedded models' caption prompt",
         },
     )
-    pruner: str = inherit(FocusConfig, "pruner")
-    keep: float | int = inherit(FocusConfig, "keep")
-    layer: int = inherit(FocusConfig, "layer")
-    query_rows: str = inherit(FocusConfig, "query_rows")
-    reduce: str = inherit(FocusConfig, "reduce")
-    budget: str = inherit(FocusConfig, "budget")
-    positions: str = inherit(FocusConfig, "positions")
+    # FocusConfig's command-line options come here (inherit_options)
     pruner_option: list[str] = pruner_option_field()
     repeats: int = field(
         default=5,
@@ -83,7 +85,7 @@ class InputOptions(LoadOptions):
 
     def focus(self, keep: Any = None) -> FocusConfig:
         """The :class:`~vlm_focus.FocusConfig` of these options (with another ``keep``)."""
-        return focus_config(self, **({} if keep is None else {"keep": keep}))
+        return config_of(FocusConfig, self, **({} if keep is None else {"keep": keep}))
 
 
 @dataclass
@@ -128,10 +130,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (config_cls, help_text, exclude) in COMMANDS.items():
-        command = sub.add_parser(
-            name, help=help_text, description=config_cls.__doc__, allow_abbrev=False
-        )
-        add_options(command, config_cls, exclude=exclude)
+        add_command(sub, name, config_cls, help_text, exclude=exclude)
     sub.add_parser("pruners", help="the registered pruners and their options")
     for name, (_, help_text) in _DELEGATES.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -174,8 +173,6 @@ def pruners_table() -> str:
     """What ``vlm-focus pruners`` prints: every pruner, what it scores, and its options."""
     import vlm_focus as vf
 
-    from .core.options import options
-
     shared = ", ".join(o.name for o in options(FocusConfig, cli_only=True))
     lines = [
         f"Every pruner takes {shared} (vlm-focus run --help); its own options are keywords of "
@@ -211,15 +208,10 @@ class _Loaded(NamedTuple):
 
 
 def _load(config: InputOptions) -> _Loaded:
-    from .loading import load_image, load_model, load_video, model_inputs, resolve_device
+    from .loading import load_image, load_video, model_inputs, resolve_device
 
     device = resolve_device(config.device)
-    model, processor = load_model(
-        config.model,
-        device=device,
-        attn_implementation=config.attn,
-        trust_remote_code=config.trust_remote_code,
-    )
+    model, processor = config.load(device)
     prompt = CAPTION_PROMPT if config.prompt is None else config.prompt
     if config.video is not None:
         video = load_video(config.video, config.frames)

@@ -1,20 +1,21 @@
-"""``FocusConfig``: what to prune, how much, and where; ``LoadOptions``: how a command loads its
-model. Each option is defined once, here: the API, every command line (``--help`` is generated
-from these fields, defaults included) and the demo read these definitions."""
+"""``FocusConfig``: what to prune, how much, and where, and the one reading of each of its values
+(``keep``'s rule, a multi-stage schedule). Each option is defined once, here: the API, every
+command line (``--help`` and the flags are generated from these fields by
+:mod:`vlm_focus.core.options`, defaults included) and the demo read these definitions."""
 
 from __future__ import annotations
 
-import argparse
 import numbers
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .core.options import check_choices
+
 QUERY_ROWS = ("last", "text")
 REDUCTIONS = ("mean", "max")
 BUDGETS = ("span", "frame")
 POSITIONS = ("original", "compact")
-ATTENTION = ("sdpa", "eager", "flash_attention_2")
 KEEP_RULE = "a float ratio in (0, 1] (1.0 keeps every visual token) or an int count >= 2"
 
 
@@ -109,20 +110,6 @@ def read_layer(value: Any, name: str = "layer") -> int | tuple[int, ...]:
     return read_stages(name, value, one)
 
 
-def _argparse_type(read: Any) -> Any:
-    """``read`` as an argparse ``type``: its ``ValueError`` message becomes argparse's (which
-    would otherwise print only "invalid value")."""
-
-    def parse(text: str) -> Any:
-        try:
-            return read(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    parse.__name__ = read.__name__
-    return parse
-
-
 def keeps_everything(keep: Any) -> bool:
     """True for the ratio ``1.0``: every stage keeps every visual token (no pruning)."""
     keeps = keep if isinstance(keep, (tuple, list)) else (keep,)
@@ -154,7 +141,7 @@ class FocusConfig:
             "help": "prune after this many decoder layers (0 = before the first layer); a "
             "multi-stage schedule is a colon or comma list with one keep per stage (--layer 2:8 "
             "--keep 0.5:0.25)",
-            "parse": _argparse_type(read_layer),
+            "parse": read_layer,
         },
     )
     query_rows: str = field(
@@ -164,6 +151,7 @@ class FocusConfig:
             "the image (measured best, benchmarks/results/pruning_defaults.md) or the 'last' "
             "prompt token",
             "choices": QUERY_ROWS,
+            "tag": "q",
         },
     )
     reduce: str = field(
@@ -172,6 +160,7 @@ class FocusConfig:
             "help": "how the heads' attention is combined: their 'max' (measured best, "
             "benchmarks/results/pruning_defaults.md) or 'mean'",
             "choices": REDUCTIONS,
+            "tag": "r",
         },
     )
     budget: str = field(
@@ -181,6 +170,7 @@ class FocusConfig:
             "frames together, the pruner decides where), 'frame' = every image and every video "
             "frame keeps the same share of its own tokens",
             "choices": BUDGETS,
+            "tag": "b",
         },
     )
     positions: str = field(
@@ -191,6 +181,8 @@ class FocusConfig:
             "never been in the prompt, as vLLM and VisionZip position a pruned LLaVA prompt "
             "(one stage at layer 0, 1-D RoPE models only)",
             "choices": POSITIONS,
+            "tag": "p",
+            "recorded": "when_set",
         },
     )
     warm_kernels: bool = field(
@@ -234,14 +226,7 @@ class FocusConfig:
         keeps = tuple(parse_keep(k) for k in keeps)
         _check_schedule(keeps)
         self.keep = keeps if isinstance(self.keep, (tuple, list)) else keeps[0]
-        if self.query_rows not in QUERY_ROWS:
-            raise ValueError(f"query_rows={self.query_rows!r} is not one of {QUERY_ROWS}")
-        if self.reduce not in REDUCTIONS:
-            raise ValueError(f"reduce={self.reduce!r} is not one of {REDUCTIONS}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
-        if self.positions not in POSITIONS:
-            raise ValueError(f"positions={self.positions!r} is not one of {POSITIONS}")
+        check_choices(self)  # every option that has choices
         if not isinstance(self.warm_kernels, bool):
             raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):
@@ -295,54 +280,3 @@ def keep_count(keep: float | int, n_visual: int, *, clamp: bool = False) -> int:
             return n_visual
         raise ValueError(f"keep={keep} is more than the {n_visual} visual tokens of this input")
     return keep
-
-
-def pruner_option_field() -> Any:
-    """The command lines' and the demo's one way to give a pruner its own options
-    (``--pruner-option base=text``, repeatable), read by
-    :func:`vlm_focus.pruners.read_pruner_options` against the chosen pruner's options."""
-    return field(
-        default_factory=list,
-        metadata={
-            "help": "an option of the chosen pruner as NAME=VALUE (e.g. base=text), repeatable; "
-            "`vlm-focus pruners` lists each pruner's options",
-            "parse": str,
-            "append": True,
-            "metavar": "NAME=VALUE",
-            "default_text": "the pruner's defaults",
-        },
-    )
-
-
-@dataclass
-class LoadOptions:
-    """How a command loads its model (``vlm-focus run``, ``bench``, ``eval``, ``demo``)."""
-
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": "model folder or hub id",
-            "default_text": "embedded, the shipped organism model",
-            "metavar": "PATH_OR_ID",
-        },
-    )
-    device: str | None = field(
-        default=None,
-        metadata={
-            "help": "torch device",
-            "default_text": "cuda when available, else cpu; under accelerate launch, the "
-            "process's own device",
-        },
-    )
-    attn: str = field(
-        default="sdpa", metadata={"help": "attention implementation", "choices": ATTENTION}
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "allow code from the model repository to run"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.attn not in ATTENTION:
-            raise ValueError(f"attn={self.attn!r} is not one of {ATTENTION}")
-        if self.model is not None and not str(self.model).strip():
-            raise ValueError("model is empty: pass a model folder or hub id, or leave it out")

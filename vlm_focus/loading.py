@@ -1,23 +1,25 @@
-"""Load a supported VLM and its processor (offline-friendly), and build inputs for one image or
-one video."""
+"""Load a supported VLM and its processor (offline-friendly) as a command's options say, and
+build its inputs for images or one video."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from .asset_paths import EMBEDDED, default_model_path, is_embedded
+from .asset_paths import default_model_path, is_embedded
+from .core.options import check_choices
 from .model_adapters import get_adapter
 
-DEFAULT_MODEL = EMBEDDED
 #: Seconds to wait for the hub before saying it cannot be reached.
 HUB_TIMEOUT = 10.0
 #: The torch / torchvision pair the video processors are tested with (a torchvision built for
 #: another torch fails at import); pyproject's ``video`` extra pins the same pair.
 VIDEO_INSTALL = "pip install torch==2.14.1 torchvision==0.29.1"
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -71,6 +73,48 @@ def load_model(
     )
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     return vlm.to(device).eval(), processor
+
+
+@dataclass
+class LoadOptions:
+    """How a command loads its model (``vlm-focus run``, ``bench``, ``eval``, ``demo``)."""
+
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "model folder or hub id",
+            "default_text": "embedded, the shipped organism model",
+            "metavar": "PATH_OR_ID",
+        },
+    )
+    device: str | None = field(
+        default=None,
+        metadata={
+            "help": "torch device",
+            "default_text": "cuda when available, else cpu; under accelerate launch, the "
+            "process's own device",
+        },
+    )
+    attn: str = field(
+        default="sdpa", metadata={"help": "attention implementation", "choices": ATTENTION}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "allow code from the model repository to run"}
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.model is not None and not str(self.model).strip():
+            raise ValueError("model is empty: pass a model folder or hub id, or leave it out")
+
+    def load(self, device: str) -> tuple[torch.nn.Module, Any]:
+        """``(model, processor)`` of these options on ``device`` (:func:`load_model`)."""
+        return load_model(
+            self.model,
+            device=device,
+            attn_implementation=self.attn,
+            trust_remote_code=self.trust_remote_code,
+        )
 
 
 class MissingExtra(ModuleNotFoundError):

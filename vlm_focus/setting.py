@@ -51,8 +51,20 @@ from .timing import PairedTiming, PrefillClock, prefill_fn, pruned_prefill_timin
 from .trace import FocusTrace
 from .zoom import ZoomOptions
 
-#: What a tag writes for FocusConfig's fields away from their defaults.
-_TAG_LETTERS = (("query_rows", "q"), ("reduce", "r"), ("budget", "b"), ("positions", "p"))
+#: FocusConfig's options that a tag writes, with their letter, when away from their defaults.
+_TAG_LETTERS = tuple(
+    (f.name, f.metadata["tag"]) for f in dataclasses.fields(FocusConfig) if "tag" in f.metadata
+)
+#: FocusConfig's options that a run's record holds only away from their defaults (earlier
+#: logs, which resume, lack them); the record holds every other command-line option.
+_RECORDED_WHEN_SET = tuple(
+    f.name for f in dataclasses.fields(FocusConfig) if f.metadata.get("recorded") == "when_set"
+)
+_RECORDED = tuple(
+    f.name
+    for f in dataclasses.fields(FocusConfig)
+    if f.metadata.get("cli", True) and f.name not in _RECORDED_WHEN_SET
+)
 
 
 def _tag_word(name: str, value: Any) -> str:
@@ -186,8 +198,9 @@ class RunSetting:
         options = {k: v for k, v in f.options.items() if k != "guide"} if f else {}
         if options:
             extra["pruner_options"] = options
-        if f and f.positions != FocusConfig.positions:  # earlier logs, which resume, lack it
-            extra["positions"] = f.positions
+        for name in _RECORDED_WHEN_SET:
+            if f and getattr(f, name) != getattr(FocusConfig, name):
+                extra[name] = getattr(f, name)
         if self.guide is not None:
             extra["guide"] = self.guide
         if self.zoom is not None:
@@ -196,13 +209,11 @@ class RunSetting:
                 "zoom_options": self.zoom.to_json(),
                 "zoom_calibration": self.zoom_calibration,
             }
+        recorded = {name: getattr(f, name) if f else None for name in _RECORDED}
+        if f is None:
+            recorded["keep"] = 1.0  # unpruned keeps every visual token
         return {
-            "pruner": f.pruner if f else None,
-            "keep": f.keep if f else 1.0,
-            "layer": f.layer if f else None,
-            "query_rows": f.query_rows if f else None,
-            "reduce": f.reduce if f else None,
-            "budget": f.budget if f else None,
+            **recorded,
             "mitigate": self.mitigation,
             "mitigation_parameters": mitigation,
             "decoding": f"{'beam search' if beams > 1 else 'greedy'}, num_beams={beams}, "
@@ -465,13 +476,6 @@ class PrefillTiming(NamedTuple):
     trace: FocusTrace | None
 
 
-def focus_config(source: Any, **overrides: Any) -> FocusConfig:
-    """The :class:`~vlm_focus.FocusConfig` of an options object that inherits its fields (a
-    command's options: ``pruner``, ``keep``, ..., ``options``), with ``overrides``."""
-    names = [f.name for f in dataclasses.fields(FocusConfig) if hasattr(source, f.name)]
-    return FocusConfig(**{**{n: getattr(source, n) for n in names}, **overrides})
-
-
 def _how_it_drives(pruner: type[Pruner]) -> str:
     if pruner.needs_guide:
         return "it runs generate() itself, through its guide"
@@ -483,5 +487,4 @@ __all__ = [
     "PrefillTiming",
     "RunAnswer",
     "RunSetting",
-    "focus_config",
 ]

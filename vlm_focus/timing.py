@@ -9,7 +9,6 @@ their count come with it: a ratio whose spread is wide is not to be trusted.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -45,21 +44,6 @@ class PrefillClock(LogitsProcessor):
             self.sync()
             self.first = time.perf_counter()
         return scores
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()``; CUDA work is synchronised before each clock read."""
-    sync = _sync()
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @dataclass

@@ -6,23 +6,28 @@ where needed:
 - ``choices``: the allowed values;
 - ``parse``: how the command line's text becomes a value when the field's type does not say
   (``str`` leaves the text to the command's config to read, e.g. ``keep`` with
-  :func:`vlm_focus.config.read_keep`);
+  :func:`vlm_focus.config.read_keep`; a function, not a type, has its ``ValueError``
+  message shown as argparse's);
 - ``default_text``: what ``--help`` shows for the default (for a default of ``None`` that stands
   for something, e.g. "the embedded model");
 - ``nargs``, ``metavar``: as in argparse; ``append``: the flag may be given several times, its
-  values collected in a list; ``cli=False``: not on the command line.
+  values collected in a list; ``cli=False``: not on the command line;
+- ``tag``: the letter a run's tag writes before the value when it is away from its default,
+  ``recorded="when_set"``: a run's record holds it only then
+  (:class:`vlm_focus.setting.RunSetting`).
 
 :func:`add_options` turns the fields into argparse options whose help ends with the default,
 and :func:`parse_config` builds the dataclass from what was given, so every default comes from
 the dataclass itself. :func:`inherit` copies a field (default and metadata) into another
-dataclass, so a command exposes e.g. ``FocusConfig.keep`` without retyping it.
+dataclass, and :func:`inherit_options` every command-line field of one, so a command exposes
+e.g. ``FocusConfig``'s options without naming them; :func:`config_of` builds the config back.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +77,75 @@ def options(cls: type, *, cli_only: bool = False) -> list[OptionInfo]:
     return out
 
 
-def cli_fields(cls: type) -> list[str]:
-    """Names of the fields of ``cls`` that are command-line options."""
-    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+def inherit_options(
+    source: type,
+    *,
+    before: str,
+    field: Callable[[str], Any] | None = None,
+) -> Callable[[type], type]:
+    """A class decorator, written under ``@dataclass``: the decorated class gains every
+    command-line field of the dataclass ``source`` that it does not define itself, in
+    ``source``'s order, placed before its own field ``before``. ``field(name)`` makes each
+    field (default: :func:`inherit`, ``source``'s default and metadata); a field whose
+    default is ``None`` is typed as optional."""
+
+    def add(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        if before not in own:
+            raise ValueError(f"{cls.__name__} has no field {before!r} to place options before")
+        added = {}
+        for f in dataclasses.fields(source):
+            if f.name in own or not f.metadata.get("cli", True):
+                continue
+            made = field(f.name) if field is not None else inherit(source, f.name)
+            type_name = _type_name(f.type)
+            if made.default is None and not type_name.endswith("| None"):
+                type_name += " | None"
+            added[f.name] = type_name
+            setattr(cls, f.name, made)
+        merged = {}
+        for name, annotation in own.items():
+            if name == before:
+                merged.update(added)
+            merged[name] = annotation
+        cls.__annotations__ = merged
+        return cls
+
+    return add
+
+
+def check_choices(config: Any) -> None:
+    """``ValueError`` for a field of the dataclass ``config`` whose value is not one of its
+    metadata's ``choices``, naming the field, the value and the choices."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(config, f.name) not in choices:
+            raise ValueError(f"{f.name}={getattr(config, f.name)!r} is not one of {choices}")
+
+
+def config_of(cls: type, source: Any, **overrides: Any) -> Any:
+    """``cls`` (a config dataclass, e.g. :class:`~vlm_focus.FocusConfig`) built from the
+    fields of ``source`` that it has (a command's options that inherit them), with
+    ``overrides``."""
+    names = [f.name for f in dataclasses.fields(cls) if hasattr(source, f.name)]
+    return cls(**{**{n: getattr(source, n) for n in names}, **overrides})
+
+
+def pruner_option_field() -> Any:
+    """The command lines' and the demo's one way to give a pruner its own options
+    (``--pruner-option base=text``, repeatable), read by
+    :func:`vlm_focus.pruners.read_pruner_options` against the chosen pruner's options."""
+    return dataclasses.field(
+        default_factory=list,
+        metadata={
+            "help": "an option of the chosen pruner as NAME=VALUE (e.g. base=text), repeatable; "
+            "`vlm-focus pruners` lists each pruner's options",
+            "parse": str,
+            "append": True,
+            "metavar": "NAME=VALUE",
+            "default_text": "the pruner's defaults",
+        },
+    )
 
 
 def flag(name: str) -> str:
@@ -130,6 +201,8 @@ def add_options(
             kwargs["action"] = "store_true" if not _default(f) else argparse.BooleanOptionalAction
         else:
             parse = meta.get("parse") or _PARSERS.get(type_name.removesuffix(" | None"))
+            if parse is not None and not isinstance(parse, type):
+                parse = _argparse_type(parse)
             if parse is None:
                 raise TypeError(
                     f"{cls.__name__}.{f.name} ({type_name}) needs metadata 'parse' to be a "
@@ -140,6 +213,16 @@ def add_options(
                 if key in meta:
                     kwargs[key] = meta[key]
         parser.add_argument(flag(f.name), **kwargs)
+
+
+def add_command(
+    subparsers: Any, name: str, cls: type, help: str, *, exclude: Iterable[str] = ()
+) -> argparse.ArgumentParser:
+    """A subcommand ``name`` whose options are ``cls``'s command-line fields (:func:`add_options`)
+    and whose description is ``cls``'s docstring; abbreviated flags are refused."""
+    command = subparsers.add_parser(name, help=help, description=cls.__doc__, allow_abbrev=False)
+    add_options(command, cls, exclude=exclude)
+    return command
 
 
 def given(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -162,6 +245,20 @@ def options_markdown(rows: Iterable[tuple[str, OptionInfo]], first: str = "prune
         cells.append(info.help)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _argparse_type(read: Any) -> Any:
+    """``read`` as an argparse ``type``: its ``ValueError`` message becomes argparse's (which
+    would otherwise print only "invalid value")."""
+
+    def parse(text: str) -> Any:
+        try:
+            return read(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = read.__name__
+    return parse
 
 
 class _Append(argparse.Action):

@@ -18,8 +18,8 @@ from typing import Any
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
-from ..config import LoadOptions  # noqa: E402
 from ..core.options import add_options, parse_config  # noqa: E402
+from ..loading import LoadOptions  # noqa: E402
 from .inputs import MITIGATIONS  # noqa: E402
 from .request import run_request  # noqa: E402
 from .result import DemoResult  # noqa: E402

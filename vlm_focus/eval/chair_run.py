@@ -27,15 +27,7 @@ from .chair import (
     extract_objects,
     truth_objects,
 )
-from .common import (
-    PruneOptions,
-    check_extras,
-    load,
-    model_tag,
-    on_shared_items,
-    read_summaries,
-    write_json,
-)
+from .common import PruneOptions, check_extras, on_shared_items, read_summaries, write_json
 
 
 @dataclass
@@ -137,7 +129,7 @@ def run_chair(config: ChairConfig) -> dict | None:
     """Caption the images under one setting; returns its summary (on the main process)."""
     from .data import resolve_set, split_missing
     from .generation import Generator
-    from .runner import process_state, run_items
+    from .runner import process_state
     from .tables import write_table
 
     if not isinstance(config, ChairConfig):
@@ -152,8 +144,8 @@ def run_chair(config: ChairConfig) -> dict | None:
     setting = config.setting(max_new_tokens=max_new)
     items = [{"image_id": i, "image": cocoset.images_by_id[i]["file_name"]} for i in ids]
     present, missing = split_missing(items, cocoset, config.on_missing)
-    model, processor = load(config, state)
-    guide = setting.load_guide(config.device or str(state.device)) or (None, None)
+    model, processor = config.load(config.device_of(state))
+    guide = setting.load_guide(config.device_of(state)) or (None, None)
     generator = Generator(model, processor, setting, guide=guide[0], guide_processor=guide[1])
     table = ObjectWords.for_categories(cocoset.category_names.values())
     truth = _truth(cocoset, table)
@@ -181,17 +173,16 @@ def run_chair(config: ChairConfig) -> dict | None:
         m = chair_metrics({r["image_id"]: r["caption"] for r in records}, truth, table)
         return f"CHAIR_s={m['CHAIR_s']:.3f} CHAIR_i={m['CHAIR_i']:.3f} recall={m['recall']:.3f}"
 
-    root = config.out / "chair" / model_tag(config.model)
-    records = run_items(
+    root = config.results
+    records = config.run_items(
+        state,
         present,
         process,
         root / f"{setting.tag}.jsonl",
         key="image_id",
-        batch_size=config.batch_size,
-        state=state,
         desc=f"chair {setting.tag}",
         metric=metric,
-        config={"model": config.model_name, **setting.describe(), "prompt": prompt},
+        record={**setting.describe(), "prompt": prompt},
     )
     if not state.is_main_process:
         return None

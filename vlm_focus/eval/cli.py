@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..core.options import add_options, parse_config
+from ..core.options import add_command, parse_config
 from ..loading import MissingExtra
 from .chair_run import ChairConfig, run_chair
 from .coco_run import CocoConfig, run_coco
@@ -32,10 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-focus eval", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (config_cls, _, help_text) in COMMANDS.items():
-        command = sub.add_parser(
-            name, help=help_text, description=config_cls.__doc__, allow_abbrev=False
-        )
-        add_options(command, config_cls)
+        add_command(sub, name, config_cls, help_text)
     return p
 
 

@@ -27,15 +27,7 @@ from .coco import (
     query_prompt,
     summarise,
 )
-from .common import (
-    EvalOptions,
-    check_extras,
-    load,
-    model_tag,
-    on_shared_items,
-    read_summaries,
-    write_json,
-)
+from .common import EvalOptions, check_extras, on_shared_items, read_summaries, write_json
 from .metrics import auroc, point_in_boxes
 from .pope import image_categories
 
@@ -162,7 +154,7 @@ def run_coco(config: CocoConfig) -> dict | None:
     from ..setting import RunSetting
     from .data import resolve_set, split_missing
     from .generation import Generator
-    from .runner import process_state, run_items
+    from .runner import process_state
     from .tables import write_table
 
     if not isinstance(config, CocoConfig):
@@ -181,7 +173,7 @@ def run_coco(config: CocoConfig) -> dict | None:
     rows, missing = split_missing(rows, cocoset, config.on_missing)
     missing_images = sorted({r["image_id"] for r in missing})
     ids = [i for i in ids if i not in set(missing_images)]
-    model, processor = load(config, state)
+    model, processor = config.load(config.device_of(state))
     generator = Generator(model, processor, RunSetting())
     truth = gt_boxes(cocoset.instances)
     heads = map_heads(config, model)
@@ -241,23 +233,21 @@ def run_coco(config: CocoConfig) -> dict | None:
         a = auroc([r["score"] for r in records], [r["present"] for r in records])
         return f"pointing={sum(hits) / max(len(hits), 1):.3f} auroc={a:.3f}"
 
-    root = config.out / "coco" / model_tag(config.model)
+    root = config.results
     folder = root / config.setting
     map_layers = "the heads' layers" if layers is None else ",".join(map(str, layers))
     if config.layers is None and heads is None:
         map_layers += " (grounding.default_layers)"
     map_heads_text = "every head" if config.heads is None else str(config.heads)
-    records = run_items(
+    records = config.run_items(
+        state,
         rows,
         process,
         folder / "queries.jsonl",
         key="query_id",
-        batch_size=config.batch_size,
-        state=state,
         desc=f"coco grounding {config.setting}",
         metric=metric,
-        config={
-            "model": config.model_name,
+        record={
             "prompt": template,
             "absent": config.absent,
             "max_boxes": config.max_boxes,

@@ -14,18 +14,26 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..asset_paths import is_embedded
-from ..config import FocusConfig, LoadOptions, keeps_everything, pruner_option_field, read_keep
-from ..core.options import default_of, inherit, show
+from ..config import FocusConfig, keeps_everything, read_keep
+from ..core.options import (
+    config_of,
+    default_of,
+    inherit,
+    inherit_options,
+    options,
+    pruner_option_field,
+    show,
+)
 from ..core.registry import get_pruner, pruners_with, read_pruner_options
 from ..hallucination import mitigation_choices, mitigation_name
-from ..loading import MissingExtra
-from ..setting import RunSetting, focus_config
+from ..loading import LoadOptions, MissingExtra
+from ..setting import RunSetting
 
 ON_MISSING = ("skip", "stop")
 #: What installs the modules of the ``eval`` extra (pycocotools, matplotlib).
 EVAL_EXTRA = "pip install 'vlm-focus[eval]'"
-#: The pruning options of the evaluations, each as FocusConfig defines it.
-PRUNE_FIELDS = ("keep", "layer", "query_rows", "reduce", "budget", "positions")
+#: The pruning options of the evaluations besides the pruner, each as FocusConfig defines it.
+PRUNE_FIELDS = tuple(o.name for o in options(FocusConfig, cli_only=True) if o.name != "pruner")
 
 
 def _focus(name: str) -> Any:
@@ -110,8 +118,47 @@ class EvalOptions(LoadOptions):
     def model_name(self) -> str:
         return "embedded" if is_embedded(self.model) else str(self.model)
 
+    @property
+    def results(self) -> Path:
+        """The command's results folder for this model: ``out/<command>/<model tag>``."""
+        return self.out / self.command / model_tag(self.model)
+
+    def device_of(self, state: Any) -> str:
+        """The device this process runs on: ``device``, else the process's own."""
+        return self.device or str(state.device)
+
+    def run_items(
+        self,
+        state: Any,
+        items: Sequence[dict],
+        process: Callable[[list[dict]], list[dict]],
+        log: Path,
+        *,
+        key: str,
+        desc: str,
+        metric: Callable[[list[dict]], str],
+        record: dict[str, Any],
+    ) -> list[dict]:
+        """:func:`~vlm_focus.eval.runner.run_items` of ``items`` into the resumable ``log``, in
+        batches of these options' size; the log's run config is the model and ``record``
+        (the run's choices)."""
+        from .runner import run_items
+
+        return run_items(
+            items,
+            process,
+            log,
+            key=key,
+            batch_size=self.batch_size,
+            state=state,
+            desc=desc,
+            metric=metric,
+            config={"model": self.model_name, **record},
+        )
+
 
 @dataclass
+@inherit_options(FocusConfig, before="pruner_option", field=_focus)
 class PruneOptions(EvalOptions):
     """An evaluation that generates: optional pruning (the :class:`~vlm_focus.FocusConfig`
     options, with its defaults) and an optional mitigation from the registry.
@@ -127,12 +174,7 @@ class PruneOptions(EvalOptions):
             "default_text": "none, the model runs unpruned",
         },
     )
-    keep: float | int | None = _focus("keep")
-    layer: int | None = _focus("layer")
-    query_rows: str | None = _focus("query_rows")
-    reduce: str | None = _focus("reduce")
-    budget: str | None = _focus("budget")
-    positions: str | None = _focus("positions")
+    # FocusConfig's other command-line options come here, default None (inherit_options)
     pruner_option: list[str] = pruner_option_field()
     mitigate: str = field(
         default="none",
@@ -173,7 +215,7 @@ class PruneOptions(EvalOptions):
             get_pruner(self.pruner)  # an unknown name raises, listing the registered ones
             self.options = self.pruner_options(self.pruner)
             # the one check of every pruning option (keep's rule, choices, layer >= 0)
-            self.keep = focus_config(self).keep
+            self.keep = config_of(FocusConfig, self).keep
         if self.guide is not None and not self._sweeps():
             if self.pruner is None or not get_pruner(self.pruner).needs_guide:
                 takes = pruners_with("needs_guide")
@@ -203,7 +245,8 @@ class PruneOptions(EvalOptions):
         focus = None
         if pruner is not None:
             given = {"keep": keep} if keep is not None else {}
-            focus = focus_config(self, pruner=pruner, options=self.pruner_options(pruner), **given)
+            own = self.pruner_options(pruner)
+            focus = config_of(FocusConfig, self, pruner=pruner, options=own, **given)
         guide = None
         if focus is not None and get_pruner(pruner).needs_guide:
             guide = self.guide or ("embedded" if is_embedded(self.model) else None)
@@ -244,18 +287,6 @@ def model_tag(model: str | None) -> str:
         return "embedded"
     parts = [x for x in re.split(r"[\\/]+", str(model)) if x][-2:]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "--".join(parts))
-
-
-def load(options: LoadOptions, state: Any) -> tuple[Any, Any]:
-    """(model, processor) on this process's device."""
-    from ..loading import load_model
-
-    return load_model(
-        options.model,
-        device=options.device or str(state.device),
-        attn_implementation=options.attn,
-        trust_remote_code=options.trust_remote_code,
-    )
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -17,15 +17,7 @@ from typing import Any, ClassVar
 from ..config import keeps_everything, read_keep
 from ..setting import RunSetting
 from ..zoom import ZoomOptions
-from .common import (
-    PruneOptions,
-    check_extras,
-    load,
-    model_tag,
-    on_shared_items,
-    read_summaries,
-    write_json,
-)
+from .common import PruneOptions, check_extras, on_shared_items, read_summaries, write_json
 from .data import resolve_set, split_missing
 from .generation import ZOOMS
 from .metrics import PARSE_RULE
@@ -39,7 +31,7 @@ from .pope import (
     summarise,
     write_questions,
 )
-from .runner import process_state, run_items
+from .runner import process_state
 from .tables import write_table
 
 TABLE_COLUMNS = (
@@ -272,15 +264,15 @@ def run_pope(config: PopeConfig) -> list[dict]:
     images_dir, splits, source = question_sets(config, state)
     suffix = LLAVA_SUFFIX if config.suffix is None else config.suffix
     sets = {"_images": images_dir, "_suffix": suffix, "_source": source, "splits": splits}
-    model, processor = load(config, state)
+    model, processor = config.load(config.device_of(state))
     guide = (None, None)
-    root = config.out / "pope" / model_tag(config.model)
+    root = config.results
     summaries: list[dict] = []
     failed: list[str] = []
     for setting in settings:
         try:
             if setting.needs_guide and guide[0] is None:
-                guide = setting.load_guide(config.device or str(state.device))
+                guide = setting.load_guide(config.device_of(state))
             summaries += _run_setting(config, state, model, processor, guide, setting, sets, root)
         except (ValueError, FileNotFoundError, RuntimeError) as err:
             if not config.sweep:
@@ -367,17 +359,15 @@ def _run_setting(config, state, model, processor, guide, setting, sets, root) ->
                 guide_processor=guide[1],
             ).records
 
-        records = run_items(
+        records = config.run_items(
+            state,
             present,
             process,
             root / split / f"{setting.tag}.jsonl",
             key="question_id",
-            batch_size=config.batch_size,
-            state=state,
             desc=f"pope {split} {setting.tag}",
             metric=running_metric,
-            config={
-                "model": config.model_name,
+            record={
                 **setting.describe(),
                 "prompt_suffix": suffix,
                 "questions": source,

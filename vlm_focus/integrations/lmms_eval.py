@@ -6,10 +6,12 @@
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,pruner=fastv,keep=0.25,layer=2 \\
         --tasks pope,mme --log_samples --output_path results/
 
-The class reads the checkpoint's ``model_type`` from its config (no weights), takes vlm_focus's
-own arguments out of ``--model_args`` and checks them (:mod:`vlm_focus.integrations.model_args`),
-then builds lmms-eval's HF class for that model type with the rest (``pretrained``,
-``batch_size``, ``device``, ...) and wraps its model. Prompt building, image processing,
+Every model type of :func:`vlm_focus.supported_models` runs except those :data:`DELEGATES`
+leaves out, with the reason (the error says it before any weights load). The class reads the
+checkpoint's ``model_type`` from its config (no weights), takes vlm_focus's own arguments out
+of ``--model_args`` and checks them (:mod:`vlm_focus.integrations.model_args`), then builds
+lmms-eval's HF class for that model type with the rest (``pretrained``, ``batch_size``,
+``device``, ...) and wraps its model. Prompt building, image processing,
 decoding and batching stay lmms-eval's.
 
 What pruning did is recorded per request in ``token_counts`` of the ``--log_samples`` output
@@ -46,15 +48,17 @@ from .model_args import FocusArgs, split_model_args
 @dataclass(frozen=True)
 class Delegate:
     """lmms-eval's class for one model type: its import path, whether it takes chat requests,
-    and the largest batch it runs (``None``: any)."""
+    and the largest batch it runs (``None``: any); or, with no class, why the model type is
+    left out (``left_out``)."""
 
-    class_path: str
+    class_path: str | None
     chat: bool = True
     max_batch: int | None = None
+    left_out: str | None = None
 
 
-# lmms-eval 0.7.3's HF classes. The llava chat class and the simple qwen2_vl class answer one
-# request per generate() call.
+# Every model type vlm_focus supports, with lmms-eval 0.7.3's HF class or why there is none.
+# The llava chat class and the simple qwen2_vl class answer one request per generate() call.
 DELEGATES: dict[str, Delegate] = {
     "llava": Delegate("lmms_eval.models.chat.llava_hf.LlavaHf", max_batch=1),
     "llava_next": Delegate("lmms_eval.models.chat.llava_hf.LlavaHf", max_batch=1),
@@ -62,6 +66,12 @@ DELEGATES: dict[str, Delegate] = {
     "qwen2_vl": Delegate("lmms_eval.models.simple.qwen2_vl.Qwen2_VL", chat=False, max_batch=1),
     "qwen2_5_vl": Delegate("lmms_eval.models.chat.qwen2_5_vl.Qwen2_5_VL"),
     "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL"),
+    "qwen3_vl_moe": Delegate(
+        None,
+        left_out="lmms-eval 0.7.3's Qwen3_VL picks its mixture-of-experts class from the "
+        "checkpoint's name (a part like 'A3B'), not from its config, so a local or renamed "
+        "checkpoint would load as the dense model; `vlm-focus eval` runs it",
+    ),
 }
 
 
@@ -107,12 +117,7 @@ class VlmFocus(lmms):
         trust = bool(kwargs.get("trust_remote_code", False))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         model_type = getattr(config, "model_type", None)
-        if model_type not in DELEGATES:
-            raise ValueError(
-                f"pretrained={pretrained!r} has model_type {model_type!r}; --model vlm_focus "
-                f"supports: {', '.join(sorted(DELEGATES))}"
-            )
-        spec = DELEGATES[model_type]
+        spec = _delegate(model_type, pretrained)
         module_name, class_name = spec.class_path.rsplit(".", 1)
         delegate_cls = getattr(importlib.import_module(module_name), class_name)
         accepted = _init_parameters(delegate_cls)
@@ -334,6 +339,23 @@ class VlmFocus(lmms):
                 "vlm_focus_prefill_s": sum(f["prefill_s"] for f in facts) / n,
             },
         )
+
+
+def _delegate(model_type: str | None, pretrained: str) -> Delegate:
+    """The delegate of ``model_type``; ``ValueError`` saying first why there is none."""
+    runs = ", ".join(sorted(t for t, d in DELEGATES.items() if d.class_path is not None))
+    spec = DELEGATES.get(model_type)
+    if spec is None:
+        raise ValueError(
+            f"--model vlm_focus does not run model_type {model_type!r} (pretrained="
+            f"{pretrained!r}); it runs: {runs}"
+        )
+    if spec.class_path is None:
+        raise ValueError(
+            f"--model vlm_focus does not run model_type {model_type!r} (pretrained="
+            f"{pretrained!r}): {spec.left_out}. It runs: {runs}"
+        )
+    return spec
 
 
 def _init_parameters(cls: type) -> list[str]:
