@@ -206,6 +206,7 @@ def check_prompt(prompt: Any) -> str:
 
 
 def supported_adapter(model: nn.Module) -> ModelAdapter:
+    """The model's adapter, or a message naming the supported model types."""
     try:
         return get_adapter(model)
     except ValueError:
