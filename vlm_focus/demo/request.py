@@ -393,8 +393,8 @@ def _fit_frames(video: DecodedVideo, max_side: int) -> tuple[DecodedVideo, list[
 
 
 def takes_video(model: nn.Module) -> bool:
-    """Whether the model reads videos: its adapter knows a video token for it."""
-    return _adapter(model).token_ids(model)[1] is not None
+    """Whether the model reads videos, as its adapter declares."""
+    return _adapter(model).video
 
 
 def _video_request(
