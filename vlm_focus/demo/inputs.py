@@ -170,8 +170,8 @@ def _fit_frames(video: DecodedVideo, max_side: int) -> tuple[DecodedVideo, list[
 
 
 def takes_video(model: nn.Module) -> bool:
-    """Whether the model reads videos: its adapter knows a video token for it."""
-    return supported_adapter(model).token_ids(model)[1] is not None
+    """Whether the model reads videos, as its adapter declares."""
+    return supported_adapter(model).video
 
 
 def video_request(

@@ -37,13 +37,16 @@ def register_adapter(adapter: ModelAdapter, *, replace: bool = False) -> None:
     _ADAPTERS[name] = adapter
 
 
-def supported_models(*, consecutive_positions: bool | None = None) -> list[str]:
-    """The model types with a registered adapter (with ``consecutive_positions``, those whose
-    adapter declares it so)."""
+def supported_models(
+    *, consecutive_positions: bool | None = None, video: bool | None = None
+) -> list[str]:
+    """The model types with a registered adapter (with ``consecutive_positions`` or ``video``,
+    those whose adapter declares it so)."""
     return sorted(
         name
         for name, adapter in _ADAPTERS.items()
-        if consecutive_positions is None or adapter.consecutive_positions == consecutive_positions
+        if consecutive_positions in (None, adapter.consecutive_positions)
+        and video in (None, adapter.video)
     )
 
 

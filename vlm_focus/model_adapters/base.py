@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.attention import check_mask_rule
 from ..geometry import (
     Frame,
     Size,
@@ -105,6 +106,12 @@ class ModelAdapter:
             :data:`vlm_focus.geometry.RULES` per view (the last repeats), keyed by the number
             of views an image has, ``0`` for any other count. A guess about the processor:
             with ``processor=`` its own settings decide.
+        mask_rule: which keys a query may attend to, one of
+            :data:`vlm_focus.core.attention.MASK_RULES` (``"causal"``); every reader of the
+            model's attention rows builds its mask from it
+            (:func:`vlm_focus.core.attention.allowed_keys`).
+        video: the family reads videos (its processor takes ``videos=`` and the model encodes
+            them); it then names its video token in ``video_token_attrs``.
         processor_rule: the arithmetic the family's image processor places the image by, one
             of :data:`vlm_focus.geometry.PROCESSOR_RULES` (``"single"``, ``"anyres"``,
             ``"dynamic"``); the processor's settings give the numbers.
@@ -142,6 +149,8 @@ class ModelAdapter:
     fallback_geometry: Mapping[int, tuple[str, ...]] = field(
         default_factory=lambda: {0: ("resize",)}
     )
+    mask_rule: str = "causal"
+    video: bool = False
     processor_rule: str = "single"
     aspect_grids: bool = False
     multi_image_views: bool = False
@@ -159,6 +168,12 @@ class ModelAdapter:
 
     def __post_init__(self) -> None:
         check_processor_rule(self.processor_rule)
+        check_mask_rule(self.mask_rule)
+        if self.video and not self.video_token_attrs:
+            raise ValueError(
+                f"adapter '{self.model_type}' declares video=True but no video_token_attrs: "
+                "name the config attribute holding the video token id"
+            )
 
     # --- geometry -----------------------------------------------------------------------------
     def frames(

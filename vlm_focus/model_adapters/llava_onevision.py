@@ -186,6 +186,7 @@ LLAVA_ONEVISION = ModelAdapter(
     multi_image_views=True,
     layout=onevision_layout,
     image_token_attrs=("image_token_id", "image_token_index"),
+    video=True,
     video_token_attrs=("video_token_id", "video_token_index"),
     pixel_inputs=("pixel_values", "pixel_values_videos"),
     layout_inputs=("image_sizes", "batch_num_images", "pixel_values_videos"),
