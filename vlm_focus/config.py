@@ -226,7 +226,7 @@ class FocusConfig:
         keeps = tuple(parse_keep(k) for k in keeps)
         _check_schedule(keeps)
         self.keep = keeps if isinstance(self.keep, (tuple, list)) else keeps[0]
-        check_choices(self)  # every option that has choices
+        check_choices(self, FocusConfig)  # every option that has choices
         if not isinstance(self.warm_kernels, bool):
             raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):

@@ -1,5 +1,5 @@
-"""The one greedy ``generate()`` call that every answering path goes through (the evaluations,
-the demo and lmms-eval through :meth:`vlm_focus.setting.RunSetting.generate`, the zoom's
+"""The one greedy ``generate()`` call that every answering path goes through (the commands,
+the evaluations and the demo through :meth:`vlm_focus.setting.RunSetting.answer`, the zoom's
 passes directly), what is read off its output, and a generated answer appended to its prompt
 for one teacher-forced pass (grounding an answer, contrasting instructions)."""
 

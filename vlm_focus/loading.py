@@ -103,7 +103,7 @@ class LoadOptions:
     )
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_choices(self, LoadOptions)
         if self.model is not None and not str(self.model).strip():
             raise ValueError("model is empty: pass a model folder or hub id, or leave it out")
 

@@ -114,10 +114,11 @@ def inherit_options(
     return add
 
 
-def check_choices(config: Any) -> None:
-    """``ValueError`` for a field of the dataclass ``config`` whose value is not one of its
+def check_choices(config: Any, cls: type) -> None:
+    """``ValueError`` for a field of the dataclass ``cls`` whose value in ``config`` (an
+    instance of ``cls`` or of a subclass, which checks its own fields) is not one of its
     metadata's ``choices``, naming the field, the value and the choices."""
-    for f in dataclasses.fields(config):
+    for f in dataclasses.fields(cls):
         choices = f.metadata.get("choices")
         if choices is not None and getattr(config, f.name) not in choices:
             raise ValueError(f"{f.name}={getattr(config, f.name)!r} is not one of {choices}")

@@ -1,6 +1,7 @@
 """Batched greedy generation for the evaluations under one
-:class:`~vlm_focus.setting.RunSetting` (pruning, a mitigation or an attention-guided zoom),
-with per-batch timing of prefill and decoding."""
+:class:`~vlm_focus.setting.RunSetting` (:meth:`~vlm_focus.setting.RunSetting.answer`: pruning,
+a mitigation or an attention-guided zoom), recorded per row with the batch's timing of prefill
+and decoding."""
 
 from __future__ import annotations
 
