@@ -66,10 +66,6 @@ class ImageView:
         seen, seen_share = seen_region(as_size(picture), frames)  # what the processor kept
         return cls(np.asarray(picture, dtype=np.uint8), layout, frames, seen, seen_share)
 
-    @property
-    def n_visual(self) -> int:
-        return int(self.layout.positions.numel())
-
     def kept_overlay(self, kept: torch.Tensor, **style: Any) -> np.ndarray:
         """The image with the tokens at ``kept`` (original sequence positions) outlined and
         the rest darkened (``style``: :func:`.overlays.kept_mask_overlay`'s), the unseen part
