@@ -207,6 +207,25 @@ def test_kept_mask_darkens_exactly_the_pruned_cells(tiny, scene):
     assert same == result.n_kept
 
 
+def test_focus_config_options_reach_the_pruning(tiny, scene):
+    """FocusConfig's other options (the page's "More pruning options") prune as in vf.wrap."""
+    model, processor = tiny
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    view = demo_maps.ImageView.of(model, processor, inputs, Image.fromarray(scene))
+    kept = {}
+    for rows in ("text", "last"):
+        with (
+            torch.inference_mode(),
+            vf.wrap(model, pruner="fastv", keep=3, layer=1, query_rows=rows) as handle,
+        ):
+            model(**inputs)
+        kept[rows] = handle.last_trace.kept[0]
+        result = run(tiny, scene, keep=3, query_rows=rows)
+        assert result.ok, result.message
+        np.testing.assert_array_equal(result.kept_overlay, view.kept_overlay(kept[rows]))
+    assert not torch.equal(kept["text"], kept["last"])  # the option changed what was kept
+
+
 def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
     import vlm_focus as vf
     from vlm_focus.model_adapters import get_adapter
@@ -354,6 +373,11 @@ def test_unsupported_model(tiny, scene):
         (dict(layer=2), "layer=2: this model prunes at a layer in [0, 2)."),
         (dict(layer=-1), "layer=-1: this model prunes at a layer in [0, 2)."),
         (dict(mitigation="magic"), "Unknown mitigation 'magic'; choose one of none, "),
+        (dict(colour="red"), "Unknown pruning option 'colour'; the options are pruner, keep, "),
+        (
+            dict(query_rows="middle"),
+            "The request could not be run: query_rows='middle' is not one of ",
+        ),
     ],
 )
 def test_bad_options(tiny, scene, options, message):
