@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
+from vlm_focus.config import FocusConfig
 from vlm_focus.demo import app
-from vlm_focus.demo.request import DemoResult, FrameMap, GroundedMap
+from vlm_focus.demo.result import DemoResult, FrameMap, GroundedMap
+from vlm_focus.demo.served import Served
 from vlm_focus.grounding import Box
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
 from vlm_focus.timing import PairedTiming
@@ -185,16 +187,22 @@ def test_every_input_of_the_answer_endpoint_may_be_left_out():
     parameters = demo.get_api_info()["named_endpoints"]["/answer"]["parameters"]
     defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters}
     assert all(p["parameter_has_default"] for p in parameters), parameters
+    focus = FocusConfig()
     assert defaults == {
         "image_value": None,
         "prompt_value": app.DEFAULT_QUESTION,
-        "pruner_value": app.DEFAULT_PRUNER,
-        "keep_value": app.DEFAULT_KEEP,
+        "pruner_value": focus.pruner,
+        "keep_value": focus.keep,
         "layer_value": 1,  # the default layer, on a model of 2 decoder layers
         "mit_value": "none",
         "zoom_value": False,
         "options_value": "",
         "video_value": None,
+        # FocusConfig's other command-line options, after the first API's inputs
+        "query_rows_value": focus.query_rows,
+        "reduce_value": focus.reduce,
+        "budget_value": focus.budget,
+        "positions_value": focus.positions,
     }
 
 
@@ -215,7 +223,7 @@ def test_model_panel_refuses_an_unsupported_model_and_keeps_serving(tmp_path):
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
     processor = build_processor(SPECS["tiny"])
-    served = app.Served(model, processor)
+    served = Served(model, processor)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     ok, message = served.load(str(tmp_path))
     assert not ok
@@ -234,7 +242,7 @@ def test_model_panel_loads_a_supported_model(tmp_path):
     build_processor(spec).save_pretrained(tmp_path)
     torch.manual_seed(0)
     tiny = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
-    served = app.Served(tiny, build_processor(SPECS["tiny"]))
+    served = Served(tiny, build_processor(SPECS["tiny"]))
     ok, message = served.load(str(tmp_path))
     assert ok and message == f"Now serving `{tmp_path}` (llava)."
     assert served.n_layers == spec.text_layers == 3
@@ -247,9 +255,9 @@ def test_embedded_models_are_named_as_such():
     from vlm_focus.organism import guide_model_path
 
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(guide_model_path())))
-    assert app.Served(model, None).name == "organism-guide (embedded)"
+    assert Served(model, None).name == "organism-guide (embedded)"
     model.config._name_or_path = "llava-hf/llava-1.5-7b-hf"
-    assert app.Served(model, None).name == "llava-hf/llava-1.5-7b-hf"
+    assert Served(model, None).name == "llava-hf/llava-1.5-7b-hf"
 
 
 def test_outputs_of_a_zoom_come_before_the_frame_maps():
@@ -292,7 +300,8 @@ def test_the_video_input_feeds_the_answer_endpoint_and_its_frame_gallery():
     model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
     answer = _answer_function(app.build_app(model, build_processor(SPECS["tiny"])))
     inputs = [c.elem_id for c in answer.inputs]
-    assert inputs[0] == "image" and inputs[-1] == "video"  # appended: old API calls still fit
+    assert inputs[0] == "image" and inputs[8] == "video"  # appended: old API calls still fit
+    assert inputs[9:] == ["query_rows", "reduce", "budget", "positions"]  # appended after it
     assert [c.elem_id for c in answer.outputs][-1] == "frame-maps"
 
 

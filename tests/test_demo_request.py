@@ -18,12 +18,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlavaForConditionalGener
 import vlm_focus as vf
 from vlm_focus import grounding
 from vlm_focus import hallucination as hal
+from vlm_focus.demo import inputs as demo_inputs
+from vlm_focus.demo import maps as demo_maps
 from vlm_focus.demo import request as req
 from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay, shade_unseen
 from vlm_focus.geometry import Frame, Size
 from vlm_focus.grounding import Box
 from vlm_focus.loading import build_inputs, decode_new_tokens
-from vlm_focus.model_adapters import model_frames
 from vlm_focus.organism import sample_scene_paths
 from vlm_focus.organism.scenes import IMAGE_SIZE, heldout_scenes
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
@@ -50,12 +51,12 @@ def scene() -> np.ndarray:
 def always_present(monkeypatch):
     """Every phrase counts as present (the random tiny model's P(yes) is arbitrary), so its
     boxes are drawn."""
-    monkeypatch.setattr(req, "presence_threshold", lambda model: 0.0)
+    monkeypatch.setattr(demo_maps, "presence_threshold", lambda model: 0.0)
 
 
 @pytest.fixture
 def never_present(monkeypatch):
-    monkeypatch.setattr(req, "presence_threshold", lambda model: 1.0)
+    monkeypatch.setattr(demo_maps, "presence_threshold", lambda model: 1.0)
 
 
 def run(tiny, image, prompt=QUESTION, **kw):
@@ -108,7 +109,7 @@ def test_fixation_draws_each_decoding_steps_kept_cells(tiny, scene):
     strip = result.fixation_strip
     assert strip.dtype == np.uint8 and strip.shape[0] == 150 + 22
     model, processor = tiny
-    inputs = {k: v for k, v in req.build_inputs(processor, scene, QUESTION).items()}
+    inputs = {k: v for k, v in build_inputs(processor, scene, QUESTION).items()}
     with torch.no_grad(), vf.wrap(model, pruner="fixation", keep=0.25, layer=1) as handle:
         model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     steps = len(handle.last_trace.fixations)
@@ -147,7 +148,7 @@ def test_prompt_map_is_the_heatmap_of_the_phrase_with_its_boxes_and_scores(
     ref = grounding.heatmap(model, inputs, "red_circle", processor=processor, images=[picture])
     ref = ref[0][0]
     torch.testing.assert_close(m.map.pixels, ref.pixels, atol=1e-6, rtol=1e-4)
-    expected_boxes = grounding.boxes(ref, max_boxes=req.MAX_BOXES)
+    expected_boxes = grounding.boxes(ref, max_boxes=demo_maps.MAX_BOXES)
     assert [b.xywh for b in m.boxes] == [b.xywh for b in expected_boxes]
     assert len(m.boxes) >= 1
     for box, score in zip(m.boxes, m.scores, strict=True):
@@ -175,7 +176,7 @@ def test_each_object_word_of_the_answer_gets_a_map(tiny, scene, always_present):
     tok = processor.tokenizer
     answer = torch.tensor([tok.encode("yes , a blue_square .", add_special_tokens=False)])
     whole = Frame(0, 0, IMAGE_SIZE, IMAGE_SIZE)
-    prompt_map, object_maps = req._ground(
+    prompt_map, object_maps = demo_maps.ground(
         model, processor, inputs, QUESTION, answer, Image.fromarray(scene), whole
     )
     assert prompt_map.phrase == "red_circle"
@@ -206,6 +207,25 @@ def test_kept_mask_darkens_exactly_the_pruned_cells(tiny, scene):
     assert same == result.n_kept
 
 
+def test_focus_config_options_reach_the_pruning(tiny, scene):
+    """FocusConfig's other options (the page's "More pruning options") prune as in vf.wrap."""
+    model, processor = tiny
+    inputs = build_inputs(processor, Image.fromarray(scene), QUESTION)
+    view = demo_maps.ImageView.of(model, processor, inputs, Image.fromarray(scene))
+    kept = {}
+    for rows in ("text", "last"):
+        with (
+            torch.inference_mode(),
+            vf.wrap(model, pruner="fastv", keep=3, layer=1, query_rows=rows) as handle,
+        ):
+            model(**inputs)
+        kept[rows] = handle.last_trace.kept[0]
+        result = run(tiny, scene, keep=3, query_rows=rows)
+        assert result.ok, result.message
+        np.testing.assert_array_equal(result.kept_overlay, view.kept_overlay(kept[rows]))
+    assert not torch.equal(kept["text"], kept["last"])  # the option changed what was kept
+
+
 def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
     import vlm_focus as vf
     from vlm_focus.model_adapters import get_adapter
@@ -216,8 +236,8 @@ def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
         model(**inputs)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
     kept = handle.last_trace.kept[0]
-    frames = model_frames(model, layout, Size(IMAGE_SIZE, IMAGE_SIZE), processor=processor)
-    grid, frame = req.kept_grid(layout, kept, frames)
+    frames = get_adapter(model).frames(layout, Size(IMAGE_SIZE, IMAGE_SIZE), processor=processor)
+    grid, frame = demo_maps.kept_grid(layout, kept, frames)
     assert grid.shape == (SPEC.grid, SPEC.grid) and grid.sum() == 3
     first = int(layout.positions[0])
     for pos in kept.tolist():  # LLaVA: row-major grid, one token per cell
@@ -293,7 +313,7 @@ def test_huge_image_is_downscaled_with_a_notice(tiny, scene, always_present):
     with pytest.warns(grounding.UnseenRegionWarning):
         result = run(tiny, big)
     assert result.ok, result.message
-    assert result.image.shape == (896, req.MAX_SIDE, 3)  # 3000 x 2000 -> 1344 x 896
+    assert result.image.shape == (896, demo_inputs.MAX_SIDE, 3)  # 3000 x 2000 -> 1344 x 896
     assert result.notices == [
         "The image was 3000x2000 pixels; it was downscaled to 1344x896 for this demo.",
         "The model saw only x 224-1120, y 0-896 of the 1344x896 image (67%): its processor "
@@ -353,6 +373,11 @@ def test_unsupported_model(tiny, scene):
         (dict(layer=2), "layer=2: this model prunes at a layer in [0, 2)."),
         (dict(layer=-1), "layer=-1: this model prunes at a layer in [0, 2)."),
         (dict(mitigation="magic"), "Unknown mitigation 'magic'; choose one of none, "),
+        (dict(colour="red"), "Unknown pruning option 'colour'; the options are pruner, keep, "),
+        (
+            dict(query_rows="middle"),
+            "The request could not be run: query_rows='middle' is not one of ",
+        ),
     ],
 )
 def test_bad_options(tiny, scene, options, message):
@@ -439,7 +464,7 @@ def test_only_objects_are_grounded_and_each_once(tiny, scene, always_present):
     text = "red_triangle top_right , blue_square center , red_triangle center"
     answer = torch.tensor([tok.encode(text, add_special_tokens=False)])
     whole = Frame(0, 0, IMAGE_SIZE, IMAGE_SIZE)
-    prompt_map, object_maps = req._ground(
+    prompt_map, object_maps = demo_maps.ground(
         model, processor, inputs, question, answer, Image.fromarray(scene), whole
     )
     assert prompt_map.phrase == "red_circle"
@@ -479,7 +504,7 @@ def test_kept_grid_on_multi_view_and_merged_grids(kind):
     if kind != "llava_next":  # a size that fits the merged grid's aspect
         rows, cols = layout.grids[0]
         size = Size(width=cols * 30, height=rows * 30)
-    grid, frame = req.kept_grid(layout, kept, model_frames(model, layout, size))
+    grid, frame = demo_maps.kept_grid(layout, kept, get_adapter(model).frames(layout, size))
     finest = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
     assert grid.shape == layout.grids[finest]
     in_view = (layout.cells[:, 0] == finest) & (layout.cells[:, 1] >= 0)
@@ -534,7 +559,7 @@ def test_a_wide_photo_is_drawn_through_the_processors_centre_crop(tiny, scene, a
 
 
 # --- look closer ----------------------------------------------------------------------------
-def test_zoom_answer_equals_look_closer_under_the_same_wrap(tiny, scene, monkeypatch):
+def test_zoom_answer_equals_look_closer_on_the_pruned_model(tiny, scene, monkeypatch):
     from vlm_focus import zoom
 
     model, processor = tiny
@@ -751,12 +776,12 @@ def test_every_video_class_gets_one_map_per_view_of_its_frames(kind, frames, cli
     ],
 )
 def test_frame_spans(n_views, n_frames, spans):
-    assert req.frame_spans(n_views, n_frames) == spans
+    assert demo_maps.frame_spans(n_views, n_frames) == spans
 
 
 def test_frame_spans_refuses_nothing():
     with pytest.raises(ValueError, match="n_views=0 and n_frames=3"):
-        req.frame_spans(0, 3)
+        demo_maps.frame_spans(0, 3)
 
 
 def test_large_video_frames_are_downscaled_with_a_notice(tiny_qwen, clip):

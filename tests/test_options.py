@@ -118,10 +118,14 @@ def test_each_option_has_one_default_and_one_parsing_across_entry_points(name):
 
 
 def test_the_demo_page_takes_its_pruning_defaults_from_focus_config():
-    from vlm_focus.demo import app
+    from vlm_focus.demo.widgets import page_widgets
 
-    assert app.DEFAULT_PRUNER == FocusConfig().pruner
-    assert app.DEFAULT_KEEP == FocusConfig().keep and app.DEFAULT_LAYER == FocusConfig().layer
+    widgets = {name: w.value for name, w in page_widgets(n_layers=99).items()}
+    assert (
+        widgets
+        == {"pruner": "fastv", "keep": 0.25, "layer": 2}
+        == {name: getattr(FocusConfig(), name) for name in widgets}
+    )
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ kept, and the prefill speed-up.
 The request function (:func:`run_request`) needs no gradio; the app (``vlm_focus.demo.app``) does.
 """
 
-from .request import MITIGATIONS, DemoResult, FrameMap, GroundedMap, run_request
+from .inputs import MITIGATIONS
+from .request import run_request
+from .result import DemoResult, FrameMap, GroundedMap
 
 __all__ = ["MITIGATIONS", "DemoResult", "FrameMap", "GroundedMap", "run_request"]

@@ -9,18 +9,21 @@ Requests go through gradio's queue: ``--concurrency`` at a time, at most ``--que
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import numpy as np  # noqa: E402
 
-from ..config import FocusConfig  # noqa: E402
-from ..core.options import add_options, default_of, parse_config  # noqa: E402
+from ..core.options import add_options, parse_config  # noqa: E402
 from ..loading import LoadOptions  # noqa: E402
-from .request import MITIGATIONS, MODEL_LOCK, DemoResult, run_request  # noqa: E402
+from .inputs import MITIGATIONS  # noqa: E402
+from .request import run_request  # noqa: E402
+from .result import DemoResult  # noqa: E402
+from .served import Served, sample_scenes  # noqa: E402
 
 DESCRIPTION = (
     "Gradio page: ask about an image or a short video, see the answer pruned and unpruned, "
@@ -33,11 +36,6 @@ EXAMPLE_PROMPTS = (
     "Describe the image.",
     "Is there a blue_square in the image?",
 )
-# the page's pruning defaults are vf.wrap's (FocusConfig's), like every command line's
-DEFAULT_PRUNER = default_of(FocusConfig, "pruner")
-DEFAULT_KEEP = default_of(FocusConfig, "keep")
-DEFAULT_LAYER = default_of(FocusConfig, "layer")
-N_SAMPLES = 6
 MAX_FILE_SIZE = 64 * 1024 * 1024  # bytes per upload
 #: Small images (the organism's scenes are 192 px) are drawn at the panel size, cells kept sharp.
 CSS = """
@@ -47,98 +45,6 @@ CSS = """
 """
 LOCAL_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]
 LOCAL_MONO = ["ui-monospace", "Consolas", "monospace"]
-
-
-def sample_scenes(n: int = N_SAMPLES) -> dict[str, np.ndarray]:
-    """Name -> RGB image of the bundled sample scenes (rendered held-out scenes when the package
-    ships none)."""
-    from PIL import Image
-
-    from ..asset_paths import sample_scene_paths
-
-    out: dict[str, np.ndarray] = {}
-    for path in sample_scene_paths()[:n]:
-        with Image.open(path) as opened:
-            out[path.stem] = np.asarray(opened.convert("RGB"))
-    if not out:
-        from ..eval.scenes import heldout_scenes
-
-        for scene in heldout_scenes(n):
-            out[f"scene-{scene.seed}"] = scene.image()
-    return out
-
-
-def _n_layers(model: Any) -> int:
-    from ..model_adapters import get_adapter
-
-    try:
-        return len(get_adapter(model).decoder_layers(model))
-    except ValueError:
-        return 1
-
-
-class Served:
-    """The model the page serves. :meth:`load` swaps it for another (safetensors only; repository
-    code only when the app was started with ``--trust-remote-code``)."""
-
-    def __init__(
-        self,
-        model: Any,
-        processor: Any,
-        *,
-        device: str = "cpu",
-        attn: str = "sdpa",
-        trust_remote_code: bool = False,
-    ) -> None:
-        self.pair = (model, processor)  # replaced as one, read as one
-        self.device, self.attn, self.trust_remote_code = device, attn, trust_remote_code
-
-    @property
-    def model(self) -> Any:
-        return self.pair[0]
-
-    @property
-    def processor(self) -> Any:
-        return self.pair[1]
-
-    @property
-    def name(self) -> str:
-        """The model's hub id or folder; the embedded models by their own name."""
-        from pathlib import Path
-
-        from ..asset_paths import default_model_path, guide_model_path
-
-        config = getattr(self.model, "config", None)
-        name = getattr(config, "_name_or_path", "") or type(self.model).__name__
-        for embedded in (default_model_path(), guide_model_path()):
-            if Path(name).resolve() == embedded.resolve():
-                return f"{embedded.name} (embedded)"
-        return name
-
-    @property
-    def n_layers(self) -> int:
-        return _n_layers(self.model)
-
-    def load(self, path: str) -> tuple[bool, str]:
-        """Load ``path`` (a local folder or hub id) and serve it; on failure keep the current
-        model. Returns ``(ok, message for the user)``."""
-        from ..loading import load_model
-
-        path = (path or "").strip()
-        if not path:
-            return False, "Type a model folder or hub id to load."
-        try:
-            model, processor = load_model(
-                path,
-                device=self.device,
-                attn_implementation=self.attn,
-                trust_remote_code=self.trust_remote_code,
-            )
-        except Exception as err:  # a bad folder must not take the page down
-            return False, f"The model could not be loaded; still serving `{self.name}`. {err}"
-        with MODEL_LOCK:  # no request runs while the model changes
-            self.pair = (model, processor)
-        return True, f"Now serving `{self.name}` ({model.config.model_type})."
 
 
 def _let_unreadable_files_through(component: Any) -> None:
@@ -194,6 +100,43 @@ def _header(name: str) -> str:
     )
 
 
+def _picture(label: str, elem_id: str, *, height: int | None = 320, visible: bool = True) -> Any:
+    """An output image of the page (PNG, drawn at the panel's size)."""
+    import gradio as gr
+
+    return gr.Image(
+        label=label,
+        format="png",
+        interactive=False,
+        elem_id=elem_id,
+        height=height,
+        visible=visible,
+    )
+
+
+def _with_signature(parameters: list[tuple[str, Any]]) -> Callable[[Callable], Callable]:
+    """A function of ``**values`` called with the named parameters ``(name, default)``, in
+    order, that gradio lists as its API's inputs: every one has a default, so a call may leave
+    any out (the image, for a video)."""
+    signature = inspect.Signature(
+        [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+            for name, default in parameters
+        ]
+    )
+
+    def named(fn: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return fn(**bound.arguments)
+
+        call.__signature__ = signature
+        return call
+
+    return named
+
+
 def build_app(
     model: Any,
     processor: Any,
@@ -209,12 +152,11 @@ def build_app(
     options for the page's "Model" panel (hidden with ``model_panel=False``)."""
     import gradio as gr
 
-    import vlm_focus as vf
+    from .widgets import model_updates, more_widgets, page_widgets
 
     served = served or Served(model, processor)
     samples = sample_scenes()
     n_layers = served.n_layers
-    default_layer = min(DEFAULT_LAYER, n_layers - 1)
 
     with gr.Blocks(analytics_enabled=False, title="vlm_focus demo") as demo:
         header = gr.Markdown(_header(served.name))
@@ -246,14 +188,13 @@ def build_app(
                     value=DEFAULT_QUESTION, label="Question or phrase", elem_id="prompt"
                 )
                 gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[prompt], label="Prompts")
-                with gr.Row():
-                    pruner = gr.Dropdown(choices=vf.pruners(), value=DEFAULT_PRUNER, label="Pruner")
-                    mitigation = gr.Dropdown(
-                        choices=list(MITIGATIONS), value="none", label="Mitigation"
-                    )
-                keep = gr.Slider(0.05, 1.0, value=DEFAULT_KEEP, step=0.05, label="Keep ratio")
-                layer = gr.Slider(
-                    0, max(n_layers - 1, 0), value=default_layer, step=1, label="Prune at layer"
+                # the pruning options: FocusConfig's, each at its default (widgets.py)
+                focus = page_widgets(n_layers)
+                mitigation = gr.Dropdown(
+                    choices=list(MITIGATIONS),
+                    value="none",
+                    label="Mitigation",
+                    elem_id="mitigation",
                 )
                 pruner_options = gr.Textbox(
                     value="",
@@ -263,6 +204,8 @@ def build_app(
                     elem_id="pruner-options",
                 )
                 zoom = gr.Checkbox(value=False, label="Look closer (zoom)", elem_id="zoom")
+                with gr.Accordion("More pruning options", open=False):
+                    more = more_widgets()
                 run = gr.Button("Run", variant="primary", elem_id="run")
                 with gr.Accordion("Model", open=False, visible=model_panel):
                     model_path = gr.Textbox(
@@ -282,20 +225,8 @@ def build_app(
                     )
                 stats = gr.Markdown(elem_id="stats")
                 with gr.Row():
-                    heat = gr.Image(
-                        label="Attention to the prompt phrase, with boxes",
-                        format="png",
-                        interactive=False,
-                        elem_id="heatmap",
-                        height=320,
-                    )
-                    kept = gr.Image(
-                        label="Visual tokens kept (pruned patches darkened)",
-                        format="png",
-                        interactive=False,
-                        elem_id="kept-mask",
-                        height=320,
-                    )
+                    heat = _picture("Attention to the prompt phrase, with boxes", "heatmap")
+                    kept = _picture("Visual tokens kept (pruned patches darkened)", "kept-mask")
                 objects = gr.Gallery(
                     label="Attention to each object word of the answer",
                     columns=4,
@@ -313,12 +244,11 @@ def build_app(
                     elem_id="frame-maps",
                     visible=False,
                 )
-                fixation = gr.Image(
-                    label="Where each decoding step looked (fixation: the visual tokens that "
-                    "step attended to; the token it wrote underneath)",
-                    format="png",
-                    interactive=False,
-                    elem_id="fixation",
+                fixation = _picture(
+                    "Where each decoding step looked (fixation: the visual tokens that step "
+                    "attended to; the token it wrote underneath)",
+                    "fixation",
+                    height=None,
                     visible=False,
                 )
                 table = gr.Dataframe(
@@ -328,53 +258,51 @@ def build_app(
                     elem_id="boxes",
                 )
                 zoomed = gr.Textbox(label="Answer (zoomed)", elem_id="answer-zoomed", visible=False)
-                zoom_map = gr.Image(
-                    label="Look closer: the crop on the prompt's attention",
-                    format="png",
-                    interactive=False,
-                    elem_id="zoom-map",
-                    height=320,
-                    visible=False,
+                zoom_map = _picture(
+                    "Look closer: the crop on the prompt's attention", "zoom-map", visible=False
                 )
 
         def pick(choice: str | None):
             return samples.get(choice) if choice else gr.skip()
 
-        # every input has a default, so an API call may leave any out: the image for a video
-        # (gradio marks a parameter optional when its default is None or its component's value)
-        def respond(
-            image_value=None,
-            prompt_value=DEFAULT_QUESTION,
-            pruner_value=DEFAULT_PRUNER,
-            keep_value=DEFAULT_KEEP,
-            layer_value=default_layer,
-            mit_value="none",
-            zoom_value=False,
-            options_value="",
-            video_value=None,
-        ):
+        # /answer's inputs, in the order of its first API (old calls still fit): the image,
+        # the prompt, the page's pruning options, the mitigation, the zoom, the pruner's own
+        # options, the video, then the other pruning options
+        inputs = {
+            "image": image,
+            "prompt": prompt,
+            **focus,
+            "mit": mitigation,
+            "zoom": zoom,
+            "options": pruner_options,
+            "video": video,
+            **more,
+        }
+        focus_names = [*focus, *more]
+
+        @_with_signature([(f"{name}_value", c.value) for name, c in inputs.items()])
+        def respond(**values):
+            given = {name: values[f"{name}_value"] for name in inputs}
             model_now, processor_now = served.pair
             result = run_request(
                 model_now,
                 processor_now,
-                image_value,
-                prompt_value,
-                pruner_value,
-                keep_value,
-                layer_value,
-                mit_value,
+                given["image"],
+                given["prompt"],
+                mitigation=given["mit"],
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
-                video=video_value,
-                zoom=bool(zoom_value),
-                pruner_options=options_value or "",
+                video=given["video"],
+                zoom=bool(given["zoom"]),
+                pruner_options=given["options"] or "",
+                **{name: given[name] for name in focus_names},
             )
             if not result.ok:
                 gr.Warning(result.message)
             values = list(outputs_of(result))
             values[7] = gr.update(value=values[7], visible=bool(values[7]))  # object maps
             values[9] = gr.update(value=values[9], visible=values[9] is not None)  # fixation
-            shown = bool(zoom_value) and result.ok
+            shown = bool(given["zoom"]) and result.ok
             values[10] = gr.update(value=values[10], visible=shown)  # zoomed answer
             values[11] = gr.update(value=values[11], visible=shown)  # zoom overlay
             values[12] = gr.update(value=values[12], visible=bool(values[12]))  # frame maps
@@ -384,23 +312,27 @@ def build_app(
             # a video's maps are per frame: the image's map, kept mask and boxes step aside
             return [gr.update(visible=video_value is None)] * 3
 
+        refitted = list(model_updates(n_layers))  # the widgets that follow the model
+
         def switch(path: str):
             ok, message = served.load(path)
             if not ok:
                 gr.Warning(message)
-                return message, gr.skip(), gr.skip()
-            n = served.n_layers
-            slider = gr.update(maximum=max(n - 1, 0), value=min(DEFAULT_LAYER, n - 1))
-            return message, _header(served.name), slider
+                return message, gr.skip(), *[gr.skip()] * len(refitted)
+            updates = model_updates(served.n_layers)
+            return message, _header(served.name), *[updates[name] for name in refitted]
 
         load.click(
-            switch, inputs=[model_path], outputs=[model_status, header, layer], api_name=False
+            switch,
+            inputs=[model_path],
+            outputs=[model_status, header, *[focus[name] for name in refitted]],
+            api_name=False,
         )
         sample.change(pick, inputs=[sample], outputs=[image], api_name=False)
         video.change(image_outputs, inputs=[video], outputs=[heat, kept, table], api_name=False)
         run.click(
             respond,
-            inputs=[image, prompt, pruner, keep, layer, mitigation, zoom, pruner_options, video],
+            inputs=list(inputs.values()),
             outputs=[
                 status,
                 answer,

@@ -102,7 +102,7 @@ def kept_mask_overlay(
 
     ``kept [rows, cols]`` bool is one view's grid; ``frame`` the
     :class:`~vlm_focus.geometry.Frame` ``(x0, y0, width, height)`` that grid spans in the image's
-    pixels (``vlm_focus.model_adapters.model_frames``). Pixels of a pruned cell are scaled by
+    pixels (``ModelAdapter.frames``). Pixels of a pruned cell are scaled by
     ``dim``; pixels outside the frame stay as they are.
     """
     if not isinstance(frame, Frame):

@@ -62,7 +62,7 @@ class VlmFocusLlavaNextForConditionalGeneration(
         CLIP_WITHOUT_VISION_MODEL
     )
     pruners = PRUNERS
-    layer_adapter = VllmLayerAdapter(LLAVA_NEXT.fallback_geometry)
+    layer_adapter = VllmLayerAdapter(LLAVA_NEXT.frames)
 
     def image_layout(self, size):
         return image_cells(self, size, anyres=True)

@@ -68,7 +68,7 @@ class VlmFocusLlavaOnevisionForConditionalGeneration(
         CLIP_WITHOUT_VISION_MODEL
     )
     pruners = PRUNERS
-    layer_adapter = VllmLayerAdapter(LLAVA_ONEVISION.fallback_geometry)
+    layer_adapter = VllmLayerAdapter(LLAVA_ONEVISION.frames)
 
     def image_layout(self, size):
         return image_cells(self, size)
