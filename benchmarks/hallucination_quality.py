@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from organism import cooccur_model_path
+from organism.evaluate import cooccur_eval
 from vlm_focus import FocusConfig
 from vlm_focus import hallucination as hal
 from vlm_focus.loading import load_model
-from vlm_focus.organism import cooccur_model_path
-from vlm_focus.organism.evaluate import cooccur_eval
 from vlm_focus.setting import RunSetting
 
 PRUNED = FocusConfig(pruner="fastv", keep=0.25, layer=0)

@@ -58,6 +58,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from organism import highres
+from organism.pope import pope_questions
 from vlm_focus import grounding as G
 from vlm_focus import zoom
 from vlm_focus.asset_paths import default_model_path
@@ -65,8 +67,6 @@ from vlm_focus.eval.metrics import auroc, parse_yes_no, pope_metrics
 from vlm_focus.geometry import Frame
 from vlm_focus.loading import build_inputs, load_model
 from vlm_focus.model_adapters import get_adapter
-from vlm_focus.organism import highres
-from vlm_focus.organism.pope import pope_questions
 
 CALIBRATION_SEED = 8_500_000
 LAYER_CANDIDATES = {"layer 0": [0], "layer 1": [1], "layer 2": [2], "layer 3": [3], "all": None}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlm_focus.organism import qwen_data as q
-from vlm_focus.organism.data import IGNORE
+from organism import qwen_data as q
+from organism.data import IGNORE
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_clips_reach_the_model_at_their_frame_rate(processor):
     temporal position, as qwen-vl-utils' sampling gives a real video."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from vlm_focus.organism import qwen_train
+    from organism import qwen_train
 
     clip = q.make_clip(5)
     out = processor(
@@ -152,14 +152,15 @@ def test_collate_pads_right_and_concatenates_media(processor):
 
 
 def test_training_smoke_saves_a_float32_model_that_loads(tmp_path):
+    from organism.loop import train
+    from organism.recipe import default_recipe
     from vlm_focus.loading import load_model
-    from vlm_focus.organism import qwen_train
 
-    recipe = qwen_train.default_recipe(scale=0.002)
+    recipe = default_recipe("qwen", scale=0.002)
     for stage in recipe.stages:
         stage.steps, stage.batch, stage.minutes = 2, 4, 5.0
     recipe.eval_every = 1000
-    summary = qwen_train.train(recipe, tmp_path, quiet=True)
+    summary = train(recipe, tmp_path, quiet=True)  # the loop of every organism
     assert [s["steps_run"] for s in summary["stages"].values()] == [2, 2, 2, 2]
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["dtype"] == "float32"
@@ -177,14 +178,14 @@ def test_all_shipped_assets_fit_80_mb():
 
 @pytest.fixture(scope="module")
 def shipped():
+    from organism import qwen_model_path
     from vlm_focus.loading import load_model
-    from vlm_focus.organism import qwen_model_path
 
     return load_model(str(qwen_model_path()))
 
 
 def test_shipped_organism_is_a_float32_qwen2_5_vl_within_its_size(shipped):
-    from vlm_focus.organism import qwen_model_path
+    from organism import qwen_model_path
 
     model, processor = shipped
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
@@ -197,7 +198,7 @@ def test_shipped_organism_is_a_float32_qwen2_5_vl_within_its_size(shipped):
 def test_shipped_organism_answers_held_out_images_and_clips(shipped):
     """The first 16 held-out presence and clip questions, greedy: well above chance (the card
     gives the full measurements, relations among them)."""
-    from vlm_focus.organism import qwen_eval
+    from organism import qwen_eval
 
     model, processor = shipped
     rng = np.random.default_rng(0)
@@ -216,7 +217,7 @@ def test_shipped_organism_answers_held_out_images_and_clips(shipped):
 def test_circuit_targets_point_at_the_named_objects(processor, form):
     """Each relation target's positions hold its question's two category tokens, first then
     second, and its centre is the first object's, in the crop's [-1, 1] frame."""
-    from vlm_focus.organism.scenes import RELATIONS
+    from organism.scenes import RELATIONS
 
     rng = np.random.default_rng(5)
     crop = next(c for c in (q.cropped_scene(s) for s in range(40)) if len(c.scene.objects) >= 3)
@@ -278,7 +279,7 @@ def test_circuit_losses_reach_the_layers_they_train(processor):
     later half."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from vlm_focus.organism import qwen_train
+    from organism import qwen_train
 
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(qwen_train.build_config())

@@ -6,7 +6,7 @@ CPU benchmark for pruning and grounding. They are test organisms, not general VL
 
 from __future__ import annotations
 
-from ..asset_paths import (
+from vlm_focus.asset_paths import (
     cooccur_model_path,
     deep_model_path,
     default_model_path,

@@ -120,7 +120,9 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
 """
 
 
-def model_card(metrics: dict, folder: Path) -> str:
+def model_card(name: str, metrics: dict, folder: Path) -> str:
+    """organism-qwen's card (README.md) from its metrics and the run saved in ``folder``;
+    ``name`` is the shipped name, "qwen"."""
     summary = json.loads((folder / "train_summary.json").read_text())
     megabytes = (folder / "model.safetensors").stat().st_size / 1e6
     steps = ", ".join(

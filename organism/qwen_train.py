@@ -11,14 +11,15 @@ merger, M-RoPE LM) trained on CPU through its real processor, in the organisms' 
 4. ``chat``: one question per row in the chat template, the answer also taught at the question's
    last category token (`qwen_data.encode_row`), a share of rows kept category-last.
 
-Each stage runs for its steps or minutes, whichever ends first (as :mod:`.loop`).
+Each stage runs through the organisms' one loop (:func:`.loop.run_stage`) for its steps or
+minutes, whichever ends first; the recipe is :class:`.recipe.QwenRecipe`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,9 @@ from torch import nn
 
 from . import qwen_data as q
 from .data import IGNORE
-from .loop import _autocast, _Clock, _descend, _done, _lr, _prefetch
+from .loop import Clock, autocast, prefetch, run_stage
 from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
-from .recipe import StageConfig
+from .recipe import QwenRecipe, StageConfig
 from .scenes import CATEGORIES, SHAPES
 
 NAME = "organism-qwen"
@@ -98,53 +99,6 @@ def build_config(spec: QwenSpec = QwenSpec()):
         vision_start_token_id=q.VISION_START,
         vision_end_token_id=q.VISION_END,
         tie_word_embeddings=True,
-    )
-
-
-@dataclass
-class QwenRecipe:
-    """The stages and their task mixes: `video` is the share of clip rows, `image_mix`
-    weighs presence against relation questions and `video_mix` the clip questions (in the
-    category-last stage, where yes/no lookups come first, `cat_last_video_mix`);
-    `cat_last_share` keeps that share of chat-stage rows in the category-last form."""
-
-    stages: list[StageConfig]
-    video: float = 0.35
-    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.6, "relation": 0.4})
-    video_mix: dict[str, float] = field(default_factory=lambda: dict(q.VIDEO_MIX))
-    cat_last_video_mix: dict[str, float] = field(
-        default_factory=lambda: {"first": 0.2, "end": 0.35, "start": 0.35, "caption": 0.1}
-    )
-    cat_last_share: float = 0.3
-    seed: int = 0
-    eval_every: int = 200
-    vision_from: str = ""  # a `vision.pt` of an earlier run: skip the vision stage, take its tower
-
-
-def default_recipe(scale: float = 1.0) -> QwenRecipe:
-    """The shipped recipe: 10 + 4 + 11 + 28 = 53 minutes on 2 cores; `scale` multiplies steps
-    and minutes (0.01 for a smoke run). The `presence` stage is category-last presence questions
-    on images alone: the lookup a from-scratch LM learns first, before the task mix."""
-    names = ("vision", "presence", "cat_last", "chat")
-    minutes, steps = (10.0, 4.0, 11.0, 28.0), (3000, 1000, 4000, 10000)
-    lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
-    mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
-    relation = (0.0, 1.0, 1.0, 1.0)  # the circuit losses (`CircuitProbe`), in the LM stages
-    return QwenRecipe(
-        stages=[
-            StageConfig(
-                n,
-                max(int(s * scale), 2),
-                max(m * scale, 0.05),
-                lr,
-                turns=t,
-                mix=mix,
-                relation_weight=r,
-            )
-            for n, s, m, lr, t, mix, r in zip(
-                names, steps, minutes, lrs, turns, mixes, relation, strict=True
-            )
-        ]
     )
 
 
@@ -269,29 +223,24 @@ def merged_features(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_vision(model, stage: StageConfig, batches, log) -> TokenHead:
+    """The vision stage: tower and merger learn each merged token's category, shape and place
+    through :class:`TokenHead`."""
     visual = model.model.visual
     head = TokenHead(visual.merger.mlp[-1].out_features)
     params = [*visual.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
     weight = patch_weights(0.5)
-    clock, step = _Clock(), 0
     visual.train()
-    while not _done(stage, step, clock):
-        batch = next(batches)
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, clock)
+
+    def step(batch: dict) -> tuple[torch.Tensor, dict]:
         labels = batch["labels"]
-        with _autocast():
+        with autocast():
             feats, places = merged_features(model, batch)
         loss, logits = token_loss(head, feats, labels, places, weight)
-        _descend(opt, params, loss)
-        step += 1
-        if step % 25 == 0 or _done(stage, step, clock):
-            obj = labels > 0
-            acc = (
-                float((logits.argmax(-1)[obj] == labels[obj]).float().mean()) if obj.any() else 0.0
-            )
-            log(stage.name, step, clock, {"loss": loss.item(), "object_token_acc": acc})
+        obj = labels > 0
+        acc = float((logits.argmax(-1)[obj] == labels[obj]).float().mean()) if obj.any() else 0.0
+        return loss, {"loss": loss.item(), "object_token_acc": acc}
+
+    run_stage(stage, params, batches, step, log, probe=dict)
     return head
 
 
@@ -358,7 +307,7 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
     copies = batch.pop("copy_targets", None)
     video = batch["input_ids"] == q.VIDEO_PAD
     relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
-    with _autocast():
+    with autocast():
         out = model(**batch, output_attentions=relate, output_hidden_states=relate)
     logits = out.logits.float()
     terms = {
@@ -406,29 +355,23 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
         params += list(relation_probe.parameters())
         # the circuit's losses read the LM's attention probabilities; the tower keeps SDPA
         model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
-    clock, step = _Clock(), 0
     model.train()
     visual.eval()
-    while not _done(stage, step, clock):
-        batch = next(batches)
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, clock)
+
+    def step(batch: dict) -> tuple[torch.Tensor, dict]:
         terms = _loss(model, batch, relation_probe)
-        loss = terms["answer"] + stage.relation_weight * sum(
-            v for k, v in terms.items() if k != "answer"
-        )
-        _descend(opt, params, loss)
-        step += 1
+        circuit = {k: v for k, v in terms.items() if k != "answer"}
+        loss = terms["answer"] + stage.relation_weight * sum(circuit.values())
         record = {"loss": terms["answer"].item()}
-        record |= {f"{k}_loss": v.item() for k, v in terms.items() if k != "answer"}
-        if step % eval_every == 0 or _done(stage, step, clock):
-            record.update(probe(model))
-            model.train()
-            visual.eval()
-            log(stage.name, step, clock, record)
-        elif step % 25 == 0:
-            log(stage.name, step, clock, record)
+        return loss, record | {f"{k}_loss": v.item() for k, v in circuit.items()}
+
+    def probed() -> dict:
+        record = probe(model)
+        model.train()
+        visual.eval()
+        return record
+
+    run_stage(stage, params, batches, step, log, probe=probed, every=eval_every)
     model.set_attn_implementation("sdpa")
 
 
@@ -448,9 +391,9 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     processor = q.build_processor()
     log_path = out_dir / "train_log.jsonl"
     log_path.write_text("")
-    total = _Clock()
+    total = Clock()
 
-    def log(stage: str, step: int, clock: _Clock, values: dict) -> None:
+    def log(stage: str, step: int, clock: Clock, values: dict) -> None:
         row = {
             "stage": stage,
             "step": step,
@@ -473,11 +416,11 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
             stages[stage.name] = torch.load(recipe.vision_from)["stage"]
             continue
         if stage.name == "vision":
-            batches = _prefetch(lambda s=stage: batcher.vision_batch(s.batch))
+            batches = prefetch(lambda s=stage: batcher.vision_batch(s.batch))
             train_vision(model, stage, batches, log)
             init_category_embeddings(model, batches)
         else:
-            batches = _prefetch(lambda s=stage: batcher.lm_batch(s))
+            batches = prefetch(lambda s=stage: batcher.lm_batch(s))
             train_lm(model, stage, batches, probe, log, recipe.eval_every)
         del batches
         steps = [json.loads(line) for line in log_path.read_text().splitlines()]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..asset_paths import CAPTION_PROMPT as CAPTION_PROMPT  # the organisms' caption prompt
+from vlm_focus.asset_paths import CAPTION_PROMPT as CAPTION_PROMPT  # the organisms' caption prompt
+
 from .scenes import CATEGORIES, COLOURS, IMAGE_SIZE, POSITIONS, RELATIONS, SHAPES
 
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>", "<image>")
@@ -44,7 +45,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def presence_question(category: str) -> str:
     """The POPE question for `category` (`vlm_focus.eval.pope.question_text`)."""
-    from ..eval.pope import question_text
+    from vlm_focus.eval.pope import question_text
 
     return question_text(category)
 

@@ -146,9 +146,12 @@ def caption_eval(model, processor, n: int = 200) -> dict:
     return caption_metrics(answers, clips)
 
 
-def evaluate(path: Path, n_images: int = 300) -> dict:
-    """Every bar of organism-qwen, greedy, on the saved model at `path`."""
-    from ..loading import load_model
+def evaluate(path: Path, n_images: int = 300, only: list[str] | None = None) -> dict:
+    """Every bar of organism-qwen, greedy, on the saved model at `path` (all of them: ``only``
+    must be None)."""
+    if only is not None:
+        raise ValueError(f"only={only!r}: organism-qwen's evaluation measures every bar at once")
+    from vlm_focus.loading import load_model
 
     model, processor = load_model(str(path))
     start = time.time()

@@ -31,12 +31,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..config import FocusConfig
-from ..eval.generation import Generator
-from ..eval.pope import PopeResult
-from ..eval.pope import evaluate as evaluate_pope
-from ..loading import build_inputs, load_model
-from ..setting import RunSetting
+from vlm_focus.config import FocusConfig
+from vlm_focus.eval.generation import Generator
+from vlm_focus.eval.pope import PopeResult
+from vlm_focus.eval.pope import evaluate as evaluate_pope
+from vlm_focus.loading import build_inputs, load_model
+from vlm_focus.setting import RunSetting
+
 from .pope import SPLITS, pope_eligible, pope_questions
 from .scenes import CATEGORIES, POSITIONS, Scene, heldout_scenes
 from .vocab import CAPTION_PROMPT, IMAGE, NO, TOKEN_ID, YES
@@ -712,7 +713,7 @@ def cooccur_scores(records: list[dict]) -> dict:
     - ``fpr_cooccur`` / ``fpr_other``: the share of yes on each set of absent-object questions;
     - ``recall`` (present questions), ``f1`` and ``accuracy`` over every row, and the
       ``yes_ratio`` = share of predicted yes over every row."""
-    from ..eval.metrics import pope_metrics
+    from vlm_focus.eval.metrics import pope_metrics
 
     by = {k: [r for r in records if r["split"] == k] for k in ("present", "cooccur", "other")}
 
@@ -733,7 +734,8 @@ def cooccur_captions(scenes: list[Scene], captions: list[str], prior=None) -> di
     """CHAIR (`vlm_focus.eval.chair`) of captions of the probe scenes against their exact
     objects, and ``companion_rate``: the share of captions that name an absent companion of an
     anchor in the scene."""
-    from ..eval.chair import ObjectWords, chair_metrics, extract_objects
+    from vlm_focus.eval.chair import ObjectWords, chair_metrics, extract_objects
+
     from .scenes import CooccurPrior, unmet_companions
 
     prior = prior or CooccurPrior()
