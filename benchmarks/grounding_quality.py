@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from organism.data import negative_category
 from organism.pope import SPLITS, pope_eligible, pope_questions
+from organism.questions import negative_category
 from organism.scenes import (
     CATEGORIES,
     IMAGE_SIZE,

@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from organism import cooccur_model_path
-from organism.evaluate import cooccur_eval
+from organism.evaluate_cooccur import cooccur_eval
 from vlm_focus import FocusConfig
 from vlm_focus import hallucination as hal
 from vlm_focus.loading import load_model

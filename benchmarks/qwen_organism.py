@@ -45,7 +45,7 @@ from tqdm import tqdm
 import vlm_focus as vf
 from organism import qwen_data as q
 from organism import qwen_model_path
-from organism.data import relation_qa
+from organism.questions import relation_qa
 from organism.qwen_eval import (
     CAPTION_TOKENS,
     QUESTION_SEED,

@@ -16,17 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import (
-    IGNORE,
-    Batcher,
-    cat_last_ids,
-    chat_ids,
-    pad,
-    pixel_values,
-    presence_qa,
-    relation_qa,
-    two_hop_qa,
-)
+from .data import Batcher, cat_last_ids, chat_ids, pad, pixel_values
 from .loop import Clock, autocast, prefetch, run_stage, training_dtype
 from .losses import (
     HopProbe,
@@ -39,6 +29,7 @@ from .losses import (
     pointer_loss,
     relation_loss,
 )
+from .questions import IGNORE, presence_qa, relation_qa, two_hop_qa
 from .recipe import Recipe, StageConfig
 from .scenes import CATEGORIES, generate_scene
 from .vocab import IMAGE, NO, PAD, SPECS, TOKEN_ID, YES, OrganismSpec, build_config, build_processor

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .data import IGNORE, QA, _anchors, presence_qa, relation_qa
+from .questions import IGNORE, QA, named_objects, presence_qa, relation_qa
 from .scenes import CATEGORIES, COLOURS, RELATIONS, SHAPES, Scene, generate_scene, shape_mask
 from .vocab import CLIP_MEAN, CLIP_STD, VOCAB, words
 
@@ -516,7 +516,7 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
         objects = row.media.scene.objects
         centre = [((o.cx - x0) / TOKEN / half - 1, (o.cy - y0) / TOKEN / half - 1) for o in objects]
         for qa, (start, tokens) in zip(row.qas, spans, strict=True):
-            named = _anchors(start, tokens, qa)
+            named = named_objects(start, tokens, qa)
             places += [(pos, *centre[obj]) for pos, obj in named]
             if qa.kind == "relation" and len(named) == 2:
                 (first, obj), (second, _) = named

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from . import qwen_data as q
-from .data import relation_qa
-from .evaluate import ANSWER_TOKENS, _yes_no, answer
+from .answering import ANSWER_TOKENS, answer, yes_no
 from .pope import SPLITS, pope_questions
+from .questions import relation_qa
 
 QUESTION_SEED = 778
 VIDEO_KINDS = ("first", "start", "end")
@@ -68,7 +68,7 @@ def pope_eval(model, processor, n_images: int = 300) -> dict:
     crops = heldout_images(n_images, min_objects=3)
     out = {}
     for split in SPLITS:
-        result = _yes_no(model, processor, pope_questions([c.scene for c in crops], split), crops)
+        result = yes_no(model, processor, pope_questions([c.scene for c in crops], split), crops)
         (scores,) = result.metrics.values()  # the rows of one split carry no split of their own
         out[split] = {k: v for k, v in scores.items() if isinstance(v, (int, float))}
     out["accuracy"] = float(np.mean([out[s]["accuracy"] for s in SPLITS]))

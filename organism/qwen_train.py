@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from . import qwen_data as q
-from .data import IGNORE
 from .loop import Clock, autocast, prefetch, run_stage
 from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
+from .questions import IGNORE
 from .recipe import QwenRecipe, StageConfig
 from .scenes import CATEGORIES, SHAPES
 

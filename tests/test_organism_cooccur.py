@@ -6,15 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from organism.data import (
-    QA,
-    Batcher,
-    caption_qa,
-    cooccur_pope_rows,
-    presence_qa,
-    prior_qas,
-)
-from organism.evaluate import cooccur_scores
+from organism.data import Batcher
+from organism.evaluate_cooccur import cooccur_scores
+from organism.questions import QA, caption_qa, cooccur_pope_rows, presence_qa, prior_qas
 from organism.scenes import (
     CATEGORIES,
     COOCCUR_PAIRS,

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from organism import deep_model_path
-from organism.data import (
-    IGNORE,
-    Batcher,
-    colour_of,
-    object_patches,
-    two_hop_qa,
-)
+from organism.data import Batcher, object_patches
+from organism.questions import IGNORE, colour_of, two_hop_qa
 from organism.scenes import (
     CATEGORIES,
     RELATION_MARGIN,
@@ -203,7 +198,8 @@ def _fixed():
 def test_shipped_deep_model_answers_the_fixed_two_hop_questions():
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from organism.evaluate import answer, fixed_two_hop_questions
+    from organism.answering import answer
+    from organism.evaluate_twohop import fixed_two_hop_questions
 
     path = deep_model_path()
     model = LlavaForConditionalGeneration.from_pretrained(path, local_files_only=True).eval()

@@ -12,14 +12,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from organism import build_prompt, default_model_path, guide_model_path  # noqa: E402
-from organism.data import (  # noqa: E402
-    IGNORE,
-    QA,
-    Batcher,
-    chat_ids,
-    patch_labels,
-    pixel_values,
-)
+from organism.data import Batcher, chat_ids, patch_labels, pixel_values  # noqa: E402
+from organism.questions import IGNORE, QA  # noqa: E402
 from organism.scenes import generate_scene  # noqa: E402
 from organism.vocab import (  # noqa: E402
     EOS,
@@ -110,7 +104,7 @@ def _fixed(path):
 def test_shipped_model_answers_fixed_questions(which):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from organism.evaluate import answer
+    from organism.answering import answer
     from organism.pope import parse_yes_no
 
     path = default_model_path() if which == "default" else guide_model_path()
@@ -145,7 +139,8 @@ def test_default_model_answers_with_yes_or_no_and_grid_matches():
 
 
 def test_hidden_patches_spare_every_object_an_answer_needs():
-    from organism.data import hidden_patches, relation_qa, where_qa
+    from organism.data import hidden_patches
+    from organism.questions import relation_qa, where_qa
 
     rng = np.random.default_rng(0)
     for seed in range(30):
@@ -170,7 +165,8 @@ def test_rows_with_hidden_patches_mask_only_image_tokens():
 
 
 def test_copy_target_points_from_the_answer_position_to_the_last_category():
-    from organism.data import caption_qa, copy_target
+    from organism.data import copy_target
+    from organism.questions import caption_qa
     from organism.vocab import TOKEN_ID
 
     question = "Is the red_circle left of the blue_square?"
@@ -195,7 +191,7 @@ def test_query_labels_put_the_answer_after_the_category_token():
 
 @pytest.mark.parametrize("form", ["cat_last", "chat"])
 def test_position_and_relation_targets_name_the_right_tokens(form):
-    from organism.data import CATEGORY_IDS
+    from organism.questions import CATEGORY_IDS
     from organism.scenes import CATEGORIES, RELATIONS
 
     batcher = Batcher(4, 16, seed=3)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from organism import qwen_data as q
-from organism.data import IGNORE
+from organism.questions import IGNORE
 
 
 @pytest.fixture(scope="module")
