@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -27,79 +27,24 @@ import torch
 from torch import nn
 
 from . import qwen_data as q
+from .clips import GROUPS, Clip, make_clip
 from .loop import Clock, autocast, prefetch, run_stage
 from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
 from .questions import IGNORE
 from .recipe import QwenRecipe, StageConfig
 from .scenes import CATEGORIES, SHAPES
+from .vocab import (
+    CLIP_SIZE,
+    IMAGE_PAD,
+    QWEN_ID,
+    TOKEN,
+    VIDEO_PAD,
+    QwenSpec,
+    build_qwen_config,
+    build_qwen_processor,
+)
 
 NAME = "organism-qwen"
-
-
-@dataclass(frozen=True)
-class QwenSpec:
-    """Size of organism-qwen; ``text_mrope`` splits the rotary half of a head (t, h, w)."""
-
-    vision_hidden: int = 64
-    vision_layers: int = 3
-    vision_heads: int = 4
-    vision_mlp: int = 192
-    text_hidden: int = 128
-    text_layers: int = 4
-    text_heads: int = 4
-    text_kv_heads: int = 2
-    text_mlp: int = 320
-    text_mrope: tuple[int, int, int] = (4, 6, 6)
-
-
-def build_config(spec: QwenSpec = QwenSpec()):
-    """``Qwen2_5_VLConfig`` of the given size over :data:`qwen_data.QWEN_VOCAB` (tied embeddings;
-    the tower's last block attends globally, the others in 112 px windows, as Qwen2.5-VL's)."""
-    from transformers import Qwen2_5_VLConfig
-
-    vision = dict(
-        depth=spec.vision_layers,
-        hidden_size=spec.vision_hidden,
-        num_heads=spec.vision_heads,
-        intermediate_size=spec.vision_mlp,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=q.TEMPORAL,
-        in_channels=3,
-        out_hidden_size=spec.text_hidden,
-        window_size=112,
-        fullatt_block_indexes=[spec.vision_layers - 1],
-    )
-    text = dict(
-        vocab_size=len(q.QWEN_VOCAB),
-        hidden_size=spec.text_hidden,
-        intermediate_size=spec.text_mlp,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads,
-        max_position_embeddings=1024,
-        rope_parameters={
-            "rope_type": "default",
-            # a low base: M-RoPE gives the columns the slowest quarter of the frequencies, which
-            # at 10000 turn less than 0.04 rad across a 10-token image, too little for a 32-wide
-            # head to tell left from right
-            "rope_theta": 100.0,
-            "mrope_section": list(spec.text_mrope),
-        },
-        tie_word_embeddings=True,
-        eos_token_id=q.IM_END,
-        pad_token_id=q.QWEN_ID["<pad>"],
-        bos_token_id=None,
-    )
-    return Qwen2_5_VLConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=q.IMAGE_PAD,
-        video_token_id=q.VIDEO_PAD,
-        vision_start_token_id=q.VISION_START,
-        vision_end_token_id=q.VISION_END,
-        tie_word_embeddings=True,
-    )
 
 
 # ---- batches --------------------------------------------------------------------------------
@@ -117,9 +62,9 @@ class QwenBatcher:
         self.next_seed += 1
         return self.next_seed
 
-    def media(self, video: float | None = None) -> q.CroppedScene | q.Clip:
+    def media(self, video: float | None = None) -> q.CroppedScene | Clip:
         if self.rng.random() < (self.recipe.video if video is None else video):
-            return q.make_clip(self._seed())
+            return make_clip(self._seed())
         return q.cropped_scene(self._seed())
 
     def row(self, stage: StageConfig, form: str) -> q.Row:
@@ -128,7 +73,7 @@ class QwenBatcher:
         media = self.media(stage.mix.get("video"))
         image_mix = {k: v for k, v in stage.mix.items() if k != "video"} or self.recipe.image_mix
         n = int(self.rng.integers(stage.turns[0], stage.turns[1] + 1)) if form == "cat_last" else 1
-        if isinstance(media, q.Clip):
+        if isinstance(media, Clip):
             mix = self.recipe.cat_last_video_mix if form == "cat_last" else self.recipe.video_mix
             qas = [q.video_qa(media, self.rng, mix=mix) for _ in range(n)]
         else:
@@ -139,7 +84,7 @@ class QwenBatcher:
         """Pixels, grids and per-token labels (with normalised places) of `n` media."""
         media = [self.media() for _ in range(n)]
         images = [m for m in media if isinstance(m, q.CroppedScene)]
-        clips = [m for m in media if isinstance(m, q.Clip)]
+        clips = [m for m in media if isinstance(m, Clip)]
         batch: dict = {}
         if images:
             out = self.processor.image_processor(**q.media_inputs(*images), return_tensors="pt")
@@ -160,7 +105,7 @@ class QwenBatcher:
                 form = "cat_last"
             row = self.row(stage, form)
             rows.append(q.encode_row(self.processor, row, form, query_labels=True, targets=targets))
-        return q.collate(rows, q.QWEN_ID["<pad>"])
+        return q.collate(rows, QWEN_ID["<pad>"])
 
 
 # ---- the vision stage -----------------------------------------------------------------------
@@ -260,7 +205,7 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
         hit = labels == c + 1
         if hit.any():
             mean = feats[hit].mean(0)
-            emb[q.QWEN_ID[name]] = mean / mean.norm() * scale
+            emb[QWEN_ID[name]] = mean / mean.norm() * scale
 
 
 # ---- the language stages --------------------------------------------------------------------
@@ -273,7 +218,7 @@ class CircuitProbe(RelationProbe):
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
         self.time = nn.Linear(hidden, 1)
-        self.seen = nn.Linear(hidden, q.GROUPS)
+        self.seen = nn.Linear(hidden, GROUPS)
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
@@ -281,8 +226,8 @@ def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) ->
     `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have no time in their
     pixels, and the tower none in its positions: the LM must find it through M-RoPE's temporal
     section, which it otherwise learns too slowly for "at the start / end" questions."""
-    per_patch = (q.CLIP_SIZE // q.TOKEN) ** 2
-    patch = torch.arange(q.GROUPS).repeat_interleave(per_patch).float() * (2 / (q.GROUPS - 1)) - 1
+    per_patch = (CLIP_SIZE // TOKEN) ** 2
+    patch = torch.arange(GROUPS).repeat_interleave(per_patch).float() * (2 / (GROUPS - 1)) - 1
     target = patch.repeat(int(video.sum()) // len(patch))
     return nn.functional.mse_loss(probe.time(hidden[video].float()).squeeze(-1), target)
 
@@ -305,7 +250,7 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
     grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
     copies = batch.pop("copy_targets", None)
-    video = batch["input_ids"] == q.VIDEO_PAD
+    video = batch["input_ids"] == VIDEO_PAD
     relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
     with autocast():
         out = model(**batch, output_attentions=relate, output_hidden_states=relate)
@@ -318,7 +263,7 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
     if relate:
         # the tower knows only relative places: its tokens learn theirs in layer 0 (M-RoPE,
         # against the vision-start token), and the hops start at layer 1
-        image = batch["input_ids"] == q.IMAGE_PAD
+        image = batch["input_ids"] == IMAGE_PAD
         terms |= relation_loss(
             relation_probe,
             out.hidden_states,
@@ -387,8 +332,8 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
-    model = Qwen2_5_VLForConditionalGeneration(build_config())
-    processor = q.build_processor()
+    model = Qwen2_5_VLForConditionalGeneration(build_qwen_config())
+    processor = build_qwen_processor()
     log_path = out_dir / "train_log.jsonl"
     log_path.write_text("")
     total = Clock()
