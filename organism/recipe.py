@@ -6,9 +6,10 @@
 2. `cat_last`: projector + LM learn packed category-last questions (presence, where, relations),
    where the answer follows the last category token.
 3. `chat`: the standard chat template with presence, relation, where and caption turns.
-The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions.
-Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends first (see
-:mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
+The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions;
+organism-qwen (`qwen_recipe`, a :class:`QwenRecipe`) runs four stages of its own (see
+:mod:`.qwen_train`). Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends
+first (see :mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ class Recipe:
 
 
 def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe | QwenRecipe:
-    """The shipped recipe; `scale` multiplies steps and minutes (e.g. 0.01 for a smoke run).
-    The smaller guide trains for half the time; the deep model learns the two-hop family
-    (`deep_recipe`)."""
+    """The shipped recipe of organism-``spec``; `scale` multiplies steps and minutes (e.g. 0.01
+    for a smoke run). The smaller guide trains for half the time; the deep model learns the
+    two-hop family (`deep_recipe`); "qwen" is organism-qwen's (`qwen_recipe`)."""
     if spec == "qwen":
         return qwen_recipe(scale)
     if spec == "deep":

@@ -11,7 +11,7 @@ questions' words (:data:`QWEN_VOCAB`) and uses a stock `Qwen2_5_VLProcessor` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vlm_focus.asset_paths import CAPTION_PROMPT as CAPTION_PROMPT  # the organisms' caption prompt
 
@@ -147,36 +147,27 @@ class OrganismSpec:
         return self.grid * self.grid
 
 
+_GUIDE = OrganismSpec(
+    "organism-guide",
+    patch=32,
+    vision_hidden=128,
+    vision_layers=3,
+    vision_heads=4,
+    text_hidden=160,
+    text_layers=3,
+    text_heads=5,
+    text_mlp=640,
+)
 SPECS: dict[str, OrganismSpec] = {
     "default": OrganismSpec("organism-default", text_hidden=256, text_heads=8, text_mlp=1024),
-    "guide": OrganismSpec(
-        "organism-guide",
-        patch=32,
-        vision_hidden=128,
-        vision_layers=3,
-        vision_heads=4,
-        text_hidden=160,
-        text_layers=3,
-        text_heads=5,
-        text_mlp=640,
-    ),
+    "guide": _GUIDE,
     # a deeper, narrower LM: eight layers, so that the two-hop read can sit after layer 2
     "deep": OrganismSpec(
         "organism-deep", text_hidden=160, text_layers=8, text_heads=5, text_mlp=576
     ),
     # a guide for the deep model: organism-guide's tower (6 x 6 tokens) and a 4-layer LM, deep
     # enough for the two-hop read (layers 2-3)
-    "twohop-guide": OrganismSpec(
-        "organism-twohop-guide",
-        patch=32,
-        vision_hidden=128,
-        vision_layers=3,
-        vision_heads=4,
-        text_hidden=160,
-        text_layers=4,
-        text_heads=5,
-        text_mlp=480,
-    ),
+    "twohop-guide": replace(_GUIDE, name="organism-twohop-guide", text_layers=4, text_mlp=480),
     "tiny": OrganismSpec(
         "organism-tiny",
         patch=48,
