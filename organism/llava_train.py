@@ -119,6 +119,7 @@ def train_vision(
         acc = float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
         return loss, {"loss": loss.item(), "object_patch_acc": acc}
 
+    # an empty probe: the record is logged every `log_every` steps and at the end
     run_stage(stage, params, stream, step, log, probe=dict, every=log_every, clock=clock)
     for p in tower.parameters():
         p.requires_grad_(False)

@@ -27,14 +27,13 @@ import torch
 from torch import nn
 
 from . import qwen_data as q
-from .clips import GROUPS, Clip, make_clip
+from .clips import CLIP_SIZE, GROUPS, Clip, make_clip
 from .loop import Clock, autocast, prefetch, run_stage
 from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
 from .questions import IGNORE
 from .recipe import QwenRecipe, StageConfig
 from .scenes import CATEGORIES, SHAPES
 from .vocab import (
-    CLIP_SIZE,
     IMAGE_PAD,
     QWEN_ID,
     TOKEN,
@@ -185,7 +184,7 @@ def train_vision(model, stage: StageConfig, batches, log) -> TokenHead:
         acc = float((logits.argmax(-1)[obj] == labels[obj]).float().mean()) if obj.any() else 0.0
         return loss, {"loss": loss.item(), "object_token_acc": acc}
 
-    run_stage(stage, params, batches, step, log, probe=dict)
+    run_stage(stage, params, batches, step, log, probe=dict)  # logged every 25 steps and at the end
     return head
 
 
