@@ -92,7 +92,7 @@ def _cooccur_details(m: dict) -> list[str]:
             f"### Co-occurrence probe ({co['images']} held-out probe scenes, seeds from 9,700,000)",
             "",
             "Each scene holds 3-5 objects, at least one anchor and none of the present anchors' companions "
-            f"(`evaluate.cooccur_set`). Questions: {n['present']} about present objects (yes), {n['cooccur']} "
+            f"(`evaluate_cooccur.cooccur_set`). Questions: {n['present']} about present objects (yes), {n['cooccur']} "
             f"about the absent companions (no), {n['other']} about as many other absent objects (no). "
             "`precision_cooccur = TP / (TP + FP_cooccur)`, `precision_other = TP / (TP + FP_other)`: the same "
             "present questions, as many negatives each.",

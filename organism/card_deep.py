@@ -113,7 +113,7 @@ def deep_parts(name: str, m: dict, run: TrainedRun) -> CardParts:
             f"- The same scenes as the other organisms: 192 x 192, 1-5 non-overlapping objects, {len(COLOURS)} colours x "
             f"{len(SHAPES)} shapes = {len(CATEGORIES)} categories, exact masks and boxes; training seeds >= 10,000,000, "
             "held-out seeds from 9,000,000.",
-            "- **Two-hop family** (`vlm_focus.organism.data.two_hop_qa`): a question names an *anchor* object and a "
+            "- **Two-hop family** (`organism.questions.two_hop_qa`): a question names an *anchor* object and a "
             "direction, never the object asked about:",
             "  - `What colour is the shape left of the red_circle?` -> `blue`;",
             "  - `What is right of the green_cross?` -> `yellow_square`;",
