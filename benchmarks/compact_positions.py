@@ -26,9 +26,9 @@ import torch
 from pruner_quality import PROMPT, load, machine, mean_accuracy, question_set, run_setting
 
 import vlm_focus as vf
+from organism import default_model_path
 from vlm_focus import FocusConfig
 from vlm_focus.config import POSITIONS
-from vlm_focus.organism import default_model_path
 from vlm_focus.pruners import get_pruner
 
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from pruner_quality import load, machine, mean_accuracy, question_set, run_setting, score_rows
 
+from organism import deep_model_path, default_model_path
 from vlm_focus import FocusConfig
 from vlm_focus.eval.planted_bias import PlantedBias
-from vlm_focus.organism import deep_model_path, default_model_path
 
 FIX = {"base": "fastv", "padding": False, "sink_by": "attention"}
 METHODS = {  # label -> (pruner, options)

@@ -38,9 +38,9 @@ def fixation_strip(path: Path, layer: int, keep: float) -> dict:
     from PIL import Image
 
     import vlm_focus as vf
+    from organism import sample_scene_paths
+    from organism.vocab import CAPTION_PROMPT
     from vlm_focus.loading import build_inputs, decode_new_tokens, load_model
-    from vlm_focus.organism import sample_scene_paths
-    from vlm_focus.organism.vocab import CAPTION_PROMPT
 
     model, processor = load_model()
     scene = sample_scene_paths()[0]

@@ -30,12 +30,12 @@ import torch
 from grounding_quality import CALIBRATION_SEED_BASE, _progress, batches, inside
 from PIL import Image
 
+from organism.scenes import CATEGORIES, generate_scene, heldout_scenes
+from organism.vocab import presence_question
 from vlm_focus import grounding as G
 from vlm_focus.asset_paths import deep_model_path, default_model_path, guide_model_path
 from vlm_focus.geometry import Size
 from vlm_focus.loading import build_inputs, load_model
-from vlm_focus.organism.scenes import CATEGORIES, generate_scene, heldout_scenes
-from vlm_focus.organism.vocab import presence_question
 
 MODELS = {
     "organism-default": default_model_path,
@@ -228,7 +228,7 @@ def load_organisms(parser: argparse.ArgumentParser, args, name: str) -> tuple[di
 
         from transformers import LlavaForConditionalGeneration
 
-        from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+        from organism.vocab import SPECS, build_config, build_processor
 
         args.calibration, args.images = 3, 3
         model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()

@@ -38,8 +38,8 @@ from grounding_quality import CALIBRATION_SEED_BASE, _progress, grounding_querie
 from PIL import Image
 
 import vlm_focus as vf
+from organism.scenes import CATEGORIES, heldout_scenes
 from vlm_focus import grounding as G
-from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes
 
 SIGNALS = ("P(yes)", "VAS", "MTLA top box", "peak ratio")
 #: Phrases the organisms' word-level tokenizers do not know (they encode to the unknown token).

@@ -1,6 +1,6 @@
 """Grounding and hallucination-mitigation quality on the embedded organism model's held-out scenes.
 
-Measures, on generated scenes with exact boxes (``vlm_focus.organism``):
+Measures, on generated scenes with exact boxes (``organism``):
 
 * pointing game: the peak of the attention map read at the query's category token lands inside
   the queried object's box (layer 0, all layers, localization heads, relative attention, and the
@@ -33,22 +33,22 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlm_focus import grounding as G
-from vlm_focus import hallucination as H
-from vlm_focus.eval import metrics
-from vlm_focus.eval.coco import coco_gt
-from vlm_focus.eval.pope import evaluate
-from vlm_focus.geometry import Size
-from vlm_focus.organism.data import negative_category
-from vlm_focus.organism.pope import SPLITS, pope_eligible, pope_questions
-from vlm_focus.organism.scenes import (
+from organism.pope import SPLITS, pope_eligible, pope_questions
+from organism.questions import negative_category
+from organism.scenes import (
     CATEGORIES,
     IMAGE_SIZE,
     coco_instances,
     generate_scene,
     heldout_scenes,
 )
-from vlm_focus.organism.vocab import CAPTION_PROMPT, NO, POPE_SUFFIX, YES, presence_question
+from organism.vocab import CAPTION_PROMPT, NO, POPE_SUFFIX, YES, presence_question
+from vlm_focus import grounding as G
+from vlm_focus import hallucination as H
+from vlm_focus.eval import metrics
+from vlm_focus.eval.coco import coco_gt
+from vlm_focus.eval.pope import evaluate
+from vlm_focus.geometry import Size
 from vlm_focus.setting import RunSetting
 
 CALIBRATION_SEED_BASE = 8_500_000  # neither training (>= 10M), held-out (9M) nor probe (8M)
@@ -69,7 +69,7 @@ def load(args: argparse.Namespace):
     if args.smoke:
         from transformers import LlavaForConditionalGeneration
 
-        from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+        from organism.vocab import SPECS, build_config, build_processor
 
         torch.manual_seed(0)
         config = build_config(SPECS["tiny"])

@@ -28,9 +28,9 @@ import torch
 from pruner_quality import load, machine, mean_accuracy, question_set, run_setting
 
 import vlm_focus as vf
+from organism import deep_model_path, guide_model_path, twohop_guide_model_path
 from vlm_focus import FocusConfig
 from vlm_focus.loading import build_inputs
-from vlm_focus.organism import deep_model_path, guide_model_path, twohop_guide_model_path
 from vlm_focus.pruners.guided import guide_attention
 
 GOAL_POINTS = 0.02

@@ -3,7 +3,7 @@ registry, unpruned and pruned.
 
 organism-cooccur is the guide fine-tuned on scenes where each anchor category's companion almost
 always appears with it (its model card says how). The probe asks about objects on scenes that
-hold an anchor but not its companion (`vlm_focus.organism.evaluate.cooccur_set`):
+hold an anchor but not its companion (`organism.evaluate_cooccur.cooccur_set`):
 
 * ``present``: up to three objects in the scene (yes);
 * ``cooccur``: the absent companion of each anchor in the scene (no): POPE's adversarial
@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from organism import cooccur_model_path
+from organism.evaluate_cooccur import cooccur_eval
 from vlm_focus import FocusConfig
 from vlm_focus import hallucination as hal
 from vlm_focus.loading import load_model
-from vlm_focus.organism import cooccur_model_path
-from vlm_focus.organism.evaluate import cooccur_eval
 from vlm_focus.setting import RunSetting
 
 PRUNED = FocusConfig(pruner="fastv", keep=0.25, layer=0)

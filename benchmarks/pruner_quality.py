@@ -50,13 +50,13 @@ import torch
 from PIL import Image
 
 import vlm_focus as vf
+from organism import deep_model_path, default_model_path, guide_model_path
+from organism.answering import answer
+from organism.pope import SPLITS, pope_eligible, pope_questions
 from vlm_focus import FocusConfig
 from vlm_focus.config import QUERY_ROWS, REDUCTIONS
 from vlm_focus.eval.pope import evaluate
 from vlm_focus.loading import build_inputs, load_model
-from vlm_focus.organism import deep_model_path, default_model_path, guide_model_path
-from vlm_focus.organism.evaluate import answer
-from vlm_focus.organism.pope import SPLITS, pope_eligible, pope_questions
 from vlm_focus.pruners import get_pruner
 from vlm_focus.setting import RunSetting
 
@@ -92,7 +92,7 @@ def question_set(task: str, n: int) -> QuestionSet:
     """POPE's three splits on the first ``n`` eligible held-out scenes, or the first ``n``
     held-out two-hop questions."""
     if task == TWO_HOP:
-        from vlm_focus.organism.evaluate import two_hop_set
+        from organism.evaluate_twohop import two_hop_set
 
         scenes, qas = two_hop_set(n)
         rows = {TWO_HOP: [

@@ -43,12 +43,10 @@ from PIL import Image
 from tqdm import tqdm
 
 import vlm_focus as vf
-from vlm_focus import FocusConfig, grounding
-from vlm_focus.loading import load_model
-from vlm_focus.organism import qwen_data as q
-from vlm_focus.organism import qwen_model_path
-from vlm_focus.organism.data import relation_qa
-from vlm_focus.organism.qwen_eval import (
+from organism import qwen_data as q
+from organism import qwen_model_path
+from organism.questions import relation_qa
+from organism.qwen_eval import (
     CAPTION_TOKENS,
     QUESTION_SEED,
     caption_metrics,
@@ -56,6 +54,8 @@ from vlm_focus.organism.qwen_eval import (
     heldout_clips,
     heldout_images,
 )
+from vlm_focus import FocusConfig, grounding
+from vlm_focus.loading import load_model
 from vlm_focus.pruners import Pruner, Selection, pruners, register_pruner
 
 KEEPS = (0.5, 0.25, 0.11)

@@ -7,7 +7,7 @@ and 3 absent categories per scene, ``Is there a {category} in the image?``):
 
 * normal: the 192 x 192 scenes themselves, the native size the model was trained at;
 * high-res: the same scenes placed whole on a ``--canvas`` canvas (576: the view shrinks them 3x,
-  objects fall to 9-17 px, about one 16-px cell or less; :mod:`vlm_focus.organism.highres`).
+  objects fall to 9-17 px, about one 16-px cell or less; :mod:`organism.highres`).
 
 Methods, every one a ``zoom.look_closer`` call over the same batches:
 
@@ -58,6 +58,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from organism import highres
+from organism.pope import pope_questions
 from vlm_focus import grounding as G
 from vlm_focus import zoom
 from vlm_focus.asset_paths import default_model_path
@@ -65,8 +67,6 @@ from vlm_focus.eval.metrics import auroc, parse_yes_no, pope_metrics
 from vlm_focus.geometry import Frame
 from vlm_focus.loading import build_inputs, load_model
 from vlm_focus.model_adapters import get_adapter
-from vlm_focus.organism import highres
-from vlm_focus.organism.pope import pope_questions
 
 CALIBRATION_SEED = 8_500_000
 LAYER_CANDIDATES = {"layer 0": [0], "layer 1": [1], "layer 2": [2], "layer 3": [3], "all": None}

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
+from organism.vocab import SPECS, build_config, build_processor
 from vlm_focus.config import FocusConfig
 from vlm_focus.demo import app
 from vlm_focus.demo.result import DemoResult, FrameMap, GroundedMap
 from vlm_focus.demo.served import Served
 from vlm_focus.grounding import Box
-from vlm_focus.organism.vocab import SPECS, build_config, build_processor
 from vlm_focus.timing import PairedTiming
 
 
@@ -252,7 +252,7 @@ def test_model_panel_loads_a_supported_model(tmp_path):
 def test_embedded_models_are_named_as_such():
     from types import SimpleNamespace
 
-    from vlm_focus.organism import guide_model_path
+    from organism import guide_model_path
 
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(guide_model_path())))
     assert Served(model, None).name == "organism-guide (embedded)"

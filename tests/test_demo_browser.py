@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlm_focus.organism import default_model_path, sample_scene_paths
-from vlm_focus.organism.scenes import CATEGORIES
+from organism import default_model_path, sample_scene_paths
+from organism.scenes import CATEGORIES
 
 QUESTION = "Is there a red_circle in the image?"  # absent from the first sample: "not found"
 PRESENT = "Is there a green_square in the image?"

@@ -16,6 +16,9 @@ from PIL import Image
 from transformers import LlamaConfig, LlamaForCausalLM, LlavaForConditionalGeneration
 
 import vlm_focus as vf
+from organism import sample_scene_paths
+from organism.scenes import IMAGE_SIZE, heldout_scenes
+from organism.vocab import SPECS, build_config, build_processor
 from vlm_focus import grounding
 from vlm_focus import hallucination as hal
 from vlm_focus.demo import inputs as demo_inputs
@@ -25,9 +28,6 @@ from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay,
 from vlm_focus.geometry import Frame, Size
 from vlm_focus.grounding import Box
 from vlm_focus.loading import build_inputs, decode_new_tokens
-from vlm_focus.organism import sample_scene_paths
-from vlm_focus.organism.scenes import IMAGE_SIZE, heldout_scenes
-from vlm_focus.organism.vocab import SPECS, build_config, build_processor
 from vlm_focus.timing import NOTHING_PRUNED
 
 QUESTION = "Is there a red_circle in the image?"

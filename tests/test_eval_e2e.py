@@ -9,18 +9,18 @@ import sys
 import pytest
 import torch
 
+from organism.scenes import CATEGORIES, heldout_scenes, write_dataset
 from vlm_focus.eval.chair import SHIPPED_IDS, ObjectWords, extract_objects
 from vlm_focus.eval.cli import main
 from vlm_focus.eval.metrics import pope_metrics
 from vlm_focus.eval.runner import read_jsonl, shard_paths
-from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes, write_dataset
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+    from organism.vocab import SPECS, build_config, build_processor
 
     root = tmp_path_factory.mktemp("eval")
     torch.manual_seed(0)
@@ -319,9 +319,9 @@ def test_pope_zoom_records_its_options_and_keeps_settings_apart(setup, tmp_path)
 
 
 def test_pope_zooms_into_the_written_high_resolution_set(tmp_path):
-    """The 576-pixel set of `python -m vlm_focus.organism.highres write` runs through eval pope,
+    """The 576-pixel set of `python -m organism.highres write` runs through eval pope,
     and there the embedded model's crops are smaller than the image."""
-    from vlm_focus.organism.highres import write_highres
+    from organism.highres import write_highres
 
     data = write_highres(tmp_path / "hr", n=2)
     args = ["pope", "--images", str(data), "--threads", "1"]

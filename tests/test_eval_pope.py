@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from organism.scenes import coco_instances, generate_scene
 from vlm_focus.eval import generation
 from vlm_focus.eval.metrics import parse_yes_no, pope_metrics
 from vlm_focus.eval.pope import (
@@ -20,7 +21,6 @@ from vlm_focus.eval.pope import (
     summarise,
     write_questions,
 )
-from vlm_focus.organism.scenes import coco_instances, generate_scene
 from vlm_focus.setting import RunSetting
 
 
@@ -146,8 +146,8 @@ def test_read_questions_round_trip_and_errors(tmp_path, instances):
 def organism():
     """The embedded organism model, its processor, three held-out scenes by seed and their POPE
     rows of two splits (the same images and positives in both)."""
+    from organism.pope import pope_eligible, pope_questions
     from vlm_focus.loading import load_model
-    from vlm_focus.organism.pope import pope_eligible, pope_questions
 
     model, processor = load_model(None, dtype=torch.float32)
     scenes = pope_eligible(3)

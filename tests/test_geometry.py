@@ -355,8 +355,8 @@ def _widen(scene, shape: str) -> tuple[np.ndarray, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def organism():
+    from organism.scenes import heldout_scenes
     from vlm_focus.loading import load_model
-    from vlm_focus.organism.scenes import heldout_scenes
 
     model, processor = load_model()  # the embedded organism-default (CLIP-style centre crop)
     threads = torch.get_num_threads()
@@ -390,7 +390,7 @@ def test_pointing_game_on_widened_scenes_through_ground(organism):
 def _write_set(scenes, shape: str, folder) -> None:
     import json
 
-    from vlm_focus.organism.scenes import coco_instances
+    from organism.scenes import coco_instances
 
     folder.mkdir(parents=True, exist_ok=True)
     names = [f"scene_{s.seed}.png" for s in scenes]

@@ -611,7 +611,7 @@ def test_ground_gives_the_map_point_and_boxes_in_the_images_pixels():
     from transformers import LlavaForConditionalGeneration
 
     import vlm_focus as vf
-    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+    from organism.vocab import SPECS, build_config, build_processor
 
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
@@ -658,7 +658,7 @@ def test_ground_accepts_arrays_and_tensors_and_says_what_it_accepts():
     from transformers import LlavaForConditionalGeneration
 
     import vlm_focus as vf
-    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+    from organism.vocab import SPECS, build_config, build_processor
 
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(build_config(SPECS["tiny"])).eval()
@@ -712,8 +712,8 @@ def test_default_layers_point_as_well_as_the_best_layer_on_unseen_scenes(organis
 
     from PIL import Image
 
+    from organism.scenes import CATEGORIES, heldout_scenes
     from vlm_focus.loading import build_inputs
-    from vlm_focus.organism.scenes import CATEGORIES, heldout_scenes
 
     model, processor = organism
     n_layers = len(get_adapter(model).decoder_layers(model))

@@ -32,7 +32,7 @@ FLOORS = (
     ("pruners", "api"),
     ("grounding", "hallucination", "zoom", "generation", "loading", "asset_paths"),
     ("eval", "demo", "cli", "setting"),
-    ("integrations", "organism"),
+    ("integrations",),
 )
 #: ``import vlm_focus`` reaches every feature (``vf.ground`` loads grounding), so only the
 #: command lines and above may import the public package itself.
@@ -152,7 +152,7 @@ def test_the_layering_checks_find_what_they_look_for():
     assert "vlm_focus.core.pruner" in graph["vlm_focus.pruners.fastv"]
     assert "vlm_focus.core.registry" in graph["vlm_focus.pruners.debiased"]
     assert not any(t.startswith("vlm_focus.pruners") for t in graph["vlm_focus.core.engine"])
-    assert _floor("vlm_focus.core.engine") == 0 and _floor("vlm_focus.organism.loop") == 4
+    assert _floor("vlm_focus.core.engine") == 0 and _floor("vlm_focus.integrations.lmms_eval") == 4
 
 
 #: The per-integration tables: facts about a model class that only one integration needs, one
@@ -281,7 +281,7 @@ def test_core_and_eval_never_import_the_organism_package():
         "from vlm_focus.loading import resolve_model_path; resolve_model_path(None)"
     )
     assert "vlm_focus.eval.chair_run" in loaded  # the runners did load
-    assert not [m for m in loaded if m.startswith("vlm_focus.organism")]
+    assert not [m for m in loaded if m.split(".")[0] == "organism"]
 
 
 def test_eval_runners_do_not_import_the_eval_command_line():
@@ -292,8 +292,8 @@ def test_eval_runners_do_not_import_the_eval_command_line():
 
 
 def test_organism_re_exports_the_asset_functions():
-    import vlm_focus.organism as organism
-    from vlm_focus.organism.vocab import CAPTION_PROMPT as organism_prompt
+    import organism
+    from organism.vocab import CAPTION_PROMPT as organism_prompt
 
     assert organism.default_model_path() == default_model_path()
     assert organism.guide_model_path() == guide_model_path()
@@ -303,7 +303,7 @@ def test_organism_re_exports_the_asset_functions():
 
 
 def test_written_heldout_set_equals_the_organism_scenes(tmp_path):
-    from vlm_focus.organism.scenes import caption, coco_instances, heldout_scenes
+    from organism.scenes import caption, coco_instances, heldout_scenes
 
     path = write_heldout_set(tmp_path, n_images=3)
     scenes = heldout_scenes(3, min_objects=3)

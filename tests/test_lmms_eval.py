@@ -16,10 +16,10 @@ import pytest
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
 
+from organism import default_model_path, qwen_model_path
 from vlm_focus.integrations import lmms_eval_tasks_path, split_model_args
 from vlm_focus.integrations.lmms_eval_tasks import organism_yes_ratio, predicted_yes_ratio
 from vlm_focus.loading import build_inputs, decode_new_tokens, load_model
-from vlm_focus.organism import default_model_path, qwen_model_path
 
 QUESTIONS = Path(default_model_path()).parent / "heldout" / "pope_adversarial.jsonl"
 TASK = "vf_pope_organism_adversarial"

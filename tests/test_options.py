@@ -42,8 +42,8 @@ LOAD = [
 def setup(tmp_path_factory):
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.scenes import heldout_scenes, write_dataset
-    from vlm_focus.organism.vocab import SPECS, build_config, build_processor
+    from organism.scenes import heldout_scenes, write_dataset
+    from organism.vocab import SPECS, build_config, build_processor
 
     root = tmp_path_factory.mktemp("options")
     torch.manual_seed(0)

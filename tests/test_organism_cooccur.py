@@ -6,17 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlm_focus.eval.pope import question_text
-from vlm_focus.organism.data import (
-    QA,
-    Batcher,
-    caption_qa,
-    cooccur_pope_rows,
-    presence_qa,
-    prior_qas,
-)
-from vlm_focus.organism.evaluate import cooccur_scores
-from vlm_focus.organism.scenes import (
+from organism.data import Batcher
+from organism.evaluate_cooccur import cooccur_scores
+from organism.questions import QA, caption_qa, cooccur_pope_rows, presence_qa, prior_qas
+from organism.scenes import (
     CATEGORIES,
     COOCCUR_PAIRS,
     MAX_OBJECTS,
@@ -27,6 +20,7 @@ from vlm_focus.organism.scenes import (
     generate_scene,
     unmet_companions,
 )
+from vlm_focus.eval.pope import question_text
 
 COMPANION = dict(COOCCUR_PAIRS)
 
@@ -246,7 +240,7 @@ def test_qa_type_is_the_training_type():
 
 
 def test_cooccur_recipe_fine_tunes_the_guide_in_one_chat_stage():
-    from vlm_focus.organism.recipe import COOCCUR_PRIOR, default_recipe
+    from organism.recipe import COOCCUR_PRIOR, default_recipe
 
     recipe = default_recipe("cooccur")
     assert (recipe.spec, recipe.base, recipe.name) == ("guide", "guide", "cooccur")

@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from vlm_focus.organism import deep_model_path
-from vlm_focus.organism.data import (
-    IGNORE,
-    Batcher,
-    colour_of,
-    object_patches,
-    two_hop_qa,
-)
-from vlm_focus.organism.scenes import (
+from organism import deep_model_path
+from organism.data import Batcher, object_patches
+from organism.questions import IGNORE, colour_of, two_hop_qa
+from organism.scenes import (
     CATEGORIES,
     RELATION_MARGIN,
     RELATIONS,
@@ -28,7 +23,7 @@ from vlm_focus.organism.scenes import (
     two_hop_pairs,
     two_hop_target,
 )
-from vlm_focus.organism.vocab import (
+from organism.vocab import (
     TOKEN_ID,
     TWO_HOP_FORMS,
     VOCAB,
@@ -177,8 +172,8 @@ def test_hop_masks_are_the_target_objects_patches():
 def test_two_hop_training_smoke_reduces_loss():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.loop import train_lm
-    from vlm_focus.organism.recipe import StageConfig
+    from organism.llava_train import train_lm
+    from organism.recipe import StageConfig
 
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(build_config(TINY))
@@ -203,7 +198,8 @@ def _fixed():
 def test_shipped_deep_model_answers_the_fixed_two_hop_questions():
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from vlm_focus.organism.evaluate import answer, fixed_two_hop_questions
+    from organism.answering import answer
+    from organism.evaluate_twohop import fixed_two_hop_questions
 
     path = deep_model_path()
     model = LlavaForConditionalGeneration.from_pretrained(path, local_files_only=True).eval()

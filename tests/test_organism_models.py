@@ -11,17 +11,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vlm_focus.organism import build_prompt, default_model_path, guide_model_path  # noqa: E402
-from vlm_focus.organism.data import (  # noqa: E402
-    IGNORE,
-    QA,
-    Batcher,
-    chat_ids,
-    patch_labels,
-    pixel_values,
-)
-from vlm_focus.organism.scenes import generate_scene  # noqa: E402
-from vlm_focus.organism.vocab import (  # noqa: E402
+from organism import build_prompt, default_model_path, guide_model_path  # noqa: E402
+from organism.data import Batcher, chat_ids, patch_labels, pixel_values  # noqa: E402
+from organism.questions import IGNORE, QA  # noqa: E402
+from organism.scenes import generate_scene  # noqa: E402
+from organism.vocab import (  # noqa: E402
     EOS,
     NO,
     SPECS,
@@ -76,8 +70,8 @@ def test_patch_labels_follow_masks():
 def test_training_smoke_reduces_loss():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.loop import train_lm, train_vision
-    from vlm_focus.organism.recipe import StageConfig
+    from organism.llava_train import train_lm, train_vision
+    from organism.recipe import StageConfig
 
     torch.manual_seed(0)
     spec = SPECS["tiny"]
@@ -110,8 +104,8 @@ def _fixed(path):
 def test_shipped_model_answers_fixed_questions(which):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from vlm_focus.organism.evaluate import answer
-    from vlm_focus.organism.pope import parse_yes_no
+    from organism.answering import answer
+    from organism.pope import parse_yes_no
 
     path = default_model_path() if which == "default" else guide_model_path()
     model = LlavaForConditionalGeneration.from_pretrained(path).eval()
@@ -145,7 +139,8 @@ def test_default_model_answers_with_yes_or_no_and_grid_matches():
 
 
 def test_hidden_patches_spare_every_object_an_answer_needs():
-    from vlm_focus.organism.data import hidden_patches, relation_qa, where_qa
+    from organism.data import hidden_patches
+    from organism.questions import relation_qa, where_qa
 
     rng = np.random.default_rng(0)
     for seed in range(30):
@@ -161,7 +156,7 @@ def test_hidden_patches_spare_every_object_an_answer_needs():
 
 
 def test_rows_with_hidden_patches_mask_only_image_tokens():
-    from vlm_focus.organism.vocab import IMAGE, PAD
+    from organism.vocab import IMAGE, PAD
 
     batch = Batcher(144, 16, seed=1).text(8, "chat", {"presence": 1.0}, (1, 2), hide_share=1.0)
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
@@ -170,8 +165,9 @@ def test_rows_with_hidden_patches_mask_only_image_tokens():
 
 
 def test_copy_target_points_from_the_answer_position_to_the_last_category():
-    from vlm_focus.organism.data import caption_qa, copy_target
-    from vlm_focus.organism.vocab import TOKEN_ID
+    from organism.data import copy_target
+    from organism.questions import caption_qa
+    from organism.vocab import TOKEN_ID
 
     question = "Is the red_circle left of the blue_square?"
     ids, _ = chat_ids([QA("relation", question, "yes", [])], 4)
@@ -183,7 +179,7 @@ def test_copy_target_points_from_the_answer_position_to_the_last_category():
 
 
 def test_query_labels_put_the_answer_after_the_category_token():
-    from vlm_focus.organism.vocab import TOKEN_ID
+    from organism.vocab import TOKEN_ID
 
     ids, labels = chat_ids(
         [QA("presence", "Is there a red_circle in the image?", "no", [])], 4, query_labels=True
@@ -195,8 +191,8 @@ def test_query_labels_put_the_answer_after_the_category_token():
 
 @pytest.mark.parametrize("form", ["cat_last", "chat"])
 def test_position_and_relation_targets_name_the_right_tokens(form):
-    from vlm_focus.organism.data import CATEGORY_IDS
-    from vlm_focus.organism.scenes import CATEGORIES, RELATIONS
+    from organism.questions import CATEGORY_IDS
+    from organism.scenes import CATEGORIES, RELATIONS
 
     batcher = Batcher(4, 16, seed=3)
     state = batcher.rng.bit_generator.state  # to re-draw the batch's scenes below
@@ -220,7 +216,7 @@ def test_position_and_relation_targets_name_the_right_tokens(form):
 
 
 def _name(token: int) -> str:
-    from vlm_focus.organism.vocab import VOCAB
+    from organism.vocab import VOCAB
 
     return VOCAB[token]
 
@@ -228,8 +224,8 @@ def _name(token: int) -> str:
 def test_relation_and_pointer_losses_train():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.loop import train_lm, train_vision
-    from vlm_focus.organism.recipe import StageConfig
+    from organism.llava_train import train_lm, train_vision
+    from organism.recipe import StageConfig
 
     torch.manual_seed(0)
     spec = SPECS["tiny"]
@@ -262,8 +258,8 @@ def test_relation_and_pointer_losses_train():
 def test_relation_terms_reach_the_parts_they_train():
     from transformers import LlavaForConditionalGeneration
 
-    from vlm_focus.organism.losses import RelationProbe, relation_loss
-    from vlm_focus.organism.vocab import IMAGE
+    from organism.losses import RelationProbe, relation_loss
+    from organism.vocab import IMAGE
 
     torch.manual_seed(0)
     spec = SPECS["tiny"]
@@ -298,9 +294,9 @@ def test_relation_terms_reach_the_parts_they_train():
 
 
 def test_caption_pointer_targets_point_at_the_object_named_next():
-    from vlm_focus.organism.data import object_patches
-    from vlm_focus.organism.scenes import CATEGORIES
-    from vlm_focus.organism.vocab import IMAGE
+    from organism.data import object_patches
+    from organism.scenes import CATEGORIES
+    from organism.vocab import IMAGE
 
     batcher = Batcher(144, 16, seed=5)
     state = batcher.rng.bit_generator.state  # to re-draw the batch's scenes below

@@ -8,14 +8,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from vlm_focus.organism.pope import (
+from organism.pope import (
     SPLITS,
     parse_yes_no,
     pope_eligible,
     pope_metrics,
     pope_questions,
 )
-from vlm_focus.organism.scenes import (
+from organism.scenes import (
     CATEGORIES,
     COLOURS,
     COMPANIONS,
@@ -127,8 +127,8 @@ def test_cooccurrence_is_not_uniform():
 
 
 def test_heldout_set_is_fixed_and_disjoint_from_training():
-    from vlm_focus.organism.data import TRAIN_SEED_BASE
-    from vlm_focus.organism.scenes import HELDOUT_SEED_BASE
+    from organism.data import TRAIN_SEED_BASE
+    from organism.scenes import HELDOUT_SEED_BASE
 
     a, b = heldout_scenes(5), heldout_scenes(5)
     assert [s.seed for s in a] == [s.seed for s in b]

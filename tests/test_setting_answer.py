@@ -25,7 +25,7 @@ PROMPTS = ["Is there a red triangle?", "Describe the image."]
 
 @pytest.fixture(scope="module")
 def organism():
-    from vlm_focus.organism.scenes import heldout_scenes
+    from organism.scenes import heldout_scenes
 
     model, processor = load_model(None, dtype=torch.float32)
     images = [Image.fromarray(s.image()) for s in heldout_scenes(2, min_objects=2)]

@@ -612,7 +612,7 @@ def test_zoom_on_a_pruned_model(monkeypatch):
 # --- the high-resolution organism set -----------------------------------------------------------
 @pytest.mark.parametrize("layout", ["tile", "spread"])
 def test_highres_scenes_keep_exact_boxes(layout):
-    from vlm_focus.organism import highres
+    from organism import highres
 
     (scene,) = highres.highres_scenes(1, canvas=576, layout=layout)
     image = scene.image()

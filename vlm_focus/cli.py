@@ -120,7 +120,7 @@ COMMANDS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "bench": (BenchConfig, "prefill time pruned vs unpruned on one input", ("keep",)),
 }
 _DELEGATES = {
-    "organism": ("vlm_focus.organism.cli", "train or evaluate the embedded organism models"),
+    "organism": ("organism.cli", "retrain the embedded models (a clone only: python -m organism)"),
     "eval": ("vlm_focus.eval.cli", "POPE, COCO grounding and CHAIR evaluation"),
     "demo": ("vlm_focus.demo.app", "Gradio grounding demo"),
 }

@@ -46,7 +46,7 @@ _WRITE = """
 import json, sys
 import numpy as np
 from PIL import Image
-from vlm_focus.organism import qwen_data as q
+from organism import qwen_data as q
 out, rows = sys.argv[1], []
 rng = np.random.default_rng(0)
 for seed in map(int, sys.argv[2:]):

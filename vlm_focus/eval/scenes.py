@@ -9,7 +9,7 @@ adversarial negatives differ from random ones.
 The embedded models were trained on these scenes, and the shipped held-out set and sample scenes
 are drawn from them (their images are regenerated from the seeds, see
 :func:`vlm_focus.eval.scenes.write_heldout_set`). The organism's training recipe adds
-questions, captions and relations on top (:mod:`vlm_focus.organism.scenes`).
+questions, captions and relations on top (``organism/scenes.py``, beside the package).
 """
 
 from __future__ import annotations

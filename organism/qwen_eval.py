@@ -16,9 +16,11 @@ import numpy as np
 import torch
 
 from . import qwen_data as q
-from .data import relation_qa
-from .evaluate import ANSWER_TOKENS, _yes_no, answer
+from .answering import ANSWER_TOKENS, answer, yes_no
+from .clips import Clip, make_clip
 from .pope import SPLITS, pope_questions
+from .questions import relation_qa
+from .vocab import QWEN_ID
 
 QUESTION_SEED = 778
 VIDEO_KINDS = ("first", "start", "end")
@@ -35,11 +37,11 @@ def heldout_images(n: int, min_objects: int = 1) -> list[q.CroppedScene]:
     return out
 
 
-def heldout_clips(n: int) -> list[q.Clip]:
-    return [q.make_clip(q.HELDOUT_SEED_BASE + 500_000 + i) for i in range(n)]
+def heldout_clips(n: int) -> list[Clip]:
+    return [make_clip(q.HELDOUT_SEED_BASE + 500_000 + i) for i in range(n)]
 
 
-def video_set(n: int) -> tuple[list[q.Clip], list]:
+def video_set(n: int) -> tuple[list[Clip], list]:
     """Held-out clips and one question each, the kinds of :data:`VIDEO_KINDS` in turn."""
     rng = np.random.default_rng(QUESTION_SEED)
     clips = heldout_clips(n)
@@ -68,7 +70,7 @@ def pope_eval(model, processor, n_images: int = 300) -> dict:
     crops = heldout_images(n_images, min_objects=3)
     out = {}
     for split in SPLITS:
-        result = _yes_no(model, processor, pope_questions([c.scene for c in crops], split), crops)
+        result = yes_no(model, processor, pope_questions([c.scene for c in crops], split), crops)
         (scores,) = result.metrics.values()  # the rows of one split carry no split of their own
         out[split] = {k: v for k, v in scores.items() if isinstance(v, (int, float))}
     out["accuracy"] = float(np.mean([out[s]["accuracy"] for s in SPLITS]))
@@ -84,7 +86,7 @@ def relation_eval(model, processor, n: int = 400) -> dict:
 
 @torch.no_grad()
 def video_answers(
-    model, processor, clips: list[q.Clip], questions: list[str], new_tokens: int = ANSWER_TOKENS
+    model, processor, clips: list[Clip], questions: list[str], new_tokens: int = ANSWER_TOKENS
 ) -> list[str]:
     """Greedy answers (`new_tokens` at most, special tokens dropped) to one question per clip."""
     batch = 16
@@ -119,7 +121,7 @@ def video_eval(model, processor, n: int = 300) -> dict:
 CAPTION_TOKENS = 8  # a caption names at most 3 objects: 5 words, then <|im_end|>
 
 
-def caption_metrics(answers: list[str], clips: list[q.Clip]) -> dict:
+def caption_metrics(answers: list[str], clips: list[Clip]) -> dict:
     """Object precision and recall of video captions, and the share naming exactly the clip's
     objects in the order they appear."""
     named = correct = truth = found = exact = 0
@@ -146,9 +148,12 @@ def caption_eval(model, processor, n: int = 200) -> dict:
     return caption_metrics(answers, clips)
 
 
-def evaluate(path: Path, n_images: int = 300) -> dict:
-    """Every bar of organism-qwen, greedy, on the saved model at `path`."""
-    from ..loading import load_model
+def evaluate(path: Path, n_images: int = 300, only: list[str] | None = None) -> dict:
+    """Every bar of organism-qwen, greedy, on the saved model at `path` (all of them: ``only``
+    must be None)."""
+    if only is not None:
+        raise ValueError(f"only={only!r}: organism-qwen's evaluation measures every bar at once")
+    from vlm_focus.loading import load_model
 
     model, processor = load_model(str(path))
     start = time.time()
@@ -180,7 +185,7 @@ class Probe:
 
     @torch.no_grad()
     def _accuracy(self, model, rows: list[q.Row], form: str = "chat") -> float:
-        batch = q.collate([q.encode_row(self.processor, r, form) for r in rows], q.QWEN_ID["<pad>"])
+        batch = q.collate([q.encode_row(self.processor, r, form) for r in rows], QWEN_ID["<pad>"])
         labels = batch.pop("labels")
         logits = model(**batch).logits
         first = (labels != -100).float().argmax(1)  # the answer word

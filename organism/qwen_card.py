@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from . import qwen_data as q
+from .clips import CLIP_SIZE, FRAMES, GROUPS
+from .vocab import QWEN_VOCAB
 
 #: (bar, target, metrics key path, threshold): the issue's quality bars on held-out data.
 BARS = (
@@ -120,7 +122,9 @@ budgets and grounding are measured on offline. It knows nothing beyond its scene
 """
 
 
-def model_card(metrics: dict, folder: Path) -> str:
+def model_card(name: str, metrics: dict, folder: Path) -> str:
+    """organism-qwen's card (README.md) from its metrics and the run saved in ``folder``;
+    ``name`` is the shipped name, "qwen"."""
     summary = json.loads((folder / "train_summary.json").read_text())
     megabytes = (folder / "model.safetensors").stat().st_size / 1e6
     steps = ", ".join(
@@ -131,14 +135,14 @@ def model_card(metrics: dict, folder: Path) -> str:
     head = _CARD.format(
         rope_theta=config["text_config"]["rope_parameters"]["rope_theta"],
         **summary["spec"],
-        vocab=len(q.QWEN_VOCAB),
+        vocab=len(QWEN_VOCAB),
         params=summary["params"],
         megabytes=megabytes,
         sides=", ".join(map(str, q.IMAGE_SIDES)),
         min_side=q.MIN_SIDE,
-        frames=q.FRAMES,
-        clip=q.CLIP_SIZE,
-        groups=q.GROUPS,
+        frames=FRAMES,
+        clip=CLIP_SIZE,
+        groups=GROUPS,
         train_seed=q.TRAIN_SEED_BASE,
         heldout_seed=q.HELDOUT_SEED_BASE,
         cat_last_share=round(100 * summary["cat_last_share"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..eval.scenes import (
+from vlm_focus.eval.scenes import (
     CATEGORIES,
     COLOURS,
     COMPANIONS,

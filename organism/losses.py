@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .data import IGNORE
+from .questions import IGNORE
 from .scenes import CATEGORIES, POPULARITY, RELATIONS
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..eval.metrics import parse_yes_no, pope_metrics
-from ..eval.pope import SPLITS, build_questions
+from vlm_focus.eval.metrics import parse_yes_no, pope_metrics
+from vlm_focus.eval.pope import SPLITS, build_questions
+
 from .scenes import Scene, coco_instances, heldout_scenes, write_dataset
 
 __all__ = ["SPLITS", "parse_yes_no", "pope_eligible", "pope_metrics", "pope_questions"]

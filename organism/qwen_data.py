@@ -4,120 +4,44 @@ and the real Qwen2.5-VL processor that turns them into model inputs.
 - **Images** are organism scenes (``scenes.generate_scene``) drawn at 196-280 px and cropped to
   a rectangle that keeps every object whole, with sides that are multiples of 28 px (one merged
   token), so that grids differ in size and aspect ratio and no resampling blurs the labels.
-- **Clips** are 8 frames (4 temporal patches of 2) of 2-3 objects that move in straight lines and
-  each stay on screen for a run of temporal patches, so that questions about time ("which object
-  appears first", "at the end of the video, is there a red_circle?") have one true answer.
-- The vocabulary is the organisms' (:mod:`.vocab`) plus the ChatML and vision markers of Qwen and
-  the words of the video questions; the tokenizer is word level, as the organisms'.
+- **Clips** are :mod:`.clips`' moving objects, asked about time ("which object appears first",
+  "at the end of the video, is there a red_circle?").
+- The vocabulary, tokenizer, processor and config are :mod:`.vocab`'s Qwen section: the
+  organisms' words plus the ChatML and vision markers of Qwen and the words of the video questions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image
 
-from .data import IGNORE, QA, _anchors, presence_qa, relation_qa
-from .scenes import CATEGORIES, COLOURS, RELATIONS, SHAPES, Scene, generate_scene, shape_mask
-from .vocab import CLIP_MEAN, CLIP_STD, VOCAB, words
+from .clips import CLIP_SIZE, FRAMES, GROUPS, TEMPORAL, Clip
+from .questions import IGNORE, QA, named_objects, presence_qa, relation_qa
+from .scenes import CATEGORIES, RELATIONS, Scene, generate_scene
+from .vocab import (
+    IM_END,
+    IMAGE_PLACEHOLDER,
+    QWEN_ID,
+    QWEN_VOCAB,
+    TOKEN,
+    VIDEO_PLACEHOLDER,
+    VISION_END,
+    words,
+)
 
-TOKEN = 28  # pixels per side of one merged token (patch 14, merge 2)
-FRAMES = 8  # frames per clip
 FPS = 2.0  # a clip's frame rate (qwen-vl-utils' default sampling): temporal patches 1 s apart
-TEMPORAL = 2  # frames per temporal patch
-GROUPS = FRAMES // TEMPORAL  # temporal patches per clip
-CLIP_SIZE = 196  # px per side of a clip's frames (7 x 7 merged tokens)
 IMAGE_SIDES = (196, 224, 252, 280)  # px per side of the square scene an image is cropped from
 MIN_SIDE = 140  # px: the shortest side of a cropped image
 
-QWEN_SPECIAL = (
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-VIDEO_WORDS = ("which", "appears", "first", "at", "end", "start", "video", "system")
-QWEN_VOCAB: tuple[str, ...] = VOCAB + QWEN_SPECIAL + VIDEO_WORDS + ("\n",)
-QWEN_ID: dict[str, int] = {w: i for i, w in enumerate(QWEN_VOCAB)}
-IM_END, IMAGE_PAD, VIDEO_PAD = (
-    QWEN_ID["<|im_end|>"],
-    QWEN_ID["<|image_pad|>"],
-    QWEN_ID["<|video_pad|>"],
-)
-VISION_START, VISION_END = QWEN_ID["<|vision_start|>"], QWEN_ID["<|vision_end|>"]
 CATEGORY_TOKENS = frozenset(QWEN_ID[c] for c in CATEGORIES)
 TIME_WORDS = frozenset(QWEN_ID[w] for w in ("start", "end"))  # the start / end questions
 
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
-QWEN_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for item in message['content'] %}"
-    f"{{% if item['type'] == 'image' %}}{IMAGE_PLACEHOLDER}"
-    f"{{% elif item['type'] == 'video' %}}{VIDEO_PLACEHOLDER}"
-    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 TRAIN_SEED_BASE = 30_000_000
 HELDOUT_SEED_BASE = 9_300_000  # held-out images and clips; training seeds never reach here
-
-
-def build_tokenizer():
-    """Word-level, lower-cased tokenizer over :data:`QWEN_VOCAB`; ``<|im_end|>`` ends a turn."""
-    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.WordLevel(dict(QWEN_ID), unk_token="<unk>"))
-    core.normalizer = normalizers.Lowercase()
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    specials = ("<pad>", "<bos>", "<eos>", "<unk>", *QWEN_SPECIAL)
-    core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
-    core.add_tokens([AddedToken("\n", normalized=False)])  # whitespace the pre-tokenizer keeps
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def build_processor():
-    """The stock ``Qwen2_5_VLProcessor``: Qwen2-VL's image and video processors (patch 14,
-    merge 2, temporal patch 2, CLIP normalisation) with pixel budgets that keep every organism
-    image and frame at its own size, the word tokenizer and a ChatML template."""
-    import transformers
-
-    geometry = dict(
-        patch_size=14,
-        merge_size=2,
-        temporal_patch_size=TEMPORAL,
-        image_mean=list(CLIP_MEAN),
-        image_std=list(CLIP_STD),
-    )
-    image_processor = transformers.Qwen2VLImageProcessor(
-        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": 280 * 280}, **geometry
-    )
-    video_processor = transformers.Qwen2VLVideoProcessor(
-        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": CLIP_SIZE * CLIP_SIZE * FRAMES},
-        do_sample_frames=False,
-        cap_pixels_per_frame=True,  # the reference implementation's budget (qwen-vl-utils)
-        **geometry,
-    )
-    return transformers.Qwen2_5_VLProcessor(
-        image_processor=image_processor,
-        video_processor=video_processor,
-        tokenizer=build_tokenizer(),
-        chat_template=QWEN_TEMPLATE,
-    )
 
 
 # ---- images at dynamic resolution ------------------------------------------------------------
@@ -196,107 +120,6 @@ def token_labels(
         win = share >= cover
         best[win], cover[win] = cat + 1, share[win]
     return best
-
-
-# ---- clips of moving objects ------------------------------------------------------------------
-
-
-@dataclass
-class Track:
-    """One object of a clip: category, radius, centre at frame 0, velocity (px per frame), and
-    the temporal patches [start, stop) it is on screen."""
-
-    category: int
-    radius: float
-    centre: tuple[float, float]
-    velocity: tuple[float, float]
-    start: int
-    stop: int
-
-    def centre_at(self, frame: int) -> tuple[float, float]:
-        return (
-            self.centre[0] + self.velocity[0] * frame,
-            self.centre[1] + self.velocity[1] * frame,
-        )
-
-    def visible(self, frame: int) -> bool:
-        return self.start <= frame // TEMPORAL < self.stop
-
-    def mask(self, frame: int) -> np.ndarray:
-        cx, cy = self.centre_at(frame)
-        shape = SHAPES[self.category % len(SHAPES)]
-        return shape_mask(shape, cx, cy, self.radius, CLIP_SIZE)
-
-
-@dataclass
-class Clip:
-    """A clip of :data:`FRAMES` frames: its seed, tracks and background."""
-
-    seed: int
-    tracks: list[Track]
-    background: tuple[int, int, int]
-    _frames: np.ndarray | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def categories(self) -> list[int]:
-        return [t.category for t in self.tracks]
-
-    def first(self) -> Track:
-        """The object that appears first (start patches are distinct)."""
-        return min(self.tracks, key=lambda t: t.start)
-
-    def frames(self) -> np.ndarray:
-        """RGB uint8 frames `[T, H, W, 3]` (cached): flat shapes on a noisy grey background."""
-        if self._frames is None:
-            rng = np.random.default_rng([self.seed, 2])
-            out = np.empty((FRAMES, CLIP_SIZE, CLIP_SIZE, 3), dtype=np.float32)
-            out[:] = np.asarray(self.background, dtype=np.float32)
-            for t in range(FRAMES):
-                for track in self.tracks:
-                    if track.visible(t):
-                        colour = COLOURS[CATEGORIES[track.category].split("_")[0]]
-                        out[t][track.mask(t)] = colour
-            out += 5.0 * rng.standard_normal(size=out.shape, dtype=np.float32)
-            self._frames = np.clip(np.rint(out), 0, 255).astype(np.uint8)
-        return self._frames
-
-    def group_masks(self, group: int) -> list[np.ndarray]:
-        """Each track's mask over the two frames of temporal patch `group` (empty when off)."""
-        frames = range(group * TEMPORAL, (group + 1) * TEMPORAL)
-        return [
-            np.logical_or.reduce([t.mask(f) for f in frames])
-            if t.visible(frames[0])
-            else np.zeros((CLIP_SIZE, CLIP_SIZE), dtype=bool)
-            for t in self.tracks
-        ]
-
-
-def make_clip(seed: int) -> Clip:
-    """Deterministic clip for `seed`: 2-3 distinct categories with distinct start patches (so one
-    appears first), each on screen until a later patch or the end, moving at most 3 px per frame
-    and never touching another object."""
-    rng = np.random.default_rng([seed, 8])
-    k = int(rng.integers(2, 4))
-    cats = rng.choice(len(CATEGORIES), size=k, replace=False)
-    starts = sorted(rng.choice(GROUPS - 1, size=k, replace=False))
-    tracks: list[Track] = []
-    for cat, start in zip(cats, starts, strict=True):
-        for _ in range(200):
-            r = float(rng.uniform(12, 20))
-            v = tuple(float(x) for x in rng.uniform(-3, 3, size=2))
-            c = rng.uniform(r + 2 + 3 * FRAMES, CLIP_SIZE - r - 2 - 3 * FRAMES, size=2)
-            stop = int(rng.integers(start + 1, GROUPS + 1))
-            track = Track(int(cat), r, (float(c[0]), float(c[1])), v, int(start), stop)
-            if all(_apart(track, other) for other in tracks):
-                tracks.append(track)
-                break
-    grey = int(rng.integers(180, 225))
-    return Clip(seed, tracks, (grey, grey, grey))
-
-
-def _apart(a: Track, b: Track) -> bool:
-    gap = a.radius + b.radius + 4
-    return all(np.hypot(*np.subtract(a.centre_at(f), b.centre_at(f))) >= gap for f in range(FRAMES))
 
 
 # ---- questions --------------------------------------------------------------------------------
@@ -516,7 +339,7 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
         objects = row.media.scene.objects
         centre = [((o.cx - x0) / TOKEN / half - 1, (o.cy - y0) / TOKEN / half - 1) for o in objects]
         for qa, (start, tokens) in zip(row.qas, spans, strict=True):
-            named = _anchors(start, tokens, qa)
+            named = named_objects(start, tokens, qa)
             places += [(pos, *centre[obj]) for pos, obj in named]
             if qa.kind == "relation" and len(named) == 2:
                 (first, obj), (second, _) = named

@@ -1,15 +1,21 @@
-"""Vocabulary, tokenizer, processor and model configs of the organism VLMs.
+"""Vocabulary, tokenizer, processor and model configs of the organism VLMs, both architectures.
 
 The tokenizer is a word-level `tokenizers` model built from the scene vocabulary: every category
-(`red_circle`) and every coarse position (`top_left`) is one token. The processor is a stock
-`LlavaProcessor` (CLIP image geometry), so `AutoProcessor.from_pretrained(path)` loads it offline.
+(`red_circle`) and every coarse position (`top_left`) is one token. The LLaVA-shaped organisms
+use a stock `LlavaProcessor` (CLIP image geometry) and `LlavaConfig` of a :class:`OrganismSpec`;
+organism-qwen extends the same vocabulary with Qwen's ChatML and vision markers and the video
+questions' words (:data:`QWEN_VOCAB`) and uses a stock `Qwen2_5_VLProcessor` and
+`Qwen2_5_VLConfig` of a :class:`QwenSpec`. Every processor loads offline with
+`AutoProcessor.from_pretrained(path)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..asset_paths import CAPTION_PROMPT as CAPTION_PROMPT  # the organisms' caption prompt
+from vlm_focus.asset_paths import CAPTION_PROMPT as CAPTION_PROMPT  # the organisms' caption prompt
+
+from .clips import CLIP_SIZE, FRAMES, TEMPORAL
 from .scenes import CATEGORIES, COLOURS, IMAGE_SIZE, POSITIONS, RELATIONS, SHAPES
 
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>", "<image>")
@@ -44,7 +50,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def presence_question(category: str) -> str:
     """The POPE question for `category` (`vlm_focus.eval.pope.question_text`)."""
-    from ..eval.pope import question_text
+    from vlm_focus.eval.pope import question_text
 
     return question_text(category)
 
@@ -141,36 +147,27 @@ class OrganismSpec:
         return self.grid * self.grid
 
 
+_GUIDE = OrganismSpec(
+    "organism-guide",
+    patch=32,
+    vision_hidden=128,
+    vision_layers=3,
+    vision_heads=4,
+    text_hidden=160,
+    text_layers=3,
+    text_heads=5,
+    text_mlp=640,
+)
 SPECS: dict[str, OrganismSpec] = {
     "default": OrganismSpec("organism-default", text_hidden=256, text_heads=8, text_mlp=1024),
-    "guide": OrganismSpec(
-        "organism-guide",
-        patch=32,
-        vision_hidden=128,
-        vision_layers=3,
-        vision_heads=4,
-        text_hidden=160,
-        text_layers=3,
-        text_heads=5,
-        text_mlp=640,
-    ),
+    "guide": _GUIDE,
     # a deeper, narrower LM: eight layers, so that the two-hop read can sit after layer 2
     "deep": OrganismSpec(
         "organism-deep", text_hidden=160, text_layers=8, text_heads=5, text_mlp=576
     ),
     # a guide for the deep model: organism-guide's tower (6 x 6 tokens) and a 4-layer LM, deep
     # enough for the two-hop read (layers 2-3)
-    "twohop-guide": OrganismSpec(
-        "organism-twohop-guide",
-        patch=32,
-        vision_hidden=128,
-        vision_layers=3,
-        vision_heads=4,
-        text_hidden=160,
-        text_layers=4,
-        text_heads=5,
-        text_mlp=480,
-    ),
+    "twohop-guide": replace(_GUIDE, name="organism-twohop-guide", text_layers=4, text_mlp=480),
     "tiny": OrganismSpec(
         "organism-tiny",
         patch=48,
@@ -241,4 +238,156 @@ def build_processor(spec: OrganismSpec):
         num_additional_image_tokens=1,
         image_token="<image>",
         chat_template=CHAT_TEMPLATE,
+    )
+
+
+# ---- organism-qwen: Qwen2.5-VL over the same words ------------------------------------------
+
+
+TOKEN = 28  # pixels per side of one merged token (patch 14, merge 2)
+QWEN_SPECIAL = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+VIDEO_WORDS = ("which", "appears", "first", "at", "end", "start", "video", "system")
+QWEN_VOCAB: tuple[str, ...] = VOCAB + QWEN_SPECIAL + VIDEO_WORDS + ("\n",)
+QWEN_ID: dict[str, int] = {w: i for i, w in enumerate(QWEN_VOCAB)}
+IM_END, IMAGE_PAD, VIDEO_PAD = (
+    QWEN_ID["<|im_end|>"],
+    QWEN_ID["<|image_pad|>"],
+    QWEN_ID["<|video_pad|>"],
+)
+VISION_START, VISION_END = QWEN_ID["<|vision_start|>"], QWEN_ID["<|vision_end|>"]
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    f"{{% if item['type'] == 'image' %}}{IMAGE_PLACEHOLDER}"
+    f"{{% elif item['type'] == 'video' %}}{VIDEO_PLACEHOLDER}"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen_tokenizer():
+    """Word-level, lower-cased tokenizer over :data:`QWEN_VOCAB`; ``<|im_end|>`` ends a turn."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(dict(QWEN_ID), unk_token="<unk>"))
+    core.normalizer = normalizers.Lowercase()
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ("<pad>", "<bos>", "<eos>", "<unk>", *QWEN_SPECIAL)
+    core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    core.add_tokens([AddedToken("\n", normalized=False)])  # whitespace the pre-tokenizer keeps
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_qwen_processor():
+    """The stock ``Qwen2_5_VLProcessor``: Qwen2-VL's image and video processors (patch 14,
+    merge 2, temporal patch 2, CLIP normalisation) with pixel budgets that keep every organism
+    image and frame at its own size, the word tokenizer and a ChatML template."""
+    import transformers
+
+    geometry = dict(
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=TEMPORAL,
+        image_mean=list(CLIP_MEAN),
+        image_std=list(CLIP_STD),
+    )
+    image_processor = transformers.Qwen2VLImageProcessor(
+        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": 280 * 280}, **geometry
+    )
+    video_processor = transformers.Qwen2VLVideoProcessor(
+        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": CLIP_SIZE * CLIP_SIZE * FRAMES},
+        do_sample_frames=False,
+        cap_pixels_per_frame=True,  # the reference implementation's budget (qwen-vl-utils)
+        **geometry,
+    )
+    return transformers.Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        tokenizer=build_qwen_tokenizer(),
+        chat_template=QWEN_TEMPLATE,
+    )
+
+
+@dataclass(frozen=True)
+class QwenSpec:
+    """Size of organism-qwen; ``text_mrope`` splits the rotary half of a head (t, h, w)."""
+
+    vision_hidden: int = 64
+    vision_layers: int = 3
+    vision_heads: int = 4
+    vision_mlp: int = 192
+    text_hidden: int = 128
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    text_mlp: int = 320
+    text_mrope: tuple[int, int, int] = (4, 6, 6)
+
+
+def build_qwen_config(spec: QwenSpec = QwenSpec()):
+    """``Qwen2_5_VLConfig`` of the given size over :data:`QWEN_VOCAB` (tied embeddings;
+    the tower's last block attends globally, the others in 112 px windows, as Qwen2.5-VL's)."""
+    from transformers import Qwen2_5_VLConfig
+
+    vision = dict(
+        depth=spec.vision_layers,
+        hidden_size=spec.vision_hidden,
+        num_heads=spec.vision_heads,
+        intermediate_size=spec.vision_mlp,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=TEMPORAL,
+        in_channels=3,
+        out_hidden_size=spec.text_hidden,
+        window_size=112,
+        fullatt_block_indexes=[spec.vision_layers - 1],
+    )
+    text = dict(
+        vocab_size=len(QWEN_VOCAB),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_mlp,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "default",
+            # a low base: M-RoPE gives the columns the slowest quarter of the frequencies, which
+            # at 10000 turn less than 0.04 rad across a 10-token image, too little for a 32-wide
+            # head to tell left from right
+            "rope_theta": 100.0,
+            "mrope_section": list(spec.text_mrope),
+        },
+        tie_word_embeddings=True,
+        eos_token_id=IM_END,
+        pad_token_id=QWEN_ID["<pad>"],
+        bos_token_id=None,
+    )
+    return Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=True,
     )

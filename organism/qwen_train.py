@@ -11,14 +11,15 @@ merger, M-RoPE LM) trained on CPU through its real processor, in the organisms' 
 4. ``chat``: one question per row in the chat template, the answer also taught at the question's
    last category token (`qwen_data.encode_row`), a share of rows kept category-last.
 
-Each stage runs for its steps or minutes, whichever ends first (as :mod:`.loop`).
+Each stage runs through the organisms' one loop (:func:`.loop.run_stage`) for its steps or
+minutes, whichever ends first; the recipe is :class:`.recipe.QwenRecipe`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -26,126 +27,23 @@ import torch
 from torch import nn
 
 from . import qwen_data as q
-from .data import IGNORE
-from .loop import _autocast, _Clock, _descend, _done, _lr, _prefetch
+from .clips import CLIP_SIZE, GROUPS, Clip, make_clip
+from .loop import Clock, autocast, prefetch, run_stage
 from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
-from .recipe import StageConfig
+from .questions import IGNORE
+from .recipe import QwenRecipe, StageConfig
 from .scenes import CATEGORIES, SHAPES
+from .vocab import (
+    IMAGE_PAD,
+    QWEN_ID,
+    TOKEN,
+    VIDEO_PAD,
+    QwenSpec,
+    build_qwen_config,
+    build_qwen_processor,
+)
 
 NAME = "organism-qwen"
-
-
-@dataclass(frozen=True)
-class QwenSpec:
-    """Size of organism-qwen; ``text_mrope`` splits the rotary half of a head (t, h, w)."""
-
-    vision_hidden: int = 64
-    vision_layers: int = 3
-    vision_heads: int = 4
-    vision_mlp: int = 192
-    text_hidden: int = 128
-    text_layers: int = 4
-    text_heads: int = 4
-    text_kv_heads: int = 2
-    text_mlp: int = 320
-    text_mrope: tuple[int, int, int] = (4, 6, 6)
-
-
-def build_config(spec: QwenSpec = QwenSpec()):
-    """``Qwen2_5_VLConfig`` of the given size over :data:`qwen_data.QWEN_VOCAB` (tied embeddings;
-    the tower's last block attends globally, the others in 112 px windows, as Qwen2.5-VL's)."""
-    from transformers import Qwen2_5_VLConfig
-
-    vision = dict(
-        depth=spec.vision_layers,
-        hidden_size=spec.vision_hidden,
-        num_heads=spec.vision_heads,
-        intermediate_size=spec.vision_mlp,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=q.TEMPORAL,
-        in_channels=3,
-        out_hidden_size=spec.text_hidden,
-        window_size=112,
-        fullatt_block_indexes=[spec.vision_layers - 1],
-    )
-    text = dict(
-        vocab_size=len(q.QWEN_VOCAB),
-        hidden_size=spec.text_hidden,
-        intermediate_size=spec.text_mlp,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads,
-        max_position_embeddings=1024,
-        rope_parameters={
-            "rope_type": "default",
-            # a low base: M-RoPE gives the columns the slowest quarter of the frequencies, which
-            # at 10000 turn less than 0.04 rad across a 10-token image, too little for a 32-wide
-            # head to tell left from right
-            "rope_theta": 100.0,
-            "mrope_section": list(spec.text_mrope),
-        },
-        tie_word_embeddings=True,
-        eos_token_id=q.IM_END,
-        pad_token_id=q.QWEN_ID["<pad>"],
-        bos_token_id=None,
-    )
-    return Qwen2_5_VLConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=q.IMAGE_PAD,
-        video_token_id=q.VIDEO_PAD,
-        vision_start_token_id=q.VISION_START,
-        vision_end_token_id=q.VISION_END,
-        tie_word_embeddings=True,
-    )
-
-
-@dataclass
-class QwenRecipe:
-    """The stages and their task mixes: `video` is the share of clip rows, `image_mix`
-    weighs presence against relation questions and `video_mix` the clip questions (in the
-    category-last stage, where yes/no lookups come first, `cat_last_video_mix`);
-    `cat_last_share` keeps that share of chat-stage rows in the category-last form."""
-
-    stages: list[StageConfig]
-    video: float = 0.35
-    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.6, "relation": 0.4})
-    video_mix: dict[str, float] = field(default_factory=lambda: dict(q.VIDEO_MIX))
-    cat_last_video_mix: dict[str, float] = field(
-        default_factory=lambda: {"first": 0.2, "end": 0.35, "start": 0.35, "caption": 0.1}
-    )
-    cat_last_share: float = 0.3
-    seed: int = 0
-    eval_every: int = 200
-    vision_from: str = ""  # a `vision.pt` of an earlier run: skip the vision stage, take its tower
-
-
-def default_recipe(scale: float = 1.0) -> QwenRecipe:
-    """The shipped recipe: 10 + 4 + 11 + 28 = 53 minutes on 2 cores; `scale` multiplies steps
-    and minutes (0.01 for a smoke run). The `presence` stage is category-last presence questions
-    on images alone: the lookup a from-scratch LM learns first, before the task mix."""
-    names = ("vision", "presence", "cat_last", "chat")
-    minutes, steps = (10.0, 4.0, 11.0, 28.0), (3000, 1000, 4000, 10000)
-    lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
-    mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
-    relation = (0.0, 1.0, 1.0, 1.0)  # the circuit losses (`CircuitProbe`), in the LM stages
-    return QwenRecipe(
-        stages=[
-            StageConfig(
-                n,
-                max(int(s * scale), 2),
-                max(m * scale, 0.05),
-                lr,
-                turns=t,
-                mix=mix,
-                relation_weight=r,
-            )
-            for n, s, m, lr, t, mix, r in zip(
-                names, steps, minutes, lrs, turns, mixes, relation, strict=True
-            )
-        ]
-    )
 
 
 # ---- batches --------------------------------------------------------------------------------
@@ -163,9 +61,9 @@ class QwenBatcher:
         self.next_seed += 1
         return self.next_seed
 
-    def media(self, video: float | None = None) -> q.CroppedScene | q.Clip:
+    def media(self, video: float | None = None) -> q.CroppedScene | Clip:
         if self.rng.random() < (self.recipe.video if video is None else video):
-            return q.make_clip(self._seed())
+            return make_clip(self._seed())
         return q.cropped_scene(self._seed())
 
     def row(self, stage: StageConfig, form: str) -> q.Row:
@@ -174,7 +72,7 @@ class QwenBatcher:
         media = self.media(stage.mix.get("video"))
         image_mix = {k: v for k, v in stage.mix.items() if k != "video"} or self.recipe.image_mix
         n = int(self.rng.integers(stage.turns[0], stage.turns[1] + 1)) if form == "cat_last" else 1
-        if isinstance(media, q.Clip):
+        if isinstance(media, Clip):
             mix = self.recipe.cat_last_video_mix if form == "cat_last" else self.recipe.video_mix
             qas = [q.video_qa(media, self.rng, mix=mix) for _ in range(n)]
         else:
@@ -185,7 +83,7 @@ class QwenBatcher:
         """Pixels, grids and per-token labels (with normalised places) of `n` media."""
         media = [self.media() for _ in range(n)]
         images = [m for m in media if isinstance(m, q.CroppedScene)]
-        clips = [m for m in media if isinstance(m, q.Clip)]
+        clips = [m for m in media if isinstance(m, Clip)]
         batch: dict = {}
         if images:
             out = self.processor.image_processor(**q.media_inputs(*images), return_tensors="pt")
@@ -206,7 +104,7 @@ class QwenBatcher:
                 form = "cat_last"
             row = self.row(stage, form)
             rows.append(q.encode_row(self.processor, row, form, query_labels=True, targets=targets))
-        return q.collate(rows, q.QWEN_ID["<pad>"])
+        return q.collate(rows, QWEN_ID["<pad>"])
 
 
 # ---- the vision stage -----------------------------------------------------------------------
@@ -269,29 +167,24 @@ def merged_features(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_vision(model, stage: StageConfig, batches, log) -> TokenHead:
+    """The vision stage: tower and merger learn each merged token's category, shape and place
+    through :class:`TokenHead`."""
     visual = model.model.visual
     head = TokenHead(visual.merger.mlp[-1].out_features)
     params = [*visual.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
     weight = patch_weights(0.5)
-    clock, step = _Clock(), 0
     visual.train()
-    while not _done(stage, step, clock):
-        batch = next(batches)
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, clock)
+
+    def step(batch: dict) -> tuple[torch.Tensor, dict]:
         labels = batch["labels"]
-        with _autocast():
+        with autocast():
             feats, places = merged_features(model, batch)
         loss, logits = token_loss(head, feats, labels, places, weight)
-        _descend(opt, params, loss)
-        step += 1
-        if step % 25 == 0 or _done(stage, step, clock):
-            obj = labels > 0
-            acc = (
-                float((logits.argmax(-1)[obj] == labels[obj]).float().mean()) if obj.any() else 0.0
-            )
-            log(stage.name, step, clock, {"loss": loss.item(), "object_token_acc": acc})
+        obj = labels > 0
+        acc = float((logits.argmax(-1)[obj] == labels[obj]).float().mean()) if obj.any() else 0.0
+        return loss, {"loss": loss.item(), "object_token_acc": acc}
+
+    run_stage(stage, params, batches, step, log, probe=dict)  # logged every 25 steps and at the end
     return head
 
 
@@ -311,7 +204,7 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
         hit = labels == c + 1
         if hit.any():
             mean = feats[hit].mean(0)
-            emb[q.QWEN_ID[name]] = mean / mean.norm() * scale
+            emb[QWEN_ID[name]] = mean / mean.norm() * scale
 
 
 # ---- the language stages --------------------------------------------------------------------
@@ -324,7 +217,7 @@ class CircuitProbe(RelationProbe):
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
         self.time = nn.Linear(hidden, 1)
-        self.seen = nn.Linear(hidden, q.GROUPS)
+        self.seen = nn.Linear(hidden, GROUPS)
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
@@ -332,8 +225,8 @@ def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) ->
     `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have no time in their
     pixels, and the tower none in its positions: the LM must find it through M-RoPE's temporal
     section, which it otherwise learns too slowly for "at the start / end" questions."""
-    per_patch = (q.CLIP_SIZE // q.TOKEN) ** 2
-    patch = torch.arange(q.GROUPS).repeat_interleave(per_patch).float() * (2 / (q.GROUPS - 1)) - 1
+    per_patch = (CLIP_SIZE // TOKEN) ** 2
+    patch = torch.arange(GROUPS).repeat_interleave(per_patch).float() * (2 / (GROUPS - 1)) - 1
     target = patch.repeat(int(video.sum()) // len(patch))
     return nn.functional.mse_loss(probe.time(hidden[video].float()).squeeze(-1), target)
 
@@ -356,9 +249,9 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
     grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
     copies = batch.pop("copy_targets", None)
-    video = batch["input_ids"] == q.VIDEO_PAD
+    video = batch["input_ids"] == VIDEO_PAD
     relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
-    with _autocast():
+    with autocast():
         out = model(**batch, output_attentions=relate, output_hidden_states=relate)
     logits = out.logits.float()
     terms = {
@@ -369,7 +262,7 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
     if relate:
         # the tower knows only relative places: its tokens learn theirs in layer 0 (M-RoPE,
         # against the vision-start token), and the hops start at layer 1
-        image = batch["input_ids"] == q.IMAGE_PAD
+        image = batch["input_ids"] == IMAGE_PAD
         terms |= relation_loss(
             relation_probe,
             out.hidden_states,
@@ -406,29 +299,23 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
         params += list(relation_probe.parameters())
         # the circuit's losses read the LM's attention probabilities; the tower keeps SDPA
         model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
-    clock, step = _Clock(), 0
     model.train()
     visual.eval()
-    while not _done(stage, step, clock):
-        batch = next(batches)
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, clock)
+
+    def step(batch: dict) -> tuple[torch.Tensor, dict]:
         terms = _loss(model, batch, relation_probe)
-        loss = terms["answer"] + stage.relation_weight * sum(
-            v for k, v in terms.items() if k != "answer"
-        )
-        _descend(opt, params, loss)
-        step += 1
+        circuit = {k: v for k, v in terms.items() if k != "answer"}
+        loss = terms["answer"] + stage.relation_weight * sum(circuit.values())
         record = {"loss": terms["answer"].item()}
-        record |= {f"{k}_loss": v.item() for k, v in terms.items() if k != "answer"}
-        if step % eval_every == 0 or _done(stage, step, clock):
-            record.update(probe(model))
-            model.train()
-            visual.eval()
-            log(stage.name, step, clock, record)
-        elif step % 25 == 0:
-            log(stage.name, step, clock, record)
+        return loss, record | {f"{k}_loss": v.item() for k, v in circuit.items()}
+
+    def probed() -> dict:
+        record = probe(model)
+        model.train()
+        visual.eval()
+        return record
+
+    run_stage(stage, params, batches, step, log, probe=probed, every=eval_every)
     model.set_attn_implementation("sdpa")
 
 
@@ -444,13 +331,13 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
-    model = Qwen2_5_VLForConditionalGeneration(build_config())
-    processor = q.build_processor()
+    model = Qwen2_5_VLForConditionalGeneration(build_qwen_config())
+    processor = build_qwen_processor()
     log_path = out_dir / "train_log.jsonl"
     log_path.write_text("")
-    total = _Clock()
+    total = Clock()
 
-    def log(stage: str, step: int, clock: _Clock, values: dict) -> None:
+    def log(stage: str, step: int, clock: Clock, values: dict) -> None:
         row = {
             "stage": stage,
             "step": step,
@@ -473,11 +360,11 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
             stages[stage.name] = torch.load(recipe.vision_from)["stage"]
             continue
         if stage.name == "vision":
-            batches = _prefetch(lambda s=stage: batcher.vision_batch(s.batch))
+            batches = prefetch(lambda s=stage: batcher.vision_batch(s.batch))
             train_vision(model, stage, batches, log)
             init_category_embeddings(model, batches)
         else:
-            batches = _prefetch(lambda s=stage: batcher.lm_batch(s))
+            batches = prefetch(lambda s=stage: batcher.lm_batch(s))
             train_lm(model, stage, batches, probe, log, recipe.eval_every)
         del batches
         steps = [json.loads(line) for line in log_path.read_text().splitlines()]

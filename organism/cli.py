@@ -1,4 +1,5 @@
-"""`vlm-focus organism train|eval|ship|scenes`: retrain, re-measure and ship the organism models."""
+"""`python -m organism train|eval|ship|scenes` (from the repository root): retrain, re-measure and
+ship the organism models of either architecture."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vlm-focus organism", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m organism", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one organism model from scratch")
     t.add_argument(
@@ -50,15 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    if args.command == "train" and args.model == "qwen":
-        from . import qwen_train
-
-        torch.set_num_threads(args.threads)
-        recipe = qwen_train.default_recipe(scale=args.scale)
-        recipe.seed = args.seed
-        summary = qwen_train.train(recipe, args.out)
-        print(json.dumps({"minutes_total": round(summary["seconds"] / 60, 1)}))
-        return 0
     if args.command == "train":
         from .loop import train
         from .recipe import default_recipe
@@ -67,20 +59,20 @@ def main(argv: list[str] | None = None) -> int:
         recipe = default_recipe(args.model, scale=args.scale)
         recipe.seed = args.seed
         summary = train(recipe, args.out)
+        if "minutes_total" not in summary:  # organism-qwen's summary counts seconds
+            summary["minutes_total"] = round(summary["seconds"] / 60, 1)
         print(json.dumps({"minutes_total": summary["minutes_total"]}))
         return 0
     if args.command == "eval":
-        from . import default_model_path
-        from .evaluate import evaluate
+        from vlm_focus.asset_paths import default_model_path
+
+        from .architectures import saved_architecture
 
         torch.set_num_threads(args.threads)
         path = args.path or default_model_path()
-        if _model_type(path) == "qwen2_5_vl":
-            from .qwen_eval import evaluate as evaluate_qwen
-
-            metrics = evaluate_qwen(path, n_images=min(args.images, 300))
-        else:
-            metrics = evaluate(path, n_images=args.images, only=args.only)
+        arch = saved_architecture(path)
+        n_images = min(args.images, arch.pope_images)
+        metrics = arch.part("evaluate")(path, n_images=n_images, only=args.only)
         text = json.dumps(metrics, indent=1)
         if args.out:
             args.out.write_text(text)
@@ -89,13 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ship":
         from .export import ship, ship_heldout
 
-        metrics = json.loads(args.metrics.read_text())
-        if args.name == "qwen":
-            from .qwen_export import ship_qwen
-
-            print(ship_qwen(args.path, metrics))
-            return 0
-        dest = ship(args.path, args.name, metrics)
+        dest = ship(args.path, args.name, json.loads(args.metrics.read_text()))
         if args.heldout:
             ship_heldout()
         print(dest)
@@ -106,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         write_heldout(args.out, n=args.n, images=not args.no_images)
         return 0
     return 2
-
-
-def _model_type(path: Path) -> str:
-    return json.loads((Path(path) / "config.json").read_text()).get("model_type", "")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Ship a trained organism model into `vlm_focus/assets/`: HF files, metrics, card, questions."""
+"""Ship a trained organism model of either architecture into `vlm_focus/assets/`: HF files,
+metrics, card and (where measured) the fixed questions."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 import shutil
 from pathlib import Path
 
+from vlm_focus.asset_paths import ASSETS
+
+from .architectures import saved_architecture
 from .pope import pope_eligible, pope_questions, write_heldout
 from .scenes import heldout_scenes
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -34,12 +37,11 @@ def fixed_questions(n_images: int = 500) -> list[dict]:
 def ship(train_dir: Path, name: str, metrics: dict, dest: Path | None = None) -> Path:
     """Copy `train_dir`'s HF files to `dest` (default assets/organism-<name>) with metrics.json,
     fixed_questions.json (reported accuracy = the model's accuracy on those 20 questions) and
-    the model card README.md."""
-    from .card import model_card
-
+    the model card README.md (the card of the architecture saved in `train_dir`)."""
+    model_card = saved_architecture(train_dir).part("model_card")
     dest = Path(dest or ASSETS / f"organism-{name}")
     dest.mkdir(parents=True, exist_ok=True)
-    for f in HF_FILES:
+    for f in HF_FILES:  # the ones the run wrote (organism-qwen draws no curves)
         if (Path(train_dir) / f).exists():
             shutil.copy2(Path(train_dir) / f, dest / f)
     (dest / "metrics.json").write_text(json.dumps(metrics, indent=1))

@@ -18,13 +18,13 @@ A :class:`HighResScene` keeps the native scene and where it sits on the canvas:
 Either way the canvas is rendered by the scene renderer itself (the same background, texture,
 shading and noise model, drawn at the canvas size), objects never overlap, and each object's
 mask and box are exact on the canvas. POPE questions come from the canvas scenes' COCO
-instances by the POPE rules (:func:`vlm_focus.organism.pope.pope_questions`).
+instances by the POPE rules (:func:`organism.pope.pope_questions`).
 
-    from vlm_focus.organism import highres
+    from organism import highres
     scenes = highres.highres_scenes(50, canvas=576)          # >= 3 objects each
     rows = highres.highres_pope(scenes, "adversarial")       # POPE rows on the canvas images
     image = scenes[0].image()                                # [576, 576, 3] uint8
-    python -m vlm_focus.organism.highres write OUT --images 50 --canvas 576
+    python -m organism.highres write OUT --images 50 --canvas 576
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def write_highres(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m vlm_focus.organism.highres",
+        prog="python -m organism.highres",
         description="Write the high-resolution organism set (canvas PNGs, exact boxes, POPE).",
     )
     sub = parser.add_subparsers(dest="command", required=True)

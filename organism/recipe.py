@@ -6,15 +6,18 @@
 2. `cat_last`: projector + LM learn packed category-last questions (presence, where, relations),
    where the answer follows the last category token.
 3. `chat`: the standard chat template with presence, relation, where and caption turns.
-The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions.
-Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends first (see
-:mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
+The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions;
+organism-qwen (`qwen_recipe`, a :class:`QwenRecipe`) runs four stages of its own (see
+:mod:`.qwen_train`). Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends
+first (see :mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from .qwen_data import VIDEO_MIX
 from .scenes import CooccurPrior
 
 
@@ -58,12 +61,15 @@ class Recipe:
     prior: CooccurPrior | None = None
     name: str = ""
     tower_from: str = ""  # take the trained, frozen tower of this shipped organism
+    model_type: ClassVar[str] = "llava"  # the architecture's record in `loop.ARCHITECTURES`
 
 
-def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe:
-    """The shipped recipe; `scale` multiplies steps and minutes (e.g. 0.01 for a smoke run).
-    The smaller guide trains for half the time; the deep model learns the two-hop family
-    (`deep_recipe`)."""
+def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe | QwenRecipe:
+    """The shipped recipe of organism-``spec``; `scale` multiplies steps and minutes (e.g. 0.01
+    for a smoke run). The smaller guide trains for half the time; the deep model learns the
+    two-hop family (`deep_recipe`); "qwen" is organism-qwen's (`qwen_recipe`)."""
+    if spec == "qwen":
+        return qwen_recipe(scale)
     if spec == "deep":
         return deep_recipe(scale)
     if spec == "twohop-guide":
@@ -208,4 +214,52 @@ def _three_stages(
                 balance=balance,
             ),
         ],
+    )
+
+
+@dataclass
+class QwenRecipe:
+    """The stages and their task mixes: `video` is the share of clip rows, `image_mix`
+    weighs presence against relation questions and `video_mix` the clip questions (in the
+    category-last stage, where yes/no lookups come first, `cat_last_video_mix`);
+    `cat_last_share` keeps that share of chat-stage rows in the category-last form."""
+
+    stages: list[StageConfig]
+    video: float = 0.35
+    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.6, "relation": 0.4})
+    video_mix: dict[str, float] = field(default_factory=lambda: dict(VIDEO_MIX))
+    cat_last_video_mix: dict[str, float] = field(
+        default_factory=lambda: {"first": 0.2, "end": 0.35, "start": 0.35, "caption": 0.1}
+    )
+    cat_last_share: float = 0.3
+    seed: int = 0
+    eval_every: int = 200
+    vision_from: str = ""  # a `vision.pt` of an earlier run: skip the vision stage, take its tower
+    model_type: ClassVar[str] = "qwen2_5_vl"  # the architecture's record in `loop.ARCHITECTURES`
+
+
+def qwen_recipe(scale: float = 1.0) -> QwenRecipe:
+    """The shipped recipe: 10 + 4 + 11 + 28 = 53 minutes on 2 cores; `scale` multiplies steps
+    and minutes (0.01 for a smoke run). The `presence` stage is category-last presence questions
+    on images alone: the lookup a from-scratch LM learns first, before the task mix."""
+    names = ("vision", "presence", "cat_last", "chat")
+    minutes, steps = (10.0, 4.0, 11.0, 28.0), (3000, 1000, 4000, 10000)
+    lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (8, 10), (1, 1))
+    mixes = ({}, {"video": 0.0, "presence": 1.0}, {}, {})
+    relation = (0.0, 1.0, 1.0, 1.0)  # the circuit losses (`CircuitProbe`), in the LM stages
+    return QwenRecipe(
+        stages=[
+            StageConfig(
+                n,
+                max(int(s * scale), 2),
+                max(m * scale, 0.05),
+                lr,
+                turns=t,
+                mix=mix,
+                relation_weight=r,
+            )
+            for n, s, m, lr, t, mix, r in zip(
+                names, steps, minutes, lrs, turns, mixes, relation, strict=True
+            )
+        ]
     )

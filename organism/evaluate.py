@@ -1,4 +1,7 @@
-"""Held-out measurements of an organism model (greedy decoding, standard chat template).
+"""Held-out measurements of a LLaVA-shaped organism (greedy decoding, standard chat template);
+the two-hop family's are in :mod:`.evaluate_twohop`, the co-occurrence prior's in
+:mod:`.evaluate_cooccur` and organism-qwen's in :mod:`.qwen_eval`, all asked through
+:mod:`.answering`.
 
 Every answer comes from the evaluations' :class:`~vlm_focus.eval.generation.Generator`, and every
 yes/no question family (POPE, relations, two-hop yes/no, the pruning retention) is answered and
@@ -29,86 +32,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
-from ..config import FocusConfig
-from ..eval.generation import Generator
-from ..eval.pope import PopeResult
-from ..eval.pope import evaluate as evaluate_pope
-from ..loading import build_inputs, load_model
-from ..setting import RunSetting
+from vlm_focus.config import FocusConfig
+from vlm_focus.loading import load_model
+
+from .answering import QUESTION_SEED, answer, model_inputs, pope_rows, yes_no
+from .evaluate_cooccur import cooccur_eval
+from .evaluate_twohop import (
+    fixed_two_hop_eval,
+    two_hop_diagnostics,
+    two_hop_eval,
+    two_hop_pope,
+    two_hop_pruning,
+)
 from .pope import SPLITS, pope_eligible, pope_questions
-from .scenes import CATEGORIES, POSITIONS, Scene, heldout_scenes
+from .scenes import CATEGORIES, POSITIONS, Scene, generate_scene, heldout_scenes
 from .vocab import CAPTION_PROMPT, IMAGE, NO, TOKEN_ID, YES
-
-QUESTION_SEED = 777
-#: New tokens per short answer (the yes/no rule and the two-hop forms read the first word).
-ANSWER_TOKENS = 2
-BATCH = 32
-
-
-def _picture(scene: Scene) -> Image.Image:
-    return Image.fromarray(scene.image())
-
-
-def _inputs(processor, scenes: list[Scene], questions: list[str]) -> dict:
-    """Model inputs of (scene, question) rows in the chat template, for forward passes."""
-    return build_inputs(processor, [_picture(s) for s in scenes], list(questions))
-
-
-def answer(
-    model,
-    processor,
-    scenes,
-    questions,
-    max_new_tokens: int = ANSWER_TOKENS,
-    batch: int = BATCH,
-    setting: RunSetting | None = None,
-    guide=None,
-    guide_processor=None,
-) -> list[str]:
-    """Greedy answers to (scene, question) pairs through the evaluations' Generator, decoded
-    without special tokens; under ``setting`` (default: unpruned, ``max_new_tokens``), with
-    ``guide``/``guide_processor`` the guide model of a pruner that needs one."""
-    setting = setting or RunSetting(max_new_tokens=max_new_tokens)
-    generator = Generator(model, processor, setting, guide=guide, guide_processor=guide_processor)
-    out: list[str] = []
-    for i in range(0, len(questions), batch):
-        pictures = [_picture(s) for s in scenes[i : i + batch]]
-        out += generator(pictures, list(questions[i : i + batch]))[0]
-    return out
-
-
-def _rows(scenes: list[Scene], questions: list[str], labels: list[str], split: str | None = None):
-    """POPE rows of (scene, question, yes/no label) triples, the image named as the held-out
-    set's files are."""
-    rows = []
-    for i, (s, q, a) in enumerate(zip(scenes, questions, labels, strict=True)):
-        row = {"question_id": i, "image_id": s.seed, "image": f"scene_{s.seed}.png"}
-        rows.append({**row, "text": q, "label": a, **({"split": split} if split else {})})
-    return rows
-
-
-def _yes_no(
-    model, processor, rows: list[dict], scenes: list[Scene], focus: FocusConfig | None = None
-) -> PopeResult:
-    """:func:`vlm_focus.eval.pope.evaluate` of POPE rows on their scenes (no prompt suffix,
-    short greedy answers), pruned by ``focus`` if given."""
-    by_seed = {s.seed: s for s in scenes}
-    return evaluate_pope(
-        model,
-        processor,
-        rows,
-        RunSetting(focus=focus, max_new_tokens=ANSWER_TOKENS),
-        images=lambda row: _picture(by_seed[row["image_id"]]),
-        suffix="",
-        batch_size=BATCH,
-    )
 
 
 def relation_set(n: int) -> tuple[list[Scene], list[str], list[str]]:
     """Fixed held-out relation questions: one per multi-object scene, balanced by construction."""
-    from .data import relation_qa
+    from .questions import relation_qa
 
     rng = np.random.default_rng(QUESTION_SEED)
     scenes, questions, labels = [], [], []
@@ -128,7 +72,7 @@ def pope_eval(model, processor, n_images: int) -> dict:
     answered once."""
     scenes = pope_eligible(n_images)
     rows = [{**r, "split": split} for split in SPLITS for r in pope_questions(scenes, split)]
-    result = _yes_no(model, processor, rows, scenes)
+    result = yes_no(model, processor, rows, scenes)
     out: dict = {split: result.scores(split) for split in SPLITS}
     out["prompt"] = "USER: <image>\\n{question} ASSISTANT: (no suffix)"
     return out
@@ -136,7 +80,7 @@ def pope_eval(model, processor, n_images: int) -> dict:
 
 def relation_eval(model, processor, n: int = 400) -> dict:
     scenes, questions, labels = relation_set(n)
-    result = _yes_no(model, processor, _rows(scenes, questions, labels), scenes)
+    result = yes_no(model, processor, pope_rows(scenes, questions, labels), scenes)
     return result.scores()
 
 
@@ -213,7 +157,7 @@ def grounding_eval(model, processor, n: int = 200) -> dict:
         target = s.objects[int(rng.integers(len(s.objects)))]
         from .vocab import presence_question
 
-        inputs = _inputs(processor, [s], [presence_question(target.name)])
+        inputs = model_inputs(processor, [s], [presence_question(target.name)])
         out = eager(**inputs, output_attentions=True)
         ids = inputs["input_ids"][0]
         img = (ids == IMAGE).nonzero().squeeze(1)
@@ -258,7 +202,7 @@ def grounding_eval(model, processor, n: int = 200) -> dict:
 @torch.no_grad()
 def logit_lens(model, processor, kind: str, n: int = 300) -> list[dict]:
     """Per layer, accuracy of yes/no read from the last prompt position through norm + lm_head."""
-    from .data import presence_qa
+    from .questions import presence_qa
 
     if kind == "relation":
         scenes, questions, labels = relation_set(n)
@@ -280,7 +224,7 @@ def logit_lens(model, processor, kind: str, n: int = 300) -> list[dict]:
     try:
         for i in range(0, n, 32):
             captured.clear()
-            inputs = _inputs(processor, scenes[i : i + 32], questions[i : i + 32])
+            inputs = model_inputs(processor, scenes[i : i + 32], questions[i : i + 32])
             model(**inputs)
             gold = torch.tensor([YES if a == "yes" else NO for a in labels[i : i + 32]])
             for layer, h in enumerate(captured):
@@ -296,7 +240,7 @@ def logit_lens(model, processor, kind: str, n: int = 300) -> list[dict]:
 def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     """Accuracy retained under `vlm_focus.wrap` pruning: fastv vs random, yes/no at layer 0 and
     relations at layer 0 and 2 (queries: all text after the image)."""
-    from .data import presence_qa
+    from .questions import presence_qa
 
     rng = np.random.default_rng(QUESTION_SEED + 3)
     pres_scenes = heldout_scenes(n)
@@ -307,15 +251,15 @@ def pruning_eval(model, processor, n: int = 300, keep: float = 0.11) -> dict:
     }
     out: dict = {"keep": keep, "query": "text", "reduce": "mean"}  # the cards' setting
     for task, (scenes, questions, labels) in tasks.items():
-        rows = _rows(scenes, questions, labels)
-        base = _yes_no(model, processor, rows, scenes).scores()["accuracy"]
+        rows = pope_rows(scenes, questions, labels)
+        base = yes_no(model, processor, rows, scenes).scores()["accuracy"]
         out[task] = {"full_accuracy": base}
         for layer in [k for k in (0, 2) if k < model.config.text_config.num_hidden_layers]:
             for pruner in ("fastv", "random"):
                 focus = FocusConfig(
                     pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean"
                 )
-                acc = _yes_no(model, processor, rows, scenes, focus).scores()["accuracy"]
+                acc = yes_no(model, processor, rows, scenes, focus).scores()["accuracy"]
                 out[task][f"{pruner}_layer{layer}_accuracy"] = acc
                 out[task][f"{pruner}_layer{layer}_retention"] = acc / max(base, 1e-9)
     return out
@@ -338,11 +282,11 @@ def fixed_eval(model, processor, reported: float | None) -> dict:
     from .export import fixed_questions
 
     rows = fixed_questions()
-    scenes = [_scene(r["image_id"]) for r in rows]
-    result = _yes_no(
+    scenes = [generate_scene(r["image_id"]) for r in rows]
+    result = yes_no(
         model,
         processor,
-        _rows(scenes, [r["text"] for r in rows], [r["label"] for r in rows]),
+        pope_rows(scenes, [r["text"] for r in rows], [r["label"] for r in rows]),
         scenes,
     )
     return {
@@ -353,16 +297,10 @@ def fixed_eval(model, processor, reported: float | None) -> dict:
     }
 
 
-def _scene(seed: int) -> Scene:
-    from .scenes import generate_scene
-
-    return generate_scene(seed)
-
-
 def where_eval(model, processor, n: int = 400) -> dict:
     """`Where is the X?` on held-out scenes: the answer must be the object's 3 x 3 position
     token. The majority baseline always answers the most common position."""
-    from .data import where_qa
+    from .questions import where_qa
 
     rng = np.random.default_rng(QUESTION_SEED)
     scenes = heldout_scenes(n)
@@ -372,185 +310,6 @@ def where_eval(model, processor, n: int = 400) -> dict:
     truth = [q.answer for q in qas]
     majority = max(truth.count(t) for t in set(truth)) / n
     return {"accuracy": float(np.mean(hits)), "majority_baseline": majority, "n": n}
-
-
-TWO_HOP_SEED = QUESTION_SEED + 20
-OPEN_FORMS = ("colour", "category", "shape")  # the family's three forms in the issue's words
-
-
-def two_hop_set(n: int, forms: tuple[str, ...] = OPEN_FORMS, negative: str = "", offset: int = 0):
-    """Fixed held-out two-hop questions: one per multi-object scene that has a unique answer,
-    the forms in turn (yes/no forms alternate yes and no). Returns (scenes, QAs)."""
-    from .data import two_hop_qa
-
-    rng = np.random.default_rng([TWO_HOP_SEED, offset])
-    scenes, qas = [], []
-    for s in heldout_scenes(4 * n + 100, min_objects=2):
-        k = len(qas)
-        qa = two_hop_qa(
-            s, rng, form=forms[k % len(forms)], positive=(k // len(forms)) % 2 == 0,
-            negative=negative,
-        )  # fmt: skip
-        if qa is not None:
-            scenes.append(s)
-            qas.append(qa)
-        if len(qas) == n:
-            break
-    return scenes, qas
-
-
-def _first_word(text: str) -> str:
-    return (text.split() or [""])[0]
-
-
-def two_hop_eval(model, processor, n: int = 300) -> dict:
-    """Two-hop accuracy (greedy; the first generated word must equal the answer), overall and
-    per form, with each form's chance level (always the commonest answer)."""
-    scenes, qas = two_hop_set(n)
-    answers = answer(model, processor, scenes, [q.question for q in qas])
-    hits = [_first_word(a) == q.answer for a, q in zip(answers, qas, strict=True)]
-    out: dict = {"accuracy": float(np.mean(hits)), "n": n, "per_form": {}}
-    for form in OPEN_FORMS:
-        idx = [i for i, q in enumerate(qas) if q.form == form]
-        truth = [qas[i].answer for i in idx]
-        out["per_form"][form] = {
-            "accuracy": float(np.mean([hits[i] for i in idx])),
-            "n": len(idx),
-            "majority_baseline": max(truth.count(t) for t in set(truth)) / len(idx),
-        }
-    out["examples"] = [
-        {"image_id": s.seed, "question": q.question, "answer": q.answer, "model": a}
-        for s, q, a in list(zip(scenes, qas, answers, strict=True))[:6]
-    ]
-    return out
-
-
-def two_hop_pope(model, processor, n: int = 300) -> dict:
-    """POPE-style yes/no on the two-hop family ("Is the object above the red_circle a
-    blue_square?"), half true; false ones name another object of the scene (adversarial), a
-    frequent absent category (popular) or any absent one (random)."""
-    rows, scenes = [], []
-    for k, split in enumerate(SPLITS):
-        split_scenes, qas = two_hop_set(n, forms=("is_category",), negative=split, offset=k + 1)
-        questions, labels = [q.question for q in qas], [q.answer for q in qas]
-        rows += _rows(split_scenes, questions, labels, split)
-        scenes += split_scenes
-    result = _yes_no(model, processor, rows, scenes)
-    return {split: result.scores(split) for split in SPLITS}
-
-
-def _candidates(form: str) -> torch.Tensor:
-    from .scenes import COLOURS
-
-    words = {"colour": list(COLOURS), "category": list(CATEGORIES)}.get(form, ["yes", "no"])
-    return torch.tensor([TOKEN_ID[w] for w in words])
-
-
-@torch.no_grad()
-def two_hop_diagnostics(model, processor, n: int = 200) -> dict:
-    """Per layer, at the answer position (the last prompt token) of held-out two-hop questions:
-
-    - logit lens: accuracy of the answer read through the final norm and lm_head after the
-      layer, the argmax over the form's candidate answers (colours, categories or yes/no);
-    - attention: the mass that position puts on the hop-2 object's patches and on the anchor's,
-      head mean and the best head, and the hop-2 object's share of the mass on image tokens
-      against its share of the patches (what uniform attention gives).
-    """
-    from .data import object_patches
-
-    eager = (
-        type(model)
-        .from_pretrained(model.name_or_path, dtype=torch.float32, attn_implementation="eager")
-        .eval()
-    )
-    scenes, qas = two_hop_set(n)
-    lm = eager.model.language_model
-    n_layers = len(lm.layers)
-    patch = eager.config.vision_config.patch_size
-    lens = np.zeros(n_layers)
-    target_mass = np.zeros((n_layers, eager.config.text_config.num_attention_heads))
-    anchor_mass = np.zeros_like(target_mass)
-    share, chance = np.zeros(n_layers), []
-    for i in range(0, n, 16):
-        inputs = _inputs(processor, scenes[i : i + 16], [q.question for q in qas[i : i + 16]])
-        out = eager(**inputs, output_attentions=True, output_hidden_states=True)
-        for b, (s, qa) in enumerate(zip(scenes[i : i + 16], qas[i : i + 16], strict=True)):
-            ids = inputs["input_ids"][b]
-            img = (ids == IMAGE).nonzero().squeeze(1)
-            cand = _candidates(qa.form)
-            gold = TOKEN_ID[qa.answer]
-            tmask = torch.from_numpy(object_patches(s, qa.objects[1], patch))
-            amask = torch.from_numpy(object_patches(s, qa.objects[0], patch))
-            chance.append(float(tmask.float().mean()))
-            for layer in range(n_layers):
-                h = out.hidden_states[layer + 1][b, -1]
-                logits = eager.lm_head(lm.norm(h))
-                lens[layer] += int(cand[logits[cand].argmax()]) == gold
-                att = out.attentions[layer][b, :, -1, img]  # [H, N]
-                target_mass[layer] += att[:, tmask].sum(1).numpy()
-                anchor_mass[layer] += att[:, amask].sum(1).numpy()
-                mean = att.mean(0)
-                share[layer] += float(mean[tmask].sum() / mean.sum().clamp(min=1e-12))
-    rows = []
-    for layer in range(n_layers):
-        best = int(target_mass[layer].argmax())
-        rows.append(
-            {
-                "layer": layer,
-                "logit_lens_accuracy": float(lens[layer] / n),
-                "target_mass_head_mean": float(target_mass[layer].mean() / n),
-                "anchor_mass_head_mean": float(anchor_mass[layer].mean() / n),
-                "best_head": best,
-                "target_mass_best_head": float(target_mass[layer, best] / n),
-                "target_share_of_image_mass": float(share[layer] / n),
-            }
-        )
-    return {"n": n, "target_patch_share": float(np.mean(chance)), "per_layer": rows}
-
-
-def two_hop_pruning(model, processor, n: int = 300, keep: float = 0.11) -> dict:
-    """Two-hop accuracy retained under `vlm_focus.wrap` pruning at K = 2 and K = 4 (those the
-    model has): fastv against random (queries: all text after the image)."""
-    scenes, qas = two_hop_set(n)
-    questions = [q.question for q in qas]
-
-    def accuracy(focus: FocusConfig | None = None) -> float:
-        setting = RunSetting(focus=focus, max_new_tokens=ANSWER_TOKENS)
-        answers = answer(model, processor, scenes, questions, setting=setting)
-        return float(
-            np.mean([_first_word(a) == q.answer for a, q in zip(answers, qas, strict=True)])
-        )
-
-    full = accuracy()
-    out: dict = {"keep": keep, "query": "text", "reduce": "mean", "n": n, "full_accuracy": full}
-    depth = model.config.text_config.num_hidden_layers
-    for layer in (k for k in (2, 4) if k < depth):
-        for pruner in ("fastv", "random"):
-            acc = accuracy(
-                FocusConfig(pruner=pruner, keep=keep, layer=layer, query_rows="text", reduce="mean")
-            )
-            out[f"{pruner}_layer{layer}_accuracy"] = acc
-            out[f"{pruner}_layer{layer}_retention"] = acc / max(full, 1e-9)
-    return out
-
-
-def fixed_two_hop_questions() -> list[dict]:
-    """20 fixed held-out two-hop questions (the shipped deep model's test set)."""
-    scenes, qas = two_hop_set(20, offset=99)
-    return [
-        {"image_id": s.seed, "text": q.question, "label": q.answer, "form": q.form}
-        for s, q in zip(scenes, qas, strict=True)
-    ]
-
-
-def fixed_two_hop_eval(model, processor) -> dict:
-    """The deep model's 20 fixed two-hop questions, its answers and accuracy on them."""
-    rows = fixed_two_hop_questions()
-    answers = answer(
-        model, processor, [_scene(r["image_id"]) for r in rows], [r["text"] for r in rows]
-    )
-    acc = float(np.mean([_first_word(a) == r["label"] for a, r in zip(answers, rows, strict=True)]))
-    return {"reported_accuracy": acc, "kind": "twohop", "questions": rows, "answers": answers}
 
 
 TWO_HOP = ("twohop", "twohop_pope", "twohop_diagnostics", "twohop_pruning")
@@ -633,7 +392,7 @@ def category_query_pruning(path: Path, n: int = 300, keep: float = 0.11) -> dict
     keeps its original position, which is what pruning before the first layer computes. The
     answer is the greedy first token ('no' only when it is the `no` token, as POPE parses it).
     """
-    from .data import presence_qa
+    from .questions import presence_qa
 
     model, processor = load_model(str(path), attn_implementation="eager")
     rng = np.random.default_rng(QUESTION_SEED + 4)
@@ -642,7 +401,7 @@ def category_query_pruning(path: Path, n: int = 300, keep: float = 0.11) -> dict
     qas = [presence_qa(s, rng, positive=i % 2 == 0) for i, s in enumerate(scenes)]
     correct = {"full": 0, "attention": 0, "random": 0}
     for s, qa in zip(scenes, qas, strict=True):
-        inputs = _inputs(processor, [s], [qa.question])
+        inputs = model_inputs(processor, [s], [qa.question])
         ids = inputs["input_ids"][0]
         positions = torch.arange(len(ids))[None]
         out = model(**inputs, position_ids=positions, output_attentions=True)
@@ -679,114 +438,3 @@ def _category_word(question: str) -> str:
 
 
 # --- co-occurrence hallucination (organism-cooccur) ------------------------------------------
-
-#: Probe scenes per set: calibration scenes choose settings, held-out scenes are reported.
-COOCCUR_IMAGES = 200
-
-
-def cooccur_set(n: int = COOCCUR_IMAGES, calibration: bool = False, prior=None):
-    """(scenes, POPE rows) of the co-occurrence probe: ``n`` scenes holding an anchor without its
-    companion (`scenes.cooccur_probe_scenes`, from the held-out or calibration seeds) and their
-    present / cooccur / other questions (`data.cooccur_pope_rows`)."""
-    from .data import cooccur_pope_rows
-    from .scenes import (
-        COOCCUR_CALIBRATION_SEED_BASE,
-        COOCCUR_HELDOUT_SEED_BASE,
-        CooccurPrior,
-        cooccur_probe_scenes,
-    )
-
-    prior = prior or CooccurPrior()
-    first = COOCCUR_CALIBRATION_SEED_BASE if calibration else COOCCUR_HELDOUT_SEED_BASE
-    scenes = cooccur_probe_scenes(first, n, prior)
-    return scenes, cooccur_pope_rows(scenes, prior, seed=QUESTION_SEED)
-
-
-def cooccur_scores(records: list[dict]) -> dict:
-    """Scores of answered co-occurrence rows (each with ``split`` and ``pred``/``label``):
-
-    - ``precision_cooccur`` = TP / (TP + FP on the cooccur questions) and ``precision_other`` =
-      TP / (TP + FP on the other questions): the same present-object questions (TP), and as
-      many absent-object questions each, so they differ only in which absent objects are asked;
-    - ``gap`` = precision_other - precision_cooccur;
-    - ``fpr_cooccur`` / ``fpr_other``: the share of yes on each set of absent-object questions;
-    - ``recall`` (present questions), ``f1`` and ``accuracy`` over every row, and the
-      ``yes_ratio`` = share of predicted yes over every row."""
-    from ..eval.metrics import pope_metrics
-
-    by = {k: [r for r in records if r["split"] == k] for k in ("present", "cooccur", "other")}
-
-    def scores(rows: list[dict]) -> dict:
-        return pope_metrics([r["label"] for r in rows], [r["pred"] for r in rows])
-
-    out = {k: v for k, v in scores(records).items() if k != "n"}
-    for k in ("cooccur", "other"):
-        out[f"precision_{k}"] = scores(by["present"] + by[k])["precision"]
-        out[f"fpr_{k}"] = scores(by[k])["yes_ratio"]  # every one of them is a "no"
-    out["unparseable"] = sum(not r.get("parseable", True) for r in records)
-    out["n"] = {k: len(v) for k, v in by.items()}
-    out["gap"] = out["precision_other"] - out["precision_cooccur"]
-    return out
-
-
-def cooccur_captions(scenes: list[Scene], captions: list[str], prior=None) -> dict:
-    """CHAIR (`vlm_focus.eval.chair`) of captions of the probe scenes against their exact
-    objects, and ``companion_rate``: the share of captions that name an absent companion of an
-    anchor in the scene."""
-    from ..eval.chair import ObjectWords, chair_metrics, extract_objects
-    from .scenes import CooccurPrior, unmet_companions
-
-    prior = prior or CooccurPrior()
-    table = ObjectWords.for_categories(CATEGORIES)
-    caps = {s.seed: c for s, c in zip(scenes, captions, strict=True)}
-    truth = {s.seed: {o.name for o in s.objects} for s in scenes}
-    out = chair_metrics(caps, truth, table)
-    named = 0
-    for s, c in zip(scenes, captions, strict=True):
-        said = set(extract_objects(c, table))
-        named += any(CATEGORIES[b] in said for _, b in unmet_companions(s, prior))
-    out["companion_rate"] = named / max(len(scenes), 1)
-    return out
-
-
-def cooccur_eval(
-    model,
-    processor,
-    n: int = COOCCUR_IMAGES,
-    setting: RunSetting | None = None,
-    calibration: bool = False,
-    captions: bool = True,
-    progress: bool | str = False,
-) -> dict:
-    """The co-occurrence probe under ``setting`` (default: unpruned, unmitigated): POPE scores
-    (`cooccur_scores`, no prompt suffix, greedy) and, with ``captions``, CHAIR of the captions
-    (`cooccur_captions`, 24 new tokens) under the same pruning and mitigation."""
-    import dataclasses
-
-    setting = setting or RunSetting()
-    scenes, rows = cooccur_set(n, calibration)
-    by_seed = {s.seed: s for s in scenes}
-    result = evaluate_pope(
-        model,
-        processor,
-        rows,
-        dataclasses.replace(setting, max_new_tokens=ANSWER_TOKENS),
-        images=lambda row: _picture(by_seed[row["image_id"]]),
-        suffix="",
-        batch_size=BATCH,
-        progress=progress,
-    )
-    for row, record in zip(rows, result.records, strict=True):
-        record["split"] = row["split"]
-    out = {"pope": cooccur_scores(result.records), "setting": setting.describe(), "images": n}
-    if captions:
-        caps = answer(
-            model,
-            processor,
-            scenes,
-            [CAPTION_PROMPT] * len(scenes),
-            setting=dataclasses.replace(setting, max_new_tokens=24),
-        )
-        out["chair"] = cooccur_captions(scenes, caps)
-        out["examples"] = [{"image_id": s.seed, "caption": c} for s, c in zip(scenes[:3], caps)]
-    return out

@@ -1,38 +1,23 @@
-"""Training loop of the organism VLMs (CPU, the stages of a :mod:`.recipe`).
+"""Training of the LLaVA-shaped organisms (``LlavaForConditionalGeneration``: CLIP tower,
+projector, Llama LM), the stages of a :class:`.recipe.Recipe` run through :func:`.loop.run_stage`.
 
 `train` runs a recipe from scratch: `train_vision` for the `vision` stage, then `train_lm` for
 the language stages, with the auxiliary losses of :mod:`.losses` that the stage weights switch
-on. Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends first; the
-learning rate follows a cosine over the larger of these fractions, so a slower machine still
-ends its schedule (with fewer steps). CPU seconds are logged beside wall seconds to show how
-much of the two cores the run got. Steps run under bf16 autocast where the CPU multiplies bf16
-faster than float32, and in float32 elsewhere (:func:`training_dtype`).
+on. Finished stages are checkpointed and skipped on a rerun.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .data import (
-    IGNORE,
-    Batcher,
-    cat_last_ids,
-    chat_ids,
-    pad,
-    pixel_values,
-    presence_qa,
-    relation_qa,
-    two_hop_qa,
-)
+from .data import Batcher, cat_last_ids, chat_ids, pad, pixel_values
+from .loop import Clock, autocast, prefetch, run_stage, training_dtype
 from .losses import (
     HopProbe,
     PatchHead,
@@ -44,97 +29,16 @@ from .losses import (
     pointer_loss,
     relation_loss,
 )
+from .questions import IGNORE, presence_qa, relation_qa, two_hop_qa
 from .recipe import Recipe, StageConfig
 from .scenes import CATEGORIES, generate_scene
 from .vocab import IMAGE, NO, PAD, SPECS, TOKEN_ID, YES, OrganismSpec, build_config, build_processor
-
-
-class _Stream(torch.utils.data.IterableDataset):
-    """Endless batches from `make()`, built in a worker process so that drawing overlaps compute."""
-
-    def __init__(self, make) -> None:
-        super().__init__()
-        self.make = make
-
-    def __iter__(self):
-        while True:
-            yield self.make()
-
-
-def _prefetch(make):
-    """Iterator over `make()` results, produced one step ahead by a single worker process."""
-    loader = torch.utils.data.DataLoader(
-        _Stream(make),
-        batch_size=None,
-        num_workers=1,
-        prefetch_factor=2,
-        worker_init_fn=lambda _: torch.set_num_threads(1),
-    )
-    return iter(loader)
 
 
 def tower_features(model, pixels: torch.Tensor) -> torch.Tensor:
     """The features LLaVA projects: last hidden state of the tower without CLS, `[B, N, D]`."""
     out = model.model.vision_tower(pixels, output_hidden_states=True)
     return out.hidden_states[-1][:, 1:]
-
-
-class _Clock:
-    """Wall-clock and process CPU seconds since construction."""
-
-    def __init__(self) -> None:
-        self.wall0, self.cpu0 = time.time(), time.process_time()
-
-    def wall(self) -> float:
-        return time.time() - self.wall0
-
-    def cpu(self) -> float:
-        return time.process_time() - self.cpu0
-
-
-def _frac(stage: StageConfig, step: int, clock: _Clock) -> float:
-    return max(step / stage.steps, clock.wall() / (60 * stage.minutes))
-
-
-def _lr(stage: StageConfig, step: int, clock: _Clock) -> float:
-    warm = min(1.0, (step + 1) / stage.warmup)
-    return stage.lr * warm * 0.5 * (1 + math.cos(math.pi * min(_frac(stage, step, clock), 1.0)))
-
-
-@functools.cache
-def training_dtype() -> torch.dtype:
-    """bfloat16 where this CPU multiplies it faster than float32 (native bf16 units), else
-    float32: without them, bf16 autocast is emulated and runs tens of times slower."""
-    a = torch.randn(384, 384)
-
-    def seconds(bf16: bool) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            a @ a  # warm-up
-            start = time.perf_counter()
-            for _ in range(4):
-                a @ a
-            return time.perf_counter() - start
-
-    return torch.bfloat16 if seconds(True) < seconds(False) else torch.float32
-
-
-def _autocast() -> contextlib.AbstractContextManager:
-    """The training steps' precision (:func:`training_dtype`)."""
-    if training_dtype() == torch.bfloat16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _done(stage: StageConfig, step: int, clock: _Clock) -> bool:
-    return _frac(stage, step, clock) >= 1.0
-
-
-def _descend(opt: torch.optim.Optimizer, params: list, loss: torch.Tensor) -> None:
-    """One optimiser step on `loss`, gradients clipped to norm 1."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
 
 
 class Probe:
@@ -162,7 +66,7 @@ class Probe:
         build = cat_last_ids if form == "cat_last" else chat_ids
         ids, labels = zip(*(build([q], self.n_visual) for _, q in pairs), strict=True)
         input_ids, lab = pad(list(ids), PAD), pad(list(labels), IGNORE)
-        with _autocast():
+        with autocast():
             logits = model(
                 input_ids=input_ids,
                 attention_mask=(input_ids != PAD).long(),
@@ -200,27 +104,23 @@ def train_vision(
     tower = model.model.vision_tower
     head = PatchHead(spec.vision_hidden, spec.grid)
     params = list(tower.parameters()) + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
     weight = patch_weights(stage.balance)
-    t0, step = _Clock(), 0
+    clock = Clock()
     tower.train()
-    stream = _prefetch(functools.partial(batcher.dense, stage.batch))
-    while not _done(stage, step, t0):
-        for group in opt.param_groups:
-            group["lr"] = _lr(stage, step, t0)
-        pixels, labels = next(stream)
-        with _autocast():
+    stream = prefetch(functools.partial(batcher.dense, stage.batch))
+
+    def step(batch) -> tuple[torch.Tensor, dict]:
+        pixels, labels = batch
+        with autocast():
             cat, row, col = head(tower_features(model, pixels))
         cat, row, col = cat.float(), row.float(), col.float()
         loss = patch_loss(cat, row, col, labels, weight)
-        _descend(opt, params, loss)
-        step += 1
-        if step % log_every == 0 or _done(stage, step, t0):
-            mask = labels > 0
-            acc = (
-                float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
-            )
-            log(stage.name, step, t0, {"loss": loss.item(), "object_patch_acc": acc})
+        mask = labels > 0
+        acc = float((cat.argmax(-1)[mask] == labels[mask]).float().mean()) if mask.any() else 0.0
+        return loss, {"loss": loss.item(), "object_patch_acc": acc}
+
+    # an empty probe: the record is logged every `log_every` steps and at the end
+    run_stage(stage, params, stream, step, log, probe=dict, every=log_every, clock=clock)
     for p in tower.parameters():
         p.requires_grad_(False)
     tower.eval()
@@ -235,7 +135,7 @@ def init_category_embeddings(model, spec: OrganismSpec, batcher: Batcher, batche
     counts = torch.zeros(n)
     for _ in range(batches):
         pixels, labels = batcher.dense(32)
-        with _autocast():
+        with autocast():
             proj = model.model.multi_modal_projector(tower_features(model, pixels)).float()
         for c in range(n):
             hit = labels == c + 1
@@ -269,8 +169,7 @@ def train_lm(
     if stage.hop_weight:
         hop_probe = HopProbe(model.config.text_config.hidden_size)
         params += list(hop_probe.parameters())
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=0.01)
-    t0, step = _Clock(), 0
+    clock = Clock()
     model.train()
     model.model.vision_tower.eval()
     form = stage.name
@@ -285,13 +184,11 @@ def train_lm(
         stage.query_labels,
         stage.balance,
     )
-    stream = _prefetch(make)
+    stream = prefetch(make)
     if stage.copy_weight or stage.relation_weight or stage.pointer_weight or stage.hop_weight:
         model.set_attn_implementation("eager")  # the auxiliary losses read attention probabilities
-    while not _done(stage, step, t0):
-        for group in opt.param_groups:
-            group["lr"] = _lr(stage, step, t0)
-        batch = next(stream)
+
+    def step(batch: dict) -> tuple[torch.Tensor, dict]:
         targets = batch.pop("copy_targets")
         places, relations = batch.pop("position_targets"), batch.pop("relation_targets")
         pointers, pointer_masks = batch.pop("pointer_targets"), batch.pop("pointer_masks")
@@ -300,7 +197,7 @@ def train_lm(
         relate = relation_probe is not None and len(places) + len(relations) > 0
         point = stage.pointer_weight and len(pointers) > 0
         hop = hop_probe is not None and len(hops) > 0
-        with _autocast():
+        with autocast():
             attend = bool(copy or relate or point or hop)
             out = model(**batch, output_attentions=attend, output_hidden_states=relate or hop)
         loss = out.loss
@@ -326,16 +223,25 @@ def train_lm(
             point_loss = pointer_loss(out.attentions, pointers, pointer_masks)
             loss = loss + stage.pointer_weight * point_loss
             record["pointer_loss"] = point_loss.item()
-        _descend(opt, params, loss)
-        step += 1
-        if probe is not None and (step % every == 0 or _done(stage, step, t0)):
-            record.update({f"probe_{k}": v for k, v in probe(model, form).items()})
-            if stage.cat_last_share > 0:
-                cat = probe(model, "cat_last")
-                record.update({f"probe_cat_last_{k}": v for k, v in cat.items()})
-            log(stage.name, step, t0, record)
-        elif step % log_every == 0:
-            log(stage.name, step, t0, record)
+        return loss, record
+
+    def probed() -> dict:
+        record = {f"probe_{k}": v for k, v in probe(model, form).items()}
+        if stage.cat_last_share > 0:
+            record |= {f"probe_cat_last_{k}": v for k, v in probe(model, "cat_last").items()}
+        return record
+
+    run_stage(
+        stage,
+        params,
+        stream,
+        step,
+        log,
+        probe=None if probe is None else probed,
+        every=every,
+        log_every=log_every,
+        clock=clock,
+    )
     model.set_attn_implementation("sdpa")
 
 
@@ -344,7 +250,7 @@ def _tower_checkpoint(model, source: str, ckpt: Path) -> None:
     size): its frozen tower, and its vision stage's time, which counts towards this run's."""
     from transformers import LlavaForConditionalGeneration
 
-    from ..asset_paths import ASSETS
+    from vlm_focus.asset_paths import ASSETS
 
     folder = ASSETS / f"organism-{source}"
     shipped = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
@@ -374,7 +280,7 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
 
     base_summary = None
     if recipe.base:  # fine-tune a shipped organism: its tower stays frozen
-        from ..asset_paths import ASSETS
+        from vlm_focus.asset_paths import ASSETS
 
         base = ASSETS / f"organism-{recipe.base}"
         model = LlavaForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
@@ -392,7 +298,7 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     if log_path.exists():
         history = [json.loads(line) for line in log_path.read_text().splitlines() if line]
 
-    def log(stage: str, step: int, clock: _Clock, values: dict) -> None:
+    def log(stage: str, step: int, clock: Clock, values: dict) -> None:
         row = {"stage": stage, "step": step, "seconds": round(clock.wall(), 1)}
         row |= {"cpu_seconds": round(clock.cpu(), 1), **values}
         history.append(row)
@@ -421,7 +327,7 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
             continue
         history[:] = [h for h in history if h["stage"] != stage.name]
         log_path.write_text("".join(json.dumps(h) + "\n" for h in history))
-        clock = _Clock()
+        clock = Clock()
         if stage.name == "vision":
             train_vision(model, spec, stage, batcher, log)
         else:
