@@ -22,16 +22,16 @@ import torch
 from prefill import machine
 
 import vlm_focus as vf
-from vlm_focus.model_adapters.tiny import tiny_model
+from vlm_focus.model_adapters.tiny import IMAGE, VISION_END, VISION_START, tiny_model
 from vlm_focus.timing import prefill_fn
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 1024, 8, 16, 8, 64, 2816, 32000
-IMAGE, VIDEO, START, END = 31990, 31991, 31992, 31993
 GRID = (1, 64, 64)  # temporal, height, width patches -> 1,024 merged visual tokens
 PROMPT_TEXT = 40
 
 
 def build_model() -> torch.nn.Module:
+    """The tiny Qwen3-VL (its token ids, interleaved M-RoPE, DeepStack) at the shape above."""
     return tiny_model(
         "qwen3_vl",
         text=dict(
@@ -42,12 +42,7 @@ def build_model() -> torch.nn.Module:
             num_attention_heads=HEADS,
             num_key_value_heads=KV_HEADS,
             head_dim=HEAD_DIM,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1e6,
-                "mrope_section": [12, 10, 10],
-                "mrope_interleaved": True,
-            },
+            rope_parameters={"rope_theta": 1e6, "mrope_section": [12, 10, 10]},  # 32 = Dh / 2
         ),
         vision=dict(
             hidden_size=64,
@@ -55,10 +50,6 @@ def build_model() -> torch.nn.Module:
             out_hidden_size=HIDDEN,
             num_position_embeddings=256,
         ),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
     )
 
 
@@ -66,9 +57,10 @@ def build_inputs() -> tuple[dict, int]:
     gen = torch.Generator().manual_seed(0)
     t, h, w = GRID
     n_visual = t * h * w // 4
-    before = torch.randint(2, 30000, (PROMPT_TEXT // 2,), generator=gen)
-    after = torch.randint(2, 30000, (PROMPT_TEXT - PROMPT_TEXT // 2,), generator=gen)
-    image = torch.tensor([START] + [IMAGE] * n_visual + [END])
+    text = VISION_END + 1  # text tokens: above the tiny vocabulary's special ids
+    before = torch.randint(text, VOCAB, (PROMPT_TEXT // 2,), generator=gen)
+    after = torch.randint(text, VOCAB, (PROMPT_TEXT - PROMPT_TEXT // 2,), generator=gen)
+    image = torch.tensor([VISION_START] + [IMAGE] * n_visual + [VISION_END])
     ids = torch.cat([before, image, after])[None]
     return {
         "input_ids": ids,

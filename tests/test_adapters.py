@@ -105,6 +105,10 @@ def test_every_supported_class_has_a_tiny_config_and_others_are_named():
     assert tiny_types() == sorted(supported_models())
     config = tiny_config("llava", text=dict(num_hidden_layers=3))
     assert config.model_type == "llava" and config.text_config.num_hidden_layers == 3
+    rope = tiny_config("qwen3_vl", text=dict(rope_parameters={"rope_theta": 1e6}))
+    rope = rope.text_config.rope_parameters  # an override names only what it changes
+    assert rope["rope_theta"] == 1e6 and rope["mrope_interleaved"] is True
+    assert rope["mrope_section"] == [2, 3, 3]
     with pytest.raises(ValueError, match="model_type='gpt2' has no tiny config; allowed: llava"):
         tiny_config("gpt2")
 

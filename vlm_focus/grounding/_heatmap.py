@@ -2,9 +2,9 @@
 
 :func:`build_map` scatters per-token values of one image onto its views' grid cells. Where each
 view's grid sits in the original image is :mod:`vlm_focus.geometry`'s job
-(:func:`~vlm_focus.model_adapters.model_frames`). The pixel map is the attention *density* (mass
-per pixel), bilinearly interpolated between cell centres and summed over views, so it integrates
-to the mass the grid cells hold.
+(:meth:`~vlm_focus.model_adapters.ModelAdapter.frames`). The pixel map is the attention
+*density* (mass per pixel), bilinearly interpolated between cell centres and summed over views,
+so it integrates to the mass the grid cells hold.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ needs a larger shape passes overrides::
 
     tiny_model("qwen2_5_vl", text=dict(hidden_size=512, num_hidden_layers=8))
 
-``text`` and ``vision`` update the text and vision sub-configs, the other keywords the top-level
-config. The token ids of the tiny vocabulary (``IMAGE``, ``VIDEO``, ...) are module constants.
+``text`` and ``vision`` update the text and vision sub-configs (``rope_parameters`` key by key),
+the other keywords the top-level config. The token ids of the tiny vocabulary (``IMAGE``,
+``VIDEO``, ...) are module constants.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ _LLAMA = dict(
     bos_token_id=BOS,
     eos_token_id=EOS,
 )
+# Every tiny vision tower is 32 wide with a 64-wide MLP and 2 heads (the classes name the
+# depth and the heads their own way).
+_VISION = dict(hidden_size=32, intermediate_size=64)
 _CLIP = dict(
-    hidden_size=32,
-    intermediate_size=64,
+    _VISION,
     num_hidden_layers=2,
     num_attention_heads=2,
     image_size=32,
@@ -49,17 +52,15 @@ _QWEN2_TEXT = dict(
     _LLAMA,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
 )
+_QWEN_VISION = dict(
+    _VISION, num_heads=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3
+)
 _QWEN2_5_VISION = dict(
+    _QWEN_VISION,
     depth=2,
     embed_dim=32,
-    hidden_size=32,
-    num_heads=2,
     patch_size=4,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    in_channels=3,
     out_hidden_size=64,
-    intermediate_size=64,
     fullatt_block_indexes=[1],
     window_size=16,
 )
@@ -78,22 +79,12 @@ _QWEN3_TEXT = dict(
     _LLAMA,
     hidden_size=96,
     head_dim=16,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [2, 3, 3],
-        "mrope_interleaved": True,
-    },
+    rope_parameters={**_QWEN2_TEXT["rope_parameters"], "mrope_interleaved": True},
 )
 _QWEN3_VISION = dict(
+    _QWEN_VISION,
     depth=3,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
     patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    in_channels=3,
     out_hidden_size=96,
     num_position_embeddings=64,
     deepstack_visual_indexes=[0, 1, 2],
@@ -197,6 +188,16 @@ def _entry(model_type: str) -> _Tiny:
     return _TINY[model_type]
 
 
+def _updated(values: dict[str, Any], changes: dict[str, Any] | None) -> dict[str, Any]:
+    """``values`` with ``changes``; a dict field (``rope_parameters``) is updated key by key, so
+    an override names only what it changes."""
+    out = dict(values)
+    for key, value in (changes or {}).items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = {**out[key], **value} if both else value
+    return out
+
+
 def _sub_config(values: dict[str, Any], class_name: str | None) -> Any:
     return dict(values) if class_name is None else getattr(transformers, class_name)(**values)
 
@@ -209,11 +210,12 @@ def tiny_config(
     **overrides: Any,
 ) -> transformers.PreTrainedConfig:
     """The tiny config of ``model_type``; ``text`` and ``vision`` update its sub-configs'
-    fields, ``overrides`` its top-level fields (e.g. ``image_token_id``)."""
+    fields (a dict field such as ``rope_parameters`` key by key), ``overrides`` its top-level
+    fields (e.g. ``image_token_id``)."""
     entry = _entry(model_type)
     return getattr(transformers, entry.config)(
-        vision_config=_sub_config({**entry.vision, **(vision or {})}, entry.vision_class),
-        text_config=_sub_config({**entry.text, **(text or {})}, entry.text_class),
+        vision_config=_sub_config(_updated(entry.vision, vision), entry.vision_class),
+        text_config=_sub_config(_updated(entry.text, text), entry.text_class),
         **{**entry.fields, **overrides},
     )
 
