@@ -156,11 +156,12 @@ def test_the_layering_checks_find_what_they_look_for():
 
 
 #: The per-integration tables: facts about a model class that only one integration needs, one
-#: dict keyed by ``model_type`` (module -> the dict's name). Everywhere else a model class is
-#: asked of its adapter, never named.
+#: dict keyed by ``model_type`` (and beside it, the supported classes it leaves out, with the
+#: reason): module -> the dicts' names. Everywhere else a model class is asked of its adapter,
+#: never named.
 INTEGRATION_TABLES = {
-    "vlm_focus/integrations/lmms_eval.py": "DELEGATES",
-    "vlm_focus/integrations/vllm/__init__.py": "CLASSES",
+    "vlm_focus/integrations/lmms_eval.py": ("DELEGATES",),
+    "vlm_focus/integrations/vllm/__init__.py": ("MODELS", "NOT_SERVED"),
 }
 
 
@@ -174,14 +175,14 @@ def _strings(node: ast.AST) -> list[str]:
     return []
 
 
-def _table_keys(tree: ast.Module, name: str) -> set[int]:
-    """``id`` of each key node of the module-level dict literal assigned to ``name``."""
+def _table_keys(tree: ast.Module, names: tuple[str, ...]) -> set[int]:
+    """``id`` of each key node of the module-level dict literals assigned to ``names``."""
     keys = set()
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else None
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target = node.targets[0]
-        if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Dict):
+        if isinstance(target, ast.Name) and target.id in names and isinstance(node.value, ast.Dict):
             keys |= {id(k) for k in node.value.keys if k is not None}
     return keys
 
@@ -192,7 +193,7 @@ def model_type_strings(source: str, relative: str, model_types: set[str]) -> lis
     if relative.startswith("vlm_focus/model_adapters/"):
         return []
     tree = ast.parse(source)
-    allowed = _table_keys(tree, INTEGRATION_TABLES.get(relative, ""))
+    allowed = _table_keys(tree, INTEGRATION_TABLES.get(relative, ()))
     return [
         f"{relative}:{node.lineno} {node.value!r}"
         for node in ast.walk(tree)
@@ -252,7 +253,7 @@ def test_the_name_checks_find_what_they_look_for():
         "vlm_focus/x.py:2 'llava'",
     ]
     assert model_type_strings(code, "vlm_focus/model_adapters/llava.py", types) == []
-    INTEGRATION_TABLES["vlm_focus/y.py"] = "TABLE"
+    INTEGRATION_TABLES["vlm_focus/y.py"] = ("TABLE",)
     try:
         assert model_type_strings(code, "vlm_focus/y.py", types) == ["vlm_focus/y.py:2 'llava'"]
     finally:
