@@ -22,7 +22,7 @@ def __getattr__(name: str):
     """Subpackages, ``vf.ground`` and ``vf.mitigation_options`` are imported on first use, so
     ``import vlm_focus`` stays fast (``transformers`` and ``cv2`` load only when a feature
     needs them)."""
-    if name in ("grounding", "hallucination", "geometry", "zoom"):
+    if name in ("grounding", "hallucination", "geometry", "zoom", "integrations"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

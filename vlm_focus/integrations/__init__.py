@@ -6,10 +6,13 @@
   organism's held-out POPE splits, offline; POPE with the yes-ratio of the predictions), for
   ``--include_path $(python -m vlm_focus.integrations.lmms_eval_tasks)``;
 - :mod:`vlm_focus.integrations.model_args`: vlm_focus's options inside a harness's flat
-  ``key=value`` model arguments, checked before any weights load.
+  ``key=value`` model arguments, checked before any weights load;
+- :func:`support_matrix`: what each model class runs, from the adapters and the integrations'
+  tables (the README's matrix).
 """
 
 from .model_args import FocusArgs, focus_option_names, split_model_args
+from .support import support_matrix
 
 
 def lmms_eval_manifest():
@@ -33,4 +36,5 @@ __all__ = [
     "lmms_eval_manifest",
     "lmms_eval_tasks_path",
     "split_model_args",
+    "support_matrix",
 ]
