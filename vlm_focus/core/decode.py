@@ -14,12 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from .cache_lengths import held_length
 from .calls import CACHE_KEYS, CallState, cache_length, static_length
 from .fixation import FixedView
-from .prune_state import EngineSetup, PruneState
+from .prune_state import EngineSetup, LayerCall, PruneState
 from .slicing import decode_columns, mask_keys, on_device_of, slice_mask
 from .static_decode import StaticBuffers, check_room
 
@@ -80,32 +79,23 @@ class Decode:
         )
         return kwargs
 
-    def layer(
-        self,
-        state: PruneState,
-        index: int,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        kwargs: dict,
-        cache: Any,
-    ) -> dict:
-        """Layer ``index``'s kwargs in a decode step."""
+    def layer(self, state: PruneState, call: LayerCall) -> dict:
+        """The kwargs of a hooked layer's call in a decode step."""
         if state.fixation is not None:
-            return self._fixated(state, index, layer, hidden, kwargs, cache)
-        return self._masked(state, index, hidden, kwargs, cache)
+            return self._fixated(state, call)
+        return self._masked(state, call)
 
-    def _masked(
-        self, state: PruneState, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any
-    ) -> dict:
-        """The step's mask as layer ``index`` holds its keys: per buffer slot on a static
-        cache, else column-sliced, with this layer's masked prompt keys kept masked."""
+    def _masked(self, state: PruneState, call: LayerCall) -> dict:
+        """The step's mask as the layer holds its keys: per buffer slot on a static cache,
+        else column-sliced, with this layer's masked prompt keys kept masked."""
         if state.static:
-            return self.static.decode_layer(state, index, kwargs)
-        masked = state.masked_at.get(index)
+            return self.static.decode_layer(state, call.index, call.kwargs)
+        masked = state.masked_at.get(call.index)
+        hidden = call.hidden
         if masked is not None:  # this layer's masked prompt keys stay masked at every step
-            kwargs = dict(self._sliced(state, index, hidden, kwargs, cache))
+            kwargs = dict(self._sliced(state, call))
             mask = kwargs.get("attention_mask")
-            width = held_length(cache, index) + hidden.shape[1]
+            width = held_length(call.cache, call.index) + hidden.shape[1]
             kwargs["attention_mask"] = state.once(
                 "decode_masked",
                 mask,
@@ -113,18 +103,17 @@ class Decode:
                 lambda: mask_keys(mask, masked, hidden.shape[1], width),
             )
             return kwargs
-        return self._sliced(state, index, hidden, kwargs, cache)
+        return self._sliced(state, call)
 
     @staticmethod
-    def _sliced(
-        state: PruneState, index: int, hidden: torch.Tensor, kwargs: dict, cache: Any
-    ) -> dict:
-        """A decode step's mask, column-sliced to the keys layer ``index`` holds."""
+    def _sliced(state: PruneState, call: LayerCall) -> dict:
+        """A decode step's mask, column-sliced to the keys the layer holds."""
+        index, kwargs = call.index, call.kwargs
         mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor):
             return kwargs  # no mask: every cached key is attendable, nothing to slice
-        width, n_new = mask.shape[-1], hidden.shape[1]
-        own = held_length(cache, index)
+        width, n_new = mask.shape[-1], call.hidden.shape[1]
+        own = held_length(call.cache, index)
         if width == own + n_new:
             return kwargs
         kept_cols = state.decode_cols[index]
@@ -142,30 +131,24 @@ class Decode:
         )
         return kwargs
 
-    def _fixated(
-        self,
-        state: PruneState,
-        index: int,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        kwargs: dict,
-        cache: Any,
-    ) -> dict:
+    def _fixated(self, state: PruneState, call: LayerCall) -> dict:
         """A decode step under fixation: the focal layer (the first hooked one) picks the
         step's visual columns; every hooked layer reads only those (plus all text) from the
         cache. Chunks of several new tokens (a follow-up turn) attend to everything."""
         fixation = state.fixation
-        if hidden.shape[1] != 1:
-            return kwargs
+        if call.hidden.shape[1] != 1:
+            return call.kwargs
         if fixation.columns is None:
+            cache, index = call.cache, call.index
             keys = cache.layers[index].keys  # [B, Hkv, L, D], before this step's token
             if state.static:  # the whole buffer, its first `length` slots written
-                fixation.fixate_static(layer, hidden, kwargs, keys, static_length(cache, index))
+                length = static_length(cache, index)
+                fixation.fixate_static(call.module, call.hidden, call.kwargs, keys, length)
             else:
-                fixation.fixate(layer, hidden, kwargs, keys)
+                fixation.fixate(call.module, call.hidden, call.kwargs, keys)
         columns = fixation.columns
-        mask = self._masked(state, index, hidden, kwargs, cache).get("attention_mask")
-        kwargs = dict(kwargs)
+        mask = self._masked(state, call).get("attention_mask")
+        kwargs = dict(call.kwargs)
         for key in CACHE_KEYS:
             if kwargs.get(key) is not None:
                 kwargs[key] = FixedView(kwargs[key], columns)

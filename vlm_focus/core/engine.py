@@ -43,7 +43,7 @@ from .cache_lengths import report_original_length
 from .calls import CallState, CallTracker, cache_length, cache_of
 from .decode import Decode
 from .prefill import PrefillPass
-from .prune_state import EngineSetup, PrunedLayers, PruneState
+from .prune_state import EngineSetup, LayerCall, PrunedLayers, PruneState
 from .pruned_loss import pruned_loss
 from .pruner import Pruner
 from .slicing import execution_device
@@ -279,10 +279,11 @@ class FocusEngine:
             hidden = args[0] if args else kwargs["hidden_states"]
             # a static cache's length lives on the device: its prefill is known per call instead
             prefill = state.prefilling if state.static else cache_length(cache, index) == 0
+            call = LayerCall(index, module, hidden, kwargs, cache)
             if prefill:
-                hidden, kwargs = self._prefill.layer(state, index, module, hidden, kwargs, cache)
+                hidden, kwargs = self._prefill.layer(state, call)
             else:
-                kwargs = self._decode.layer(state, index, module, hidden, kwargs, cache)
+                kwargs = self._decode.layer(state, call)
             if args:
                 return (hidden, *args[1:]), kwargs
             kwargs["hidden_states"] = hidden

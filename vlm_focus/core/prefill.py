@@ -30,7 +30,7 @@ from ..model_adapters import ImageLayout
 from ..trace import FocusTrace, StageTrace
 from .calls import CACHE_KEYS, CallTracker, is_static
 from .fixation import StepFixation
-from .prune_state import EngineSetup, PruneState
+from .prune_state import EngineSetup, LayerCall, PruneState
 from .pruned_loss import has_labels, take_labels
 from .pruner import StageContext
 from .selection import frame_shares, keep_mask, kept_columns, lowest_visual, selected_keep
@@ -189,17 +189,10 @@ class PrefillPass:
         )
 
     # --- every hooked layer -------------------------------------------------------------------
-    def layer(
-        self,
-        state: PruneState,
-        index: int,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        kwargs: dict,
-        cache: Any,
-    ) -> tuple[torch.Tensor, dict]:
-        """Layer ``index``'s hidden states and kwargs in the prefill: a stage layer scores and
+    def layer(self, state: PruneState, call: LayerCall) -> tuple[torch.Tensor, dict]:
+        """A hooked layer's hidden states and kwargs in the prefill: a stage layer scores and
         selects first; every layer gets cos/sin, mask and positions of the tokens it holds."""
+        index, hidden, kwargs, cache = call.index, call.hidden, call.kwargs, call.cache
         cos, sin = kwargs["position_embeddings"]
         replay = index in state.per_layer  # recomputed (gradient checkpointing): same slices
         if replay:
@@ -216,7 +209,7 @@ class PrefillPass:
                 state.static = is_static(cache)
                 self.states[cache] = state
             if index in self.setup.stages:
-                local = self._run_stage(state, index, layer, hidden, cos, sin)
+                local = self._run_stage(state, index, call.module, hidden, cos, sin)
                 state.stage_rows[index] = local
                 hidden = gather_seq(hidden, local.to(hidden.device), 1)
                 state.current = state.current.gather(1, local.to(state.current.device))

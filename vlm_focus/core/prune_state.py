@@ -1,5 +1,6 @@
-"""What the pruning engine knows: the setting it was attached with (:class:`EngineSetup`), the
-state of one pruned prompt and the decode steps that follow it (:class:`PruneState`), and the
+"""What the pruning engine knows: the setting it was attached with (:class:`EngineSetup`), one
+hooked layer's call (:class:`LayerCall`), the state of one pruned prompt and the decode steps
+that follow it (:class:`PruneState`), and the
 one object it shares with the call tracker (:class:`PrunedLayers`): what each decoder layer
 holds in the call under way, which the probes and biases read through the tracker."""
 
@@ -53,6 +54,18 @@ class EngineSetup:
     @property
     def last_layer(self) -> int:
         return len(self.layers) - 1
+
+
+@dataclass(slots=True)
+class LayerCall:
+    """One hooked decoder layer's call: its index and module, its input hidden states
+    (``[B, T, D]``), its keyword arguments and the cache they carry."""
+
+    index: int
+    module: nn.Module
+    hidden: torch.Tensor
+    kwargs: dict
+    cache: Any
 
 
 @dataclass
