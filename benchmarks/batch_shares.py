@@ -26,7 +26,7 @@ from fixation_decode import END, IMAGE, START, build_model
 from prefill import machine
 
 import vlm_focus as vf
-from vlm_focus.core.engine import FocusEngine
+from vlm_focus.core.prefill import PrefillPass
 from vlm_focus.timing import alternate
 
 RESULTS = Path(__file__).parent / "results"
@@ -70,14 +70,14 @@ class CommonRule:
         self.model = model
 
     def __enter__(self):
-        self.saved = FocusEngine._per_row_shares
-        FocusEngine._per_row_shares = lambda engine, cache: False
+        self.saved = PrefillPass._per_row_shares
+        PrefillPass._per_row_shares = lambda prefill, cache: False
         self.handle = vf.wrap(self.model, **SETTING)
         return self.handle
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
-        FocusEngine._per_row_shares = self.saved
+        PrefillPass._per_row_shares = self.saved
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from tiny_models import KINDS, make_case, make_inputs, make_model
 
 import vlm_focus as vf
 from vlm_focus.core.fixation import StepFixation
+from vlm_focus.core.pruner import StepReuse
 from vlm_focus.model_adapters.llava import LLAVA
 
 ATOL = 2e-5
@@ -134,3 +135,18 @@ def test_bad_options_are_named():
         vf.wrap(model, pruner="fixation", layer=9)
     with pytest.raises(ValueError, match="keep=1.5"):
         vf.wrap(model, pruner="fixation", keep=1.5)
+
+
+def test_the_pruner_declares_how_steps_reuse_a_fixation():
+    """The engine takes refresh and radius from the pruner's declaration (``step_reuse``); a
+    prefill pruner declares the default, every step re-scoring every visual token."""
+    model = make_model("llava")
+    inputs = make_inputs("llava", model)
+    options = dict(pruner="fixation", keep=0.25, layer=1, refresh=3, radius=2)
+    with torch.no_grad(), vf.wrap(model, **options) as handle:
+        assert handle._engine.pruner.step_reuse() == StepReuse(refresh=3, radius=2)
+        model(**inputs)
+        fixation = handle.last_trace.fixation
+        assert (fixation.refresh, fixation.radius) == (3, 2)
+    with vf.wrap(model, pruner="fastv", keep=0.5, layer=1) as handle:
+        assert handle._engine.pruner.step_reuse() == StepReuse(refresh=1, radius=0)

@@ -6,8 +6,9 @@ image inputs the adapter lays them out from. ``generate()`` hands some of those 
 image encoder only, so they are recorded there
 (:class:`~vlm_focus.core.encoder_inputs.EncoderInputs`).
 
-When a pruning handle is attached, it tells the tracker which original positions each decoder
-layer holds (:meth:`CallTracker.prompt_positions`), so a probe or a bias at a pruned layer reads
+When a pruning handle is attached, it shares with the tracker what each decoder layer holds
+(:class:`~vlm_focus.core.prune_state.PrunedLayers`): the original positions of its prompt
+tokens (:meth:`CallTracker.prompt_positions`), so a probe or a bias at a pruned layer reads
 and writes its attention in original positions instead of refusing.
 """
 
@@ -112,7 +113,8 @@ class CallTracker:
     step: int = -1
     #: why the current call cannot be read (no input_ids, a mask that is not 2-D), or None
     problem: str | None = None
-    engine: Any = None  # the pruning engine attached to this model, if any
+    #: what the layers of a pruned model hold (the pruning handle's ``PrunedLayers``), if any
+    pruning: Any = None
     has_images: bool = False  # the current call brings images (pixels or encoder outputs)
     #: prompt tokens before a teacher-forced continuation (see :meth:`scoring_prompt`), or None
     prompt_end: int | None = None
@@ -147,13 +149,18 @@ class CallTracker:
     def prompt_positions(self, index: int) -> torch.Tensor | None:
         """``[B, S']`` original positions of the prompt tokens decoder layer ``index`` holds in
         the current prefill (and its cache), or ``None`` when it holds all of them."""
-        if self.engine is None:
+        if self.pruning is None:
             return None
-        return self.engine.prompt_positions(index)
+        return self.pruning.prompt_positions(index)
 
     def fixating(self) -> bool:
         """True while a decode-time pruner chooses the keys of each decoding step."""
-        return self.engine is not None and self.engine.fixating()
+        return self.pruning is not None and self.pruning.fixating()
+
+    def dropped_keys(self) -> dict[int, torch.Tensor]:
+        """Per decoder layer holding fewer prompt tokens, ``[B, S]`` bool: the visual tokens it
+        lacks in the current prefill (empty without pruning)."""
+        return {} if self.pruning is None else self.pruning.dropped_keys()
 
     @contextlib.contextmanager
     def scoring_prompt(self, length: int):
@@ -172,12 +179,12 @@ class CallTracker:
         """Run a side pass (e.g. contrastive decoding's second model call) without disturbing
         the current generation: the pruning engine stands aside, and the tracked prompt and
         call are restored afterwards."""
-        saved = (self.call, self.prefill, self.step, self._prefill_cache, self.engine)
-        self.engine = None
+        saved = (self.call, self.prefill, self.step, self._prefill_cache, self.pruning)
+        self.pruning = None
         try:
             yield self
         finally:
-            self.call, self.prefill, self.step, self._prefill_cache, self.engine = saved
+            self.call, self.prefill, self.step, self._prefill_cache, self.pruning = saved
 
     @property
     def prompt_length(self) -> int:

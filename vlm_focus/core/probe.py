@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model_adapters import ModelAdapter, get_adapter
-from .attention import allowed_keys, attention_probs, layer_qk
-from .calls import CallState, CallTracker, Prefill, cache_of
+from ..model_adapters import get_adapter
+from .attention import allowed_keys, attention_probs
+from .calls import CallState, CallTracker, Prefill
+from .layer_view import LayerView, layer_attention_rows, layer_view
 
 __all__ = [
     "AttentionBias",
@@ -53,16 +54,6 @@ __all__ = [
 ]
 
 
-def _past_keys(cache: Any, layer_idx: int) -> torch.Tensor | None:
-    """The keys a layer holds before this call (``[B, Hkv, L, D]``, after RoPE), or None."""
-    if cache is None or int(cache.get_seq_length(layer_idx)) == 0:
-        return None
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot read keys from a cache of type {type(cache).__name__}")
-    return layers[layer_idx].keys
-
-
 @dataclass
 class Rows:
     """Attention rows recorded at one layer in one call.
@@ -77,159 +68,6 @@ class Rows:
     positions: torch.Tensor
     mask: torch.Tensor
     step: int
-
-
-@dataclass
-class LayerView:
-    """One decoder layer's share of the current call, in original positions.
-
-    A layer after a pruning stage holds only the kept prompt tokens: ``rows [B, T]`` are the
-    original positions of the tokens it computes in this call, ``keys [B, L]`` those of the keys
-    it attends to (its cache, then this call's tokens), ``None`` when it holds every one
-    (``0 .. width-1``). ``valid [B, L]`` marks the non-padding keys, ``allowed [B, T, L]`` what
-    the layer's own mask lets each row see (``None``: causal + padding), ``past`` its cache.
-    """
-
-    index: int
-    layer: nn.Module
-    hidden: torch.Tensor
-    kwargs: dict
-    call: CallState
-    prefill: Prefill | None
-    rows: torch.Tensor
-    keys: torch.Tensor | None
-    valid: torch.Tensor
-    past: torch.Tensor | None
-    allowed: torch.Tensor | None
-
-    @property
-    def width(self) -> int:
-        """Keys of the call in original positions (the 2-D mask's width)."""
-        return self.call.valid.shape[1]
-
-    @property
-    def prefill_call(self) -> bool:
-        return self.past is None
-
-    def local(self, positions: torch.Tensor) -> torch.Tensor:
-        """Indices into this layer's tokens of the original ``positions [B, Tq]``; a position
-        the layer no longer holds (a pruned visual token) raises."""
-        if self.keys is None or not self.prefill_call:
-            return positions - self.call.past
-        local = torch.searchsorted(self.rows, positions).clamp(max=self.rows.shape[1] - 1)
-        if not bool((self.rows.gather(1, local) == positions).all()):
-            raise ValueError(
-                f"a query row is a visual token that pruning removed before layer {self.index}; "
-                "query text tokens, or probe layers before the pruning stage"
-            )
-        return local
-
-    def to_full(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., L]`` values over this layer's keys scattered to ``[..., width]`` (0 at keys
-        the layer does not hold); the leading dim is the batch."""
-        if self.keys is None:
-            return x
-        out = x.new_zeros(*x.shape[:-1], self.width)
-        index = self.keys.view(self.keys.shape[0], *([1] * (x.dim() - 2)), -1).expand_as(x)
-        return out.scatter(-1, index, x)
-
-    def to_layer(self, full: torch.Tensor) -> torch.Tensor:
-        """``[B, T, width]`` over the call's tokens and keys -> ``[B, T_l, L]`` over this
-        layer's tokens and keys."""
-        if self.keys is None:
-            return full
-        rows = self.rows - self.call.past
-        full = full.gather(1, rows[..., None].expand(-1, -1, full.shape[-1]))
-        return full.gather(2, self.keys[:, None, :].expand(-1, full.shape[1], -1))
-
-    def attention(self, adapter: ModelAdapter, positions: torch.Tensor) -> torch.Tensor:
-        """``[B, H, Tq, width]`` attention of the rows at original ``positions`` (tokens of
-        this call) over the call's keys, from the layer's own q/k."""
-        local = self.local(positions)
-        allowed = None
-        if self.allowed is not None:
-            allowed = self.allowed.expand(local.shape[0], -1, -1)
-            allowed = allowed.gather(1, local[..., None].expand(-1, -1, allowed.shape[-1]))
-        probs = layer_attention_rows(
-            adapter,
-            self.layer,
-            self.hidden,
-            self.kwargs,
-            local,
-            positions,
-            self.past,
-            self.valid,
-            self.keys,
-            allowed,
-        )
-        return self.to_full(probs)
-
-
-def _layer_allowed(mask: Any, n_rows: int, n_keys: int) -> torch.Tensor | None:
-    """``[B, T, L]`` bool from a layer's materialised 4-D mask (bool, or additive float), or
-    None when the layer gets no such mask (causal + padding then say it all)."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return None
-    if tuple(mask.shape[-2:]) != (n_rows, n_keys):
-        raise RuntimeError(
-            f"layer mask {list(mask.shape)} does not match {n_rows} rows and {n_keys} keys"
-        )
-    mask = mask[:, 0]
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min / 2
-
-
-def layer_view(
-    tracker: CallTracker, adapter: ModelAdapter, index: int, layer: nn.Module, args, kwargs
-) -> LayerView | None:
-    """How decoder layer ``index`` sees the current call, or None when nothing is tracked."""
-    call = tracker.call
-    if call is None:
-        if tracker.problem is not None:
-            raise ValueError(f"attention probes and biases need {tracker.problem}")
-        return None
-    if call.compiled:
-        raise ValueError(
-            "attention probes and biases read host-side lengths at every step and do not run "
-            "inside torch.compile; run them uncompiled"
-        )
-    if call.past > 0 and tracker.fixating():
-        raise ValueError(
-            "attention probes and biases do not read the decoding steps of pruner='fixation' "
-            "(each step attends to its own visual columns); probe the prefill, or use a "
-            "prefill pruner"
-        )
-    hidden = args[0] if args else kwargs["hidden_states"]
-    attn = getattr(layer, adapter.attention)
-    past = _past_keys(cache_of(kwargs), attn.layer_idx)
-    n_past = 0 if past is None else past.shape[2]
-    batch, n_new = hidden.shape[:2]
-    device = hidden.device
-    kept = tracker.prompt_positions(index)
-    width = call.valid.shape[1]
-    if kept is None:
-        if n_past + n_new != width:
-            raise RuntimeError(f"layer {index} keys ({n_past + n_new}) and mask ({width}) differ")
-        rows = torch.arange(call.past, call.past + n_new, device=device).expand(batch, -1)
-        keys, valid = None, call.valid.to(device)
-    else:
-        kept = kept.to(device)
-        if past is None:
-            rows = keys = kept
-        else:
-            later = torch.arange(tracker.prompt_length, width, device=device).expand(batch, -1)
-            keys = torch.cat([kept, later], dim=1)
-            rows = later[:, later.shape[1] - n_new :]
-        if keys.shape[1] != n_past + n_new:
-            raise RuntimeError(
-                f"layer {index} holds {n_past + n_new} keys, the pruning trace {keys.shape[1]}"
-            )
-        valid = call.valid.to(device).gather(1, keys)
-    allowed = _layer_allowed(kwargs.get("attention_mask"), n_new, n_past + n_new)
-    return LayerView(
-        index, layer, hidden, kwargs, call, tracker.prefill, rows, keys, valid, past, allowed
-    )
 
 
 QuerySpec = torch.Tensor | str | Callable[[Prefill], tuple[torch.Tensor, torch.Tensor]]
@@ -400,36 +238,6 @@ class AttentionProbe(_LayerHooks):
             self._rows_cache = (prefill, rows, mask)
             return rows, mask
         return cached[1], cached[2]
-
-
-def layer_attention_rows(
-    adapter: ModelAdapter,
-    layer: nn.Module,
-    hidden: torch.Tensor,
-    kwargs: dict,
-    local: torch.Tensor,
-    rows: torch.Tensor,
-    past: torch.Tensor | None,
-    valid: torch.Tensor,
-    key_positions: torch.Tensor | None = None,
-    allowed: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention probabilities ``[B, H, Tq, L]`` of the query rows ``local [B, Tq]`` (indices
-    into this call's ``hidden``; original positions ``rows``) over the layer's ``L`` keys
-    (``past`` cached keys, then this call's), from the layer's own norm, projections and RoPE
-    tables. ``valid [B, L]`` marks non-padding keys, ``key_positions [B, L]`` their original
-    positions (default ``0 .. L-1``), ``allowed [B, Tq, L]`` what the layer's mask permits."""
-    cos, sin = kwargs["position_embeddings"]
-    q, k = layer_qk(adapter, layer, hidden, cos, sin, local)  # [B, H, Tq, D], [B, Hkv, T, D]
-    if past is not None:
-        k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]
-    total = k.shape[2]
-    if valid.shape[1] != total:
-        raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")
-    permitted = allowed_keys(valid, rows, key_positions, rule=adapter.mask_rule)  # [B, Tq, L]
-    if allowed is not None:
-        permitted = permitted & allowed
-    return attention_probs(q, k, getattr(layer, adapter.attention).scaling, permitted)
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:

@@ -27,6 +27,16 @@ class NoOptions:
     """A pruner without options of its own."""
 
 
+@dataclass(frozen=True)
+class StepReuse:
+    """How a decode-time pruner's steps reuse the last fixation: every visual token competes
+    every ``refresh`` steps; in between only the last fixation and its grid neighbours within
+    ``radius`` cells (Chebyshev) do."""
+
+    refresh: int = 1
+    radius: int = 0
+
+
 @dataclass
 class Selection:
     """``scores [B, S]`` over the current sequence (non-visual entries are ignored) and,
@@ -206,6 +216,11 @@ class Pruner:
         """What the prompt keeps at a stage whose ``keep`` is given (a decode-time pruner's
         ``keep`` is per decoding step, and its prompt keeps its own share)."""
         return keep
+
+    def step_reuse(self) -> StepReuse:
+        """For a ``decode_time`` pruner: how its decoding steps reuse the last fixation (by
+        default every step re-scores every visual token)."""
+        return StepReuse()
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         raise NotImplementedError

@@ -133,10 +133,9 @@ class InstructionContrast(Mitigation, LogitsProcessor):
         adapter = get_adapter(self.model)
         tracker = CallTracker.acquire(self.model, adapter)
         try:
-            engine = tracker.engine
             # On a pruned model the side pass runs unpruned, with the keys each layer of the
             # pruned prompt lacks masked out from that layer on: the same attention.
-            dropped = {} if engine is None else engine.dropped_keys()
+            dropped = tracker.dropped_keys()
 
             def block(view: LayerView) -> torch.Tensor:
                 width = view.width

@@ -60,6 +60,7 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -90,6 +91,16 @@ _SCORE_SHAPES = (
 )
 _SELECT_SHAPES = ("seq", "n_parts", "n_keep")
 _MAX_SPLIT = 64  # key ranges of pass 1; pass 2 always reads a fixed _MAX_SPLIT-wide row
+
+
+@triton.jit
+def _dot_tile(ptr, row_ok, d_ok, DOT_FP32: tl.constexpr):
+    """A ``[rows, BLOCK_D]`` operand of ``tl.dot`` at the pointers ``ptr`` (0 outside
+    ``row_ok x d_ok``); in fp32 under the interpreter (see the module docstring)."""
+    tile = tl.load(ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile
 
 
 @triton.jit(do_not_specialize=_LSE_SHAPES)
@@ -134,13 +145,7 @@ def _lse_kernel(
     t_ok = offs_t < n_query
     d_ok = offs_d < head_dim
     q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
-    q = tl.load(
-        q_base + offs_t[:, None] * sqt + offs_d[None, :] * sqd,
-        mask=t_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_T, BLOCK_D]
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = _dot_tile(q_base + offs_t[:, None] * sqt + offs_d[None, :] * sqd, t_ok, d_ok, DOT_FP32)
     qpos = tl.load(qpos_ptr + b * n_query + offs_t, mask=t_ok, other=-1)  # [BLOCK_T]
     k_base = k_ptr + b.to(tl.int64) * skb + kv * skh
 
@@ -153,13 +158,9 @@ def _lse_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        k = tl.load(
-            k_base + offs_n[:, None] * sks + offs_d[None, :] * skd,
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
+        k = _dot_tile(
+            k_base + offs_n[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, DOT_FP32
         )  # [BLOCK_N, BLOCK_D]
-        if DOT_FP32:
-            k = k.to(tl.float32)
         valid = tl.load(kmask_ptr + b * seq + offs_n, mask=n_ok, other=0) != 0
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_T, BLOCK_N]
         allowed = valid[None, :] & (offs_n[None, :] <= qpos[:, None])
@@ -254,24 +255,12 @@ def _score_kernel(
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)  # sum or max over heads of p
         for kv in range(kv_lo, kv_hi):
             # keys of this tile and kv head, loaded once for every query head of the group
-            k = tl.load(
-                k_base + kv * skh + k_rows,
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
-            if DOT_FP32:
-                k = k.to(tl.float32)
+            k = _dot_tile(k_base + kv * skh + k_rows, n_ok, d_ok, DOT_FP32)  # [BLOCK_N, BLOCK_D]
             # GROUPS is a constant, so for MHA (GROUPS = 1) this loop folds away and the kv loop,
             # now innermost, gets software-pipelined key loads.
             for g in range(GROUPS):
                 h = kv * GROUPS + g
-                q = tl.load(
-                    q_base + h * sqh + q_rows,
-                    mask=t_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )  # [BLOCK_T, BLOCK_D]
-                if DOT_FP32:
-                    q = q.to(tl.float32)
+                q = _dot_tile(q_base + h * sqh + q_rows, t_ok, d_ok, DOT_FP32)  # [BLOCK_T, BLOCK_D]
                 # Merge the pass-1 partial log-sum-exps of these rows.
                 row = (b * n_heads + h) * n_query + offs_t
                 parts = tl.load(
@@ -482,20 +471,12 @@ def compiled_variant(
 
 
 def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    visual: torch.Tensor,
-    n_keep: int,
-    *,
-    scaling: float,
-    key_mask: torch.Tensor,
-    query_pos: torch.Tensor,
-    query_weights: torch.Tensor,
-    reduce: str,
-    debias: torch.Tensor | None,
-    plan: _Plan,
+    q: torch.Tensor, k: torch.Tensor, visual: torch.Tensor, n_keep: int, *, plan: _Plan, **args: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the three kernels with an explicit launch shape."""
+    """Run the three kernels with an explicit launch shape; ``args`` are the twin's keyword
+    arguments (``scaling``, ``key_mask``, ``query_pos``, ``query_weights``, ``reduce``,
+    ``debias``: :func:`vlm_focus.kernels.naive.score_and_select_naive`)."""
+    reduce, debias = args["reduce"], args["debias"]
     batch, n_heads, n_query, head_dim = q.shape
     n_kv, seq = k.shape[1], k.shape[2]
     if q.dtype != k.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -520,11 +501,11 @@ def _launch(
     n_tparts = triton.cdiv(n_tblocks, tblocks_per_part)
     n_parts = n_hparts * n_tparts
 
-    kmask = key_mask.to(device).contiguous().view(torch.uint8)  # [B, S]
+    kmask = args["key_mask"].to(device).contiguous().view(torch.uint8)  # [B, S]
     vis = visual.to(device).contiguous().view(torch.uint8)  # [B, S]
-    qpos = query_pos.to(device=device, dtype=torch.int64).contiguous()  # [B, Tq]
-    weights = query_weights.to(device=device, dtype=torch.float32).contiguous()  # [B, Tq]
-    qk_scale = float(scaling) * _LOG2E  # work in log2 so the kernels use exp2
+    qpos = args["query_pos"].to(device=device, dtype=torch.int64).contiguous()  # [B, Tq]
+    weights = args["query_weights"].to(device=device, dtype=torch.float32).contiguous()  # [B, Tq]
+    qk_scale = float(args["scaling"]) * _LOG2E  # work in log2 so the kernels use exp2
     lse = torch.empty(batch, n_heads, n_query, n_split, device=device, dtype=torch.float32)
     parts = torch.empty(batch, n_parts, seq, device=device, dtype=torch.float32)
     scores = torch.empty(batch, seq, device=device, dtype=torch.float32)
@@ -610,33 +591,10 @@ def _launch(
 
 
 def score_and_select_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    visual: torch.Tensor,
-    n_keep: int,
-    *,
-    scaling: float,
-    key_mask: torch.Tensor,
-    query_pos: torch.Tensor,
-    query_weights: torch.Tensor,
-    reduce: str,
-    debias: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, visual: torch.Tensor, n_keep: int, **args: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Triton score-and-select; same arguments and results as the torch twin.
-
-    Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`
-    (``visual`` is already AND-ed with ``key_mask``).
-    """
-    return _launch(
-        q,
-        k,
-        visual,
-        n_keep,
-        scaling=scaling,
-        key_mask=key_mask,
-        query_pos=query_pos,
-        query_weights=query_weights,
-        reduce=reduce,
-        debias=debias,
-        plan=_plan(q, k, reduce),
-    )
+    """Fused Triton score-and-select, launched with the shape :func:`_plan` picks: the keyword
+    arguments and results of the torch twin
+    (:func:`vlm_focus.kernels.naive.score_and_select_naive`), already checked and defaulted by
+    :func:`vlm_focus.kernels.score_and_select` (``visual`` is already AND-ed with ``key_mask``)."""
+    return _launch(q, k, visual, n_keep, **args, plan=_plan(q, k, args["reduce"]))

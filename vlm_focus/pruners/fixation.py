@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import KEEP_RULE, parse_keep
-from ..core.pruner import Pruner, Selection, StageContext
+from ..core.pruner import Pruner, Selection, StageContext, StepReuse
 from ..core.registry import register_pruner
 
 
@@ -73,6 +73,9 @@ class FixationPruner(Pruner):
 
     def prefill_keep(self, keep: float | int) -> float | int:
         return self.options.prefill_keep
+
+    def step_reuse(self) -> StepReuse:
+        return StepReuse(self.options.refresh, self.options.radius)
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         return ctx.attention_scores(n_keep)  # the prompt's share, as fastv keeps it

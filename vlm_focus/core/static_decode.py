@@ -1,0 +1,161 @@
+"""Pruning on a static cache (``StaticCache``), whose decode steps ``torch.compile`` can trace.
+
+A static cache keeps its lengths on the device, so no step reads them: the prompt sizes each
+pruned layer's buffer to its kept prompt plus the room left for generated tokens
+(:meth:`StaticBuffers.fit`), and, when the prompt ends, builds per layer the mask column each
+buffer slot reads (:meth:`StaticBuffers.build_columns`); a decode step then only gathers, which
+lets ``torch.compile`` trace it as one graph that no step recompiles. Every mask is as wide as
+the cache; slots past it read one masked column appended to the mask.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .prune_state import EngineSetup, PruneState
+from .slicing import decode_columns, gather_seq, on_device_of, slice_mask
+
+_NEEDS_4D_MASK = (
+    "vlm_focus with a static cache needs the 4-D attention mask the model builds for it (use "
+    "attn_implementation='sdpa' or 'eager'"
+)
+
+
+def static_columns(held: torch.Tensor, prompt: int, slots: int, width: int) -> torch.Tensor:
+    """``[B, slots]``: the column of a ``width``-wide mask that slot ``j`` of a static buffer
+    holding ``held`` (``[B, S']`` prompt columns) reads: ``held[j]`` for the prompt, then
+    ``prompt + (j - S')`` for the tokens generated after it. Slots past the mask point at
+    column ``width``, a masked column :func:`static_mask` appends."""
+    tail = torch.arange(prompt, prompt + slots - held.shape[1], device=held.device)
+    cols = torch.cat([held, tail.expand(held.shape[0], -1)], dim=1)
+    return cols.clamp(max=width)
+
+
+def static_mask(mask: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask over a static buffer: ``mask`` (original or layer-0 columns) with one masked
+    column appended, its rows (prefill) and columns gathered to the buffer's slots."""
+    blocked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+    pad = mask.new_full((*mask.shape[:-1], 1), blocked)
+    return slice_mask(torch.cat([mask, pad], dim=-1), rows, cols)
+
+
+def resize(layer: Any, slots: int) -> None:
+    """Give a static cache layer ``slots`` slots; its buffers are allocated again, empty, at
+    its next write (the prompt's, on a cache that holds nothing yet)."""
+    if layer.max_cache_len != slots:
+        layer.max_cache_len = slots
+        if layer.is_initialized:
+            layer.keys = layer.values = None
+            layer.is_initialized = False
+
+
+def check_room(cache: Any, needed: int, prompt: int) -> None:
+    """A static cache too short for the tokens of this call raises, saying the size needed
+    (the buffers cannot grow)."""
+    room = getattr(cache.layers[0], "max_cache_len", None)
+    if room is not None and needed > room:
+        raise ValueError(
+            f"the static cache holds {room} tokens, and this step needs {needed} (a prompt of "
+            f"{prompt} tokens and {needed - prompt} generated): build it with max_cache_len >= "
+            "prompt length + max_new_tokens"
+        )
+
+
+class StaticBuffers:
+    """The static caches one engine resized, and the masks over their buffers."""
+
+    def __init__(self, setup: EngineSetup) -> None:
+        self.setup = setup
+        self._resized: weakref.WeakSet = weakref.WeakSet()
+
+    def fit(self, cache: Any, seq: int, drops: list[int]) -> None:
+        """Size each pruned layer's static buffer to what it holds: its kept prompt and the
+        tokens generated after it (the room the cache leaves past the prompt). Attention in
+        decode then reads only those slots. Layer 0 keeps the cache's width: the model sizes
+        every mask by it."""
+        room = cache.layers[0].max_cache_len
+        if room is None or room < seq:
+            return  # too short for the prompt: the prompt's mask check says so
+        held, stage = seq, 0
+        stages = [layer for layer, _ in self.setup.config.stages]
+        for index in range(1, len(cache.layers)):
+            while stage < len(stages) and stages[stage] <= index:
+                held -= drops[stage]
+                stage += 1
+            resize(cache.layers[index], held + room - seq)
+        self._resized.add(cache)
+
+    def restore(self) -> None:
+        """Give every resized cache's pruned layers their full width back."""
+        for cache in list(self._resized):
+            room = cache.layers[0].max_cache_len
+            for layer in cache.layers:
+                resize(layer, room)
+
+    def prefill_mask(
+        self, state: PruneState, mask: Any, current: torch.Tensor, slots: int
+    ) -> torch.Tensor | None:
+        """The prefill mask of a layer holding ``current`` in a static buffer of ``slots``:
+        its rows, and per slot the column it reads. Without a mask (SDPA, no padding) the
+        layer's causal attention is aligned to its first slot, which matches its kept tokens."""
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            raise ValueError(f"{_NEEDS_4D_MASK}, and pass attention_mask)")
+        width = mask.shape[-1]
+        if width < state.full_len:
+            raise ValueError(
+                f"the static cache holds {width} tokens, fewer than this prompt's "
+                f"{state.full_len}: build it with max_cache_len >= prompt length + "
+                "max_new_tokens"
+            )
+        cols = static_columns(on_device_of(current, mask), state.full_len, slots, width)
+        return static_mask(mask, on_device_of(current, mask), cols)
+
+    def build_columns(self, state: PruneState, cache: Any) -> None:
+        """At the end of a prompt on a static cache: per hooked layer, the mask column each
+        slot of its buffer reads in decode. A decode mask spans the original prompt, or layer
+        0's kept prompt with K = 0 (layer 0's short cache sizes it); the layers of a stage
+        share one map."""
+        first = self.setup.first_layer
+        compact = first == 0
+        prompt = state.per_layer[0].shape[1] if compact else state.full_len
+        width = cache.layers[0].max_cache_len  # every decode mask's
+        built: dict[tuple[int, int], torch.Tensor] = {}
+        for index in range(first, len(self.setup.layers)):
+            held = state.decode_cols[index] if compact else state.per_layer[index]
+            key = (id(held), cache.layers[index].max_cache_len)
+            if key not in built:
+                built[key] = static_columns(held, prompt, key[1], width)
+            state.static_cols[index] = built[key]
+
+    def decode_layer(self, state: PruneState, index: int, kwargs: dict) -> dict:
+        """A decode step's kwargs for a layer's static buffer: slot ``j`` reads the mask
+        column of the token stored there."""
+        mask = kwargs.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            raise ValueError(f"{_NEEDS_4D_MASK})")
+        cols = on_device_of(state.static_cols[index], mask)
+        kwargs = dict(kwargs)
+        kwargs["attention_mask"] = state.once(
+            "decode_mask", mask, cols, lambda: static_mask(mask, None, cols)
+        )
+        return kwargs
+
+    @staticmethod
+    def decoder_inputs(state: PruneState, kwargs: dict) -> dict:
+        """A decode step at K = 0: layer 0's buffer holds its kept prompt, so the decoder's
+        2-D mask is sliced to it before the decoder builds its masks. (A dynamic cache reports
+        original lengths, so its masks are built full width and sliced per layer.)"""
+        mask = kwargs.get("attention_mask")
+        kept = state.per_layer[0]
+        # host counts, no read: layer 0 dropped tokens when it holds fewer than the prompt
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and kept.shape[1] != state.full_len:
+            kwargs = dict(kwargs)
+            kwargs["attention_mask"] = gather_seq(
+                mask, decode_columns(kept, state.full_len, mask.shape[1]), 1
+            )
+        return kwargs
