@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import KINDS, make_inputs, make_model
 
-import vlm_focus.core.probe as probe_module
+import vlm_focus.core.layer_view as layer_view_module
 from vlm_focus import grounding as G
 from vlm_focus.core.probe import AttentionProbe
 from vlm_focus.geometry import Frame, Size, rule_frame
@@ -60,7 +60,7 @@ def _plant(monkeypatch, targets: list[int], mass: float = 1.0):
             probs[b, :, torch.arange(n_query), own[b]] += 1.0 - mass
         return probs
 
-    monkeypatch.setattr(probe_module, "attention_probs", fake)
+    monkeypatch.setattr(layer_view_module, "attention_probs", fake)
 
 
 # --- the probe equals the model's own attention --------------------------------------------
@@ -253,7 +253,7 @@ def _plant_rows(monkeypatch, per_row: dict[int, dict[int, float]]):
             probs[:, :, t, own[:, t]] += 1.0 - spent
         return probs
 
-    monkeypatch.setattr(probe_module, "attention_probs", fake)
+    monkeypatch.setattr(layer_view_module, "attention_probs", fake)
 
 
 def test_region_score_matches_hand_computation(monkeypatch):
@@ -348,7 +348,7 @@ def test_localization_heads_pick_the_planted_heads(monkeypatch, tmp_path):
     layers = list(model.model.language_model.layers)
     planted = {(1, 2), (3, 0)}
     diffuse = {(0, 1), (2, 3)}
-    real = probe_module.layer_attention_rows
+    real = layer_view_module.layer_attention_rows
 
     def fake(adapter, layer, hidden, kwargs, local, rows, *rest):
         probs = real(adapter, layer, hidden, kwargs, local, rows, *rest)
@@ -372,7 +372,7 @@ def test_localization_heads_pick_the_planted_heads(monkeypatch, tmp_path):
                 out[b, h, torch.arange(own.shape[1]), own[b]] += 1 - mass
         return out
 
-    monkeypatch.setattr(probe_module, "layer_attention_rows", fake)
+    monkeypatch.setattr(layer_view_module, "layer_attention_rows", fake)
     calibration = []
     for seed in range(3):
         calibration.append(make_inputs("llava", model, batch=2, seed=seed))
@@ -390,7 +390,7 @@ def test_localization_heads_pick_the_planted_heads(monkeypatch, tmp_path):
     assert loaded.heads == heads.heads and loaded.by_layer() == {1: [2], 3: [0]}
     with pytest.raises(ValueError, match="do not fit"):
         G.load_heads(path, make_model("qwen2_vl"))
-    monkeypatch.setattr(probe_module, "layer_attention_rows", real)
+    monkeypatch.setattr(layer_view_module, "layer_attention_rows", real)
     inputs = calibration[0]
     by_heads = G.heatmap(model, inputs, heads=loaded)
     by_dict = G.heatmap(model, inputs, heads={3: [0], 1: [2]})

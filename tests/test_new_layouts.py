@@ -147,7 +147,7 @@ def test_qwen3_deepstack_reaches_the_kept_tokens():
 
 # --- per-frame grounding ---------------------------------------------------------------------
 def _plant(monkeypatch, targets):
-    import vlm_focus.core.probe as probe_module
+    import vlm_focus.core.layer_view as layer_view_module
 
     def fake(q, k, scaling, allowed):
         batch, heads, n_query, _ = q.shape
@@ -156,7 +156,7 @@ def _plant(monkeypatch, targets):
             probs[b, :, :, targets[b]] = 1.0
         return probs
 
-    monkeypatch.setattr(probe_module, "attention_probs", fake)
+    monkeypatch.setattr(layer_view_module, "attention_probs", fake)
 
 
 @pytest.mark.parametrize("kind,case", CASES)
