@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
-from ._layer0 import grid_layout
+from ...core.before_llm import item_layout
 from ._model import PruningModel, require_piecewise_prefill
 from ._processor import PruningProcessorMixin
 
@@ -167,7 +167,7 @@ class MRopePruningModel(PruningModel):
         t, h, w = grid_thw
         merge = self.config.vision_config.spatial_merge_size
         rows, cols = h // merge, w // merge
-        cells = grid_layout(rows, cols, t)[0].clone()  # (frame, row, col)
+        cells = item_layout(rows, cols, t)[0].clone()  # (frame, row, col)
         if modality == "video" and self.frames_apart:
             cells[:, 0] = 0
             return list(zip([max(rows, cols)] * t, cells.split(rows * cols), strict=True))
@@ -201,7 +201,7 @@ class MRopePruningModel(PruningModel):
         """One item's kept rows, each with its ``(t, h, w)`` cell appended."""
         t, h, w = grid
         merge = self.visual.spatial_merge_size
-        layout = grid_layout(h // merge, w // merge, t)
+        layout = item_layout(h // merge, w // merge, t)
         runs = self.position_runs(modality, grid, seconds)
         token = self.image_token_id if modality == "image" else self.config.video_token_id
 
