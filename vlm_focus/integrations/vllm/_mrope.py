@@ -2,8 +2,8 @@
 Qwen3-VL classes; each class mixes :class:`MRopePruningModel` into vLLM's own model class.
 
 - ``embed_multimodal``: runs vLLM's vision tower unchanged on each image and video, keeps the
-  tokens the registered pruner keeps at layer 0 (:func:`._layer0.layer0_keep`; ``pyramid``:
-  :func:`._scores.select`) and returns only those rows, in the item's order, each with its
+  tokens the registered pruner keeps at layer 0 (:func:`._layer0.layer0_keep`) and returns
+  only those rows, in the item's order, each with its
   ``(t, h, w)`` cell appended as position channels. A row carries all of its token's features,
   so Qwen3-VL's DeepStack features (concatenated after the main ones) follow the kept tokens.
 - M-RoPE: an item fills one or more runs of placeholders (:meth:`position_runs`: an image, a

@@ -146,7 +146,8 @@ class PruningProcessorMixin:
             raise ValueError(
                 f"vlm_focus pruner={pruner!r} chooses from every image or video of a prompt at "
                 f"once, which vLLM's per-item encoder outputs cannot give it; this prompt has "
-                f"{n_images} images and {n_videos} videos: use pruner 'pool' for it"
+                f"{n_images} images and {n_videos} videos: use one of "
+                f"{tuple(p for p in self.pruners if not get_pruner(p).reads_whole_prompt)}"
             )
         if chosen.reads_layer_attention:
             ids = list(inputs.prompt)
