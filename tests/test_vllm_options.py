@@ -240,6 +240,11 @@ def test_the_vllm_models_cover_the_supported_models_or_say_why_not():
         assert model.pruning_architecture == "VlmFocus" + model.architecture
     with pytest.raises(ValueError, match="qwen2_vl.*no pruning class for vLLM's Qwen2VL"):
         plugin.hf_overrides("qwen2_vl")
+    table = plugin.support_markdown().splitlines()
+    assert [row.split("|")[1].strip(" `") for row in table[2:]] == vf.supported_models()
+    assert "| `qwen2_5_vl` | `VlmFocusQwen2_5_VLForConditionalGeneration` | fastv, debiased, " in (
+        plugin.support_markdown()
+    )
 
 
 def test_the_serve_parser_is_built_from_the_option_tables(tmp_path):

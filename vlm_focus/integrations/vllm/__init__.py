@@ -46,7 +46,7 @@ from typing import Any
 from ...config import BUDGETS, KEEP_RULE, FocusConfig, parse_keep
 from ...core.before_llm import before_llm_pruners
 from ...core.options import default_of, inherit
-from ...model_adapters import ModelAdapter, get_adapter
+from ...model_adapters import ModelAdapter, get_adapter, supported_models
 from ...pruners import get_pruner, pruners_with  # importing it registers the built-ins
 from ._positions import CONFIG_KEY  # the settings' key in the HF config (--hf-overrides)
 
@@ -252,6 +252,29 @@ def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
     return {"architectures": [model.pruning_architecture], CONFIG_KEY: settings.to_dict()}
 
 
+def support_markdown() -> str:
+    """The plugin's support matrix, one row per model type ``vlm_focus.supported_models()``
+    lists: its pruning architecture, the pruners and positions it serves (defaults first) and
+    its video budgets, or why it is not served."""
+    lines = [
+        "| model_type | vLLM architecture | pruners | positions | videos |",
+        "|---|---|---|---|---|",
+    ]
+    for model_type in supported_models():
+        if model_type not in MODELS:
+            lines.append(f"| `{model_type}` | not served: {NOT_SERVED[model_type]} | | | |")
+            continue
+        model = MODELS[model_type]
+        cells = [
+            f"`{model.pruning_architecture}`",
+            ", ".join(served_pruners(model_type)),
+            ", ".join(served_positions(model_type)),
+            "budget " + ", ".join(model.video_budgets) if model.video_budgets else "no",
+        ]
+        lines.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def recorded_kept(model: Any) -> list[dict[str, Any]]:
     """The kept cells a pruning model recorded for its most recent images, oldest first:
     ``[{"n": cells in the image, "kept": kept cell indices (raster order)}]`` (``[]`` for any
@@ -296,5 +319,6 @@ __all__ = [
     "register",
     "served_pruners",
     "served_positions",
+    "support_markdown",
     "video_pruners",
 ]
