@@ -35,7 +35,14 @@ def before_llm_pruner(config: FocusConfig, options: dict[str, Any] | None = None
             f"pruner {config.pruner!r} cannot choose before the language model; those that "
             f"can: {before_llm_pruners()}"
         )
-    return cls(config, cls.Options(**{**cls.before_llm_options, **(options or {})}))
+    try:
+        chosen = cls.Options(**{**cls.before_llm_options, **(options or {})})
+    except TypeError:
+        raise ValueError(
+            f"options={options!r} do not fit pruner {config.pruner!r}; it takes: "
+            f"{cls.option_names() or 'no options of its own'}"
+        ) from None
+    return cls(config, chosen)
 
 
 def before_llm_pruners() -> list[str]:

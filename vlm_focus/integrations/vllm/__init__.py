@@ -39,12 +39,12 @@ transformers than vlm_focus supports).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from ...config import BUDGETS, KEEP_RULE, FocusConfig, parse_keep
-from ...core.before_llm import before_llm_pruners
+from ...core.before_llm import before_llm_pruner, before_llm_pruners
 from ...core.options import default_of, inherit
 from ...model_adapters import ModelAdapter, get_adapter, supported_models
 from ...pruners import get_pruner, pruners_with  # importing it registers the built-ins
@@ -175,15 +175,8 @@ class ServeOptions(FocusConfig):
                 f"{CONFIG_KEY}.layer={self.layer!r}: the vLLM plugin prunes before the LLM, "
                 "at layer 0 only"
             )
-        pruner = check_pruner(self.pruner)
-        try:
-            get_pruner(pruner).Options(**{**get_pruner(pruner).before_llm_options, **self.options})
-        except TypeError:
-            allowed = get_pruner(pruner).option_names()
-            raise ValueError(
-                f"{CONFIG_KEY}.options={self.options!r} do not fit pruner {pruner!r}; it takes: "
-                f"{allowed or 'no options of its own'}"
-            ) from None
+        check_pruner(self.pruner)
+        before_llm_pruner(self, self.options)  # the pruner's own checks of its options
 
     @classmethod
     def from_config(cls, value: Any) -> ServeOptions:
@@ -202,9 +195,6 @@ class ServeOptions(FocusConfig):
                 f"{sorted(cls.__dataclass_fields__)}"
             )
         return cls(**value)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def check_pruner(pruner: Any, pruners: tuple[str, ...] | None = None) -> str:
