@@ -81,10 +81,9 @@ def decode_offsets(channels: torch.Tensor) -> torch.Tensor:
 
 
 class OriginalPositionsModel:
-    """Mixed in before a 1-D RoPE pruning model (see the module docstring). ``served_positions``
-    are the positions it serves, its default first; ``self.vlm_focus`` its settings."""
+    """Mixed in before a 1-D RoPE pruning model (see the module docstring); ``self.vlm_focus``
+    holds its settings."""
 
-    served_positions: tuple[str, ...] = ("original", "compact")
     #: vLLM's M-RoPE interface (``SupportsMRoPE``), used at original positions
     supports_mrope = True
 
