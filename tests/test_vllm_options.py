@@ -261,3 +261,37 @@ def test_the_serve_parser_is_built_from_the_option_tables(tmp_path):
     assert settings["options"] == {"tiles": 3} and settings["reduce"] == "mean"
     with pytest.raises(ValueError, match="pruner 'fastv' has no option 'tiles'"):
         serve_command([str(tmp_path), "--pruner-option", "tiles=3"])
+
+
+def test_the_plugin_names_no_pruner_in_a_comparison_and_no_model_type_outside_its_dicts():
+    """What the plugin serves is read from the pruner classes and the MODELS dict: its source
+    compares with no pruner name and spells a model type only as a key of MODELS/NOT_SERVED."""
+    import ast
+
+    import vlm_focus as vf
+
+    names, model_types = set(vf.pruners()), set(vf.supported_models())
+    found = []
+    for path in sorted(Path(plugin.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        keys = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                if {getattr(t, "id", None) for t in node.targets} & {"MODELS", "NOT_SERVED"}:
+                    keys |= {id(k) for k in node.value.keys}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                parts = [node.left, *node.comparators]
+                parts += [e for p in parts if isinstance(p, (ast.Tuple, ast.List)) for e in p.elts]
+                found += [
+                    f"{path.name}:{node.lineno} compares with pruner {p.value!r}"
+                    for p in parts
+                    if isinstance(p, ast.Constant) and p.value in names
+                ]
+            if (
+                isinstance(node, ast.Constant)
+                and node.value in model_types
+                and id(node) not in keys
+            ):
+                found.append(f"{path.name}:{node.lineno} names model type {node.value!r}")
+    assert found == []
