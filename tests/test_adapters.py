@@ -107,3 +107,59 @@ def test_every_supported_class_has_a_tiny_config_and_others_are_named():
     assert config.model_type == "llava" and config.text_config.num_hidden_layers == 3
     with pytest.raises(ValueError, match="model_type='gpt2' has no tiny config; allowed: llava"):
         tiny_config("gpt2")
+
+
+def test_adapters_declare_their_processors_arithmetic():
+    """Each adapter names the resize rule its processor follows; geometry does the arithmetic,
+    refuses a processor without a rule, and an adapter with an unknown rule does not build."""
+    from vlm_focus import geometry as geo
+    from vlm_focus.model_adapters import ImageLayout
+    from vlm_focus.model_adapters.base import grid_cells
+
+    rules = {name: get_adapter(make_model(name)).processor_rule for name in ("llava", "qwen2_vl")}
+    assert rules == {"llava": "single", "qwen2_vl": "dynamic"}
+    llava = get_adapter(make_model("llava"))
+    layout = ImageLayout(torch.arange(4), grid_cells(2, 2), [(2, 2)])
+    size = geo.Size(90, 60)
+    assert llava.frames(layout, size) == [geo.Frame(15.0, 0.0, 60.0, 60.0)]  # fallback: crop
+    assert llava.frames(layout, size, rule="pad") == [geo.rule_frame(size, "pad")]
+    processor = type("Processor", (), {"do_resize": True, "size": {"shortest_edge": 4}})()
+    with pytest.raises(ValueError, match="needs processor_rule="):
+        geo.view_frames(layout, size, processor=processor)
+    with pytest.raises(ValueError, match="processor_rule='tiles'; allowed"):
+        dataclasses.replace(llava, processor_rule="tiles")
+
+
+def test_video_and_mask_rule_are_declared_and_match_the_classes():
+    """``video`` is what the real class can do (it encodes videos, its config names a video
+    token); every built-in adapter's mask is causal; an unknown rule does not build, and
+    ``allowed_keys`` refuses one it has no branch for."""
+    from vlm_focus.core.attention import MASK_RULES, allowed_keys
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    for name in vf.supported_models():
+        model = tiny_model(name)
+        adapter = get_adapter(model)
+        reads_videos = hasattr(model, "get_video_features")
+        assert adapter.video == reads_videos, name
+        assert (adapter.token_ids(model)[1] is not None) == reads_videos, name
+        assert adapter.mask_rule == "causal", name
+    assert vf.supported_models(video=True) == [
+        "llava_onevision",
+        "qwen2_5_vl",
+        "qwen2_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    ]
+    llava = get_adapter(make_model("llava"))
+    assert MASK_RULES == ("causal",)
+    with pytest.raises(ValueError, match="mask_rule='sliding_window'; allowed"):
+        dataclasses.replace(llava, mask_rule="sliding_window")
+    with pytest.raises(ValueError, match="declares video=True but no video_token_attrs"):
+        dataclasses.replace(llava, video=True)
+    valid = torch.tensor([[False, True, True, True]])
+    query = torch.tensor([[2, 3]])
+    expected = torch.tensor([[[False, True, True, False], [False, True, True, True]]])
+    assert torch.equal(allowed_keys(valid, query, rule="causal"), expected)
+    with pytest.raises(ValueError, match="mask_rule='bidirectional_images'; allowed"):
+        allowed_keys(valid, query, rule="bidirectional_images")

@@ -23,7 +23,6 @@ from vlm_focus.demo.overlays import draw_boxes, heat_overlay, kept_mask_overlay,
 from vlm_focus.geometry import Frame, Size
 from vlm_focus.grounding import Box
 from vlm_focus.loading import build_inputs, decode_new_tokens
-from vlm_focus.model_adapters import model_frames
 from vlm_focus.organism import sample_scene_paths
 from vlm_focus.organism.scenes import IMAGE_SIZE, heldout_scenes
 from vlm_focus.organism.vocab import SPECS, build_config, build_processor
@@ -216,7 +215,7 @@ def test_kept_grid_maps_trace_positions_to_cells(tiny, scene):
         model(**inputs)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
     kept = handle.last_trace.kept[0]
-    frames = model_frames(model, layout, Size(IMAGE_SIZE, IMAGE_SIZE), processor=processor)
+    frames = get_adapter(model).frames(layout, Size(IMAGE_SIZE, IMAGE_SIZE), processor=processor)
     grid, frame = req.kept_grid(layout, kept, frames)
     assert grid.shape == (SPEC.grid, SPEC.grid) and grid.sum() == 3
     first = int(layout.positions[0])
@@ -479,7 +478,7 @@ def test_kept_grid_on_multi_view_and_merged_grids(kind):
     if kind != "llava_next":  # a size that fits the merged grid's aspect
         rows, cols = layout.grids[0]
         size = Size(width=cols * 30, height=rows * 30)
-    grid, frame = req.kept_grid(layout, kept, model_frames(model, layout, size))
+    grid, frame = req.kept_grid(layout, kept, get_adapter(model).frames(layout, size))
     finest = max(range(len(layout.grids)), key=lambda v: layout.grids[v][0] * layout.grids[v][1])
     assert grid.shape == layout.grids[finest]
     in_view = (layout.cells[:, 0] == finest) & (layout.cells[:, 1] >= 0)

@@ -26,8 +26,10 @@ from vlm_focus import geometry as geo
 from vlm_focus.geometry import Frame, Size
 from vlm_focus.model_adapters import ImageLayout
 from vlm_focus.model_adapters.base import grid_cells
-from vlm_focus.model_adapters.llava_next import anyres_canvas, image_cells
-from vlm_focus.model_adapters.llava_onevision import _anyres_tokens
+from vlm_focus.model_adapters.llava import LLAVA
+from vlm_focus.model_adapters.llava_next import LLAVA_NEXT, anyres_canvas, image_cells
+from vlm_focus.model_adapters.llava_onevision import LLAVA_ONEVISION, _anyres_tokens
+from vlm_focus.model_adapters.qwen2_vl import QWEN2_VL
 
 PATCH = 8  # encoder pixels per token side (anyres and dynamic resolution)
 FINE = 4  # single-view processors: 4-pixel cells, fine enough to tell the rules apart
@@ -123,7 +125,7 @@ def test_single_view_processors_place_the_planted_peak(kind, shape):
         pixels = ip(images=_image(size, x, y), return_tensors="np")["pixel_values"][0]
         grid = (pixels.shape[1] // FINE, pixels.shape[2] // FINE)
         cell = _peak(pixels, *grid)
-        (frame,) = geo.view_frames(_single(*grid), size, processor=ip)
+        (frame,) = LLAVA.frames(_single(*grid), size, processor=ip)
         _assert_within_a_cell(frame, grid, cell, x, y)
     if kind == "clip_crop":  # the central region of side crop / scale
         scale = 64 / min(size)
@@ -152,7 +154,7 @@ def test_llava_next_anyres_base_and_composite_views(shape):
         pixels = ip(images=_image(size, x, y), return_tensors="np")["pixel_values"][0]
         cells, grids = image_cells(model, [size.height, size.width], anyres=True)
         layout = ImageLayout(torch.arange(cells.shape[0]), cells, grids, image_size=size)
-        frames = geo.view_frames(layout, size, processor=ip)
+        frames = LLAVA_NEXT.frames(layout, size, processor=ip)
         # base view: patch 0
         _assert_within_a_cell(frames[0], grids[0], _peak(pixels[0], SIDE, SIDE), x, y)
         _assert_within_a_cell(
@@ -179,7 +181,7 @@ def test_llava_onevision_anyres_and_untiled_views(shape):
         pixels = ip(images=_image(size, x, y), return_tensors="np")["pixel_values"][0]
         cells, _, grids, _ = _anyres_tokens(model, [size.height, size.width])
         layout = ImageLayout(torch.arange(cells.shape[0]), cells, grids, image_size=size)
-        frames = geo.view_frames(layout, size, processor=ip)
+        frames = LLAVA_ONEVISION.frames(layout, size, processor=ip)
         _assert_within_a_cell(frames[0], grids[0], _peak(pixels[0], SIDE, SIDE), x, y)
         out_h, out_w = grids[1]
         kept = anyres_canvas(model, [size.height, size.width])[0]
@@ -190,7 +192,7 @@ def test_llava_onevision_anyres_and_untiled_views(shape):
         # a prompt with several images: not tiled, padded to a square, one view
         untiled = ip(images=[[_image(size, x, y), _image(size, x, y)]], return_tensors="np")
         single = untiled["pixel_values"][0, 0]
-        (frame,) = geo.view_frames(_single(SIDE, SIDE), size, processor=ip)
+        (frame,) = LLAVA_ONEVISION.frames(_single(SIDE, SIDE), size, processor=ip)
         assert max(frame.width, frame.height) == max(size)
         _assert_within_a_cell(frame, (SIDE, SIDE), _peak(single, SIDE, SIDE), x, y)
 
@@ -213,12 +215,14 @@ def test_qwen_dynamic_resolution(shape):
         patches = out["pixel_values"].reshape(rows, cols, 2, 2, -1).mean((2, 3, 4))
         cell = np.unravel_index(int(patches.argmax()), patches.shape)
         layout = _single(rows, cols)
-        (frame,) = geo.view_frames(layout, size, processor=ip)
+        (frame,) = QWEN2_VL.frames(layout, size, processor=ip)
         assert frame == Frame(0.0, 0.0, size.width, size.height)
         _assert_within_a_cell(frame, (rows, cols), cell, x, y)
-        geo.check_size(layout, size, image_processor=ip)
+        geo.check_size(layout, size, image_processor=ip, processor_rule="dynamic")
     with pytest.raises(ValueError, match="swapped"):
-        geo.check_size(layout, Size(size.height, size.width), image_processor=ip)
+        geo.check_size(
+            layout, Size(size.height, size.width), image_processor=ip, processor_rule="dynamic"
+        )
     with pytest.raises(ValueError, match="swapped"):  # from the grid's aspect alone
         geo.check_size(layout, Size(size.height, size.width), aspect=True)
 
@@ -322,9 +326,6 @@ def test_layout_sizes_check_the_processors_own():
 
 
 def test_the_fallback_without_a_processor_is_the_adapters():
-    from vlm_focus.model_adapters.llava import LLAVA
-    from vlm_focus.model_adapters.llava_onevision import LLAVA_ONEVISION
-
     size = Size(90, 60)
     fallback = LLAVA.fallback_geometry[0]
     assert geo.view_frames(_single(4, 4), size, fallback=fallback) == [Frame(15.0, 0.0, 60, 60)]

@@ -318,7 +318,7 @@ def _resampled(model, layout, view: int, size: Size) -> bool:
 def _assert_cells_read_their_pixels(model, processor, layout, size: Size, colours) -> None:
     """Every cell inside the image reads pixels whose ramp colour decodes to a point in that
     cell, at its centre (to 5% of a cell) unless the view is resampled."""
-    frames = geo.view_frames(layout, size, processor=processor)
+    frames = get_adapter(model).frames(layout, size, processor=processor)
     x = colours[:, 0] / 255 * size.width  # the ramp's red: the original x, in pixels
     y = colours[:, 1] / 255 * size.height
     for view, (frame, grid) in enumerate(zip(frames, layout.grids, strict=True)):
@@ -380,11 +380,14 @@ def test_smart_resize_grid_is_the_processors(kind):
         _, rows, cols = (inputs["image_grid_thw"][0] // torch.tensor([1, merge, merge])).tolist()
         assert geo.smart_resize_grid(size, image_processor) == (rows, cols), size
         ((layout,),) = get_adapter(model).layout(model, inputs["input_ids"], inputs)
-        geo.check_size(layout, size, image_processor=image_processor)
+        geo.check_size(layout, size, image_processor=image_processor, processor_rule="dynamic")
         if rows != cols:
             with pytest.raises(ValueError, match="swapped"):
                 geo.check_size(
-                    layout, Size(size.height, size.width), image_processor=image_processor
+                    layout,
+                    Size(size.height, size.width),
+                    image_processor=image_processor,
+                    processor_rule="dynamic",
                 )
 
 

@@ -238,6 +238,7 @@ def test_the_vllm_models_cover_the_supported_models_or_say_why_not():
     for model_type, model in plugin.MODELS.items():
         assert plugin.model_type_of(model.class_path.partition(":")[0]) == model_type
         assert model.pruning_architecture == "VlmFocus" + model.architecture
+        assert not model.video_budgets or plugin.adapter_of(model_type).video  # declared there
     with pytest.raises(ValueError, match="qwen2_vl.*no pruning class for vLLM's Qwen2VL"):
         plugin.hf_overrides("qwen2_vl")
     table = plugin.support_markdown().splitlines()

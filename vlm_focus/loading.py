@@ -58,7 +58,7 @@ def load_model(
     path = resolve_model_path(model)
     config = _config(path, trust_remote_code)
     adapter = get_adapter(_ConfigHolder(config))  # unsupported model types fail here, named
-    if adapter.video_token_attrs:  # the model reads videos: its processor has a video processor
+    if adapter.video:  # the model reads videos: its processor has a video processor
         check_torchvision(config.model_type)
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

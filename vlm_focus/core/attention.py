@@ -6,7 +6,8 @@ than asking the model for ``output_attentions``. This module is the one home of 
 
 * :func:`apply_rope`: RoPE as the decoders apply it (M-RoPE arrives folded into ``cos``/``sin``);
 * :func:`layer_qk`: q for chosen rows and k for every token of one layer's input;
-* :func:`allowed_keys`: causal + padding semantics, by original positions;
+* :func:`allowed_keys`: the model's mask rule (:data:`MASK_RULES`) + padding, by original
+  positions;
 * :func:`attention_probs`: ``softmax(q k^T * scaling)`` over allowed keys, GQA heads grouped
   onto their kv head instead of repeating the keys;
 * :func:`text_after_image`: the instruction, i.e. the valid tokens after each row's last visual
@@ -58,15 +59,37 @@ def layer_qk(
     return q, k
 
 
+#: The attention-mask rules the core understands, as a model adapter declares its model's
+#: (``ModelAdapter.mask_rule``): ``"causal"``, a query sees every key at or before it. A
+#: model with another rule (Gemma 3's ``"sliding_window"`` layers, its
+#: ``"bidirectional_images"`` image tokens) adds its name here and its branch in
+#: :func:`allowed_keys`, the one place a rule becomes a mask.
+MASK_RULES = ("causal",)
+
+
+def check_mask_rule(rule: object) -> str:
+    """``rule`` if it is one of :data:`MASK_RULES`, else ``ValueError`` listing them."""
+    if rule not in MASK_RULES:
+        raise ValueError(f"mask_rule={rule!r}; allowed: {MASK_RULES}")
+    return rule
+
+
 def allowed_keys(
-    key_valid: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor | None = None
+    key_valid: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor | None = None,
+    *,
+    rule: str = "causal",
 ) -> torch.Tensor:
-    """``[B, Tq, S]`` bool: key ``s`` is valid and not after query ``t`` (causal), comparing
-    original positions (``key_pos [B, S]``, default ``0..S-1``) so pruned sequences keep the
-    unpruned model's semantics."""
+    """``[B, Tq, S]`` bool: key ``s`` is valid and the mask ``rule`` (one of
+    :data:`MASK_RULES`) lets query ``t`` see it (``"causal"``: not after it), comparing
+    original positions (``query_pos [B, Tq]``, ``key_pos [B, S]``, default ``0..S-1``) so
+    pruned sequences keep the unpruned model's semantics."""
     if key_pos is None:
         key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)[None]
-    return key_valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+    if check_mask_rule(rule) == "causal":
+        seen = key_pos[:, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
+    return key_valid[:, None, :] & seen
 
 
 def attention_probs(

@@ -426,7 +426,7 @@ def layer_attention_rows(
     total = k.shape[2]
     if valid.shape[1] != total:
         raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")
-    permitted = allowed_keys(valid, rows, key_positions)  # [B, Tq, L]
+    permitted = allowed_keys(valid, rows, key_positions, rule=adapter.mask_rule)  # [B, Tq, L]
     if allowed is not None:
         permitted = permitted & allowed
     return attention_probs(q, k, getattr(layer, adapter.attention).scaling, permitted)
@@ -489,12 +489,12 @@ class AttentionBias(_LayerHooks):
                 bias = self.bias_fn(view)
             if bias is None:
                 return None
-            return args, self._biased(view, bias)
+            return args, self._biased(view, bias, self.adapter.mask_rule)
 
         return hook
 
     @staticmethod
-    def _biased(view: LayerView, bias: torch.Tensor) -> dict:
+    def _biased(view: LayerView, bias: torch.Tensor, mask_rule: str) -> dict:
         kwargs, hidden = view.kwargs, view.hidden
         batch = hidden.shape[0]
         n_call = view.call.input_ids.shape[1]
@@ -513,7 +513,7 @@ class AttentionBias(_LayerHooks):
             else:
                 base = mask.to(dtype).expand(batch, -1, -1, -1)
         else:
-            allowed = allowed_keys(view.valid, view.rows, view.keys)  # [B, T_l, L]
+            allowed = allowed_keys(view.valid, view.rows, view.keys, rule=mask_rule)  # [B, T_l, L]
             base = torch.zeros(batch, 1, *allowed.shape[1:], dtype=dtype, device=hidden.device)
             base = base.masked_fill(~allowed[:, None], low)
         if tuple(base.shape[-2:]) != tuple(bias.shape[-2:]):

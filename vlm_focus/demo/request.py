@@ -80,7 +80,6 @@ from ..model_adapters import (
     ImageLayout,
     ModelAdapter,
     get_adapter,
-    model_frames,
     supported_models,
 )
 from ..setting import RunSetting
@@ -394,8 +393,8 @@ def _fit_frames(video: DecodedVideo, max_side: int) -> tuple[DecodedVideo, list[
 
 
 def takes_video(model: nn.Module) -> bool:
-    """Whether the model reads videos: its adapter knows a video token for it."""
-    return _adapter(model).token_ids(model)[1] is not None
+    """Whether the model reads videos, as its adapter declares."""
+    return _adapter(model).video
 
 
 def _video_request(
@@ -636,7 +635,7 @@ def _compute(
     pruned_seq, trace = answers.pruned_seq, answers.trace
     image = np.asarray(picture, dtype=np.uint8)
     layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)[0][0]
-    frames = model_frames(model, layout, as_size(picture), processor=processor)
+    frames = get_adapter(model).frames(layout, as_size(picture), processor=processor)
     seen, seen_share = seen_region(as_size(picture), frames)  # what the processor kept
     kept = trace.kept[0].to(layout.positions.device)
     grid, frame = kept_grid(layout, kept, frames)

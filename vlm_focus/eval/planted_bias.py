@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..core.calls import cache_length, cache_of
-from ..model_adapters import get_adapter
+from ..model_adapters import get_adapter, supported_models
 
 __all__ = ["PlantedBias", "planted_key_bias"]
 
@@ -81,7 +81,7 @@ def _lowest_frequency(decoder: nn.Module) -> float:
 
 
 class PlantedBias:
-    """Plant :func:`planted_key_bias` in every decoder layer of a LLaVA-family model (1-D RoPE);
+    """Plant :func:`planted_key_bias` in every decoder layer of a model with 1-D RoPE positions;
     a context manager (``with PlantedBias(model, positional=4.0): ...``), or ``attach()`` /
     ``remove()``. Attach it before or after ``vlm_focus.wrap``: the wrap's hooks run first."""
 
@@ -101,9 +101,10 @@ class PlantedBias:
         if isinstance(n_sinks, bool) or not isinstance(n_sinks, int) or n_sinks < 0:
             raise ValueError(f"n_sinks={n_sinks!r} must be an int >= 0")
         self.adapter = get_adapter(model)
-        if self.adapter.model_type not in ("llava", "llava_next", "llava_onevision"):
+        if not self.adapter.consecutive_positions:  # the bias is laid out by 1-D position id
             raise ValueError(
-                f"PlantedBias needs a 1-D RoPE decoder (LLaVA family), got "
+                f"PlantedBias needs a 1-D RoPE decoder (one of "
+                f"{', '.join(supported_models(consecutive_positions=True))}), got "
                 f"'{self.adapter.model_type}'"
             )
         self.model = model

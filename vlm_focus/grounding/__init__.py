@@ -36,22 +36,12 @@ from ._defaults import (
 from ._describe import Described, GroundedPhrase, describe_and_ground
 from ._heads import LocalizationHeads, load_heads, save_heads, select_localization_heads
 from ._heatmap import HeatMap
-from ._pass import (
-    GENERIC_PROMPT,
-    GEOMETRIES,
-    Grounding,
-    GroundingPass,
-    Mention,
-    UnknownWordWarning,
-    UnseenRegionWarning,
-    ground,
-    heatmap,
-    region_score,
-)
+from ._pass import GENERIC_PROMPT, GroundingPass, Mention, UnseenRegionWarning
 from ._presence import PRESENCE_PROMPT, presence
 from ._region import box_share
 from ._token_masks import unknown_words
 from ._words import STOP_WORDS
+from ._wrappers import Grounding, UnknownWordWarning, ground, heatmap, region_score
 
 __all__ = [
     "CONFIG_KEY",
@@ -59,7 +49,6 @@ __all__ = [
     "PRESENCE_PROMPT",
     "PRESENCE_THRESHOLD",
     "GENERIC_PROMPT",
-    "GEOMETRIES",
     "STOP_WORDS",
     "Box",
     "Described",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,6 @@ from torch import nn
 from ..generation import greedy_generate
 from ._boxes import Box, boxes
 from ._heatmap import HeatMap
-from ._image_attention import HeadSpec
 from ._pass import GroundingPass
 from ._region import box_share
 
@@ -45,13 +44,9 @@ def describe_and_ground(
     objects: Iterable[str] | None = None,
     max_new_tokens: int = 32,
     image: int = 0,
-    layers: Sequence[int] | None = None,
-    heads: HeadSpec = None,
-    images: Any = None,
-    sizes: Any = None,
-    geometry: str | None = None,
     threshold: float | str = "otsu",
     generate_kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> list[Described]:
     """Generate an answer (greedy), then give each object mention a map, a box and a score.
 
@@ -60,8 +55,10 @@ def describe_and_ground(
     word. One :class:`GroundingPass` over prompt + answer reads them all: a mention's map
     averages its tokens' rows (TAG), its box is the best box of :func:`boxes`, and its score is
     the MTLA share of its image attention inside that box (:func:`region_score`). The answer is
-    trimmed at its first end-of-sequence or padding token. Pixels need the images' sizes
-    (``images=`` or ``sizes=``) unless the inputs carry them (LLaVA-NeXT, LLaVA-OneVision).
+    trimmed at its first end-of-sequence or padding token. ``options`` are the pass's keyword
+    arguments (``layers``, ``heads``, ``images``, ``sizes``, ``geometry``, ...). Pixels need the
+    images' sizes (``images=`` or ``sizes=``) unless the inputs carry them (LLaVA-NeXT,
+    LLaVA-OneVision).
     """
     if processor is None:
         raise ValueError("describe_and_ground needs processor= (to decode the answer)")
@@ -69,18 +66,7 @@ def describe_and_ground(
         model, inputs, max_new_tokens=max_new_tokens, **(generate_kwargs or {})
     )
     answer = sequences[:, inputs["input_ids"].shape[1] :]
-    gp = GroundingPass(
-        model,
-        inputs,
-        processor=processor,
-        images=images,
-        sizes=sizes,
-        answer=answer,
-        layers=layers,
-        heads=heads,
-        rows=None,
-        geometry=geometry,
-    )
+    gp = GroundingPass(model, inputs, processor=processor, answer=answer, rows=None, **options)
     objects = list(objects) if objects is not None else None
     results = []
     for b, row_mentions in enumerate(gp.mentions(source="answer", objects=objects)):

@@ -5,11 +5,8 @@ Third parties add support for another VLM with :func:`register_adapter`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
-from ..geometry import Frame, Size, as_size, check_size, image_processor_of, view_frames
 from .base import ImageLayout, ModelAdapter
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
@@ -21,7 +18,6 @@ __all__ = [
     "ImageLayout",
     "ModelAdapter",
     "get_adapter",
-    "model_frames",
     "register_adapter",
     "supported_models",
 ]
@@ -41,13 +37,16 @@ def register_adapter(adapter: ModelAdapter, *, replace: bool = False) -> None:
     _ADAPTERS[name] = adapter
 
 
-def supported_models(*, consecutive_positions: bool | None = None) -> list[str]:
-    """The model types with a registered adapter (with ``consecutive_positions``, those whose
-    adapter declares it so)."""
+def supported_models(
+    *, consecutive_positions: bool | None = None, video: bool | None = None
+) -> list[str]:
+    """The model types with a registered adapter (with ``consecutive_positions`` or ``video``,
+    those whose adapter declares it so)."""
     return sorted(
         name
         for name, adapter in _ADAPTERS.items()
-        if consecutive_positions is None or adapter.consecutive_positions == consecutive_positions
+        if consecutive_positions in (None, adapter.consecutive_positions)
+        and video in (None, adapter.video)
     )
 
 
@@ -65,18 +64,3 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
 
 for _adapter in (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):
     register_adapter(_adapter)
-
-
-def model_frames(
-    model: Any, layout: Any, size: Size, *, processor: Any = None, rule: str | None = None
-) -> list[Frame]:
-    """Per view of ``layout``, the frame its grid spans on the ``size`` image: the geometry's
-    :func:`~vlm_focus.geometry.view_frames` with the fallback and size checks of ``model``'s
-    adapter."""
-    adapter = get_adapter(model)
-    size = as_size(size)
-    check_size(
-        layout, size, image_processor=image_processor_of(processor), aspect=adapter.aspect_grids
-    )
-    fallback = adapter.fallback_geometry.get(len(layout.grids), adapter.fallback_geometry.get(0))
-    return view_frames(layout, size, processor=processor, rule=rule, fallback=fallback or ())

@@ -2,9 +2,10 @@
 
 An adapter names where the decoder stack lives, which token ids mark visual tokens, how to lay
 each image's tokens out on its 2-D grid, and how decode calls are positioned (1-D RoPE or
-M-RoPE). Where the grids sit in the photo is :mod:`vlm_focus.geometry`'s job; an adapter only
-gives its fallback for when no processor is at hand. It never copies model code: the layout
-functions read ``input_ids``, the config and the processor outputs.
+M-RoPE). Where the grids sit in the photo is :mod:`vlm_focus.geometry`'s arithmetic; an adapter
+says which arithmetic its processor follows and its fallback for when no processor is at hand,
+and :meth:`ModelAdapter.frames` is the one entry that asks. It never copies model code: the
+layout functions read ``input_ids``, the config and the processor outputs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..geometry import Size
+from ..core.attention import check_mask_rule
+from ..geometry import (
+    Frame,
+    Size,
+    as_size,
+    check_processor_rule,
+    check_size,
+    image_processor_of,
+    view_frames,
+)
 
 
 @dataclass
@@ -96,6 +106,15 @@ class ModelAdapter:
             :data:`vlm_focus.geometry.RULES` per view (the last repeats), keyed by the number
             of views an image has, ``0`` for any other count. A guess about the processor:
             with ``processor=`` its own settings decide.
+        mask_rule: which keys a query may attend to, one of
+            :data:`vlm_focus.core.attention.MASK_RULES` (``"causal"``); every reader of the
+            model's attention rows builds its mask from it
+            (:func:`vlm_focus.core.attention.allowed_keys`).
+        video: the family reads videos (its processor takes ``videos=`` and the model encodes
+            them); it then names its video token in ``video_token_attrs``.
+        processor_rule: the arithmetic the family's image processor places the image by, one
+            of :data:`vlm_focus.geometry.PROCESSOR_RULES` (``"single"``, ``"anyres"``,
+            ``"dynamic"``); the processor's settings give the numbers.
         aspect_grids: the grid's rows and columns follow the image's aspect ratio (dynamic
             resolution), so a size with width and height swapped can be caught.
         multi_image_views: the family was trained on conversations with several images, so it
@@ -130,6 +149,9 @@ class ModelAdapter:
     fallback_geometry: Mapping[int, tuple[str, ...]] = field(
         default_factory=lambda: {0: ("resize",)}
     )
+    mask_rule: str = "causal"
+    video: bool = False
+    processor_rule: str = "single"
     aspect_grids: bool = False
     multi_image_views: bool = False
     #: ``(model, positions [B, T], attention_mask [B, L] | None) -> position_ids`` for decode
@@ -143,6 +165,43 @@ class ModelAdapter:
     consecutive_positions: bool = True
     qk_norms: tuple[str, str] | None = None
     sequence_hooks: Callable[[nn.Module, Callable[[int], torch.Tensor | None]], list] | None = None
+
+    def __post_init__(self) -> None:
+        check_processor_rule(self.processor_rule)
+        check_mask_rule(self.mask_rule)
+        if self.video and not self.video_token_attrs:
+            raise ValueError(
+                f"adapter '{self.model_type}' declares video=True but no video_token_attrs: "
+                "name the config attribute holding the video token id"
+            )
+
+    # --- geometry -----------------------------------------------------------------------------
+    def frames(
+        self, layout: ImageLayout, size: Size, *, processor: Any = None, rule: str | None = None
+    ) -> list[Frame]:
+        """Per view of ``layout``, the frame its grid spans on the ``size`` image
+        (:func:`vlm_focus.geometry.view_frames`): ``rule`` (one of
+        :data:`vlm_focus.geometry.RULES`) for every view, else ``processor``'s settings by this
+        adapter's ``processor_rule``, else its ``fallback_geometry``. ``ValueError`` when
+        ``size`` cannot be the image's (a grid that does not follow its aspect ratio)."""
+        size = as_size(size)
+        check_size(
+            layout,
+            size,
+            image_processor=image_processor_of(processor),
+            processor_rule=self.processor_rule,
+            aspect=self.aspect_grids,
+        )
+        table = self.fallback_geometry
+        fallback = table.get(len(layout.grids), table.get(0)) or ()
+        return view_frames(
+            layout,
+            size,
+            processor=processor,
+            processor_rule=self.processor_rule,
+            rule=rule,
+            fallback=fallback,
+        )
 
     # --- resolution helpers -------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:

@@ -129,4 +129,5 @@ LLAVA_NEXT = ModelAdapter(
     # Base view: the whole image squashed to the encoder's square; the unpadded anyres grid
     # spans the whole image (up to a fraction of a token).
     fallback_geometry={0: ("resize",)},
+    processor_rule="anyres",
 )

@@ -186,6 +186,7 @@ LLAVA_ONEVISION = ModelAdapter(
     multi_image_views=True,
     layout=onevision_layout,
     image_token_attrs=("image_token_id", "image_token_index"),
+    video=True,
     video_token_attrs=("video_token_id", "video_token_index"),
     pixel_inputs=("pixel_values", "pixel_values_videos"),
     layout_inputs=("image_sizes", "batch_num_images", "pixel_values_videos"),
@@ -194,4 +195,5 @@ LLAVA_ONEVISION = ModelAdapter(
     # A tiled image: base view squashed, anyres grid over the whole image; an untiled one (a
     # prompt with several images) is padded to a square first.
     fallback_geometry={0: ("resize",), 1: ("pad",)},
+    processor_rule="anyres",
 )

@@ -109,6 +109,7 @@ QWEN2_VL = ModelAdapter(
     layout=qwen_layout,
     decode_positions=mrope_decode_positions,
     consecutive_positions=False,  # M-RoPE: a visual token's position is its grid cell's
+    video=True,
     video_token_attrs=("video_token_id",),
     pixel_inputs=("pixel_values", "pixel_values_videos"),
     # Without it Qwen2-VL raises and Qwen2.5-VL silently falls back to 1-D positions.
@@ -117,6 +118,7 @@ QWEN2_VL = ModelAdapter(
     encoders=("get_image_features", "get_video_features"),
     # Dynamic resolution: the whole image squashed to a grid that keeps its aspect ratio.
     fallback_geometry={0: ("resize",)},
+    processor_rule="dynamic",
     aspect_grids=True,
 )
 # Qwen2.5-VL lays out and positions visual tokens exactly as Qwen2-VL does.

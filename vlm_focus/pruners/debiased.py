@@ -122,9 +122,7 @@ def _frames(layout: Any, size: Size, pad: bool | None, adapter: ModelAdapter) ->
     """The views' frames: the base view padded to a square (``pad``), the whole image (not
     padded), or the adapter's fallback geometry (``None``)."""
     if pad is None:
-        table = adapter.fallback_geometry
-        rules = table.get(len(layout.grids), table.get(0, ("resize",)))
-        return view_frames(layout, size, fallback=rules)
+        return adapter.frames(layout, size)
     return view_frames(layout, size, fallback=("pad", "resize") if pad else ("resize",))
 
 

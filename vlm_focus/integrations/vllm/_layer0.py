@@ -23,8 +23,8 @@ run here (no transformers model classes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -36,19 +36,17 @@ from vllm.distributed import (
 
 from ...core.before_llm import item_keep
 from ...core.pruner import Pruner
-from ...geometry import Size
+from ...geometry import Frame, Size, view_frames
 
 
 @dataclass(frozen=True)
 class VllmLayerAdapter:
     """What :class:`StageContext` asks a model adapter: three things about a decoder layer,
     answered for vLLM's Llama-style layers, and how an image's views sit on it when no processor
-    is known (``fallback_geometry``: the model adapter's, which ``debiased``'s padding fix
-    reads)."""
+    is known (``frames``: the model adapter's ``ModelAdapter.frames``, which ``debiased``'s
+    padding fix reads)."""
 
-    fallback_geometry: Mapping[int, tuple[str, ...]] = field(
-        default_factory=lambda: {0: ("resize",)}
-    )
+    frames: Callable[..., list[Frame]] = view_frames
     attention: ClassVar[str] = "self_attn"
     input_norm: ClassVar[str] = "input_layernorm"
 
