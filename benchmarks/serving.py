@@ -334,6 +334,8 @@ def pope_engine(work: str, model: str, pruner: str, keep: str, positions: str) -
     from PIL import Image
     from vllm import LLM, SamplingParams
 
+    from vlm_focus.integrations.vllm import hf_overrides
+
     folder = Path(work)
     cases = json.loads((folder / "reference.json").read_text())
     setting = {"pruner": pruner, "keep": json.loads(keep)}
@@ -341,7 +343,8 @@ def pope_engine(work: str, model: str, pruner: str, keep: str, positions: str) -
         setting = {"pruner": "pool", "keep": 1.0}
     else:
         setting["positions"] = positions
-    overrides = {"architectures": ["VlmFocusLlavaForConditionalGeneration"], "vlm_focus": setting}
+    model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    overrides = hf_overrides(model_type, **setting)  # the model's pruning class, checked
     llm = LLM(
         model=model,
         dtype="float32",

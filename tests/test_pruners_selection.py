@@ -21,8 +21,7 @@ from vlm_focus.pruners._common import ImageTokens
 from vlm_focus.pruners._math import (
     content_fraction,
     fit_trend,
-    maxmin_order,
-    remove_trend,
+    maxmin_orders,
     resample_map,
     split_budget,
     tile_index,
@@ -34,6 +33,19 @@ from vlm_focus.pruners.text import rater_weights, select_raters
 
 SIDE = 12
 OBJECT = {r * SIDE + c for r in range(2, 5) for c in range(3, 7)}  # 12 cells, upper rows
+
+
+def remove_trend(scores: torch.Tensor, x: torch.Tensor, kind: str = "exp") -> torch.Tensor:
+    """``s / t(x)`` rescaled so the total mass of ``scores`` is unchanged:
+    ``s' = s / t * sum(s) / sum(s / t)`` (what ``debiased`` does to one image)."""
+    flat = scores.float() / fit_trend(scores, x, kind).clamp(min=1e-12)
+    return flat * (float(scores.float().sum()) / max(float(flat.sum()), 1e-12))
+
+
+def maxmin_order(features: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`maxmin_orders` of one set of ``[n, D]`` features: ``count`` indices."""
+    everything = torch.ones(1, features.shape[0], dtype=torch.bool)
+    return maxmin_orders(features[None], everything, count)[0]
 
 
 def _pruner(name, config=None, **options):

@@ -19,10 +19,13 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
         "vlm_focus": {
             "pruner": "pool",
             "keep": 0.5,
+            "layer": 0,
+            "query_rows": "text",
+            "reduce": "max",
             "budget": "frame",
-            "tiles": 2,
-            "min_per_region": 1,
             "positions": "original",
+            "warm_kernels": True,
+            "options": {},
         },
     }
     assert plugin.ServeOptions.from_config(overrides["vlm_focus"]).keep == 0.5
@@ -34,7 +37,9 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
         ({"pruner": "sparsevlm"}, "not one of"),
         ({"keep": 0.0}, "ratio"),
         ({"keep": 0}, "count"),
-        ({"tiles": 0}, "tiles"),
+        ({"pruner": "pyramid", "options": {"tiles": 0}}, "tiles"),
+        ({"pruner": "pyramid", "options": {"width": 2}}, "it takes: \\['alpha'"),
+        ({"layer": 2}, "at layer 0 only"),
         ({"budget": "frames"}, "budget='frames' is not one of"),
         ({"positions": "compact"}, "positions='compact' is not one of \\('original',\\)"),
         ({"positions": "shifted"}, "positions='shifted' is not one of"),
@@ -196,3 +201,98 @@ def test_serve_helper_takes_the_servers_processes_down(tmp_path, kind, code):
     else:
         os.kill(grandchild, 9)
         raise AssertionError("the server's child outlived the helper")
+
+
+def test_the_served_pruners_and_positions_come_from_the_registries():
+    """Each class serves the registered pruners that declare they choose before the LLM (and
+    can for its model), FocusConfig's default first; compact positions where the model's
+    adapter numbers a prompt with one 1-D count."""
+    import vlm_focus as vf
+    from vlm_focus.pruners import get_pruner
+
+    before_llm = [n for n in vf.pruners() if get_pruner(n).before_llm]
+    assert sorted(before_llm) == ["debiased", "fastv", "pool", "pyramid", "text"]
+    for model_type in plugin.MODELS:
+        served = plugin.served_pruners(model_type)
+        assert served[0] == vf.FocusConfig().pruner and set(served) <= set(before_llm)
+        adapter = plugin.adapter_of(model_type)
+        assert ("pyramid" in served) == (adapter.vision_layers is None)  # no [CLS] to read
+        compact = ("original", "compact") if adapter.consecutive_positions else ("original",)
+        assert plugin.served_positions(model_type) == compact
+    assert plugin.served_pruners("qwen2_5_vl") == ("fastv", "debiased", "pool", "pyramid", "text")
+    assert plugin.served_pruners("llava") == ("fastv", "debiased", "pool", "text")
+    assert plugin.video_pruners(plugin.served_pruners("qwen3_vl")) == (
+        "fastv",
+        "debiased",
+        "pool",
+        "text",
+    )
+
+
+def test_the_vllm_models_cover_the_supported_models_or_say_why_not():
+    import vlm_focus as vf
+
+    assert set(plugin.MODELS) | set(plugin.NOT_SERVED) == set(vf.supported_models())
+    assert not set(plugin.MODELS) & set(plugin.NOT_SERVED)
+    assert all(reason.strip() for reason in plugin.NOT_SERVED.values())
+    for model_type, model in plugin.MODELS.items():
+        assert plugin.model_type_of(model.class_path.partition(":")[0]) == model_type
+        assert model.pruning_architecture == "VlmFocus" + model.architecture
+        assert not model.video_budgets or plugin.adapter_of(model_type).video  # declared there
+    with pytest.raises(ValueError, match="qwen2_vl.*no pruning class for vLLM's Qwen2VL"):
+        plugin.hf_overrides("qwen2_vl")
+    table = plugin.support_markdown().splitlines()
+    assert [row.split("|")[1].strip(" `") for row in table[2:]] == vf.supported_models()
+    assert "| `qwen2_5_vl` | `VlmFocusQwen2_5_VLForConditionalGeneration` | fastv, debiased, " in (
+        plugin.support_markdown()
+    )
+
+
+def test_the_serve_parser_is_built_from_the_option_tables(tmp_path):
+    from vlm_focus.integrations.vllm.__main__ import serve_parser
+
+    flags = {a.dest for a in serve_parser()._actions}
+    assert {"pruner", "keep", "budget", "positions", "query_rows", "reduce"} <= flags
+    assert "layer" not in flags  # the plugin prunes at layer 0 only
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    command = serve_command(
+        [str(tmp_path), "--pruner", "pyramid", "--pruner-option", "tiles=3", "--reduce", "mean"]
+    )
+    settings = json.loads(command[command.index("--hf-overrides") + 1])["vlm_focus"]
+    assert settings["options"] == {"tiles": 3} and settings["reduce"] == "mean"
+    with pytest.raises(ValueError, match="pruner 'fastv' has no option 'tiles'"):
+        serve_command([str(tmp_path), "--pruner-option", "tiles=3"])
+
+
+def test_the_plugin_names_no_pruner_in_a_comparison_and_no_model_type_outside_its_dicts():
+    """What the plugin serves is read from the pruner classes and the MODELS dict: its source
+    compares with no pruner name and spells a model type only as a key of MODELS/NOT_SERVED."""
+    import ast
+
+    import vlm_focus as vf
+
+    names, model_types = set(vf.pruners()), set(vf.supported_models())
+    found = []
+    for path in sorted(Path(plugin.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        keys = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                if {getattr(t, "id", None) for t in node.targets} & {"MODELS", "NOT_SERVED"}:
+                    keys |= {id(k) for k in node.value.keys}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                parts = [node.left, *node.comparators]
+                parts += [e for p in parts if isinstance(p, (ast.Tuple, ast.List)) for e in p.elts]
+                found += [
+                    f"{path.name}:{node.lineno} compares with pruner {p.value!r}"
+                    for p in parts
+                    if isinstance(p, ast.Constant) and p.value in names
+                ]
+            if (
+                isinstance(node, ast.Constant)
+                and node.value in model_types
+                and id(node) not in keys
+            ):
+                found.append(f"{path.name}:{node.lineno} names model type {node.value!r}")
+    assert found == []

@@ -1,6 +1,6 @@
-"""The vLLM plugin's pre-LLM keep sets equal what ``vf.wrap(..., layer=0)`` keeps in
-transformers, on the tiny Qwen2.5-VL (this runs in the main environment: the selection
-module imports neither vLLM nor transformers)."""
+"""Pruning before the LLM (:mod:`vlm_focus.core.before_llm`, what the vLLM plugin calls)
+keeps what ``vf.wrap(..., layer=0)`` keeps in transformers, on the tiny Qwen2.5-VL (this runs
+in the main environment: the module imports neither vLLM nor transformers)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import torch
 from tiny_models import IMAGE, VISION_END, VISION_START, make_model
 
 import vlm_focus as vf
-from vlm_focus.config import keep_count
+from vlm_focus.config import FocusConfig, keep_count
+from vlm_focus.core.before_llm import before_llm_pruner, frame_counts, item_keep, item_layout
 from vlm_focus.integrations import vllm as plugin
-from vlm_focus.integrations.vllm import _scores
-from vlm_focus.pruners import tile_index
+from vlm_focus.model_adapters import get_adapter
+from vlm_focus.pruners import spread_order, tile_index
 
 
 def _inputs(grid: tuple[int, int, int], seed: int) -> dict:
@@ -51,12 +52,20 @@ def test_pool_and_pyramid_keep_what_wrap_keeps(grid, keep):
         ).pooler_output[0]  # [rows * cols, D]
     for pruner, options in (("pool", {}), ("pyramid", {"alpha": 0.0})):
         expected = _kept_by_wrap(model, inputs, pruner=pruner, keep=keep, **options)
-        got = _scores.select(pruner, embeds, rows, cols, n_keep)
+        chosen = before_llm_pruner(FocusConfig(pruner=pruner, layer=0))
+        got = item_keep(
+            chosen,
+            item_layout(rows, cols),
+            n_keep,
+            hidden=embeds[None],
+            where=torch.arange(rows * cols),
+            adapter=get_adapter(model),
+        )
         assert got.tolist() == expected.tolist(), pruner
 
 
 def test_spread_rank_is_a_permutation_that_starts_at_the_centre():
-    rank = _scores.spread_rank(4, 6)
+    rank = spread_order(4, 6)
     assert sorted(rank.tolist()) == list(range(24))
     # the four cells around (2.0, 3.0) tie; the lowest raster index, cell (1, 2), goes first
     assert int(rank.argmin()) == 1 * 6 + 2
@@ -79,12 +88,9 @@ def test_keep_count_is_focus_configs_rule_with_counts_clamped():
 
 @pytest.mark.parametrize(("rows", "cols", "tiles"), [(8, 6, 2), (5, 7, 3), (1, 9, 2), (4, 4, 1)])
 def test_regions_are_the_pyramid_pruners_tiles(rows, cols, tiles):
-    region = _scores.region_of_cells(rows, cols, tiles)
     r, c = torch.arange(rows).repeat_interleave(cols), torch.arange(cols).repeat(rows)
     want = [(i * tiles // rows) * tiles + j * tiles // cols for i, j in zip(r.tolist(), c.tolist())]
     assert tile_index(r, c, rows, cols, tiles).tolist() == want
-    # renumbered 0.. in tile order: tiles without cells (a grid thinner than tiles) drop out
-    assert region.tolist() == [sorted(set(want)).index(w) for w in want]
 
 
 @pytest.mark.parametrize("sizes", [[48], [48, 16], [16, 60, 48], [3, 1], [7, 7, 7], [1, 5, 2, 9]])
@@ -97,10 +103,31 @@ def test_frame_counts_are_the_engines_frame_budget(sizes):
     frames = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))[None]
     visual = torch.ones(1, n, dtype=torch.bool)
     for total in range(1, n + 1):
-        counts = _scores.frame_counts(sizes, total)
+        counts = frame_counts(sizes, total)
         assert sum(counts) == total
         for seed in range(3):
             scores = torch.rand(1, n, generator=torch.Generator().manual_seed(seed))
             keep = keep_mask(frame_shares(scores, visual, frames), visual, n - total)
             kept = torch.bincount(frames[keep], minlength=len(sizes)).tolist()
             assert kept == counts, (total, seed)
+
+
+def test_a_pruner_that_cannot_choose_before_the_llm_or_lacks_its_layer_is_refused():
+    with pytest.raises(ValueError, match="pruner 'random' cannot choose before the language"):
+        before_llm_pruner(FocusConfig(pruner="random", layer=0))
+    fastv = before_llm_pruner(FocusConfig(pruner="fastv", layer=0))
+    with pytest.raises(ValueError, match="reads layer 0's attention: pass layer"):
+        item_keep(
+            fastv,
+            item_layout(2, 2),
+            2,
+            hidden=torch.zeros(1, 4, 8),
+            where=torch.arange(4),
+            adapter=None,
+        )
+    pyramid = before_llm_pruner(FocusConfig(pruner="pyramid", layer=0), {"tiles": 3})
+    assert (pyramid.options.alpha, pyramid.options.bottom_up, pyramid.options.tiles) == (
+        0.0,
+        "norm",
+        3,
+    )

@@ -93,8 +93,7 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
-    torch.manual_seed(seed)
-    model = (qwen3_vl_model if family == "qwen3_vl" else qwen2_5_vl_model)()
+    model = (qwen3_vl_model if family == "qwen3_vl" else qwen2_5_vl_model)(seed)
     model.save_pretrained(path)
     pixels = {"min_pixels": 16, "max_pixels": 64 * 64}
     processor = {
@@ -127,90 +126,69 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
         Image.fromarray(array).save(path / name)
 
 
-def text_config(**extra) -> dict:
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        **extra,
-    )
-
-
-_TOKENS = dict(
-    image_token_id=SPECIAL["<|image_pad|>"],
-    video_token_id=SPECIAL["<|video_pad|>"],
-    vision_start_token_id=SPECIAL["<|vision_start|>"],
-    vision_end_token_id=SPECIAL["<|vision_end|>"],
+#: What vLLM's CPU backend needs on top of the tiny configs
+#: (:mod:`vlm_focus.model_adapters.tiny`): text hidden 128 with head_dim 32, the smallest head
+#: its attention takes, over 2 layers, and untied embeddings.
+VLLM_TEXT = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
 
 
-def qwen2_5_vl_model():
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def text_config(**extra) -> dict:
+    """The tiny Llama text config (:mod:`vlm_focus.model_adapters.tiny`) at vLLM's sizes."""
+    from vlm_focus.model_adapters.tiny import tiny_config
 
-    config = Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            num_heads=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            out_hidden_size=128,
-            intermediate_size=64,
-            fullatt_block_indexes=[1],
-            window_size=16,
-        ),
-        text_config=text_config(
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [4, 6, 6],
-            }
-        ),
-        **_TOKENS,
+    text = tiny_config("llava").text_config.to_dict()
+    return {
+        **{k: text[k] for k in ("vocab_size", "num_attention_heads", "num_key_value_heads")},
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+        **VLLM_TEXT,
+        **extra,
+    }
+
+
+def qwen2_5_vl_model(seed: int = 0):
+    """The tiny Qwen2.5-VL at vLLM's sizes (M-RoPE sections of its 16 rotary frequencies)."""
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    return tiny_model(
+        "qwen2_5_vl",
+        seed=seed,
+        text=dict(VLLM_TEXT, rope_parameters=rope),
+        vision=dict(out_hidden_size=VLLM_TEXT["hidden_size"]),
+        tie_word_embeddings=False,
     )
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def qwen3_vl_model():
-    """Qwen3-VL: interleaved M-RoPE, per-head q/k norms, DeepStack after layers 0 and 1."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def qwen3_vl_model(seed: int = 0):
+    """The tiny Qwen3-VL at vLLM's sizes: interleaved M-RoPE, per-head q/k norms, DeepStack
+    after layers 0 and 1 (the vision tower's two layers, patch 4 as the processor cuts)."""
+    from vlm_focus.model_adapters.tiny import tiny_model
 
-    config = Qwen3VLConfig(
-        vision_config=dict(
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    }
+    return tiny_model(
+        "qwen3_vl",
+        seed=seed,
+        text=dict(VLLM_TEXT, head_dim=32, rope_parameters=rope),
+        vision=dict(
             depth=2,
-            hidden_size=32,
-            num_heads=2,
-            intermediate_size=64,
             patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            out_hidden_size=128,
-            num_position_embeddings=64,
+            out_hidden_size=VLLM_TEXT["hidden_size"],
             deepstack_visual_indexes=[0, 1],
         ),
-        text_config=text_config(
-            head_dim=32,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-            },
-        ),
-        **_TOKENS,
+        tie_word_embeddings=False,
     )
-    return Qwen3VLForConditionalGeneration(config).eval()
 
 
 def prompt_text(question: str, images: int = 1) -> str:

@@ -198,6 +198,23 @@ class Pruner:
     #: True when the pruner drives decoding itself (through its guide, or by picking new
     #: visual keys at every step), so no mitigation or zoom can steer the same calls.
     drives_decoding: ClassVar[bool] = False
+    #: True when the pruner can choose at layer 0 from what exists before the language model
+    #: (an item's LLM-input embeddings, and layer 0's q/k over the prompt where it reads
+    #: attention), so a backend that prunes before the LLM serves it (:mod:`.before_llm`).
+    before_llm: ClassVar[bool] = False
+    #: The options it runs with there (the parts of its score that exist before the LLM).
+    before_llm_options: ClassVar[dict[str, Any]] = {}
+    #: True when, before the LLM, it reads layer 0's attention over the prompt (so a backend
+    #: hands it the decoder layer and the unpruned prompt), not the embeddings alone.
+    reads_layer_attention: ClassVar[bool] = False
+    #: True when its choice for one image depends on the prompt's other images (their
+    #: attention, or one budget split over all of them): a backend that encodes each image
+    #: alone serves it one image or video per prompt.
+    reads_whole_prompt: ClassVar[bool] = False
+    #: True when its before-LLM choice covers a video's frames.
+    serves_video: ClassVar[bool] = False
+    #: True when it scores with the instruction after the image, so a prompt must have one.
+    needs_instruction: ClassVar[bool] = False
 
     def __init__(self, config: FocusConfig, options: Any) -> None:
         self.config = config
@@ -206,6 +223,12 @@ class Pruner:
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls.Options)]
+
+    @classmethod
+    def scores_before_llm(cls, adapter: ModelAdapter) -> bool:
+        """Whether it chooses before the LLM for a model of ``adapter`` (``before_llm``,
+        unless some part of its score comes from inside that model's encoder)."""
+        return cls.before_llm
 
     def attach(self, model: nn.Module, adapter: ModelAdapter) -> list[Any]:
         """Called once by ``wrap()``: register any hooks the pruner needs outside the decoder

@@ -96,17 +96,6 @@ def per_query_scores(
     return per_query.masked_fill(~candidates[:, None, :], 0.0)
 
 
-def cell_xy(cells: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
-    """``[n, 2]`` normalised ``(y, x)`` centres in ``[0, 1]`` of each token's cell (NaN for
-    tokens without a cell)."""
-    out = torch.full((cells.shape[0], 2), float("nan"))
-    has = cells[:, 1] >= 0
-    if has.any():
-        sizes = torch.tensor(grids, dtype=torch.float32)[cells[has, 0]]  # [m, 2]
-        out[has] = (cells[has, 1:].float() + 0.5) / sizes
-    return out
-
-
 def fill_cellless(values: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
     """Tokens without a grid cell (row newlines, CLS) take the value of the token before them
     (the first one takes the mean of those with a cell)."""

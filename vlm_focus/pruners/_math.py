@@ -93,27 +93,6 @@ def fit_trend(
     return full[inverse].exp().float()
 
 
-def remove_trend(
-    scores: torch.Tensor,
-    x: torch.Tensor,
-    kind: str = "exp",
-    *,
-    fit_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``s / t(x)`` rescaled so the total mass of ``scores`` is unchanged (so debiasing one
-    image does not move budget between images): ``s' = s / t * sum(s) / sum(s / t)``."""
-    trend = fit_trend(scores, x, kind, fit_mask=fit_mask)
-    flat = scores.float() / trend.clamp(min=_EPS)
-    total = float(scores.float().sum())
-    return flat * (total / max(float(flat.sum()), _EPS))
-
-
-def bin_order(n: int, bins: int | None = None) -> torch.Tensor:
-    """Bin index of each of ``n`` tokens in 1-D order (about ``sqrt(n)`` consecutive bins)."""
-    bins = bins or max(1, round(math.sqrt(n)))
-    return torch.div(torch.arange(n) * bins, max(n, 1), rounding_mode="floor")
-
-
 # --- pad-to-square geometry ----------------------------------------------------------------------
 def content_fraction(image_size: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
     """``[rows, cols]`` share of each grid cell covered by an ``image_size = (height, width)``
@@ -260,12 +239,3 @@ def maxmin_orders(features: torch.Tensor, candidates: torch.Tensor, count: int) 
         pick = torch.where(nearest.gather(1, best[:, None])[:, 0] > gone, best, pick)
         picks.append(pick)
     return torch.stack(picks, 1)
-
-
-def maxmin_order(features: torch.Tensor, count: int) -> torch.Tensor:
-    """:func:`maxmin_orders` of one set of ``[n, D]`` features: ``count`` indices."""
-    n = features.shape[0]
-    if not 1 <= count <= n:
-        raise ValueError(f"count={count} must lie in [1, {n}]")
-    everything = torch.ones(1, n, dtype=torch.bool, device=features.device)
-    return maxmin_orders(features[None], everything, count)[0]

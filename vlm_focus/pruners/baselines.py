@@ -63,6 +63,7 @@ class PoolPruner(Pruner):
 
     name = "pool"
     summary = "spatially uniform cells on each image's 2-D grid"
+    before_llm = serves_video = True  # the grid alone: each image by itself
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         scores = torch.zeros(ctx.visual.shape)

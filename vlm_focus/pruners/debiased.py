@@ -171,6 +171,7 @@ class DebiasedPruner(Pruner):
     name = "debiased"
     Options = DebiasedOptions
     summary = "base attention scores with the positional trend divided out, sinks/padding muted"
+    before_llm = reads_layer_attention = reads_whole_prompt = serves_video = True
 
     def __init__(self, config: Any, options: DebiasedOptions) -> None:
         super().__init__(config, options)

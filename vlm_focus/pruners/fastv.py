@@ -18,6 +18,7 @@ class FastVPruner(Pruner):
     name = "fastv"
     summary = "attention from the last prompt token (or the instruction) at layer K"
     attention_based = True
+    before_llm = reads_layer_attention = reads_whole_prompt = serves_video = True
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         return ctx.attention_scores(n_keep)

@@ -206,6 +206,15 @@ class PyramidPruner(Pruner):
     name = "pyramid"
     Options = PyramidOptions
     summary = "region budgets by encoder saliency, then [CLS]/norm fused with LLM attention"
+    # Before the LLM only the bottom-up half exists: the norm of the LLM-input embeddings.
+    before_llm = reads_whole_prompt = True  # one budget split over all the row's regions
+    before_llm_options = {"alpha": 0.0, "bottom_up": "norm"}
+
+    @classmethod
+    def scores_before_llm(cls, adapter: ModelAdapter) -> bool:
+        """Only where ``bottom_up="auto"`` is the norm: an encoder without a [CLS] token (the
+        [CLS] attention is read inside the encoder, which a before-LLM backend does not run)."""
+        return adapter.vision_layers is None
 
     def __init__(self, config: Any, options: PyramidOptions) -> None:
         super().__init__(config, options)
@@ -218,7 +227,10 @@ class PyramidPruner(Pruner):
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         opts = self.options
-        top = ctx.attention_scores(n_keep).scores.float().cpu()  # [B, S]
+        if opts.alpha == 0.0 and ctx.decoder_layer is None:  # before the LLM: no top-down
+            top = torch.zeros(ctx.visual.shape)
+        else:
+            top = ctx.attention_scores(n_keep).scores.float().cpu()  # [B, S]
         saliency, bases = bottom_up_saliency(ctx, self._capture.maps, opts.bottom_up)
         counts = row_counts(ctx, n_keep)
         chosen = []

@@ -62,6 +62,8 @@ class TextPruner(Pruner):
     Options = TextOptions
     summary = "attention from the instruction tokens that look at the image (raters), layer K"
     attention_based = True
+    before_llm = reads_layer_attention = reads_whole_prompt = serves_video = True
+    needs_instruction = True
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         rows, filler = ctx.query_rows("text", strict=True)  # [B, Tq]; weight 0: filler rows

@@ -15,18 +15,19 @@ classes to vLLM's model registry. A server opts in per model through ``--hf-over
 
 Pruning happens once per image, before the LLM: the processor gives a prompt's images
 ``keep_count(keep, N, clamp=True)`` placeholders in all (:func:`vlm_focus.config.keep_count`,
-``N`` the prompt's image tokens; a count above ``N`` keeps all ``N``, since one server-wide count
-serves prompts of every size), shared out by ``budget="frame"``'s rule. The model scores each
-image before the LLM (:data:`SERVED` lists each class's pruners: the attention pruners score with
-layer 0 of vLLM's own decoder over the unpruned prompt; ``pool`` is spatially uniform;
-``pyramid`` is PTP's bottom-up saliency, the embedding norm) and returns exactly the kept
-embeddings, in prompt order, each at its original position (:data:`POSITIONS`: the LLaVA classes
-can also serve them consecutively, ``positions="compact"``). This equals ``vf.wrap(model,
-pruner=..., keep=..., layer=0, budget="frame", positions=...)`` in transformers (``alpha=0`` for
-``pyramid``), where a count above the prompt's tokens raises instead.
+``N`` the prompt's image tokens; a count above ``N`` keeps all ``N``, since one server-wide
+count serves prompts of every size), shared out by ``budget="frame"``'s rule. The model scores
+each image before the LLM with the registered pruner (:func:`served_pruners`: those that can
+choose there, ``Pruner.before_llm``; the ones that read attention score with layer 0 of vLLM's
+own decoder over the unpruned prompt, :mod:`vlm_focus.core.before_llm`) and returns exactly the
+kept embeddings, in prompt order, each at its original position (:func:`served_positions`: the
+classes of 1-D RoPE can also serve them consecutively, ``positions="compact"``). This equals
+``vf.wrap(model, pruner=..., keep=..., layer=0, budget="frame", positions=...)`` in transformers
+(with the pruner's ``before_llm_options``: ``alpha=0`` for ``pyramid``), where a count above the
+prompt's tokens raises instead.
 
-The Qwen-VL classes also prune videos (:data:`VIDEO_BUDGETS`): a prompt with one video keeps
-``keep_count(keep, N, clamp=True)`` of its ``N`` tokens, every frame the same share
+The Qwen-VL classes also prune videos (:data:`MODELS`' ``video_budgets``): a prompt with one
+video keeps ``keep_count(keep, N, clamp=True)`` of its ``N`` tokens, every frame the same share
 (``budget="frame"``) or wherever the pruner chooses (``budget="span"``, where the video's tokens
 form one run in the prompt), each kept token at its original M-RoPE position; the reference is
 ``vf.wrap(model, pruner=..., keep=..., layer=0, budget=...)``.
@@ -38,114 +39,144 @@ transformers than vlm_focus supports).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
-from ...config import KEEP_RULE, parse_keep
+from ...config import BUDGETS, KEEP_RULE, FocusConfig, parse_keep
+from ...core.before_llm import before_llm_pruner, before_llm_pruners
+from ...core.options import default_of, inherit
+from ...model_adapters import ModelAdapter, get_adapter, supported_models
+from ...pruners import get_pruner, pruners_with  # importing it registers the built-ins
 from ._positions import CONFIG_KEY  # the settings' key in the HF config (--hf-overrides)
-
-#: Every pruner some class serves (each class serves those :data:`SERVED` lists for it).
-PRUNERS = ("pool", "pyramid", "fastv", "text", "debiased")
 
 #: Per-request keys of ``mm_processor_kwargs``.
 REQUEST_KEYS = ("vlm_focus_pruner", "vlm_focus_keep", "vlm_focus_budget")
-#: What ``budget`` may say: how a video's kept tokens are shared out over its frames.
-BUDGETS = ("frame", "span")
-#: What ``positions`` may say: where the kept tokens sit for the LLM's RoPE. ``"original"``:
-#: where they sat in the unpruned prompt, and every later token (text, decoding) as if nothing
-#: had been pruned (``vf.wrap``'s default); ``"compact"``: consecutively, as vLLM numbers any
-#: prompt of 1-D RoPE (``vf.wrap(..., positions="compact")``).
-POSITIONS = ("original", "compact")
-#: ``model_type`` -> (vLLM's architecture, the plugin's pruning architecture).
-ARCHITECTURES = {
-    "qwen2_5_vl": (
-        "Qwen2_5_VLForConditionalGeneration",
-        "VlmFocusQwen2_5_VLForConditionalGeneration",
-    ),
-    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "VlmFocusQwen3VLForConditionalGeneration"),
-    "llava": ("LlavaForConditionalGeneration", "VlmFocusLlavaForConditionalGeneration"),
-    "llava_next": (
-        "LlavaNextForConditionalGeneration",
-        "VlmFocusLlavaNextForConditionalGeneration",
-    ),
-    "llava_onevision": (
-        "LlavaOnevisionForConditionalGeneration",
-        "VlmFocusLlavaOnevisionForConditionalGeneration",
-    ),
+
+
+@dataclass(frozen=True)
+class VllmModel:
+    """What the plugin knows of one ``model_type`` that only vLLM needs: vLLM's class for it,
+    the module of the plugin's pruning subclass (named ``VlmFocus`` + vLLM's class), and the
+    budgets that class prunes videos with, the default first (empty: images only)."""
+
+    architecture: str
+    module: str
+    video_budgets: tuple[str, ...] = ()
+
+    @property
+    def pruning_architecture(self) -> str:
+        return f"VlmFocus{self.architecture}"
+
+    @property
+    def class_path(self) -> str:
+        return f"{__name__}.{self.module}:{self.pruning_architecture}"
+
+
+#: ``model_type`` -> its vLLM facts. Qwen3-VL writes a timestamp before every frame, so a
+#: frame's placeholder count is fixed before the encoder runs: only ``"frame"`` can fix it.
+MODELS = {
+    "llava": VllmModel("LlavaForConditionalGeneration", "_llava"),
+    "llava_next": VllmModel("LlavaNextForConditionalGeneration", "_llava_next"),
+    "llava_onevision": VllmModel("LlavaOnevisionForConditionalGeneration", "_llava_onevision"),
+    "qwen2_5_vl": VllmModel("Qwen2_5_VLForConditionalGeneration", "_qwen2_5_vl", ("frame", "span")),
+    "qwen3_vl": VllmModel("Qwen3VLForConditionalGeneration", "_qwen3_vl", ("frame",)),
 }
-#: ``model_type`` -> the pruners its class serves and the positions it serves them at, the
-#: defaults first (Qwen-VL's M-RoPE positions are always the original ones).
-SERVED = {
-    "qwen2_5_vl": (("fastv", "text", "debiased", "pyramid", "pool"), ("original",)),
-    "qwen3_vl": (("fastv", "text", "debiased", "pyramid", "pool"), ("original",)),
-    "llava": (("fastv", "text", "debiased", "pool"), POSITIONS),
-    "llava_next": (("fastv", "text", "debiased", "pool"), POSITIONS),
-    "llava_onevision": (("fastv", "text", "debiased", "pool"), POSITIONS),
+#: ``model_type``s that ``vlm_focus.supported_models()`` lists and the plugin does not serve,
+#: with the reason.
+NOT_SERVED = {
+    "qwen2_vl": "no pruning class for vLLM's Qwen2VLForConditionalGeneration yet (the "
+    "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
+    "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
+    "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
 }
-#: ``model_type`` -> the budgets its class prunes videos with, the default first (a class not
-#: listed serves images only). Qwen3-VL writes a timestamp before every frame, so a frame's
-#: placeholder count is fixed before the encoder runs: only ``"frame"`` can fix it.
-VIDEO_BUDGETS = {"qwen2_5_vl": ("frame", "span"), "qwen3_vl": ("frame",)}
-#: Pruners that choose a video's tokens (``pyramid``'s pre-LLM variant reads one image grid).
-VIDEO_PRUNERS = ("fastv", "text", "debiased", "pool")
-_CLASSES = {
-    "VlmFocusQwen2_5_VLForConditionalGeneration": (
-        f"{__name__}._qwen2_5_vl:VlmFocusQwen2_5_VLForConditionalGeneration"
-    ),
-    "VlmFocusQwen3VLForConditionalGeneration": (
-        f"{__name__}._qwen3_vl:VlmFocusQwen3VLForConditionalGeneration"
-    ),
-    "VlmFocusLlavaForConditionalGeneration": (
-        f"{__name__}._llava:VlmFocusLlavaForConditionalGeneration"
-    ),
-    "VlmFocusLlavaNextForConditionalGeneration": (
-        f"{__name__}._llava_next:VlmFocusLlavaNextForConditionalGeneration"
-    ),
-    "VlmFocusLlavaOnevisionForConditionalGeneration": (
-        f"{__name__}._llava_onevision:VlmFocusLlavaOnevisionForConditionalGeneration"
-    ),
-}
+
+
+def model_type_of(module: str) -> str:
+    """The ``model_type`` whose pruning class :data:`MODELS` places in ``module`` (a class's
+    ``__module__``)."""
+    for model_type, model in MODELS.items():
+        if module == f"{__name__}.{model.module}":
+            return model_type
+    raise ValueError(f"module {module!r} holds no pruning class of {sorted(MODELS)}")
+
+
+def adapter_of(model_type: str) -> ModelAdapter:
+    """The registered model adapter of ``model_type``."""
+    return _adapter(model_type)
+
+
+def _adapter(model_type: str) -> ModelAdapter:
+    return get_adapter(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in MODELS:
+        why = f" ({NOT_SERVED[model_type]})" if model_type in NOT_SERVED else ""
+        raise ValueError(
+            f"the vLLM plugin has no pruning class for model_type={model_type!r}{why}; "
+            f"supported: {sorted(MODELS)}"
+        )
+
+
+def served_pruners(model_type: str) -> tuple[str, ...]:
+    """The registered pruners the class of ``model_type`` serves, its default (``FocusConfig``'s)
+    first: those that choose before the LLM for its adapter (``Pruner.scores_before_llm``)."""
+    _check_model_type(model_type)
+    adapter, default = _adapter(model_type), default_of(FocusConfig, "pruner")
+    names = [n for n in before_llm_pruners() if get_pruner(n).scores_before_llm(adapter)]
+    return tuple(sorted(names, key=lambda n: n != default))
+
+
+def served_positions(model_type: str) -> tuple[str, ...]:
+    """Where the class of ``model_type`` can put its kept tokens, the default first: also
+    consecutively (``"compact"``) where the model numbers a prompt with one 1-D count
+    (``ModelAdapter.consecutive_positions``)."""
+    _check_model_type(model_type)
+    compact = _adapter(model_type).consecutive_positions
+    return ("original", "compact") if compact else ("original",)
+
+
+def video_pruners(pruners: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``pruners`` whose before-LLM choice covers a video's frames."""
+    return tuple(n for n in pruners if n in pruners_with("serves_video"))
 
 
 @dataclass
-class ServeOptions:
-    """The plugin's settings for one server (the ``vlm_focus`` key of the HF config)."""
+class ServeOptions(FocusConfig):
+    """The plugin's settings for one server (the ``vlm_focus`` key of the HF config): a
+    :class:`~vlm_focus.FocusConfig` of one stage at layer 0, since the plugin prunes before the
+    LLM. ``budget`` shares a video's kept tokens out over its frames (a prompt's images are
+    always shared by ``"frame"``'s rule); ``options`` are the server pruner's own (pyramid's
+    ``tiles``, ...)."""
 
-    pruner: str | None = field(
-        default=None,
-        metadata={"help": f"one of {PRUNERS} that the class serves (None: the class's default)"},
+    pruner: str = inherit(
+        FocusConfig,
+        "pruner",
+        help="a registered pruner that chooses before the LLM and that the model's class "
+        "serves (vlm_focus.integrations.vllm.served_pruners)",
     )
-    keep: float | int = field(
-        default=0.25, metadata={"help": f"tokens each image keeps: {KEEP_RULE}"}
+    keep: float | int = inherit(
+        FocusConfig, "keep", help=f"visual tokens a prompt's images or video keep: {KEEP_RULE}"
     )
-    budget: str = field(
+    layer: int = inherit(FocusConfig, "layer", default=0, cli=False)
+    budget: str = inherit(
+        FocusConfig,
+        "budget",
         default="frame",
-        metadata={
-            "help": "a video's share-out: 'frame' = every frame keeps the same share, 'span' = "
-            "the pruner chooses where (the classes that take it: VIDEO_BUDGETS)",
-            "choices": BUDGETS,
-        },
-    )
-    tiles: int = field(default=2, metadata={"help": "pyramid: regions per side of the grid"})
-    min_per_region: int = field(default=1, metadata={"help": "pyramid: tokens every region keeps"})
-    positions: str | None = field(
-        default=None,
-        metadata={
-            "help": "where kept tokens sit for the RoPE: 'original' (as unpruned) or 'compact' "
-            "(consecutive); None: the class's default (SERVED)",
-            "choices": POSITIONS,
-        },
+        help="a video's share-out: 'frame' = every frame keeps the same share, 'span' = the "
+        "pruner chooses where (Qwen2.5-VL)",
     )
 
     def __post_init__(self) -> None:
-        self.keep = check_request(self.pruner or PRUNERS[0], self.keep)
-        check_budget(self.budget)
-        if self.positions is not None:
-            check_positions(self.positions)
-        for name, low in (("tiles", 1), ("min_per_region", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{CONFIG_KEY}.{name}={value!r} must be an int >= {low}")
+        super().__post_init__()
+        if self.layer != 0:
+            raise ValueError(
+                f"{CONFIG_KEY}.layer={self.layer!r}: the vLLM plugin prunes before the LLM, "
+                "at layer 0 only"
+            )
+        check_pruner(self.pruner)
+        before_llm_pruner(self, self.options)  # the pruner's own checks of its options
 
     @classmethod
     def from_config(cls, value: Any) -> ServeOptions:
@@ -153,7 +184,7 @@ class ServeOptions:
         if value is None:
             raise ValueError(
                 f"the model config has no '{CONFIG_KEY}' entry: pass --hf-overrides "
-                f'\'{{"{CONFIG_KEY}": {{"pruner": "pyramid", "keep": 0.25}}}}\''
+                f'\'{{"{CONFIG_KEY}": {{"pruner": "fastv", "keep": 0.25}}}}\''
             )
         if not isinstance(value, dict):
             value = value.to_dict() if hasattr(value, "to_dict") else dict(vars(value))
@@ -165,17 +196,22 @@ class ServeOptions:
             )
         return cls(**value)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+def check_pruner(pruner: Any, pruners: tuple[str, ...] | None = None) -> str:
+    """``pruner`` if it is one of ``pruners`` (those a class serves; default: every pruner that
+    chooses before the LLM), else a ``ValueError`` that names it."""
+    allowed = tuple(before_llm_pruners() if pruners is None else pruners)
+    if pruner not in allowed:
+        raise ValueError(f"vlm_focus pruner={pruner!r} is not one of {allowed}")
+    return pruner
 
 
-def check_request(pruner: Any, keep: Any, pruners: tuple[str, ...] = PRUNERS) -> float | int:
+def check_request(pruner: Any, keep: Any, pruners: tuple[str, ...] | None = None) -> float | int:
     """``keep`` as :func:`vlm_focus.config.parse_keep` reads it; ``ValueError`` for a pruner
-    (not among ``pruners``, those the class serves) or keep the plugin cannot run. An image then
+    (not among ``pruners``, :func:`check_pruner`) or keep the plugin cannot run. An image then
     keeps ``keep_count(keep, n, clamp=True)`` of its ``n`` tokens
     (:func:`vlm_focus.config.keep_count`: a count above ``n`` keeps all ``n``)."""
-    if pruner not in pruners:
-        raise ValueError(f"vlm_focus pruner={pruner!r} is not one of {tuple(pruners)}")
+    check_pruner(pruner, pruners)
     return parse_keep(keep)
 
 
@@ -187,7 +223,7 @@ def check_budget(budget: Any, budgets: tuple[str, ...] = BUDGETS) -> str:
     return budget
 
 
-def check_positions(positions: Any, served: tuple[str, ...] = POSITIONS) -> str:
+def check_positions(positions: Any, served: tuple[str, ...]) -> str:
     """``positions`` if it is one of ``served`` (those a class serves), else a ``ValueError``
     that names it."""
     if positions not in served:
@@ -198,17 +234,35 @@ def check_positions(positions: Any, served: tuple[str, ...] = POSITIONS) -> str:
 def hf_overrides(model_type: str, **options: Any) -> dict[str, Any]:
     """``--hf-overrides`` for a model of ``model_type`` served pruned with ``options``
     (:class:`ServeOptions` fields)."""
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"the vLLM plugin has no pruning class for model_type={model_type!r}; "
-            f"supported: {sorted(ARCHITECTURES)}"
-        )
+    _check_model_type(model_type)
     settings = ServeOptions(**options)
-    served, positions = SERVED[model_type]
-    settings.pruner = settings.pruner or served[0]
-    check_request(settings.pruner, settings.keep, served)
-    settings.positions = check_positions(settings.positions or positions[0], positions)
-    return {"architectures": [ARCHITECTURES[model_type][1]], CONFIG_KEY: settings.to_dict()}
+    check_pruner(settings.pruner, served_pruners(model_type))
+    check_positions(settings.positions, served_positions(model_type))
+    model = MODELS[model_type]
+    return {"architectures": [model.pruning_architecture], CONFIG_KEY: settings.to_dict()}
+
+
+def support_markdown() -> str:
+    """The plugin's support matrix, one row per model type ``vlm_focus.supported_models()``
+    lists: its pruning architecture, the pruners and positions it serves (defaults first) and
+    its video budgets, or why it is not served."""
+    lines = [
+        "| model_type | vLLM architecture | pruners | positions | videos |",
+        "|---|---|---|---|---|",
+    ]
+    for model_type in supported_models():
+        if model_type not in MODELS:
+            lines.append(f"| `{model_type}` | not served: {NOT_SERVED[model_type]} | | | |")
+            continue
+        model = MODELS[model_type]
+        cells = [
+            f"`{model.pruning_architecture}`",
+            ", ".join(served_pruners(model_type)),
+            ", ".join(served_positions(model_type)),
+            "budget " + ", ".join(model.video_budgets) if model.video_budgets else "no",
+        ]
+        lines.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def recorded_kept(model: Any) -> list[dict[str, Any]]:
@@ -229,29 +283,32 @@ def register() -> None:
     from ._positions import OriginalPositionsConfig
 
     known = set(ModelRegistry.get_supported_archs())
-    for name, path in _CLASSES.items():
-        if name not in known:
-            ModelRegistry.register_model(name, path)
-    for model_type, (_, positions) in SERVED.items():
-        if "compact" in positions:
-            MODELS_CONFIG_MAP.setdefault(ARCHITECTURES[model_type][1], OriginalPositionsConfig)
+    for model in MODELS.values():
+        if model.pruning_architecture not in known:
+            ModelRegistry.register_model(model.pruning_architecture, model.class_path)
+    for model_type, model in MODELS.items():
+        if "compact" in served_positions(model_type):
+            MODELS_CONFIG_MAP.setdefault(model.pruning_architecture, OriginalPositionsConfig)
 
 
 __all__ = [
-    "ARCHITECTURES",
-    "BUDGETS",
     "CONFIG_KEY",
-    "POSITIONS",
-    "PRUNERS",
+    "MODELS",
+    "NOT_SERVED",
     "REQUEST_KEYS",
-    "SERVED",
     "ServeOptions",
-    "VIDEO_BUDGETS",
-    "VIDEO_PRUNERS",
+    "VllmModel",
     "check_budget",
     "check_positions",
+    "check_pruner",
     "check_request",
+    "adapter_of",
     "hf_overrides",
+    "model_type_of",
     "recorded_kept",
     "register",
+    "served_pruners",
+    "served_positions",
+    "support_markdown",
+    "video_pruners",
 ]

@@ -1,5 +1,8 @@
 """``python -m vlm_focus.integrations.vllm serve MODEL [--pruner P] [--keep K] [vllm args...]``
 
+(``--help`` lists every option: :class:`~vlm_focus.integrations.vllm.ServeOptions`' fields and
+``--pruner-option NAME=VALUE`` for the pruner's own, e.g. pyramid's ``tiles=3``.)
+
 Starts vLLM's OpenAI-compatible server (what ``vllm serve`` starts) with MODEL's images
 pruned before the LLM: it reads MODEL's ``model_type``, builds the ``--hf-overrides`` that pick
 the plugin's pruning architecture (:func:`vlm_focus.integrations.vllm.hf_overrides`) and hands
@@ -28,11 +31,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...asset_paths import EMBEDDED, default_model_path
-from ...config import KEEP_RULE, read_keep
-from . import ARCHITECTURES, BUDGETS, POSITIONS, PRUNERS, ServeOptions, hf_overrides
+from ...config import pruner_option_field, read_keep
+from ...core.options import add_options, default_of, given, parse_config
+from ...pruners import read_pruner_options
+from . import MODELS, ServeOptions, hf_overrides
 
 #: The embedded model's KV cache unless the user sizes it: 8 KiB a token (float32; 4 layers, k
 #: and v, 8 heads of 32), so 131072 tokens, 256 prompts of its 512-token context.
@@ -60,11 +66,22 @@ def sizes_kv_cache(args: list[str], environ: Mapping[str, str]) -> bool:
     return bool(flags & set(KV_CACHE_FLAGS)) or bool(environ.get(KV_CACHE_ENV))
 
 
-def serve_command(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """The ``vllm serve`` argument list for ``serve`` arguments ``argv`` in the environment
-    ``environ`` (default: this process's)."""
-    environ = os.environ if environ is None else environ
-    defaults = ServeOptions()
+@dataclass
+class ServeCommand:
+    """The ``serve`` command's own options (the pruning settings are :class:`ServeOptions`')."""
+
+    model_type: str | None = field(
+        default=None,
+        metadata={"help": f"one of {sorted(MODELS)}", "default_text": "read from MODEL's config"},
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    print: bool = field(default=False, metadata={"help": "print the vllm command only"})
+    pruner_option: list[str] = pruner_option_field()
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``serve``'s parser: MODEL, :class:`ServeOptions`' and :class:`ServeCommand`'s options,
+    from the same option tables as every other command (:mod:`vlm_focus.core.options`)."""
     parser = argparse.ArgumentParser(
         prog="python -m vlm_focus.integrations.vllm serve",
         description="vllm serve with visual tokens pruned before the LLM (vlm_focus plugin); "
@@ -75,49 +92,32 @@ def serve_command(argv: list[str], environ: Mapping[str, str] | None = None) -> 
         "model",
         help=f"model path or id (as for vllm serve), or {EMBEDDED!r} for the embedded model",
     )
-    parser.add_argument(
-        "--pruner", default=defaults.pruner, help=f"one of {PRUNERS} (default: the class's)"
-    )
-    parser.add_argument(
-        "--keep", default=str(defaults.keep), help=f"per image or video: {KEEP_RULE}"
-    )
-    parser.add_argument(
-        "--budget",
-        default=defaults.budget,
-        choices=BUDGETS,
-        help="a video's share-out: every frame the same share, or where the pruner chooses",
-    )
-    parser.add_argument(
-        "--positions",
-        default=defaults.positions,
-        choices=POSITIONS,
-        help="where kept tokens sit for the RoPE: as unpruned, or consecutive (LLaVA classes; "
-        "default: the class's, original)",
-    )
-    parser.add_argument("--tiles", type=int, default=defaults.tiles)
-    parser.add_argument("--min-per-region", type=int, default=defaults.min_per_region)
-    parser.add_argument("--model-type", default=None, help=f"one of {sorted(ARCHITECTURES)}")
-    parser.add_argument("--print", action="store_true", help="print the vllm command only")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    args, rest = parser.parse_known_args(argv)
+    add_options(parser.add_argument_group("pruning"), ServeOptions)
+    add_options(parser, ServeCommand, defaults=True)
+    return parser
+
+
+def serve_command(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``vllm serve`` argument list for ``serve`` arguments ``argv`` in the environment
+    ``environ`` (default: this process's)."""
+    environ = os.environ if environ is None else environ
+    args, rest = serve_parser().parse_known_args(argv)
+    command = parse_config(ServeCommand, args)
+    settings = given(args, ServeOptions)
+    if "keep" in settings:
+        settings["keep"] = read_keep(settings["keep"])  # keep's one reading, as on every command
+    if command.pruner_option:
+        pruner = settings.get("pruner", default_of(ServeOptions, "pruner"))
+        settings["options"] = read_pruner_options(pruner, command.pruner_option)
     server_defaults = []  # server arguments the user left out
     if args.model == EMBEDDED:
         args.model = str(default_model_path())
         if not sizes_kv_cache(rest, environ):
             server_defaults += ["--kv-cache-memory-bytes", str(EMBEDDED_KV_CACHE_BYTES)]
-    keep = read_keep(args.keep)  # keep's one reading, as on every command line
-    overrides = hf_overrides(
-        args.model_type or _model_type(args.model),
-        pruner=args.pruner,
-        keep=keep,
-        budget=args.budget,
-        tiles=args.tiles,
-        min_per_region=args.min_per_region,
-        positions=args.positions,
-    )
-    command = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides)]
-    command += [*server_defaults, "--host", args.host, *rest]
-    return (["--print"] if args.print else []) + command
+    overrides = hf_overrides(command.model_type or _model_type(args.model), **settings)
+    vllm = ["vllm", "serve", args.model, "--hf-overrides", json.dumps(overrides)]
+    vllm += [*server_defaults, "--host", command.host, *rest]
+    return (["--print"] if command.print else []) + vllm
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,9 +2,9 @@
 
 ``vf.wrap(model, layer=0, ...)`` scores the visual tokens with layer 0's own input norm, q/k
 projections and RoPE, from the prompt's query rows (:class:`~vlm_focus.core.pruner.StageContext`).
-Here the same :class:`StageContext` is built from vLLM's modules for one prompt with one image
-or video, and the registered pruner itself chooses from it, so the kept cells are the ones
-``vf.wrap`` keeps. For the attention pruners (``fastv``, ``text``, ``debiased``):
+Here the same context is built from vLLM's modules for one prompt with one image or video
+(:mod:`vlm_focus.core.before_llm`), and the registered pruner itself chooses from it, so the
+kept cells are the ones ``vf.wrap`` keeps. For a pruner that ``reads_layer_attention``:
 
 - hidden states: vLLM's token embedding of the unpruned prompt with the item's embeddings in
   its placeholder rows (layer 0's input);
@@ -34,16 +34,9 @@ from vllm.distributed import (
     tensor_model_parallel_all_gather,
 )
 
-from ...config import FocusConfig
-from ...core.pruner import StageContext
-from ...core.selection import frame_shares, keep_mask, selected_keep
+from ...core.before_llm import item_keep
+from ...core.pruner import Pruner
 from ...geometry import Frame, Size, view_frames
-from ...model_adapters import ImageLayout
-from ...model_adapters.base import grid_cells
-from ...pruners import get_pruner
-
-#: Pruners scored from the LLM's own layer-0 attention to the image.
-ATTENTION_PRUNERS = ("fastv", "text", "debiased")
 
 
 @dataclass(frozen=True)
@@ -121,21 +114,8 @@ def rope_tables(attention: nn.Module, positions: torch.Tensor) -> tuple[torch.Te
     return torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
 
 
-def build_pruner(config: FocusConfig):
-    """The registered pruner ``config.pruner`` with its default options."""
-    cls = get_pruner(config.pruner)
-    return cls(config, cls.Options())
-
-
-def grid_layout(rows: int, cols: int, frames: int = 1) -> tuple[torch.Tensor, list]:
-    """``(cells [n, 3], grids)`` of an image that is one ``rows x cols`` grid, or of a video of
-    ``frames`` such grids (frame by frame, raster order in each; a frame is one view)."""
-    cells = torch.cat([grid_cells(rows, cols, view=f) for f in range(frames)])
-    return cells, [(rows, cols)] * frames
-
-
 def layer0_keep(
-    pruner,
+    pruner: Pruner,
     embeddings: torch.Tensor,
     layout: tuple[torch.Tensor, list[tuple[int, int]]],
     n_keep: int,
@@ -150,29 +130,25 @@ def layer0_keep(
     adapter: VllmLayerAdapter | None = None,
 ) -> torch.Tensor:
     """Kept token indices (sorted, the item's own order) of one image or video (``kind``) whose
-    LLM-input embeddings are ``embeddings [n, D]`` and whose tokens sit at ``layout = (cells
-    [n, 3] (view, row, col), grids)``, selected by the registered ``pruner`` at layer 0 by the
-    engine's rule: its own top ``n_keep``, or for a video with ``budget="frame"`` the same
-    share of every frame (a video's views).
+    LLM-input embeddings are ``embeddings [n, D]``, chosen by ``pruner`` at layer 0
+    (:func:`vlm_focus.core.before_llm.item_keep`, which says what ``layout``, ``n_keep``,
+    ``budget`` and ``image_size`` are).
 
-    An attention pruner reads layer 0 of ``language_model`` (vLLM's decoder: ``embed_input_ids``
-    and ``layers``) over ``prompt_ids``: the unpruned prompt, whose ``n`` tokens ``token`` are
-    the item's (a single ``token`` stands for all ``n``), at ``positions(ids)`` (``[S]`` or
-    M-RoPE's ``[3, S]``; ``None``: ``0..S-1``). Other pruners read the layout alone.
-    ``image_size`` (the original image's, when the model's inputs carry it) and ``adapter``
-    (the class's :class:`VllmLayerAdapter`) are what ``debiased``'s padding fix reads."""
-    cells, grids = layout
-    n = cells.shape[0]
+    A pruner that ``reads_layer_attention`` reads layer 0 of ``language_model`` (vLLM's
+    decoder: ``embed_input_ids`` and ``layers``) over ``prompt_ids``: the unpruned prompt, whose
+    ``n`` tokens ``token`` are the item's (a single ``token`` stands for all ``n``), at
+    ``positions(ids)`` (``[S]`` or M-RoPE's ``[3, S]``; ``None``: ``0..S-1``). Other pruners
+    read the item alone. ``adapter``: the class's :class:`VllmLayerAdapter`."""
+    n = layout[0].shape[0]
     if embeddings.shape[0] != n:
         raise ValueError(f"{embeddings.shape[0]} item embeddings for {n} tokens")
     if n_keep >= n:
         return torch.arange(n)
     device = embeddings.device
     ids = torch.empty(0, dtype=torch.long) if prompt_ids is None else prompt_ids.reshape(-1)
-    if ids.numel() == 0:  # the item alone: a pruner that reads no attention
-        seq, layer, where = n, None, torch.arange(n)
-        hidden = embeddings[None]
-        cos = sin = torch.zeros(1, n, 1, device=device)
+    layer = cos = sin = None
+    if not pruner.reads_layer_attention or ids.numel() == 0:  # the item alone
+        hidden, where = embeddings[None], torch.arange(n)
     else:
         ids = ids.long().cpu()
         where = torch.nonzero(ids == token).flatten()
@@ -187,35 +163,20 @@ def layer0_keep(
             )
         hidden = language_model.embed_input_ids(ids.to(device)).clone()  # [S, D]
         hidden[where.to(device)] = embeddings.to(hidden.dtype)  # layer 0's input
-        hidden, seq, layer = hidden[None], ids.shape[0], language_model.layers[0]
-        at = torch.arange(seq) if positions is None else positions(ids)
+        hidden, layer = hidden[None], language_model.layers[0]
+        at = torch.arange(ids.shape[0]) if positions is None else positions(ids)
         cos, sin = rope_tables(layer.self_attn, at)
-    at_item = where.to(device)
-    visual = torch.zeros(1, seq, dtype=torch.bool, device=device)
-    visual[0, at_item] = True
-    image = ImageLayout(positions=where, cells=cells, grids=grids, image_size=image_size, kind=kind)
-    ctx = StageContext(
-        model=None,
-        adapter=adapter or VllmLayerAdapter(),
-        config=pruner.config,
-        layer_index=0,
-        stage_index=0,
-        decoder_layer=layer,
+    return item_keep(
+        pruner,
+        layout,
+        n_keep,
         hidden=hidden,
-        cos=cos.to(device),
-        sin=sin.to(device),
-        positions=torch.arange(seq, device=device)[None],
-        visual=visual,
-        valid=torch.ones_like(visual),
-        layout=[[image]],
-        inputs={},
-        visual_counts=[n],
+        where=where,
+        adapter=adapter or VllmLayerAdapter(),
+        layer=layer,
+        cos=cos,
+        sin=sin,
+        kind=kind,
+        budget=budget,
+        image_size=image_size,
     )
-    selection = pruner.select(ctx, n_keep)
-    if kind == "video" and budget == "frame":  # the engine's rules
-        frames = torch.zeros(1, seq, dtype=torch.long, device=device)
-        frames[0, at_item] = cells[:, 0].to(device)
-        keep = keep_mask(frame_shares(selection.scores, visual, frames), visual, n - n_keep)
-    else:
-        keep = selected_keep(selection.scores, selection.kept, visual, n - n_keep)
-    return torch.nonzero(keep[0, at_item]).flatten().cpu()

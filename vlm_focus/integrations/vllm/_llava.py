@@ -4,10 +4,11 @@ Imported by vLLM's model registry (see :func:`vlm_focus.integrations.vllm.regist
 subclasses vLLM's own LLaVA class and changes one thing:
 
 - processor: each image gets its kept count of placeholders
-  (:class:`._processor.PruningProcessorMixin`). For an attention pruner (``fastv``, ``text``,
-  ``debiased``) the prompt's token ids join the request's ``mm_processor_kwargs`` before vLLM
-  hashes the image, so an image's cache entry (processor and encoder caches) is specific to the
-  prompt its selection read; they travel to the model as a per-image field;
+  (:class:`._processor.PruningProcessorMixin`). For a pruner that reads layer 0's attention
+  (``Pruner.reads_layer_attention``) the prompt's token ids join the request's
+  ``mm_processor_kwargs`` before vLLM hashes the image, so an image's cache entry (processor and
+  encoder caches) is specific to the prompt its selection read; they travel to the model as a
+  per-image field;
 - ``embed_multimodal``: runs vLLM's vision tower and projector unchanged, then keeps the cells
   ``vf.wrap(model, pruner=..., keep=..., layer=0)`` keeps: ``pool`` from the grid alone, the
   attention pruners from layer 0 of vLLM's own decoder (:mod:`._layer0`) over the unpruned
@@ -33,9 +34,8 @@ from vllm.model_executor.models.llava import (
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from ...core.before_llm import item_layout
 from ...geometry import Size
-from . import SERVED
-from ._layer0 import grid_layout
 from ._model import PruningModel, require_piecewise_prefill
 from ._mrope import decode_cells, encode_cells, take_position_channels
 from ._positions import original_positions
@@ -49,8 +49,6 @@ CLIP_WITHOUT_VISION_MODEL = WeightsMapper(
         for part in ("embeddings", "encoder", "pre_layrnorm", "post_layernorm")
     }
 )
-#: What this class serves, its default first: the attention pruners and ``pool``.
-PRUNERS = SERVED["llava"][0]
 
 
 def _grid(hf_config) -> tuple[int, int]:
@@ -83,10 +81,9 @@ def decode_offsets(channels: torch.Tensor) -> torch.Tensor:
 
 
 class OriginalPositionsModel:
-    """Mixed in before a 1-D RoPE pruning model (see the module docstring). ``served_positions``
-    are the positions it serves, its default first; ``self.vlm_focus`` its settings."""
+    """Mixed in before a 1-D RoPE pruning model (see the module docstring); ``self.vlm_focus``
+    holds its settings."""
 
-    served_positions: tuple[str, ...] = ("original", "compact")
     #: vLLM's M-RoPE interface (``SupportsMRoPE``), used at original positions
     supports_mrope = True
 
@@ -184,9 +181,13 @@ class WithInstruction:
 
 class LlavaFamilyModel(OriginalPositionsModel, PruningModel):
     """The LLaVA model classes' share: the image token, kept rows chosen on each image's
-    layout (:meth:`image_layout`, the class's), and their positions (:mod:`._positions`)."""
+    layout (:meth:`image_layout`, the class's), and their positions (:mod:`._positions`); the
+    checkpoint names of transformers 5 (:data:`CLIP_WITHOUT_VISION_MODEL`) joined to the vLLM
+    class's own mapper."""
 
-    served_positions = SERVED["llava"][1]
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.hf_to_vllm_mapper = cls.hf_to_vllm_mapper | CLIP_WITHOUT_VISION_MODEL
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -213,6 +214,11 @@ class LlavaFamilyModel(OriginalPositionsModel, PruningModel):
             out.append(self.with_offsets(emb[kept.to(emb.device)], kept))
         return tuple(out)
 
+    def embed_multimodal(self, **kwargs: object):
+        fields = self.pop_fields(kwargs)
+        image_input = self._parse_and_validate_image_input(**kwargs)
+        return [] if image_input is None else self.embed_images(fields, image_input)
+
 
 class VlmFocusLlavaProcessingInfo(ImagesOnlyInfo, LlavaProcessingInfo):
     """Images only, and a video gets the plugin's own message."""
@@ -220,8 +226,6 @@ class VlmFocusLlavaProcessingInfo(ImagesOnlyInfo, LlavaProcessingInfo):
 
 class VlmFocusLlavaMultiModalProcessor(LlavaFamilyProcessor, LlavaMultiModalProcessor):
     """vLLM's LLaVA processor with each image's kept count of placeholders."""
-
-    pruners = PRUNERS
 
 
 class VlmFocusLlavaDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuilder):
@@ -236,19 +240,9 @@ class VlmFocusLlavaDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuilder):
 class VlmFocusLlavaForConditionalGeneration(LlavaFamilyModel, LlavaForConditionalGeneration):
     """vLLM's LLaVA-1.5 whose images reach the LLM pruned (see the module docstring)."""
 
-    hf_to_vllm_mapper = LlavaForConditionalGeneration.hf_to_vllm_mapper | (
-        CLIP_WITHOUT_VISION_MODEL
-    )
-    pruners = PRUNERS
-
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.grid = _grid(self.config)
 
     def image_layout(self, size):
-        return grid_layout(*self.grid)
-
-    def embed_multimodal(self, **kwargs: object):
-        fields = self.pop_fields(kwargs)
-        image_input = self._parse_and_validate_image_input(**kwargs)
-        return [] if image_input is None else self.embed_images(fields, image_input)
+        return item_layout(*self.grid)

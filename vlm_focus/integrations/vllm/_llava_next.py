@@ -19,19 +19,13 @@ from vllm.model_executor.models.llava_next import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from ...model_adapters.llava_next import LLAVA_NEXT, image_cells
-from . import SERVED
-from ._layer0 import VllmLayerAdapter
+from ...model_adapters.llava_next import image_cells
 from ._llava import (
-    CLIP_WITHOUT_VISION_MODEL,
     LlavaFamilyModel,
     LlavaFamilyProcessor,
     WithInstruction,
 )
 from ._processor import ImagesOnlyInfo
-
-#: What this class serves, its default first.
-PRUNERS = SERVED["llava_next"][0]
 
 
 class VlmFocusLlavaNextProcessingInfo(ImagesOnlyInfo, LlavaNextProcessingInfo):
@@ -40,8 +34,6 @@ class VlmFocusLlavaNextProcessingInfo(ImagesOnlyInfo, LlavaNextProcessingInfo):
 
 class VlmFocusLlavaNextMultiModalProcessor(LlavaFamilyProcessor, LlavaNextMultiModalProcessor):
     """vLLM's LLaVA-NeXT processor with each image's kept count of placeholders."""
-
-    pruners = PRUNERS
 
 
 class VlmFocusLlavaNextDummyInputsBuilder(WithInstruction, LlavaDummyInputsBuilder):
@@ -58,16 +50,5 @@ class VlmFocusLlavaNextForConditionalGeneration(
 ):
     """vLLM's LLaVA-NeXT whose images reach the LLM pruned (see the module docstring)."""
 
-    hf_to_vllm_mapper = LlavaNextForConditionalGeneration.hf_to_vllm_mapper | (
-        CLIP_WITHOUT_VISION_MODEL
-    )
-    pruners = PRUNERS
-    layer_adapter = VllmLayerAdapter(LLAVA_NEXT.frames)
-
     def image_layout(self, size):
         return image_cells(self, size, anyres=True)
-
-    def embed_multimodal(self, **kwargs: object):
-        fields = self.pop_fields(kwargs)
-        image_input = self._parse_and_validate_image_input(**kwargs)
-        return [] if image_input is None else self.embed_images(fields, image_input)

@@ -22,19 +22,13 @@ from vllm.model_executor.models.llava_onevision import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from ...model_adapters.llava_onevision import LLAVA_ONEVISION, image_cells
-from . import SERVED
-from ._layer0 import VllmLayerAdapter
+from ...model_adapters.llava_onevision import image_cells
 from ._llava import (
-    CLIP_WITHOUT_VISION_MODEL,
     LlavaFamilyModel,
     LlavaFamilyProcessor,
     WithInstruction,
 )
 from ._processor import NO_VIDEO, ImagesOnlyInfo
-
-#: What this class serves, its default first.
-PRUNERS = SERVED["llava_onevision"][0]
 
 
 class VlmFocusLlavaOnevisionProcessingInfo(ImagesOnlyInfo, LlavaOnevisionProcessingInfo):
@@ -46,7 +40,6 @@ class VlmFocusLlavaOnevisionMultiModalProcessor(
 ):
     """vLLM's OneVision processor with each image's kept count of placeholders."""
 
-    pruners = PRUNERS
     one_image_only = "vLLM tiles every image, the model only a prompt's only image"
 
 
@@ -63,12 +56,6 @@ class VlmFocusLlavaOnevisionForConditionalGeneration(
     LlavaFamilyModel, LlavaOnevisionForConditionalGeneration
 ):
     """vLLM's LLaVA-OneVision whose images reach the LLM pruned (see the module docstring)."""
-
-    hf_to_vllm_mapper = LlavaOnevisionForConditionalGeneration.hf_to_vllm_mapper | (
-        CLIP_WITHOUT_VISION_MODEL
-    )
-    pruners = PRUNERS
-    layer_adapter = VllmLayerAdapter(LLAVA_ONEVISION.frames)
 
     def image_layout(self, size):
         return image_cells(self, size)

@@ -4,15 +4,16 @@ sends, and which cells each image keeps."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import torch
 
-from ...config import FocusConfig, keep_count
+from ...config import keep_count
+from ...core.before_llm import before_llm_pruner
 from ...geometry import Size
-from . import BUDGETS
-from ._layer0 import ATTENTION_PRUNERS, VllmLayerAdapter, build_pruner, layer0_keep
+from . import BUDGETS, adapter_of, model_type_of, served_positions, served_pruners
+from ._layer0 import VllmLayerAdapter, layer0_keep
 from ._request import item_fields, per_item, serve_options
-from ._scores import select
 
 #: What one image or video asks for: ``(pruner, kept count, prompt ids, budget)``.
 Request = tuple[str, int, torch.Tensor, str]
@@ -32,22 +33,22 @@ def require_piecewise_prefill(vllm_config, what: str, otherwise: str = "") -> No
 
 
 class PruningModel:
-    """Mixed in before a vLLM model class. The class sets ``pruners`` (what it serves, default
-    first), ``image_token_id`` and ``layer_adapter`` (its model adapter's geometry, for
-    ``debiased``).
+    """Mixed in before a vLLM model class of the module that :data:`MODELS` names for a
+    ``model_type``: what it serves (``pruners``, default first; ``served_positions``) follows
+    from that entry, the model's adapter and the pruner registry, and ``layer_adapter`` carries
+    the adapter's ``frames`` (for ``debiased``). The class sets ``image_token_id``.
 
     ``last_kept`` holds, for the most recent images and videos encoded in this process (newest
     last), the pair ``(n_tokens, kept)`` with ``kept`` the kept token indices in the item's
     order (raster order; a video's frame by frame).
     """
 
-    pruners: tuple[str, ...]
-    #: the positions the class serves its kept tokens at, its default first (:data:`POSITIONS`)
-    served_positions: tuple[str, ...] = ("original",)
-    layer_adapter = VllmLayerAdapter()
-
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        model_type = model_type_of(type(self).__module__)
+        self.pruners = served_pruners(model_type)
+        self.served_positions = served_positions(model_type)
+        self.layer_adapter = VllmLayerAdapter(adapter_of(model_type).frames)
         self.vlm_focus = serve_options(self.config, self.pruners, self.served_positions)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             # later stages would not see what the first one kept
@@ -55,10 +56,14 @@ class PruningModel:
                 "vlm_focus's pruning architecture does not run with pipeline parallelism"
             )
         self.last_kept: deque[tuple[int, torch.Tensor]] = deque(maxlen=256)
+        # the server's pruner with its options; a request's other choice with its defaults
+        focus = self.vlm_focus
         self._pruners = {
-            name: build_pruner(FocusConfig(pruner=name, layer=0))
+            name: before_llm_pruner(
+                replace(focus, pruner=name, options={}),
+                focus.options if name == focus.pruner else {},
+            )
             for name in self.pruners
-            if name != "pyramid"  # served by its pre-LLM variant (._scores.select)
         }
 
     @staticmethod
@@ -103,37 +108,24 @@ class PruningModel:
         LLM-input embeddings are ``scored [n, D]``, its tokens at ``layout`` (``(cells,
         grids)``), the original image ``image_size`` when the inputs carry it, its placeholder
         ``token`` (default: the image token) and ``positions``, the class's RoPE positions of a
-        prompt holding it (``None``: 1-D); recorded in ``last_kept``. Registered pruners choose
-        as in ``vf.wrap`` (:func:`._layer0.layer0_keep`); ``pyramid`` uses its pre-LLM variant
-        on a one-grid image (:func:`._scores.select`)."""
+        prompt holding it (``None``: 1-D); recorded in ``last_kept``. The registered pruner
+        chooses as in ``vf.wrap`` (:func:`._layer0.layer0_keep`)."""
         pruner, n_keep, prompt, budget = request
-        cells, grids = layout
-        if pruner == "pyramid":
-            (rows, cols), options = grids[0], self.vlm_focus
-            kept = select(
-                pruner,
-                scored,
-                rows,
-                cols,
-                n_keep,
-                tiles=options.tiles,
-                min_per_region=options.min_per_region,
-            )
-        else:
-            attention = pruner in ATTENTION_PRUNERS
-            kept = layer0_keep(
-                self._pruners[pruner],
-                scored,
-                layout,
-                n_keep,
-                language_model=self.language_model.model if attention else None,
-                prompt_ids=prompt if attention else None,
-                token=self.image_token_id if token is None else token,
-                positions=positions,
-                kind=kind,
-                budget=budget,
-                image_size=image_size,
-                adapter=self.layer_adapter,
-            )
-        self.last_kept.append((cells.shape[0], kept))
+        chosen = self._pruners[pruner]
+        attention = chosen.reads_layer_attention
+        kept = layer0_keep(
+            chosen,
+            scored,
+            layout,
+            n_keep,
+            language_model=self.language_model.model if attention else None,
+            prompt_ids=prompt if attention else None,
+            token=self.image_token_id if token is None else token,
+            positions=positions,
+            kind=kind,
+            budget=budget,
+            image_size=image_size,
+            adapter=self.layer_adapter,
+        )
+        self.last_kept.append((layout[0].shape[0], kept))
         return kept

@@ -2,8 +2,8 @@
 Qwen3-VL classes; each class mixes :class:`MRopePruningModel` into vLLM's own model class.
 
 - ``embed_multimodal``: runs vLLM's vision tower unchanged on each image and video, keeps the
-  tokens the registered pruner keeps at layer 0 (:func:`._layer0.layer0_keep`; ``pyramid``:
-  :func:`._scores.select`) and returns only those rows, in the item's order, each with its
+  tokens the registered pruner keeps at layer 0 (:func:`._layer0.layer0_keep`) and returns
+  only those rows, in the item's order, each with its
   ``(t, h, w)`` cell appended as position channels. A row carries all of its token's features,
   so Qwen3-VL's DeepStack features (concatenated after the main ones) follow the kept tokens.
 - M-RoPE: an item fills one or more runs of placeholders (:meth:`position_runs`: an image, a
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from vllm.multimodal.utils import copy_mm_embedding_modality
 
-from ._layer0 import grid_layout
+from ...core.before_llm import item_layout
 from ._model import PruningModel, require_piecewise_prefill
 from ._processor import PruningProcessorMixin
 
@@ -167,7 +167,7 @@ class MRopePruningModel(PruningModel):
         t, h, w = grid_thw
         merge = self.config.vision_config.spatial_merge_size
         rows, cols = h // merge, w // merge
-        cells = grid_layout(rows, cols, t)[0].clone()  # (frame, row, col)
+        cells = item_layout(rows, cols, t)[0].clone()  # (frame, row, col)
         if modality == "video" and self.frames_apart:
             cells[:, 0] = 0
             return list(zip([max(rows, cols)] * t, cells.split(rows * cols), strict=True))
@@ -201,7 +201,7 @@ class MRopePruningModel(PruningModel):
         """One item's kept rows, each with its ``(t, h, w)`` cell appended."""
         t, h, w = grid
         merge = self.visual.spatial_merge_size
-        layout = grid_layout(h // merge, w // merge, t)
+        layout = item_layout(h // merge, w // merge, t)
         runs = self.position_runs(modality, grid, seconds)
         token = self.image_token_id if modality == "image" else self.config.video_token_id
 

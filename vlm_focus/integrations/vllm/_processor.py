@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import cached_property
 
 import torch
 from vllm.multimodal.hasher import MultiModalHasher
@@ -13,26 +14,23 @@ from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails
 
 from ...config import keep_count
+from ...core.before_llm import frame_counts
 from ...model_adapters.base import runs
-from . import BUDGETS, VIDEO_PRUNERS
-from ._layer0 import ATTENTION_PRUNERS
+from ...pruners import get_pruner
+from . import BUDGETS, MODELS, model_type_of, served_pruners, video_pruners
 from ._request import PROMPT_FIELD, item_fields, serve_options, split_request
-from ._scores import frame_counts
 
 NO_VIDEO = (
     "vlm_focus's vLLM plugin prunes images only for this model: its vlm_focus class takes no "
     "video; serve videos with vLLM's own class (no vlm_focus architecture override)"
 )
-#: Pruners whose choice for one item reads every item of its prompt at once, which vLLM's
-#: per-item encoder outputs cannot give them: they serve prompts with one image or video.
-ONE_ITEM = (*ATTENTION_PRUNERS, "pyramid")
 
 
 def prompt_counts(keep: float | int, sizes: Sequence[int]) -> list[int]:
     """Placeholders for the units (images, or video frames) of one prompt of ``sizes`` tokens
     each: the prompt keeps ``keep_count(keep, sum(sizes), clamp=True)``, shared out by
-    ``budget="frame"``'s rule (:func:`._scores.frame_counts`). ``ValueError`` when a unit would
-    keep nothing."""
+    ``budget="frame"``'s rule (:func:`vlm_focus.core.before_llm.frame_counts`). ``ValueError``
+    when a unit would keep nothing."""
     counts = frame_counts(list(sizes), keep_count(keep, sum(sizes), clamp=True))
     if 0 in counts:
         raise ValueError(
@@ -89,12 +87,13 @@ def replace_once(seq: list[int], target: Sequence[int], replacement: Sequence[in
 
 
 class PruningProcessorMixin:
-    """Mixed into a vLLM multimodal processor. The subclass sets ``pruners`` (what its class
-    serves, default first) and implements ``_image_token()`` and ``_image_sizes(data)`` (tokens
-    per image of the processed batch); a class that prunes videos also sets ``video_budgets``
-    and implements ``_video_token()``, ``_video_frames(data)`` (``(frames, tokens per frame)``
-    per video) and ``_unpruned_video(data, i)`` (the placeholder a video replaces in the prompt,
-    and the tokens that replace it, unpruned).
+    """Mixed into a vLLM multimodal processor of the module that :data:`MODELS` names for a
+    ``model_type`` (what it serves follows from that entry and the pruner registry). The
+    subclass implements ``_image_token()`` and ``_image_sizes(data)`` (tokens per image of the
+    processed batch); a class that prunes videos (``video_budgets`` in its entry) implements
+    ``_video_token()``, ``_video_frames(data)`` (``(frames, tokens per frame)`` per video) and
+    ``_unpruned_video(data, i)`` (the placeholder a video replaces in the prompt, and the tokens
+    that replace it, unpruned).
 
     - :meth:`apply` refuses what the class cannot serve with a message that names the setting,
       and for an attention pruner adds the prompt's token ids to the request's
@@ -109,11 +108,18 @@ class PruningProcessorMixin:
       to vLLM's hash.
     """
 
-    pruners: tuple[str, ...]
     #: why the class serves one image per prompt whatever the pruner (``None``: it need not)
     one_image_only: str | None = None
-    #: the budgets the class prunes videos with, default first (empty: it serves no video)
-    video_budgets: tuple[str, ...] = ()
+
+    @cached_property
+    def pruners(self) -> tuple[str, ...]:
+        """The pruners the class serves, its default first."""
+        return served_pruners(model_type_of(type(self).__module__))
+
+    @cached_property
+    def video_budgets(self) -> tuple[str, ...]:
+        """The budgets the class prunes videos with, default first (empty: no video)."""
+        return MODELS[model_type_of(type(self).__module__)].video_budgets
 
     def _serve_options(self):
         return serve_options(self.info.get_hf_config(), self.pruners)
@@ -135,17 +141,20 @@ class PruningProcessorMixin:
             )
         if n_videos:
             self._check_video(pruner, budget, n_images)
-        if pruner in ONE_ITEM and n_images + n_videos > 1:
+        chosen = get_pruner(pruner)
+        if chosen.reads_whole_prompt and n_images + n_videos > 1:
             raise ValueError(
                 f"vlm_focus pruner={pruner!r} chooses from every image or video of a prompt at "
                 f"once, which vLLM's per-item encoder outputs cannot give it; this prompt has "
-                f"{n_images} images and {n_videos} videos: use pruner 'pool' for it"
+                f"{n_images} images and {n_videos} videos: use one of "
+                f"{tuple(p for p in self.pruners if not get_pruner(p).reads_whole_prompt)}"
             )
-        if pruner in ATTENTION_PRUNERS:
+        if chosen.reads_layer_attention:
             ids = list(inputs.prompt)
-            if pruner == "text" and ids[-1:] in ([self._image_token()], [self._video_token()]):
+            ends_with_item = ids[-1:] in ([self._image_token()], [self._video_token()])
+            if chosen.needs_instruction and ends_with_item:
                 raise ValueError(
-                    "vlm_focus pruner='text' scores the image or video with the instruction "
+                    f"vlm_focus pruner={pruner!r} scores the image or video with the instruction "
                     "after it, but the prompt ends with its image or video"
                 )
             kwargs = {**inputs.hf_processor_mm_kwargs, PROMPT_FIELD: tuple(ids)}
@@ -155,10 +164,10 @@ class PruningProcessorMixin:
     def _check_video(self, pruner: str, budget: str, n_images: int) -> None:
         if not self.video_budgets:
             raise ValueError(NO_VIDEO)
-        if pruner not in VIDEO_PRUNERS:
+        if pruner not in video_pruners(self.pruners):
             raise ValueError(
                 f"vlm_focus pruner={pruner!r} does not prune videos; use one of "
-                f"{tuple(p for p in self.pruners if p in VIDEO_PRUNERS)}"
+                f"{video_pruners(self.pruners)}"
             )
         if budget not in self.video_budgets:
             raise ValueError(

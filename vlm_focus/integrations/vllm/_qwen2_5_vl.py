@@ -17,19 +17,12 @@ from vllm.model_executor.models.qwen2_5_vl import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from . import SERVED, VIDEO_BUDGETS
 from ._mrope import MRopeImageProcessor, MRopePruningModel
-
-#: What this class serves, its default first.
-PRUNERS = SERVED["qwen2_5_vl"][0]
 
 
 class VlmFocusQwen2_5_VLMultiModalProcessor(MRopeImageProcessor, Qwen2_5_VLMultiModalProcessor):
     """vLLM's Qwen2.5-VL processor with each image's and video's kept count of placeholders (a
     video is one run of them)."""
-
-    pruners = PRUNERS
-    video_budgets = VIDEO_BUDGETS["qwen2_5_vl"]
 
     def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
         token = self._video_token()
@@ -46,5 +39,3 @@ class VlmFocusQwen2_5_VLForConditionalGeneration(
     MRopePruningModel, Qwen2_5_VLForConditionalGeneration
 ):
     """vLLM's Qwen2.5-VL whose images and videos reach the LLM pruned."""
-
-    pruners = PRUNERS

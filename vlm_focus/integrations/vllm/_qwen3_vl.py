@@ -21,19 +21,12 @@ from vllm.model_executor.models.qwen3_vl import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from . import SERVED, VIDEO_BUDGETS
 from ._mrope import MRopeImageProcessor, MRopePruningModel
-
-#: What this class serves, its default first.
-PRUNERS = SERVED["qwen3_vl"][0]
 
 
 class VlmFocusQwen3VLMultiModalProcessor(MRopeImageProcessor, Qwen3VLMultiModalProcessor):
     """vLLM's Qwen3-VL processor with each image's and video frame's kept count of
     placeholders (each frame after its timestamp, as vLLM writes it)."""
-
-    pruners = PRUNERS
-    video_budgets = VIDEO_BUDGETS["qwen3_vl"]
 
     def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
         config = self.info.get_hf_config()
@@ -61,7 +54,6 @@ class VlmFocusQwen3VLMultiModalProcessor(MRopeImageProcessor, Qwen3VLMultiModalP
 class VlmFocusQwen3VLForConditionalGeneration(MRopePruningModel, Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL whose images and videos reach the LLM pruned."""
 
-    pruners = PRUNERS
     frames_apart = True
 
     @property

@@ -15,6 +15,7 @@ from . import (
     ServeOptions,
     check_budget,
     check_positions,
+    check_pruner,
     check_request,
 )
 
@@ -41,14 +42,11 @@ def serve_options(
     hf_config: Any, pruners: Sequence[str], positions: Sequence[str] | None = None
 ) -> ServeOptions:
     """The server's settings from the model's HF config, its pruner checked against the
-    class's ``pruners`` and, when given, its positions against the class's ``positions``
-    (``None`` in the config: the class's first, its default)."""
+    class's ``pruners`` and, when given, its positions against the class's ``positions``."""
     options = ServeOptions.from_config(getattr(hf_config, CONFIG_KEY, None))
-    if options.pruner is None:
-        options.pruner = pruners[0]
-    check_request(options.pruner, options.keep, pruners)
+    check_pruner(options.pruner, tuple(pruners))
     if positions is not None:
-        options.positions = check_positions(options.positions or positions[0], positions)
+        check_positions(options.positions, tuple(positions))
     return options
 
 
@@ -56,7 +54,7 @@ def split_request(kwargs: Mapping[str, object], defaults: ServeOptions, pruners:
     """``(pruner, keep, budget, rest)``: the request's choice (or the server's), checked
     against the class's ``pruners``, and the kwargs meant for the Hugging Face processor."""
     pruner = kwargs.get(PRUNER_FIELD, defaults.pruner)
-    keep = check_request(pruner, kwargs.get(KEEP_FIELD, defaults.keep), pruners)
+    keep = check_request(pruner, kwargs.get(KEEP_FIELD, defaults.keep), tuple(pruners))
     budget = check_budget(kwargs.get(BUDGET_FIELD, defaults.budget), BUDGETS)
     ours = (*REQUEST_KEYS, PROMPT_FIELD)
     rest = {k: v for k, v in kwargs.items() if k not in ours}
