@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...asset_paths import EMBEDDED, default_model_path
-from ...config import pruner_option_field, read_keep
-from ...core.options import add_options, default_of, given, parse_config
+from ...config import read_keep
+from ...core.options import add_options, default_of, given, parse_config, pruner_option_field
 from ...pruners import read_pruner_options
 from . import MODELS, ServeOptions, hf_overrides
 
