@@ -42,7 +42,9 @@ def test_a_readme_example_runs_as_pasted(where, code, monkeypatch, capsys):
 def test_the_support_matrix_is_one_marked_table_row_per_supported_model():
     from vlm_focus import supported_models
 
-    start = TEXT.index("<!-- support-matrix:start -->")
+    start = TEXT.index(
+        "<!-- support-matrix:start (generated: vf.integrations.support_matrix()) -->"
+    )
     end = TEXT.index("<!-- support-matrix:end -->")
     rows = [r for r in TEXT[start:end].splitlines() if r.startswith("| ")]
     header = [c.strip() for c in rows[0].strip("|").split("|")]
@@ -54,7 +56,7 @@ def test_the_support_matrix_is_one_marked_table_row_per_supported_model():
         "lmms-eval",
         "vLLM plugin",
     ]
-    types = [re.search(r"\(`(\w+)`\)", row).group(1) for row in rows[1:]]
+    types = [re.match(r"\| `(\w+)`", row).group(1) for row in rows[1:]]
     assert sorted(types) == sorted(supported_models())
 
 

@@ -11,6 +11,7 @@
   tables (the README's matrix).
 """
 
+from . import vllm  # model-free: the plugin's tables, for the docs
 from .model_args import FocusArgs, focus_option_names, split_model_args
 from .support import support_matrix
 
@@ -37,4 +38,5 @@ __all__ = [
     "lmms_eval_tasks_path",
     "split_model_args",
     "support_matrix",
+    "vllm",
 ]

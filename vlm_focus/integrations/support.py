@@ -29,6 +29,8 @@ def _vllm_cell(model_type: str) -> str:
     model = MODELS.get(model_type)
     if model is None:
         return "—"
+    if model.one_image_only:
+        return "one image per prompt"
     if not model.video_budgets:
         return "images"
     return f"images and videos (`budget`: {', '.join(model.video_budgets)})"

@@ -15,7 +15,7 @@ Adding a method takes one subclass and one call::
     vf.wrap(model, pruner="mine", temperature=0.5)
 
 ``vf.pruners()`` lists the names and ``vf.pruner_options(name)`` each option's name, type,
-default and help (``vlm-focus pruners`` prints them all; so does the README's table).
+default and help (``vlm-focus pruners`` prints them all; so does the table in docs/pruners.md).
 ``vf.pruners.get_pruner(name)`` and the other names of this module are reachable from
 ``vf.pruners`` too.
 """

@@ -63,6 +63,8 @@ class VllmModel:
     architecture: str
     module: str
     video_budgets: tuple[str, ...] = ()
+    #: why the class serves one image per prompt whatever the pruner (``None``: it need not)
+    one_image_only: str | None = None
 
     @property
     def pruning_architecture(self) -> str:
@@ -78,7 +80,11 @@ class VllmModel:
 MODELS = {
     "llava": VllmModel("LlavaForConditionalGeneration", "_llava"),
     "llava_next": VllmModel("LlavaNextForConditionalGeneration", "_llava_next"),
-    "llava_onevision": VllmModel("LlavaOnevisionForConditionalGeneration", "_llava_onevision"),
+    "llava_onevision": VllmModel(
+        "LlavaOnevisionForConditionalGeneration",
+        "_llava_onevision",
+        one_image_only="vLLM tiles every image, the model only a prompt's only image",
+    ),
     "qwen2_5_vl": VllmModel("Qwen2_5_VLForConditionalGeneration", "_qwen2_5_vl", ("frame", "span")),
     "qwen3_vl": VllmModel("Qwen3VLForConditionalGeneration", "_qwen3_vl", ("frame",)),
 }

@@ -23,6 +23,7 @@ from vllm.model_executor.models.llava_onevision import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ...model_adapters.llava_onevision import image_cells
+from . import MODELS, model_type_of
 from ._llava import (
     LlavaFamilyModel,
     LlavaFamilyProcessor,
@@ -40,7 +41,7 @@ class VlmFocusLlavaOnevisionMultiModalProcessor(
 ):
     """vLLM's OneVision processor with each image's kept count of placeholders."""
 
-    one_image_only = "vLLM tiles every image, the model only a prompt's only image"
+    one_image_only = MODELS[model_type_of(__name__)].one_image_only
 
 
 class VlmFocusLlavaOnevisionDummyInputsBuilder(WithInstruction, LlavaOnevisionDummyInputsBuilder):
