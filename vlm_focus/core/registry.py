@@ -152,6 +152,6 @@ def _read_value(key: str, raw: str, type_name: str) -> Any:
 
 
 def pruner_options_markdown() -> str:
-    """The pruner-options table of docs/pruners.md: one row per option of every registered pruner."""
+    """The pruner-options table of docs/pruners.md: a row per option of every registered pruner."""
     rows = [(name, info) for name in pruners() for info in pruner_options(name)]
     return options_markdown(rows, first="pruner")
