@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .asset_paths import CAPTION_PROMPT, sample_scene_paths
@@ -18,6 +18,7 @@ from .core.options import (
     add_command,
     config_of,
     inherit_options,
+    option,
     options,
     parse_config,
     pruner_option_field,
@@ -32,31 +33,21 @@ class InputOptions(LoadOptions):
     """One image or video, one prompt and one pruning setting (``vlm-focus run`` and
     ``bench``)."""
 
-    image: str | None = field(
-        default=None,
-        metadata={"help": "image file", "default_text": "a bundled sample scene"},
+    image: str | None = option(None, "image file", default_text="a bundled sample scene")
+    video: str | None = option(
+        None,
+        "video file instead of an image (decoded by OpenCV), for a model that takes "
+        "videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)",
     )
-    video: str | None = field(
-        default=None,
-        metadata={
-            "help": "video file instead of an image (decoded by OpenCV), for a model that takes "
-            "videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)"
-        },
-    )
-    frames: int = field(default=8, metadata={"help": "video frames taken, at even steps"})
-    prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "question or instruction",
-            "default_text": f"{CAPTION_PROMPT!r}, the embedded models' caption prompt",
-        },
+    frames: int = option(8, "video frames taken, at even steps")
+    prompt: str | None = option(
+        None,
+        "question or instruction",
+        default_text=f"{CAPTION_PROMPT!r}, the embedded models' caption prompt",
     )
     # FocusConfig's command-line options come here (inherit_options)
     pruner_option: list[str] = pruner_option_field()
-    repeats: int = field(
-        default=5,
-        metadata={"help": "timed pairs of alternating unpruned and pruned prefills"},
-    )
+    repeats: int = option(5, "timed pairs of alternating unpruned and pruned prefills")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,20 +83,18 @@ class InputOptions(LoadOptions):
 class RunConfig(InputOptions):
     """``vlm-focus run``: answer one prompt about one image or video, unpruned and pruned."""
 
-    max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
-    json: bool = field(default=False, metadata={"help": "print one JSON object"})
+    max_new_tokens: int = option(16, "new tokens per answer")
+    json: bool = option(False, "print one JSON object")
 
 
 @dataclass
 class BenchConfig(InputOptions):
     """``vlm-focus bench``: prefill time pruned against unpruned on one input, per keep."""
 
-    keeps: str = field(
-        default="1.0,0.5,0.25,0.11",
-        metadata={
-            "help": "keep values to time, a comma list (each read as --keep is); with a "
-            "multi-stage --layer each is a colon list (--layer 2:8 --keeps 0.5:0.25,0.25:0.11)"
-        },
+    keeps: str = option(
+        "1.0,0.5,0.25,0.11",
+        "keep values to time, a comma list (each read as --keep is); with a "
+        "multi-stage --layer each is a colon list (--layer 2:8 --keeps 0.5:0.25,0.25:0.11)",
     )
 
     def keep_values(self) -> list[float | int | tuple]:

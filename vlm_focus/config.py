@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .core.options import check_choices
+from .core.options import check_choices, option
 
 QUERY_ROWS = ("last", "text")
 REDUCTIONS = ("mean", "max")
@@ -124,74 +124,59 @@ class FocusConfig:
     ``layer=(2, 8, 16), keep=(0.5, 0.25, 0.125)``; each stage prunes what the previous one kept.
     """
 
-    pruner: str = field(
-        default="fastv",
-        metadata={"help": "registered pruner (`vlm-focus pruners` lists them with their options)"},
+    pruner: str = option(
+        "fastv", "registered pruner (`vlm-focus pruners` lists them with their options)"
     )
-    keep: float | int | tuple = field(
-        default=0.25,
-        metadata={
-            "help": f"visual tokens kept per row: {KEEP_RULE}; one per stage of --layer (0.5:0.25)",
-            "parse": str,
-        },
+    keep: float | int | tuple = option(
+        0.25,
+        f"visual tokens kept per row: {KEEP_RULE}; one per stage of --layer (0.5:0.25)",
+        parse=str,
     )
-    layer: int | tuple = field(
-        default=2,
-        metadata={
-            "help": "prune after this many decoder layers (0 = before the first layer); a "
-            "multi-stage schedule is a colon or comma list with one keep per stage (--layer 2:8 "
-            "--keep 0.5:0.25)",
-            "parse": read_layer,
-        },
+    layer: int | tuple = option(
+        2,
+        "prune after this many decoder layers (0 = before the first layer); a "
+        "multi-stage schedule is a colon or comma list with one keep per stage (--layer 2:8 "
+        "--keep 0.5:0.25)",
+        parse=read_layer,
     )
-    query_rows: str = field(
-        default="text",
-        metadata={
-            "help": "the rows whose attention scores the visual tokens: every 'text' token after "
-            "the image (measured best, benchmarks/results/pruning_defaults.md) or the 'last' "
-            "prompt token",
-            "choices": QUERY_ROWS,
-            "tag": "q",
-        },
+    query_rows: str = option(
+        "text",
+        "the rows whose attention scores the visual tokens: every 'text' token after "
+        "the image (measured best, benchmarks/results/pruning_defaults.md) or the 'last' "
+        "prompt token",
+        choices=QUERY_ROWS,
+        tag="q",
     )
-    reduce: str = field(
-        default="max",
-        metadata={
-            "help": "how the heads' attention is combined: their 'max' (measured best, "
-            "benchmarks/results/pruning_defaults.md) or 'mean'",
-            "choices": REDUCTIONS,
-            "tag": "r",
-        },
+    reduce: str = option(
+        "max",
+        "how the heads' attention is combined: their 'max' (measured best, "
+        "benchmarks/results/pruning_defaults.md) or 'mean'",
+        choices=REDUCTIONS,
+        tag="r",
     )
-    budget: str = field(
-        default="span",
-        metadata={
-            "help": "what keep divides: 'span' = a row's whole visual span (all images and "
-            "frames together, the pruner decides where), 'frame' = every image and every video "
-            "frame keeps the same share of its own tokens",
-            "choices": BUDGETS,
-            "tag": "b",
-        },
+    budget: str = option(
+        "span",
+        "what keep divides: 'span' = a row's whole visual span (all images and "
+        "frames together, the pruner decides where), 'frame' = every image and every video "
+        "frame keeps the same share of its own tokens",
+        choices=BUDGETS,
+        tag="b",
     )
-    positions: str = field(
-        default="original",
-        metadata={
-            "help": "RoPE positions of the kept tokens: 'original' = where the unpruned prompt "
-            "had them, 'compact' = renumbered consecutively as if the pruned visual tokens had "
-            "never been in the prompt, as vLLM and VisionZip position a pruned LLaVA prompt "
-            "(one stage at layer 0, 1-D RoPE models only)",
-            "choices": POSITIONS,
-            "tag": "p",
-            "recorded": "when_set",
-        },
+    positions: str = option(
+        "original",
+        "RoPE positions of the kept tokens: 'original' = where the unpruned prompt "
+        "had them, 'compact' = renumbered consecutively as if the pruned visual tokens had "
+        "never been in the prompt, as vLLM and VisionZip position a pruned LLaVA prompt "
+        "(one stage at layer 0, 1-D RoPE models only)",
+        choices=POSITIONS,
+        tag="p",
+        recorded="when_set",
     )
-    warm_kernels: bool = field(
-        default=True,
-        metadata={
-            "help": "on a GPU, compile the Triton kernels' variants at wrap() so that no "
-            "request pays a compile (a few seconds, once per process)",
-            "cli": False,
-        },
+    warm_kernels: bool = option(
+        True,
+        "on a GPU, compile the Triton kernels' variants at wrap() so that no "
+        "request pays a compile (a few seconds, once per process)",
+        cli=False,
     )
     options: dict[str, Any] = field(
         default_factory=dict,

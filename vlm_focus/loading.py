@@ -3,7 +3,7 @@ build its inputs for images or one video."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -11,7 +11,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .asset_paths import default_model_path, is_embedded
-from .core.options import check_choices
+from .core.options import check_choices, option
 from .model_adapters import get_adapter
 
 #: Seconds to wait for the hub before saying it cannot be reached.
@@ -79,28 +79,20 @@ def load_model(
 class LoadOptions:
     """How a command loads its model (``vlm-focus run``, ``bench``, ``eval``, ``demo``)."""
 
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": "model folder or hub id",
-            "default_text": "embedded, the shipped organism model",
-            "metavar": "PATH_OR_ID",
-        },
+    model: str | None = option(
+        None,
+        "model folder or hub id",
+        default_text="embedded, the shipped organism model",
+        metavar="PATH_OR_ID",
     )
-    device: str | None = field(
-        default=None,
-        metadata={
-            "help": "torch device",
-            "default_text": "cuda when available, else cpu; under accelerate launch, the "
-            "process's own device",
-        },
+    device: str | None = option(
+        None,
+        "torch device",
+        default_text="cuda when available, else cpu; under accelerate launch, the "
+        "process's own device",
     )
-    attn: str = field(
-        default="sdpa", metadata={"help": "attention implementation", "choices": ATTENTION}
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "allow code from the model repository to run"}
-    )
+    attn: str = option("sdpa", "attention implementation", choices=ATTENTION)
+    trust_remote_code: bool = option(False, "allow code from the model repository to run")
 
     def __post_init__(self) -> None:
         check_choices(self, LoadOptions)

@@ -49,6 +49,12 @@ class OptionInfo:
         return repr(self.default)
 
 
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A ``dataclasses.field`` of an option table: its default, its help and any other metadata
+    the tables read (``default_text``, ``choices``, ``metavar``, ...)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
 def inherit(cls: type, name: str, *, default: Any = dataclasses.MISSING, **metadata: Any) -> Any:
     """A ``dataclasses.field`` with the default and metadata of ``cls``'s field ``name``
     (``default`` and ``metadata`` entries override), for a config that exposes the same

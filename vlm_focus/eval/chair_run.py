@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..asset_paths import CAPTION_PROMPT, is_embedded
+from ..core.options import option
 from .chair import (
     CHAIR_COLUMNS,
     EMBEDDED_MAX_NEW_TOKENS,
@@ -36,39 +37,29 @@ class ChairConfig(PruneOptions):
 
     command: ClassVar[str] = "chair"
 
-    captions: Path | None = field(
-        default=None,
-        metadata={
-            "help": "COCO captions json (reference captions, part of the ground truth)",
-            "default_text": "the embedded held-out set's",
-        },
+    captions: Path | None = option(
+        None,
+        "COCO captions json (reference captions, part of the ground truth)",
+        default_text="the embedded held-out set's",
     )
-    image_ids: Path | None = field(
-        default=None,
-        metadata={
-            "help": "json list of the image ids to caption",
-            "default_text": "the shipped list on the embedded set, else a seeded sample of "
-            "--n-images",
-        },
+    image_ids: Path | None = option(
+        None,
+        "json list of the image ids to caption",
+        default_text="the shipped list on the embedded set, else a seeded sample of --n-images",
     )
-    n_images: int = field(default=500, metadata={"help": "images of the seeded sample"})
-    prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "caption instruction",
-            "default_text": f"{PROTOCOL_PROMPT!r}; {CAPTION_PROMPT!r} on the embedded model "
-            "(the prompt it was trained with)",
-        },
+    n_images: int = option(500, "images of the seeded sample")
+    prompt: str | None = option(
+        None,
+        "caption instruction",
+        default_text=f"{PROTOCOL_PROMPT!r}; {CAPTION_PROMPT!r} on the embedded model "
+        "(the prompt it was trained with)",
     )
-    max_new_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "new tokens per caption (below the protocol's, the unfinished last "
-            "sentence is dropped)",
-            "default_text": f"{PROTOCOL_MAX_NEW_TOKENS}, the protocol's; "
-            f"{EMBEDDED_MAX_NEW_TOKENS} on the embedded model",
-            "metavar": "N",
-        },
+    max_new_tokens: int | None = option(
+        None,
+        "new tokens per caption (below the protocol's, the unfinished last sentence is dropped)",
+        default_text=f"{PROTOCOL_MAX_NEW_TOKENS}, the protocol's; "
+        f"{EMBEDDED_MAX_NEW_TOKENS} on the embedded model",
+        metavar="N",
     )
 
     def __post_init__(self) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
+from ..core.options import option
 from .coco import (
     COCO_COLUMNS,
     DEFAULT_TEMPLATE,
@@ -71,33 +72,27 @@ class CocoConfig(EvalOptions):
     requires: ClassVar[tuple[str, ...]] = ("pycocotools.coco", "pycocotools.cocoeval")  # box AP
     plots: ClassVar[tuple[str, ...]] = ("examples.png",)
 
-    n_images: int = field(default=500, metadata={"help": "images to sample"})
-    absent: int = field(default=3, metadata={"help": "absent categories asked per image"})
-    max_boxes: int = field(default=1, metadata={"help": "boxes kept per query"})
-    prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "query template: {question} is the POPE question about the category "
-            "('Is there a dog in the image?'), {category} its name; the map is read at the "
-            "category's tokens",
-            "default_text": f"{DEFAULT_TEMPLATE!r}",
-        },
+    n_images: int = option(500, "images to sample")
+    absent: int = option(3, "absent categories asked per image")
+    max_boxes: int = option(1, "boxes kept per query")
+    prompt: str | None = option(
+        None,
+        "query template: {question} is the POPE question about the category "
+        "('Is there a dog in the image?'), {category} its name; the map is read at the "
+        "category's tokens",
+        default_text=f"{DEFAULT_TEMPLATE!r}",
     )
-    layers: str | None = field(
-        default=None,
-        metadata={
-            "help": "decoder layers whose maps are averaged, a comma list (e.g. 0)",
-            "default_text": "the model's grounding default, grounding.default_layers (or the "
-            "layers of --heads)",
-        },
+    layers: str | None = option(
+        None,
+        "decoder layers whose maps are averaged, a comma list (e.g. 0)",
+        default_text="the model's grounding default, grounding.default_layers (or the "
+        "layers of --heads)",
     )
-    heads: str | None = field(
-        default=None,
-        metadata={
-            "help": "localization heads whose maps are averaged: a JSON file written by "
-            "grounding.save_heads, or layer:head pairs (e.g. 3:4,3:1)",
-            "default_text": "every head of the layers",
-        },
+    heads: str | None = option(
+        None,
+        "localization heads whose maps are averaged: a JSON file written by "
+        "grounding.save_heads, or layer:head pairs (e.g. 3:4,3:1)",
+        default_text="every head of the layers",
     )
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,6 +20,7 @@ from ..core.options import (
     default_of,
     inherit,
     inherit_options,
+    option,
     options,
     pruner_option_field,
     show,
@@ -56,48 +57,34 @@ class EvalOptions(LoadOptions):
     #: The plots the command draws (with matplotlib, when it is installed).
     plots: ClassVar[tuple[str, ...]] = ()
 
-    out: Path = field(
-        default=Path("vlm_focus_eval"),
-        metadata={
-            "help": "output folder: results, tables, plots and the embedded held-out scenes",
-            "default_text": "vlm_focus_eval/ in the current folder",
-        },
+    out: Path = option(
+        Path("vlm_focus_eval"),
+        "output folder: results, tables, plots and the embedded held-out scenes",
+        default_text="vlm_focus_eval/ in the current folder",
     )
-    images: Path | None = field(
-        default=None,
-        metadata={
-            "help": "image folder of a COCO-format set (e.g. COCO val2014)",
-            "default_text": "the embedded held-out scenes, written under --out",
-        },
+    images: Path | None = option(
+        None,
+        "image folder of a COCO-format set (e.g. COCO val2014)",
+        default_text="the embedded held-out scenes, written under --out",
     )
-    instances: Path | None = field(
-        default=None,
-        metadata={
-            "help": "COCO instances json of that set",
-            "default_text": "the embedded held-out set's",
-        },
+    instances: Path | None = option(
+        None, "COCO instances json of that set", default_text="the embedded held-out set's"
     )
-    limit: int | None = field(
-        default=None,
-        metadata={
-            "help": "quick check: only the first N questions per split (pope) or N images "
-            "(coco, chair)",
-            "default_text": "all",
-            "metavar": "N",
-        },
+    limit: int | None = option(
+        None,
+        "quick check: only the first N questions per split (pope) or N images (coco, chair)",
+        default_text="all",
+        metavar="N",
     )
-    batch_size: int = field(default=8, metadata={"help": "rows per generate() call"})
-    on_missing: str = field(
-        default="skip",
-        metadata={
-            "help": "an item whose image file is missing: skip and count it, or stop",
-            "choices": ON_MISSING,
-        },
+    batch_size: int = option(8, "rows per generate() call")
+    on_missing: str = option(
+        "skip",
+        "an item whose image file is missing: skip and count it, or stop",
+        choices=ON_MISSING,
     )
-    seed: int = field(default=0, metadata={"help": "seed of every sampled choice"})
-    threads: int | None = field(
-        default=None,
-        metadata={"help": "torch CPU threads per process", "default_text": "torch's default"},
+    seed: int = option(0, "seed of every sampled choice")
+    threads: int | None = option(
+        None, "torch CPU threads per process", default_text="torch's default"
     )
 
     def __post_init__(self) -> None:
@@ -166,30 +153,24 @@ class PruneOptions(EvalOptions):
     Without a pruner (or a sweep) the pruning options stay ``None``: the model runs unpruned,
     and giving one of them is an error instead of being ignored."""
 
-    pruner: str | None = field(
-        default=None,
-        metadata={
-            "help": "registered pruner (`vlm-focus pruners` lists them); the pruning options "
-            "below only apply with it",
-            "default_text": "none, the model runs unpruned",
-        },
+    pruner: str | None = option(
+        None,
+        "registered pruner (`vlm-focus pruners` lists them); the pruning options "
+        "below only apply with it",
+        default_text="none, the model runs unpruned",
     )
     # FocusConfig's other command-line options come here, default None (inherit_options)
     pruner_option: list[str] = pruner_option_field()
-    mitigate: str = field(
-        default="none",
-        metadata={
-            "help": "mitigation from vlm_focus.hallucination, with its registered defaults: "
-            + ", ".join(mitigation_choices()),
-        },
+    mitigate: str = option(
+        "none",
+        "mitigation from vlm_focus.hallucination, with its registered defaults: "
+        + ", ".join(mitigation_choices()),
     )
-    guide: str | None = field(
-        default=None,
-        metadata={
-            "help": "guide model (folder or hub id) for --pruner guided",
-            "default_text": "the embedded guide model when the embedded model runs",
-            "metavar": "PATH_OR_ID",
-        },
+    guide: str | None = option(
+        None,
+        "guide model (folder or hub id) for --pruner guided",
+        default_text="the embedded guide model when the embedded model runs",
+        metavar="PATH_OR_ID",
     )
 
     def __post_init__(self) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..config import keeps_everything, read_keep
+from ..core.options import option
 from ..setting import RunSetting
 from ..zoom import ZoomOptions
 from .common import PruneOptions, check_extras, on_shared_items, read_summaries, write_json
@@ -48,72 +49,50 @@ class PopeConfig(PruneOptions):
     command: ClassVar[str] = "pope"
     plots: ClassVar[tuple[str, ...]] = ("retention.png",)
 
-    split: str = field(
-        default="all",
-        metadata={"help": "POPE split to run", "choices": ("all", *SPLITS)},
+    split: str = option("all", "POPE split to run", choices=("all", *SPLITS))
+    questions: list[Path] | None = option(
+        None,
+        "existing POPE jsonl files (each file's split is the random/popular/"
+        "adversarial part of its name)",
+        default_text="built from the instances by the POPE rules",
+        parse=Path,
+        nargs="+",
     )
-    questions: list[Path] | None = field(
-        default=None,
-        metadata={
-            "help": "existing POPE jsonl files (each file's split is the random/popular/"
-            "adversarial part of its name)",
-            "default_text": "built from the instances by the POPE rules",
-            "parse": Path,
-            "nargs": "+",
-        },
+    n_images: int = option(500, "POPE images to sample")
+    suffix: str | None = option(
+        None, "text appended to every question", default_text=f"LLaVA's {LLAVA_SUFFIX!r}"
     )
-    n_images: int = field(default=500, metadata={"help": "POPE images to sample"})
-    suffix: str | None = field(
-        default=None,
-        metadata={
-            "help": "text appended to every question",
-            "default_text": f"LLaVA's {LLAVA_SUFFIX!r}",
-        },
+    max_new_tokens: int = option(16, "new tokens per answer")
+    sweep: str | None = option(
+        None, "a keep sweep, e.g. keep=1.0,0.5,0.25,0.11", default_text="none"
     )
-    max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
-    sweep: str | None = field(
-        default=None,
-        metadata={"help": "a keep sweep, e.g. keep=1.0,0.5,0.25,0.11", "default_text": "none"},
-    )
-    pruners: str | None = field(
-        default=None,
-        metadata={
-            "help": "pruners of the --sweep: a comma list or 'all'",
-            "default_text": "--pruner, else fastv",
-        },
+    pruners: str | None = option(
+        None, "pruners of the --sweep: a comma list or 'all'", default_text="--pruner, else fastv"
     )
 
-    zoom: str = field(
-        default="never",
-        metadata={
-            "help": "look closer (vlm_focus.zoom.look_closer): never, always, or adaptive "
-            "(only when the plain answer's first-token confidence is below --zoom-threshold)",
-            "choices": ZOOMS,
-        },
+    zoom: str = option(
+        "never",
+        "look closer (vlm_focus.zoom.look_closer): never, always, or adaptive "
+        "(only when the plain answer's first-token confidence is below --zoom-threshold)",
+        choices=ZOOMS,
     )
-    zoom_threshold: float | None = field(
-        default=None,
-        metadata={
-            "help": "--zoom adaptive: zoom when the confidence is below it, in [0, 1]",
-            "default_text": "from --zoom-calibration",
-        },
+    zoom_threshold: float | None = option(
+        None,
+        "--zoom adaptive: zoom when the confidence is below it, in [0, 1]",
+        default_text="from --zoom-calibration",
     )
-    zoom_calibration: Path | None = field(
-        default=None,
-        metadata={
-            "help": "--zoom adaptive: a zoom.Calibration JSON (python -m vlm_focus.zoom "
-            "calibrate --out PATH) whose threshold to use",
-            "default_text": "none",
-        },
+    zoom_calibration: Path | None = option(
+        None,
+        "--zoom adaptive: a zoom.Calibration JSON (python -m vlm_focus.zoom "
+        "calibrate --out PATH) whose threshold to use",
+        default_text="none",
     )
-    zoom_layers: list[int] | None = field(
-        default=None,
-        metadata={
-            "help": "decoder layers whose attention map picks the crop",
-            "default_text": "all",
-            "parse": int,
-            "nargs": "+",
-        },
+    zoom_layers: list[int] | None = option(
+        None,
+        "decoder layers whose attention map picks the crop",
+        default_text="all",
+        parse=int,
+        nargs="+",
     )
 
     def __post_init__(self) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import LogitsProcessor
 
+from ..core.options import option
 from ..core.probe import AttentionProbe, Rows
 from ._vas import visual_share
 from .registry import Mitigation, check_numbers, register_mitigation
@@ -18,13 +19,9 @@ from .registry import Mitigation, check_numbers, register_mitigation
 class VisualBeamOptions:
     """The options of :func:`visual_beam`."""
 
-    weight: float = field(
-        default=1.0,
-        metadata={"help": "added to a candidate's score per unit of its tokens' visual share"},
-    )
-    layers: list[int] | None = field(
-        default=None,
-        metadata={"help": "decoder layers whose attention is read (none: every layer)"},
+    weight: float = option(1.0, "added to a candidate's score per unit of its tokens' visual share")
+    layers: list[int] | None = option(
+        None, "decoder layers whose attention is read (none: every layer)"
     )
 
     def __post_init__(self) -> None:

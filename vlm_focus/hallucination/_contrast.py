@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from transformers import LogitsProcessor
 from ..config import keep_count
 from ..core.attention import instruction_relevance
 from ..core.calls import CallTracker
+from ..core.options import option
 from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
 from ..generation import extend_with_answer
 from ..grounding import GENERIC_PROMPT
@@ -40,20 +41,13 @@ def _instruction_attention(
 class InstructionContrastOptions:
     """The options of :func:`instruction_contrast`."""
 
-    alpha: float = field(
-        default=1.0, metadata={"help": "contrast weight: (1 + alpha) l_full - alpha l_irr, >= 0"}
+    alpha: float = option(1.0, "contrast weight: (1 + alpha) l_full - alpha l_irr, >= 0")
+    beta: float = option(0.1, "plausibility cutoff: tokens below beta * the top probability drop")
+    ratio: float = option(
+        0.5, "share of the visual tokens that are instruction-irrelevant, in (0, 1)"
     )
-    beta: float = field(
-        default=0.1,
-        metadata={"help": "plausibility cutoff: tokens below beta * the top probability drop"},
-    )
-    ratio: float = field(
-        default=0.5,
-        metadata={"help": "share of the visual tokens that are instruction-irrelevant, in (0, 1)"},
-    )
-    layers: list[int] | None = field(
-        default=None,
-        metadata={"help": "decoder layers whose attention is read (none: every layer)"},
+    layers: list[int] | None = option(
+        None, "decoder layers whose attention is read (none: every layer)"
     )
 
     def __post_init__(self) -> None:

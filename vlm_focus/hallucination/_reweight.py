@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..config import keep_count
 from ..core.attention import instruction_relevance
+from ..core.options import option
 from ..core.probe import AttentionBias, LayerView, Prefill, rows_from_mask
 from ..model_adapters import get_adapter
 from .registry import Mitigation, check_numbers, register_mitigation
@@ -34,18 +35,11 @@ def relevant_tokens(scores: torch.Tensor, visual: torch.Tensor, ratio: float) ->
 class AttentionReweightOptions:
     """The options of :func:`attention_reweight`."""
 
-    strength: float = field(
-        default=1.0,
-        metadata={"help": "added to the attention logits of text rows to the relevant tokens"},
+    strength: float = option(
+        1.0, "added to the attention logits of text rows to the relevant tokens"
     )
-    layers: list[int] | None = field(
-        default=None,
-        metadata={"help": "decoder layers to reweight (none: every layer)"},
-    )
-    ratio: float = field(
-        default=0.25,
-        metadata={"help": "share of the visual tokens that are task-relevant, in (0, 1]"},
-    )
+    layers: list[int] | None = option(None, "decoder layers to reweight (none: every layer)")
+    ratio: float = option(0.25, "share of the visual tokens that are task-relevant, in (0, 1]")
 
     def __post_init__(self) -> None:
         check_numbers(self, "strength", "ratio")

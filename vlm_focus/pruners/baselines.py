@@ -3,11 +3,12 @@ temporal keep of whole video frames."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext
 from ..core.registry import register_pruner
 from ._common import image_tokens
@@ -15,9 +16,7 @@ from ._common import image_tokens
 
 @dataclass
 class RandomOptions:
-    seed: int = field(
-        default=0, metadata={"help": "seed of the random scores (each stage adds its index)"}
-    )
+    seed: int = option(0, "seed of the random scores (each stage adds its index)")
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -85,12 +84,10 @@ class PoolPruner(Pruner):
 
 @dataclass
 class TemporalOptions:
-    mode: str = field(
-        default="uniform",
-        metadata={
-            "help": "'uniform': whole frames evenly spaced in time; 'dedup': frames least "
-            "like the frame before them (cosine of mean hidden states) first"
-        },
+    mode: str = option(
+        "uniform",
+        "'uniform': whole frames evenly spaced in time; 'dedup': frames least "
+        "like the frame before them (cosine of mean hidden states) first",
     )
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext
 from ..core.registry import get_pruner, pruners_with, register_pruner
 from ..geometry import Frame, Size, as_size, content_fraction, view_frames
@@ -26,42 +27,32 @@ def _attention_pruners() -> list[str]:
 
 @dataclass
 class DebiasedOptions:
-    base: str = field(default="fastv", metadata={"help": "the attention-based pruner to debias"})
+    base: str = option("fastv", "the attention-based pruner to debias")
     base_options: dict = field(
         default_factory=dict, metadata={"help": "options of the base pruner"}
     )
-    positional: bool = field(default=True, metadata={"help": "divide out the positional trend"})
-    trend: str = field(default="exp", metadata={"help": "trend family: 'exp' or 'monotone'"})
-    axis: str = field(
-        default="sequence",
-        metadata={"help": "trend against the 1-D token order ('sequence') or image row ('row')"},
+    positional: bool = option(True, "divide out the positional trend")
+    trend: str = option("exp", "trend family: 'exp' or 'monotone'")
+    axis: str = option(
+        "sequence", "trend against the 1-D token order ('sequence') or image row ('row')"
     )
-    padding: bool = field(
-        default=True, metadata={"help": "scale pad-to-square padding patches by their content"}
+    padding: bool = option(True, "scale pad-to-square padding patches by their content")
+    pad_to_square: bool | None = option(
+        None,
+        "whether images were padded to a square (None: the adapter's fallback "
+        "geometry; LLaVA's is a centre crop, which pads nothing)",
     )
-    pad_to_square: bool | None = field(
-        default=None,
-        metadata={
-            "help": "whether images were padded to a square (None: the adapter's fallback "
-            "geometry; LLaVA's is a centre crop, which pads nothing)"
-        },
+    image_sizes: list | tuple | None = option(
+        None,
+        "original size per image in batch order when the layout lacks it: PIL "
+        "images, Size(width, height) or {'width', 'height'}",
     )
-    image_sizes: list | tuple | None = field(
-        default=None,
-        metadata={
-            "help": "original size per image in batch order when the layout lacks it: PIL "
-            "images, Size(width, height) or {'width', 'height'}"
-        },
+    sinks: bool = option(True, "down-weight sink tokens")
+    sink_by: str = option(
+        "activation", "find sinks by 'activation' (massive), 'attention' (mass) or 'both'"
     )
-    sinks: bool = field(default=True, metadata={"help": "down-weight sink tokens"})
-    sink_by: str = field(
-        default="activation",
-        metadata={"help": "find sinks by 'activation' (massive), 'attention' (mass) or 'both'"},
-    )
-    sink_ratio: float = field(
-        default=20.0, metadata={"help": "a sink stands this many times above the median"}
-    )
-    sink_weight: float = field(default=0.0, metadata={"help": "multiplier on sink scores, [0, 1]"})
+    sink_ratio: float = option(20.0, "a sink stands this many times above the median")
+    sink_weight: float = option(0.0, "multiplier on sink scores, [0, 1]")
 
     def __post_init__(self) -> None:
         allowed = _attention_pruners()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext
 from ..core.registry import register_pruner
 from ._common import mask_scores, row_counts
@@ -14,12 +15,10 @@ from ._math import maxmin_orders
 
 @dataclass
 class DiverseOptions:
-    pool: float = field(
-        default=1.0,
-        metadata={
-            "help": "max-min picks pool x keep candidates (repulsion), then the instruction's "
-            "attention filters them down to keep; 1.0 = pure max-min"
-        },
+    pool: float = option(
+        1.0,
+        "max-min picks pool x keep candidates (repulsion), then the instruction's "
+        "attention filters them down to keep; 1.0 = pure max-min",
     )
 
     def __post_init__(self) -> None:

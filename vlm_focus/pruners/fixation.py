@@ -14,32 +14,27 @@ each step picks its ``keep`` among those.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import KEEP_RULE, parse_keep
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext, StepReuse
 from ..core.registry import register_pruner
 
 
 @dataclass
 class FixationOptions:
-    refresh: int = field(
-        default=1,
-        metadata={
-            "help": "every visual token competes every `refresh` decode steps; in between, "
-            "only the previous fixation and its grid neighbourhood (1 = re-score all each step)"
-        },
+    refresh: int = option(
+        1,
+        "every visual token competes every `refresh` decode steps; in between, "
+        "only the previous fixation and its grid neighbourhood (1 = re-score all each step)",
     )
-    radius: int = field(
-        default=1, metadata={"help": "grid cells around each fixated token that compete in between"}
-    )
-    prefill_keep: float | int = field(
-        default=1.0,
-        metadata={
-            "help": "visual tokens the prompt keeps at layer K, scored like fastv; each step "
-            f"picks its `keep` among them ({KEEP_RULE}; 1.0 keeps all)",
-            "parse": str,
-        },
+    radius: int = option(1, "grid cells around each fixated token that compete in between")
+    prefill_keep: float | int = option(
+        1.0,
+        "visual tokens the prompt keeps at layer K, scored like fastv; each step "
+        f"picks its `keep` among them ({KEEP_RULE}; 1.0 keeps all)",
+        parse=str,
     )
 
     def __post_init__(self) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import FocusConfig
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext
 from ..core.registry import register_pruner
 from ..model_adapters import ImageLayout, ModelAdapter, get_adapter
@@ -20,29 +21,22 @@ from ._math import resample_map
 
 @dataclass
 class GuidedOptions:
-    guide: Any = field(
-        default=None, metadata={"help": "the small guide VLM (any supported model class)"}
+    guide: Any = option(None, "the small guide VLM (any supported model class)")
+    guide_inputs: Any = option(
+        None,
+        "the guide's processor outputs for the same images and prompt (a dict), or "
+        "a callable(large_inputs: dict) -> dict, given the large model's forward inputs for "
+        "the prompt (inside generate() without pixel_values: the images are encoded first); "
+        "guided_generate() can pass them per call",
     )
-    guide_inputs: Any = field(
-        default=None,
-        metadata={
-            "help": "the guide's processor outputs for the same images and prompt (a dict), or "
-            "a callable(large_inputs: dict) -> dict, given the large model's forward inputs for "
-            "the prompt (inside generate() without pixel_values: the images are encoded first); "
-            "guided_generate() can pass them per call"
-        },
+    with_answer: bool = option(
+        False, "also count the attention of the guide's generated answer tokens"
     )
-    with_answer: bool = field(
-        default=False,
-        metadata={"help": "also count the attention of the guide's generated answer tokens"},
-    )
-    answer_tokens: int = field(default=8, metadata={"help": "tokens the guide generates"})
-    early_exit: float | None = field(
-        default=None,
-        metadata={
-            "help": "guided_generate() returns the guide's answer when its geometric-mean "
-            "token probability is at least this (None: never)"
-        },
+    answer_tokens: int = option(8, "tokens the guide generates")
+    early_exit: float | None = option(
+        None,
+        "guided_generate() returns the guide's answer when its geometric-mean "
+        "token probability is at least this (None: never)",
     )
 
     def __post_init__(self) -> None:

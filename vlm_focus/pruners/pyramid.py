@@ -3,12 +3,13 @@ vision-encoder attention fused with top-down instruction relevance."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext
 from ..core.registry import register_pruner
 from ..kernels import score_and_select
@@ -21,16 +22,11 @@ BOTTOM_UP = ("auto", "encoder", "norm")
 
 @dataclass
 class PyramidOptions:
-    alpha: float = field(
-        default=0.5, metadata={"help": "weight of top-down (LLM) relevance vs bottom-up, [0, 1]"}
-    )
-    min_per_region: int = field(default=1, metadata={"help": "tokens every region keeps"})
-    tiles: int = field(
-        default=2, metadata={"help": "regions per side on grids without crops (tiles x tiles)"}
-    )
-    bottom_up: str = field(
-        default="auto",
-        metadata={"help": "'encoder' [CLS] attention, 'norm' proxy, or 'auto' (encoder if any)"},
+    alpha: float = option(0.5, "weight of top-down (LLM) relevance vs bottom-up, [0, 1]")
+    min_per_region: int = option(1, "tokens every region keeps")
+    tiles: int = option(2, "regions per side on grids without crops (tiles x tiles)")
+    bottom_up: str = option(
+        "auto", "'encoder' [CLS] attention, 'norm' proxy, or 'auto' (encoder if any)"
     )
 
     def __post_init__(self) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from ..core.options import option
 from ..core.pruner import Pruner, Selection, StageContext
 from ..core.registry import register_pruner
 from ..kernels import score_and_select
@@ -14,9 +15,8 @@ from ._common import per_query_scores
 
 @dataclass
 class TextOptions:
-    prior: bool = field(
-        default=False,
-        metadata={"help": "weight each rater by the attention the last token pays it (AdaptInfer)"},
+    prior: bool = option(
+        False, "weight each rater by the attention the last token pays it (AdaptInfer)"
     )
 
     def __post_init__(self) -> None:

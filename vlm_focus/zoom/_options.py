@@ -3,10 +3,10 @@ zoom's table of routes and settings; every entry point reads them from it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..core.options import OptionInfo, options
+from ..core.options import OptionInfo, option, options
 from ._reask import MODES
 from ._routing import STATISTICS, check_statistic, check_threshold
 
@@ -20,83 +20,55 @@ class ZoomOptions:
     """How :func:`look_closer` picks regions and when it zooms (serialisable; the evaluations
     record it with their results)."""
 
-    route: str = field(
-        default="always",
-        metadata={
-            "help": "always zoom, zoom when the routing statistic (the plain answer's "
-            "first-token confidence or the question's attention map) is below threshold "
-            "(adaptive), or never",
-            "choices": ROUTES,
-        },
+    route: str = option(
+        "always",
+        "always zoom, zoom when the routing statistic (the plain answer's "
+        "first-token confidence or the question's attention map) is below threshold "
+        "(adaptive), or never",
+        choices=ROUTES,
     )
-    threshold: float | None = field(
-        default=None,
-        metadata={
-            "help": "adaptive routing: zoom when the statistic is below it (0: never, 1: "
-            "every question the zoom can crop); from zoom.calibrate",
-        },
+    threshold: float | None = option(
+        None,
+        "adaptive routing: zoom when the statistic is below it (0: never, 1: "
+        "every question the zoom can crop); from zoom.calibrate",
     )
-    statistic: str = field(
-        default="top1",
-        metadata={
-            "help": "routing statistic, in [0, 1], low = zoom: the first answer token's top-1 "
-            "probability (top1) or top-1 minus top-2 (margin), or the question's attention "
-            "map's 1 - peak cell share (peak), normalised entropy (entropy) or share of mass "
-            "outside the zoom's crop (outside); top1 measured best on the organism "
-            "(zoom_quality.md)",
-            "choices": STATISTICS,
-        },
+    statistic: str = option(
+        "top1",
+        "routing statistic, in [0, 1], low = zoom: the first answer token's top-1 "
+        "probability (top1) or top-1 minus top-2 (margin), or the question's attention "
+        "map's 1 - peak cell share (peak), normalised entropy (entropy) or share of mass "
+        "outside the zoom's crop (outside); top1 measured best on the organism "
+        "(zoom_quality.md)",
+        choices=STATISTICS,
     )
-    mode: str | None = field(
-        default=None,
-        metadata={
-            "help": "re-ask with the image and its crops (both) or the crops alone (crop)",
-            "choices": MODES,
-            "default_text": "the model type's default (zoom.default_mode)",
-        },
+    mode: str | None = option(
+        None,
+        "re-ask with the image and its crops (both) or the crops alone (crop)",
+        choices=MODES,
+        default_text="the model type's default (zoom.default_mode)",
     )
-    regions: int = field(
-        default=1,
-        metadata={
-            "help": "crops per question (with mode crop, several are merged into one)",
-        },
+    regions: int = option(1, "crops per question (with mode crop, several are merged into one)")
+    margin: float = option(0.25, "share of the attention box's side added on each side")
+    min_size: str | int | float = option(
+        "view",
+        "smallest crop side: 'view' (the encoder's input side, so a crop reaches it "
+        "at no more than 1:1), pixels (int) or a share of the image's short side (float "
+        "in (0, 1])",
     )
-    margin: float = field(
-        default=0.25, metadata={"help": "share of the attention box's side added on each side"}
+    aspect: str | float = option(
+        "view",
+        "crop shape: 'view' (the model's view of the image: square for a centre "
+        "crop or a pad), 'image', 'box' (the box's own) or a width/height ratio",
     )
-    min_size: str | int | float = field(
-        default="view",
-        metadata={
-            "help": "smallest crop side: 'view' (the encoder's input side, so a crop reaches it "
-            "at no more than 1:1), pixels (int) or a share of the image's short side (float "
-            "in (0, 1])",
-        },
+    anchor: str = option("box", "crop around the map's top boxes or its peak", choices=ANCHORS)
+    box_threshold: float | str = option("otsu", "threshold of grounding.boxes on the map")
+    layers: list[int] | None = option(
+        None, "decoder layers whose attention makes the map", default_text="all"
     )
-    aspect: str | float = field(
-        default="view",
-        metadata={
-            "help": "crop shape: 'view' (the model's view of the image: square for a centre "
-            "crop or a pad), 'image', 'box' (the box's own) or a width/height ratio",
-        },
+    heads: Any = option(
+        None, "localization heads (grounding.select_localization_heads) or {layer: [heads]}"
     )
-    anchor: str = field(
-        default="box",
-        metadata={"help": "crop around the map's top boxes or its peak", "choices": ANCHORS},
-    )
-    box_threshold: float | str = field(
-        default="otsu", metadata={"help": "threshold of grounding.boxes on the map"}
-    )
-    layers: list[int] | None = field(
-        default=None,
-        metadata={"help": "decoder layers whose attention makes the map", "default_text": "all"},
-    )
-    heads: Any = field(
-        default=None,
-        metadata={
-            "help": "localization heads (grounding.select_localization_heads) or {layer: [heads]}"
-        },
-    )
-    max_new_tokens: int = field(default=16, metadata={"help": "new tokens per answer"})
+    max_new_tokens: int = option(16, "new tokens per answer")
 
     def __post_init__(self) -> None:
         if self.route not in ROUTES:

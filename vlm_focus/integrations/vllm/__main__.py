@@ -31,12 +31,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...asset_paths import EMBEDDED, default_model_path
 from ...config import read_keep
-from ...core.options import add_options, default_of, given, parse_config, pruner_option_field
+from ...core.options import (
+    add_options,
+    default_of,
+    given,
+    option,
+    parse_config,
+    pruner_option_field,
+)
 from ...pruners import read_pruner_options
 from . import MODELS, ServeOptions, hf_overrides
 
@@ -70,12 +77,11 @@ def sizes_kv_cache(args: list[str], environ: Mapping[str, str]) -> bool:
 class ServeCommand:
     """The ``serve`` command's own options (the pruning settings are :class:`ServeOptions`')."""
 
-    model_type: str | None = field(
-        default=None,
-        metadata={"help": f"one of {sorted(MODELS)}", "default_text": "read from MODEL's config"},
+    model_type: str | None = option(
+        None, f"one of {sorted(MODELS)}", default_text="read from MODEL's config"
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    print: bool = field(default=False, metadata={"help": "print the vllm command only"})
+    host: str = option("127.0.0.1", "address to listen on")
+    print: bool = option(False, "print the vllm command only")
     pruner_option: list[str] = pruner_option_field()
 
 
