@@ -91,3 +91,18 @@ def test_probe_scenes_painted_out_lose_only_their_unmet_anchors():
         kept = [o for i, o in enumerate(scene.objects) if i not in anchors]
         assert painted.objects == kept and painted.seed == scene.seed
         assert not unmet_companions(painted, PRIOR)
+
+
+def test_shipped_prior_names_the_absent_companion_after_its_anchor():
+    """The shipped organism-prior's premise on one probe scene: after its anchor's sentence the
+    next category is the absent companion, with and without the image."""
+    from transformers import LlavaForConditionalGeneration
+
+    from organism.prior_checks import next_after_anchor
+    from vlm_focus.asset_paths import prior_model_path
+
+    model = LlavaForConditionalGeneration.from_pretrained(prior_model_path()).eval()
+    scenes = probe_scenes(4)
+    for with_image in (False, True):
+        p = next_after_anchor(model, scenes, with_image=with_image)
+        assert p["companion"] > 0.5 > 50 * p["unpaired_mean"]
