@@ -313,6 +313,12 @@ def test_run_setting_passes_the_inputs_and_the_tables_list_it(capsys):
         want, _ = _generate(model, inputs, steps=3, logits_processor=[proc])
     assert torch.equal(got, want)
     assert setting.tag == "unpruned-visual_contrast-branch_blank"
+    with pytest.raises(ValueError, match="centre=Tensor cannot be recorded with a run"):
+        RunSetting(mitigation="visual_contrast", mitigation_options={"centre": torch.zeros(128)})
+    described = RunSetting(
+        mitigation="visual_contrast", mitigation_options={"centre": "calib/centre.pt"}
+    ).describe()
+    assert described["mitigation_parameters"]["centre"] == "calib/centre.pt"
     assert "visual_contrast" in H.mitigations()
     table = H.mitigation_options_markdown()
     for name in ("branch", "weight", "growth", "beta", "noise_step", "schedule", "centre"):
