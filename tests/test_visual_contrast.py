@@ -111,11 +111,13 @@ def test_image_branches_equal_the_model_on_the_degraded_pixels(kind, branch, sch
         degraded = _noised(kind, inputs, 300, schedule)
     proc = H.visual_contrast(model, inputs, branch=branch, noise_step=300, schedule=schedule)
     answer = torch.randint(3, 100, (2, 3), generator=torch.Generator().manual_seed(1))
-    # the branch keeps its own cache: the prompt, one token, then two at once
-    for n in (0, 1, 3):
-        sequence = torch.cat([inputs["input_ids"], answer[:, :n]], 1)
-        want = _logits(model, extend_with_answer(degraded, answer[:, :n])[0])
+    # the branch keeps its own cache: the prompt, one token, then two at once, then another
+    # answer (a new generate() call) from the start
+    for n, tokens in ((0, answer), (1, answer), (3, answer), (2, answer.flip(0))):
+        sequence = torch.cat([inputs["input_ids"], tokens[:, :n]], 1)
+        want = _logits(model, extend_with_answer(degraded, tokens[:, :n])[0])
         torch.testing.assert_close(proc.branch_logits(sequence), want, atol=ATOL, rtol=0)
+    answer = answer.flip(0)[:, :2]
     assert float((want - _logits(model, extend_with_answer(inputs, answer)[0])).abs().max()) > 1e-3
 
 

@@ -216,7 +216,7 @@ class VisualContrast(Mitigation, LogitsProcessor):
         self.active = False
         self.last_branch_logits: torch.Tensor | None = None
         self._cache: DynamicCache | None = None  # the noise or blank branch's own KV cache
-        self._seen = 0  # tokens in it
+        self._fed: torch.Tensor | None = None  # the tokens in it
         self._logits: torch.Tensor | None = None  # its logits after them
 
     def attach(self) -> None:
@@ -225,6 +225,7 @@ class VisualContrast(Mitigation, LogitsProcessor):
 
     def remove(self) -> None:
         self.active = False
+        self._cache = self._fed = self._logits = None  # free the branch's cache
 
     def weight_at(self, step: int) -> float:
         """The contrast weight at generated token ``step`` (0 for the first)."""
@@ -247,26 +248,32 @@ class VisualContrast(Mitigation, LogitsProcessor):
         # The same layout as the prompt: the branch keeps its own cache, so each step feeds
         # only the new tokens, without pixels (a generated image-token id stays text).
         length = input_ids.shape[1]
-        if self._cache is None or self._seen > length:
-            self._cache = DynamicCache()
+        fed = self._fed
+        if (
+            fed is None
+            or fed.shape[1] > length
+            or not torch.equal(input_ids[:, : fed.shape[1]], fed)
+        ):
+            self._cache = DynamicCache()  # a new sequence (another generate() call)
             out = side_pass(self.model, self.branch_inputs, cache=self._cache)
-            self._seen, self._logits = seq, out.logits[:, -1]
-        if self._seen < length:
+            self._fed, self._logits = prompt, out.logits[:, -1]
+        seen = self._fed.shape[1]
+        if seen < length:
             mask = self.inputs.get("attention_mask")
             mask = torch.ones_like(prompt) if mask is None else mask
             grown = torch.ones(batch, length - seq, dtype=mask.dtype, device=mask.device)
             mask = torch.cat([mask, grown], 1)
             # positioned as the model positions a decode call on its cache (M-RoPE included)
-            positions = torch.arange(self._seen, length, device=input_ids.device)
+            positions = torch.arange(seen, length, device=input_ids.device)
             step = {
-                "input_ids": input_ids[:, self._seen :],
+                "input_ids": input_ids[:, seen:],
                 "attention_mask": mask,
                 "position_ids": get_adapter(self.model).decode_positions(
                     self.model, positions.expand(batch, -1), mask
                 ),
             }
             out = side_pass(self.model, step, cache=self._cache)
-            self._seen, self._logits = length, out.logits[:, -1]
+            self._fed, self._logits = input_ids, out.logits[:, -1]
         return self._logits
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
