@@ -246,12 +246,14 @@ def test_sdpa_and_eager_agree_and_exit_restores_the_model():
     torch.testing.assert_close(out["sdpa"][1], out["eager"][1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("branch", ["blank", "text"])
-def test_on_a_pruned_model_the_branch_equals_the_masked_reference(branch):
+@pytest.mark.parametrize(
+    ("kind", "branch"), [("llava", "blank"), ("llava", "text"), ("qwen2_vl", "noise")]
+)
+def test_on_a_pruned_model_the_branch_equals_the_masked_reference(kind, branch):
     from reference import masked_reference
 
-    model = make_model("llava")
-    inputs = make_inputs("llava", model, batch=2)
+    model = make_model(kind)
+    inputs = make_inputs(kind, model, batch=2)
     layers = get_adapter(model).decoder_layers(model)
     with vf.wrap(model, pruner="fastv", keep=0.5, layer=2) as handle:
         with H.visual_contrast(model, inputs, branch=branch, beta=0.0) as proc:
@@ -259,10 +261,12 @@ def test_on_a_pruned_model_the_branch_equals_the_masked_reference(branch):
         trace = handle.last_trace
     assert isinstance(trace, FocusTrace) and trace.stages
     answer = seq[:, inputs["input_ids"].shape[1] : -1]  # the last step's sequence
-    if branch == "blank":
-        blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}
+    if branch != "text":
+        degraded = extend_with_answer(proc.branch_inputs, answer)[0]
         with masked_reference(model, layers, trace):
-            want = _logits(model, extend_with_answer(blank, answer)[0])
+            want = _logits(model, degraded)
+        unmasked = _logits(model, degraded)  # the pruning shows in the branch
+        assert float((unmasked - want).abs().max()) > 1e-3
     else:  # no visual tokens: nothing to prune
         want = _logits(model, extend_with_answer(proc.branch_inputs, answer)[0])
     torch.testing.assert_close(proc.last_branch_logits, want, atol=ATOL, rtol=0)
