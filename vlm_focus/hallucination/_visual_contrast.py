@@ -332,6 +332,7 @@ def contrast_centre(
     (processor outputs, e.g. calibration scenes) of ``l_f - l_b`` at the answer position (the
     prompt's last token), ``[V]`` float32 on the CPU. Save it with ``torch.save`` and pass the
     path (or the tensor) as ``centre``."""
+    VisualContrastOptions(branch=branch, noise_step=noise_step, schedule=schedule)  # checked
     total, rows = None, 0
     for inputs in batches:
         built = branch_inputs(model, inputs, branch, noise_step=noise_step, schedule=schedule)

@@ -127,6 +127,10 @@ class ModelAdapter:
             the full sequence that must follow the pruned tokens (Qwen3-VL's DeepStack).
             ``tokens_after(i)`` is ``[B, S']``: the original positions of the tokens decoder
             layer ``i`` outputs in the current prefill, or ``None`` when nothing was pruned.
+        visual_marker_attrs: config attributes of the tokens around an image that go with it
+            when a prompt loses its images (:meth:`image_span_mask`).
+        patch_grids: pixel inputs of patch rows, to the grid input that counts each image's
+            rows (:meth:`patches_per_image`).
     """
 
     model_type: str
