@@ -272,7 +272,12 @@ def test_register_mitigation_checks_what_it_registers(monkeypatch):
         H.register_mitigation(H.attention_reweight)
     with pytest.raises(TypeError, match="Options must be a dataclass"):
         H.register_mitigation(type("Loose", (H.Mitigation,), {"name": "loose", "Options": dict}))
-    assert H.mitigations() == ["attention_reweight", "instruction_contrast", "visual_beam"]
+    assert H.mitigations() == [
+        "attention_reweight",
+        "instruction_contrast",
+        "visual_beam",
+        "visual_contrast",
+    ]
 
 
 def test_the_mitigations_command_prints_every_option(capsys):

@@ -322,7 +322,12 @@ def test_written_heldout_set_equals_the_organism_scenes(tmp_path):
 
 
 def test_one_registry_of_mitigations_with_one_set_of_defaults():
-    assert hal.mitigations() == ["attention_reweight", "instruction_contrast", "visual_beam"]
+    assert hal.mitigations() == [
+        "attention_reweight",
+        "instruction_contrast",
+        "visual_beam",
+        "visual_contrast",
+    ]
     assert hal.mitigation_choices()[0] == "none"
     beam = hal.get_mitigation("visual_beam")
     assert beam is hal.VisualBeam and beam.generate_args == {"num_beams": 3}

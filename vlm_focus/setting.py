@@ -104,6 +104,13 @@ class RunSetting:
             raise ValueError("mitigation_options need a mitigation")
         if self.mitigation != "none":
             hal.get_mitigation(self.mitigation).parameters(**self.mitigation_options)
+            for name, value in self.mitigation_options.items():
+                if not _recordable(value):
+                    raise ValueError(
+                        f"mitigation option {name}={type(value).__name__} cannot be recorded "
+                        "with a run (a number, a string, a list of them or None); give a "
+                        "tensor as the path of its torch.save file"
+                    )
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
@@ -474,6 +481,13 @@ class PrefillTiming(NamedTuple):
     visual_total: int
     timing: PairedTiming | None
     trace: FocusTrace | None
+
+
+def _recordable(value: Any) -> bool:
+    """A value a run's record (JSON) and tag hold as they are."""
+    if isinstance(value, list | tuple):
+        return all(_recordable(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
 
 
 def _how_it_drives(pruner: type[Pruner]) -> str:

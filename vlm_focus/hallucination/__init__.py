@@ -7,11 +7,13 @@
         model.generate(**inputs, num_beams=3, logits_processor=[proc])
     with hal.instruction_contrast(model, inputs, generic_inputs) as proc:
         model.generate(**inputs, logits_processor=[proc])
+    with hal.visual_contrast(model, inputs, branch="noise") as proc:   # VCD / M3ID
+        model.generate(**inputs, logits_processor=[proc])
     hal.vas(model, inputs).overall
 
     with hal.mitigate(model, "visual_beam", inputs) as active:   # by name, with the defaults
         model.generate(**inputs, **active.generate_kwargs())   # that every entry point uses
-    hal.mitigations()   # ['attention_reweight', 'instruction_contrast', 'visual_beam']
+    hal.mitigations()   # ['attention_reweight', 'instruction_contrast', 'visual_beam', ...]
     hal.mitigation_options("attention_reweight")   # strength, layers, ratio: type, default, help
 
 Each method installs instance hooks only while active and removes them on exit, under SDPA or
@@ -24,6 +26,12 @@ from ._beam import VisualBeam, VisualBeamOptions, visual_beam
 from ._contrast import InstructionContrast, InstructionContrastOptions, instruction_contrast
 from ._reweight import AttentionReweight, AttentionReweightOptions, attention_reweight
 from ._vas import VisualAttention, vas
+from ._visual_contrast import (
+    VisualContrast,
+    VisualContrastOptions,
+    contrast_centre,
+    visual_contrast,
+)
 from .registry import (
     Mitigation,
     get_mitigation,
@@ -45,7 +53,10 @@ __all__ = [
     "VisualAttention",
     "VisualBeam",
     "VisualBeamOptions",
+    "VisualContrast",
+    "VisualContrastOptions",
     "attention_reweight",
+    "contrast_centre",
     "get_mitigation",
     "instruction_contrast",
     "mitigate",
@@ -57,4 +68,5 @@ __all__ = [
     "register_mitigation",
     "vas",
     "visual_beam",
+    "visual_contrast",
 ]

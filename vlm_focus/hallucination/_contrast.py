@@ -12,12 +12,12 @@ from transformers import LogitsProcessor
 
 from ..config import keep_count
 from ..core.attention import instruction_relevance
-from ..core.calls import CallTracker
 from ..core.options import option
-from ..core.probe import AttentionBias, AttentionProbe, LayerView, check_layers
+from ..core.probe import AttentionProbe, check_layers
 from ..generation import extend_with_answer
 from ..grounding import GENERIC_PROMPT
 from ..model_adapters import get_adapter
+from ._side_pass import side_logits
 from .registry import Mitigation, check_numbers, register_mitigation
 
 
@@ -123,37 +123,7 @@ class InstructionContrast(Mitigation, LogitsProcessor):
                 "(no beams or num_return_sequences)"
             )
         inputs, _ = extend_with_answer(self.inputs, input_ids[:, seq:])
-        blocked = self.blocked.to(input_ids.device)
-        adapter = get_adapter(self.model)
-        tracker = CallTracker.acquire(self.model, adapter)
-        try:
-            # On a pruned model the side pass runs unpruned, with the keys each layer of the
-            # pruned prompt lacks masked out from that layer on: the same attention.
-            dropped = tracker.dropped_keys()
-
-            def block(view: LayerView) -> torch.Tensor:
-                width = view.width
-                columns = torch.zeros(batch, width, device=view.hidden.device)
-                columns[:, :seq] = torch.where(blocked, float("-inf"), 0.0)
-                bias = columns[:, None, :].expand(-1, view.call.input_ids.shape[1], -1).clone()
-                gone = dropped.get(view.index)
-                if gone is not None:
-                    hide = gone.to(bias.device)[:, None, :].expand(-1, bias.shape[1], -1).clone()
-                    diagonal = torch.arange(seq, device=bias.device)
-                    hide[:, diagonal, diagonal] = False  # a dropped token still sees itself
-                    bias[:, :, :seq] = bias[:, :, :seq].masked_fill(hide, float("-inf"))
-                return bias
-
-            n_layers = len(adapter.decoder_layers(self.model))
-            with (
-                torch.no_grad(),
-                tracker.isolated(),
-                AttentionBias(self.model, range(n_layers), block),
-            ):
-                logits = self.model(**inputs, use_cache=False, logits_to_keep=1).logits[:, -1]
-        finally:
-            tracker.release()
-        return logits
+        return side_logits(self.model, inputs, blocked=self.blocked.to(input_ids.device))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if not self.active:

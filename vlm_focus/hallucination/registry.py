@@ -18,7 +18,9 @@ dataclasses declare them:
 - ``attention_reweight``: ``strength=1.0``, every layer, the top ``ratio=0.25`` of visual tokens;
 - ``visual_beam``: ``weight=1.0``, every layer, ``num_beams=3``;
 - ``instruction_contrast``: ``alpha=1.0``, ``beta=0.1``, ``ratio=0.5``, every layer, against
-  :data:`vlm_focus.grounding.GENERIC_PROMPT`.
+  :data:`vlm_focus.grounding.GENERIC_PROMPT`;
+- ``visual_contrast``: ``branch="noise"`` at ``noise_step=500``, ``weight=1.0``, ``growth=0.0``,
+  ``beta=0.1``, no centring.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Mitigation:
     (hooks, or a ``LogitsProcessor`` handed to ``generate()``) and is exactly undone on exit.
 
     A subclass sets the class attributes below, implements :meth:`attach` and :meth:`remove`,
-    and is built as ``cls(model, options)`` or, with ``generic_prompt``, as
+    and is built as ``cls(model, options)``; with ``reads_inputs`` as
+    ``cls(model, inputs, options)``, with ``generic_prompt`` as
     ``cls(model, inputs, generic_inputs, options)``, ``options`` an instance of ``Options``.
     A subclass that is a ``LogitsProcessor`` goes into ``generate()``'s ``logits_processor``.
     """
@@ -64,6 +67,9 @@ class Mitigation:
     #: For a contrast against a generic prompt: that prompt (the caller builds
     #: ``generic_inputs`` from the same images with it).
     generic_prompt: ClassVar[str | None] = None
+    #: The method reads the prompt's ``inputs`` (the processor's output of the rows that
+    #: ``generate()`` runs), e.g. to run the same prompt with another image.
+    reads_inputs: ClassVar[bool] = False
 
     def attach(self) -> None:
         """Start steering (install hooks)."""
@@ -214,8 +220,9 @@ def mitigate(
     the block runs; yields an :class:`Active` whose :meth:`~Active.generate_kwargs` go to
     ``generate()``. ``"none"`` (or ``None``) runs nothing.
 
-    ``instruction_contrast`` needs the prompt's ``inputs`` and ``generic_inputs``: the same
-    images under the mitigation's ``generic_prompt``."""
+    A method that ``reads_inputs`` (``visual_contrast``) needs the prompt's ``inputs``, one
+    with a ``generic_prompt`` (``instruction_contrast``) ``inputs`` and ``generic_inputs``: the
+    same images under that prompt."""
     canonical = mitigation_name(name)
     if canonical == NONE:
         yield Active(None)
@@ -229,6 +236,13 @@ def mitigate(
                 f"under the prompt {mitigation.generic_prompt!r})"
             )
         handle = mitigation(model, inputs, generic_inputs, chosen)
+    elif mitigation.reads_inputs:
+        if inputs is None:
+            raise ValueError(
+                f"mitigation {canonical!r} needs the prompt's inputs (the processor's output "
+                "for the rows that generate() runs): mitigate(model, name, inputs)"
+            )
+        handle = mitigation(model, inputs, chosen)
     else:
         handle = mitigation(model, chosen)
     with handle:

@@ -127,6 +127,10 @@ class ModelAdapter:
             the full sequence that must follow the pruned tokens (Qwen3-VL's DeepStack).
             ``tokens_after(i)`` is ``[B, S']``: the original positions of the tokens decoder
             layer ``i`` outputs in the current prefill, or ``None`` when nothing was pruned.
+        visual_marker_attrs: config attributes of the tokens around an image that go with it
+            when a prompt loses its images (:meth:`image_span_mask`).
+        patch_grids: pixel inputs of patch rows, to the grid input that counts each image's
+            rows (:meth:`patches_per_image`).
     """
 
     model_type: str
@@ -165,6 +169,13 @@ class ModelAdapter:
     consecutive_positions: bool = True
     qk_norms: tuple[str, str] | None = None
     sequence_hooks: Callable[[nn.Module, Callable[[int], torch.Tensor | None]], list] | None = None
+    #: config attributes of the tokens that mark where an image or video sits (Qwen's
+    #: ``<vision_start>`` and ``<vision_end>``): a prompt without its images loses them too.
+    visual_marker_attrs: tuple[str, ...] = ()
+    #: pixel inputs that hold one row per patch, every image's rows concatenated, each named
+    #: with the grid input whose rows' products count the patches per image (Qwen's
+    #: ``pixel_values`` and ``image_grid_thw``); any other pixel input has one entry per image.
+    patch_grids: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_processor_rule(self.processor_rule)
@@ -266,6 +277,30 @@ class ModelAdapter:
         if video is not None and (inputs is None or has_video(inputs)):
             mask |= input_ids == video
         return mask
+
+    def image_span_mask(
+        self, model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any] | None = None
+    ) -> torch.Tensor:
+        """``[B, S]`` bool: the tokens a prompt loses with its images, the visual tokens and
+        the markers around them (:attr:`visual_marker_attrs`)."""
+        mask = self.visual_mask(model, input_ids, inputs)
+        for attr in self.visual_marker_attrs:
+            token = getattr(model.config, attr, None)
+            if token is None:
+                raise ValueError(f"config of '{self.model_type}' has no {attr}")
+            mask |= input_ids == token
+        return mask
+
+    def patches_per_image(self, key: str, inputs: Mapping[str, Any]) -> list[int] | None:
+        """Rows of ``inputs[key]`` per image (or video) when that input holds patch rows of
+        concatenated images (:attr:`patch_grids`), else ``None``: its first dimension then
+        indexes the images."""
+        grid = self.patch_grids.get(key)
+        if grid is None:
+            return None
+        if inputs.get(grid) is None:
+            raise ValueError(f"{key} needs {grid} (pass the processor's output)")
+        return [int(n) for n in torch.as_tensor(inputs[grid]).prod(-1).tolist()]
 
 
 def runs(positions: torch.Tensor) -> list[torch.Tensor]:

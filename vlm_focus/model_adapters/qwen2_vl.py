@@ -116,6 +116,8 @@ QWEN2_VL = ModelAdapter(
     required_with_images=("mm_token_type_ids",),
     layout_inputs=("image_grid_thw", "video_grid_thw"),
     encoders=("get_image_features", "get_video_features"),
+    visual_marker_attrs=("vision_start_token_id", "vision_end_token_id"),
+    patch_grids={"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"},
     # Dynamic resolution: the whole image squashed to a grid that keeps its aspect ratio.
     fallback_geometry={0: ("resize",)},
     processor_rule="dynamic",
