@@ -12,6 +12,7 @@ from tiny_models import make_inputs, make_model
 
 import vlm_focus as vf
 from vlm_focus import hallucination as H
+from vlm_focus.config import keep_count
 from vlm_focus.eval.pope import question_text
 from vlm_focus.hallucination._calibrate import CONTENT_FREE_CACHE, ContentFreeCache
 from vlm_focus.setting import RunSetting
@@ -281,6 +282,37 @@ def test_registered_with_pope_s_content_free_question():
         seq = setting.generate(model, inputs, generic_inputs=generic, max_new_tokens=2)
     with H.content_free(model, inputs, generic, strength=0.5) as proc:
         assert torch.equal(seq, _generate(model, inputs, steps=2, logits_processor=[proc])[0])
+
+
+def test_a_pruned_run_setting_answers_with_one_content_free_pass_per_batch():
+    from PIL import Image
+
+    from organism.scenes import heldout_scenes
+    from vlm_focus.config import FocusConfig
+    from vlm_focus.generation import greedy_generate
+    from vlm_focus.loading import build_inputs, load_model, to_model
+
+    model, processor = load_model(None, dtype=torch.float32)
+    images = [Image.fromarray(s.image()) for s in heldout_scenes(2, min_objects=2)]
+    prompts = [question_text("circle"), question_text("red square")]
+    inputs = to_model(model, build_inputs(processor, images, prompts))
+    generic = to_model(model, build_inputs(processor, images, [H.CONTENT_FREE_PROMPT] * 2))
+    focus = FocusConfig(keep=0.25, layer=0)
+    setting = RunSetting(focus=focus, mitigation="content_free", max_new_tokens=3)
+    with vf.wrap(model, config=focus), torch.no_grad():
+        with H.content_free(model, inputs, generic) as proc:
+            expected = greedy_generate(model, inputs, max_new_tokens=3, logits_processor=[proc])[0]
+    CONTENT_FREE_CACHE.clear()
+    calls, hook = _count_forwards(model)
+    try:
+        first = setting.answer(model, processor, images, prompts)
+        n_first = len(calls)
+        again = setting.answer(model, processor, images, prompts)  # the same images again
+    finally:
+        hook.remove()
+    assert torch.equal(first.sequences, expected) and torch.equal(again.sequences, expected)
+    assert len(calls) - n_first == n_first - 1  # no second content-free pass
+    assert first.visual_kept == [keep_count(0.25, n) for n in first.visual_total]
 
 
 # --- bad input --------------------------------------------------------------------------------
