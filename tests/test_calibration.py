@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from tiny_models import make_inputs, make_model
+from tiny_models import make_case, make_inputs, make_model
 
 import vlm_focus as vf
 from vlm_focus import hallucination as H
@@ -105,6 +105,18 @@ def test_first_token_equals_the_formula_from_two_forward_passes(attn):
     torch.testing.assert_close(scores[:, 0], first, atol=1e-4, rtol=0)
     assert torch.equal(seq[:, inputs["input_ids"].shape[1]], first.argmax(-1))
     assert torch.equal(proc(inputs["input_ids"], full), full)  # inactive after exit
+
+
+def test_a_video_is_calibrated_against_the_same_video():
+    model = make_model("qwen2_5_vl")
+    inputs = make_case("qwen2_5_vl", "video", model)
+    generic = make_case("qwen2_5_vl", "video", model, seed=7, prompt_len=3)
+    for key in ("pixel_values_videos", "video_grid_thw"):
+        generic[key] = inputs[key]
+    full, content_free = _last_logits(model, inputs), _last_logits(model, generic)
+    with H.content_free(model, inputs, generic, beta=0.8) as proc:
+        got = proc(inputs["input_ids"], full)
+    torch.testing.assert_close(got, _formula(full, content_free, 1.0, 0.8), atol=1e-5, rtol=0)
 
 
 def test_yes_no_is_divided_by_the_content_free_probability():
