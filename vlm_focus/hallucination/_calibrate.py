@@ -27,8 +27,9 @@ CACHE_SIZE = 32
 class ContentFreeCache:
     """The content-free log-probabilities ``[B, V]`` (float32, on the CPU) of recent batches,
     per model and per hash of the generic inputs' tensors: a small LRU of :data:`CACHE_SIZE`
-    entries per model. Models are held weakly, so the cache never keeps one alive; a model
-    whose weights change afterwards must :meth:`clear` it."""
+    entries per model. Models are held weakly, so the cache never keeps one alive. The key
+    does not see the weights or hooks that change the forward (the pruning engine's aside):
+    after changing those, :meth:`clear` it."""
 
     def __init__(self, size: int = CACHE_SIZE) -> None:
         self.size = size
