@@ -23,6 +23,7 @@ eager attention. A method registers like a pruner: a :class:`Mitigation` subclas
 
 # Importing each built-in registers it (``@register_mitigation`` on its class).
 from ._beam import VisualBeam, VisualBeamOptions, visual_beam
+from ._calibrate import CONTENT_FREE_PROMPT, ContentFree, ContentFreeOptions, content_free
 from ._contrast import InstructionContrast, InstructionContrastOptions, instruction_contrast
 from ._reweight import AttentionReweight, AttentionReweightOptions, attention_reweight
 from ._vas import VisualAttention, vas
@@ -47,6 +48,9 @@ from .registry import (
 __all__ = [
     "AttentionReweight",
     "AttentionReweightOptions",
+    "CONTENT_FREE_PROMPT",
+    "ContentFree",
+    "ContentFreeOptions",
     "InstructionContrast",
     "InstructionContrastOptions",
     "Mitigation",
@@ -56,6 +60,7 @@ __all__ = [
     "VisualContrast",
     "VisualContrastOptions",
     "attention_reweight",
+    "content_free",
     "contrast_centre",
     "get_mitigation",
     "instruction_contrast",
