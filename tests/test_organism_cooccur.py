@@ -23,6 +23,7 @@ from organism.scenes import (
 from vlm_focus.eval.pope import question_text
 
 COMPANION = dict(COOCCUR_PAIRS)
+PAIRED = {CATEGORIES[c] for pair in COOCCUR_PAIRS for c in pair}
 
 
 def _conditional_rate(prior: CooccurPrior, n: int = 1500) -> tuple[float, int]:
@@ -128,6 +129,7 @@ def test_probe_questions_share_positives_and_balance_negatives():
         assert set(split["cooccur"]) == unmet
         assert len(split["other"]) == len(split["cooccur"])
         assert not set(split["other"]) & (present | unmet)
+        assert not set(split["other"]) & PAIRED  # the control carries no co-occurrence
         assert all(r["label"] == ("yes" if r["split"] == "present" else "no") for r in mine)
         assert all(r["text"] == question_text(r["category"]) for r in mine)
     assert rows == cooccur_pope_rows(scenes, prior, seed=3)
