@@ -135,6 +135,17 @@ def test_probe_questions_share_positives_and_balance_negatives():
     assert rows == cooccur_pope_rows(scenes, prior, seed=3)
 
 
+def test_control_questions_name_no_paired_category():
+    """The control ("other") questions carry no co-occurrence: neither an anchor nor a
+    companion of any pair, on the held-out and the calibration scenes."""
+    prior = CooccurPrior()
+    for first in (9_700_000, 8_700_000):
+        rows = cooccur_pope_rows(cooccur_probe_scenes(first, 100, prior), prior, seed=777)
+        other = [r["category"] for r in rows if r["split"] == "other"]
+        assert other and not set(other) & PAIRED
+        assert len(other) == sum(r["split"] == "cooccur" for r in rows)
+
+
 def test_probe_questions_need_an_unmet_companion():
     prior = CooccurPrior()
     plain = next(
