@@ -40,6 +40,13 @@ ARCHITECTURES = {
         model_card="organism.qwen_card:model_card",
         pope_images=300,
     ),
+    # organism-prior: a LLaVA fine-tuned with stages of its own (its run's summary names this
+    # record, since its config says "llava")
+    "llava_prior": Architecture(
+        train="organism.prior:train",
+        evaluate="organism.prior_checks:evaluate",
+        model_card="organism.card_prior:model_card",
+    ),
 }
 
 
@@ -52,6 +59,12 @@ def architecture(model_type: str) -> Architecture:
 
 
 def saved_architecture(folder: Path) -> Architecture:
-    """The record of the model saved in ``folder`` (its ``config.json``'s ``model_type``)."""
+    """The record of the model saved in ``folder``: the ``architecture`` its run's summary names
+    (a recipe of its own on a stock class), else its ``config.json``'s ``model_type``."""
+    summary = Path(folder) / "train_summary.json"
+    if summary.is_file():
+        named = json.loads(summary.read_text()).get("architecture")
+        if named:
+            return architecture(named)
     config = json.loads((Path(folder) / "config.json").read_text())
     return architecture(config.get("model_type", ""))

@@ -14,9 +14,10 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one organism model from scratch")
     t.add_argument(
         "--model",
-        choices=["default", "guide", "deep", "twohop-guide", "tiny", "cooccur", "qwen"],
+        choices=["default", "guide", "deep", "twohop-guide", "tiny", "cooccur", "prior", "qwen"],
         default="default",
-        help="cooccur fine-tunes the shipped guide on a co-occurrence prior; qwen is a Qwen2.5-VL",
+        help="cooccur fine-tunes the shipped guide on a co-occurrence prior; prior fine-tunes the "
+        "shipped deep model on text under one, then images; qwen is a Qwen2.5-VL",
     )
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
@@ -38,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--path", type=Path, required=True, help="trained model folder")
     h.add_argument(
         "--name",
-        choices=["default", "guide", "deep", "twohop-guide", "cooccur", "qwen"],
+        choices=["default", "guide", "deep", "twohop-guide", "cooccur", "prior", "qwen"],
         required=True,
     )
     h.add_argument("--metrics", type=Path, required=True, help="metrics json from `eval`")

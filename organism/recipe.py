@@ -64,12 +64,16 @@ class Recipe:
     model_type: ClassVar[str] = "llava"  # the architecture's record in `loop.ARCHITECTURES`
 
 
-def default_recipe(spec: str = "default", scale: float = 1.0) -> Recipe | QwenRecipe:
+def default_recipe(spec: str = "default", scale: float = 1.0):
     """The shipped recipe of organism-``spec``; `scale` multiplies steps and minutes (e.g. 0.01
     for a smoke run). The smaller guide trains for half the time; the deep model learns the
     two-hop family (`deep_recipe`); "qwen" is organism-qwen's (`qwen_recipe`)."""
     if spec == "qwen":
         return qwen_recipe(scale)
+    if spec == "prior":
+        from .prior import prior_recipe
+
+        return prior_recipe(scale)
     if spec == "deep":
         return deep_recipe(scale)
     if spec == "twohop-guide":

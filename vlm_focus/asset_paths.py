@@ -53,6 +53,12 @@ def cooccur_model_path() -> Path:
     return ASSETS / "organism-cooccur"
 
 
+def prior_model_path() -> Path:
+    """organism-prior: organism-deep with a co-occurrence prior learned by its language model
+    from text, for measuring hallucination mitigation."""
+    return ASSETS / "organism-prior"
+
+
 def qwen_model_path() -> Path:
     """Folder of organism-qwen (a Qwen2.5-VL at dynamic resolution, images and video), HF format."""
     return ASSETS / "organism-qwen"
@@ -90,5 +96,6 @@ __all__ = [
     "guide_model_path",
     "heldout_path",
     "is_embedded",
+    "prior_model_path",
     "sample_scene_paths",
 ]
