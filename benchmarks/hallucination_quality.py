@@ -80,6 +80,7 @@ from organism.evaluate_cooccur import cooccur_eval, cooccur_scores, cooccur_set,
 from organism.scenes import COOCCUR_PAIRS, CooccurPrior
 from vlm_focus import FocusConfig
 from vlm_focus import hallucination as hal
+from vlm_focus.asset_paths import prior_model_path
 from vlm_focus.loading import load_model
 from vlm_focus.setting import RunSetting
 
@@ -97,8 +98,8 @@ VARIANTS: dict[str, list[dict]] = {
 #: first token, hence every yes/no answer, as it is.
 GRID: dict[str, list[dict]] = {
     "attention_reweight": [{"strength": 2.0}, {"strength": 4.0, "layers": [0]}],
-    "attention_reweight[pai]": [{"strength": 0.5}, {"strength": 0.2}],
-    "attention_reweight[vaf]": [{"strength": 2.0}, {"suppress": 0.5}],
+    "attention_reweight[pai]": [{"strength": 0.5}, {"strength": 0.2}, {"heads": 0.25}],
+    "attention_reweight[vaf]": [{"strength": 2.0}, {"suppress": 0.5}, {"heads": 0.25}],
     "visual_beam": [{"weight": 3.0}],
     "instruction_contrast": [{"alpha": 2.0}, {"alpha": 4.0}],
     "visual_contrast[noise]": [{"weight": 2.0}, {"beta": 0.0}, {"centre": "calibration"}],
@@ -406,12 +407,15 @@ def shift_curve(greedy: dict, points: int = 41) -> list[dict]:
     return out
 
 
-def measure(bench: Bench, focus, ms: list[Method], chosen: dict[str, dict], write) -> dict:
-    """Held-out rows of one pruning: greedy, the reference shift, each method at its defaults,
-    at its chosen setting, and the chosen setting's cutoff-only twin."""
+def measure(
+    bench: Bench, focus, ms: list[Method], chosen: dict[str, dict], part: dict, write
+) -> None:
+    """Held-out rows of one pruning into ``part``: greedy, the reference shift, each method at
+    its defaults, at its chosen setting, and the chosen setting's cutoff-only twin; ``write()``
+    after each."""
     greedy = bench.probe(focus, "none", {}, False, captions=True, margins=True)
-    rows = [greedy_row(greedy), reference_shift_row(greedy)]
-    part = {"rows": rows, "shift_curve": shift_curve(greedy)}
+    rows = part["rows"] = [greedy_row(greedy), reference_shift_row(greedy)]
+    part["shift_curve"] = shift_curve(greedy)
     write()
     for m in ms:
         pick = chosen.get(m.label, {})
@@ -429,7 +433,6 @@ def measure(bench: Bench, focus, ms: list[Method], chosen: dict[str, dict], writ
             rows.append(row)
             with_goals(rows)
             write()
-    return part
 
 
 # --- the embedded model's table -------------------------------------------------------------
@@ -447,6 +450,7 @@ def embedded_table(args, ms: list[Method], runs: Runs, bar) -> dict:
         truth_objects,
     )
     from vlm_focus.eval.generation import Generator
+    from vlm_focus.eval.metrics import pope_metrics
     from vlm_focus.eval.pope import LLAVA_SUFFIX, read_questions
     from vlm_focus.eval.pope import evaluate as evaluate_pope
     from vlm_focus.eval.scenes import generate_scene
@@ -528,8 +532,6 @@ def embedded_table(args, ms: list[Method], runs: Runs, bar) -> dict:
         done = run(m.mitigation, m.options(), False)
         preds = [r["pred"] for r in done["records"]]
         delta, shift_preds = equal_recall_shift(margins, labels, preds)
-        from vlm_focus.eval.metrics import pope_metrics
-
         shift = pope_metrics(labels, shift_preds)
         label = f"shift at {m.label}'s recall (delta = {delta:+.2f})"
         out.append({"label": label, "kind": "shift", **shift})
@@ -802,7 +804,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=None, help="default: organism-cooccur")
+    parser.add_argument(
+        "--model",
+        default="cooccur",
+        help="a model folder, or cooccur (organism-cooccur, the default) or prior (organism-prior)",
+    )
     parser.add_argument("--images", type=int, default=100, help="held-out probe scenes")
     parser.add_argument("--calibration", type=int, default=40, help="calibration probe scenes")
     parser.add_argument("--caption-tokens", type=int, default=64, help="new tokens per caption")
@@ -830,7 +836,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.embedded < 0:
         parser.error("--embedded must be >= 0")
-    args.model_path = args.model or cooccur_model_path()
+    named = {"cooccur": cooccur_model_path, "prior": prior_model_path}
+    args.model_path = named[args.model]() if args.model in named else Path(args.model)
+    if not args.model_path.is_dir():
+        parser.error(f"--model {args.model}: no model folder at {args.model_path}")
     return args
 
 
@@ -863,8 +872,8 @@ def main(argv: list[str] | None = None) -> int:
             chosen, cal = calibrate(bench, focus, ms)
             report["chosen"][name], report["calibration_rows"][name] = chosen, cal
             bar.total -= sum(not chosen[m.label] for m in ms)
-            report["prunings"][name] = {"rows": []}
-            report["prunings"][name] = measure(bench, focus, ms, chosen, write)
+            part = report["prunings"][name] = {"rows": []}
+            measure(bench, focus, ms, chosen, part, write)
         if args.embedded:
             report["embedded"] = embedded_table(args, ms, runs, bar)
     write(partial=False)
