@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import platform
 import sys
@@ -180,6 +181,7 @@ class Runs:
     def __init__(self, path: Path, fresh: bool) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
+        self.used: list[str] = []  # the keys this benchmark asked for, in order
         if path.is_file() and not fresh:
             for line in path.read_text().splitlines():
                 if line.strip():
@@ -188,10 +190,25 @@ class Runs:
         elif fresh and path.exists():
             path.unlink()
 
+    def timing(self) -> dict:
+        """Runs asked for so far and their summed wall and CPU seconds (resumed ones too)."""
+        done = [self.done[k] for k in self.used]
+        return {
+            "runs": len(done),
+            "seconds": sum(r.get("seconds", 0.0) for r in done),
+            "cpu_seconds": sum(r.get("cpu_seconds", 0.0) for r in done),
+        }
+
     def get(self, key: dict, compute) -> dict:
+        """The finished run of ``key``, or ``compute()``'s, timed (wall and process CPU s)."""
         text = json.dumps(key, sort_keys=True, default=str)
+        self.used.append(text)
         if text not in self.done:
-            self.done[text] = compute()
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = compute()
+            result["seconds"] = time.perf_counter() - wall
+            result["cpu_seconds"] = time.process_time() - cpu
+            self.done[text] = result
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
                 f.write(json.dumps({"key": text, "result": _finite(self.done[text])}) + "\n")
@@ -219,14 +236,18 @@ class Bench:
         params = hal.get_mitigation(mitigation).parameters(
             **{k: v for k, v in options.items() if k != "centre"}
         )
-        key = (params.get("branch"), params.get("noise_step"))
+        takes = inspect.signature(hal.contrast_centre).parameters
+        keys = {k: v for k, v in params.items() if k in takes and k not in ("model", "batches")}
+        key = tuple(sorted(keys.items()))
         if key not in self.centres:
-            path = self.args.out / f"hallucination_quality.centre-{key[0]}-{key[1]}.pt"
-            torch.save(self._centre(params), path)
+            words = "-".join(str(v) for _, v in key)
+            path = self.args.out / f"hallucination_quality.centre-{words}.pt"
+            torch.save(self._centre(keys), path)
             self.centres[key] = str(path)
         return {**options, "centre": self.centres[key]}
 
-    def _centre(self, params: dict) -> torch.Tensor:
+    def _centre(self, keys: dict) -> torch.Tensor:
+        """The mean contrast at the answer position over the calibration scenes' questions."""
         from organism.answering import BATCH, model_inputs
 
         scenes, rows = cooccur_set(self.args.calibration, True, self.prior)
@@ -239,7 +260,6 @@ class Bench:
             )
             for i in range(0, len(rows), BATCH)
         )
-        keys = {k: params[k] for k in ("branch", "noise_step") if k in params}
         return hal.contrast_centre(self.model, batches, **keys)
 
     def probe(
@@ -264,6 +284,8 @@ class Bench:
             "caption_tokens": self.args.caption_tokens,
             "margins": margins,
         }
+        if options.get("centre") == "calibration":  # the centre comes from these scenes
+            key["centre_scenes"] = self.args.calibration
 
         def compute() -> dict:
             resolved = self.resolve(mitigation, options)
@@ -424,7 +446,9 @@ def measure(
         if twin is not None:
             todo.append(("cutoff only", {k: v for k, v in twin.items() if k not in m.base}))
         for kind, extra in todo:
-            run = bench.probe(focus, m.mitigation, m.options(extra), False, captions=True)
+            # greedy with a cutoff alone keeps the top token: its captions are greedy's too
+            captions = kind != "cutoff only"
+            run = bench.probe(focus, m.mitigation, m.options(extra), False, captions=captions)
             label = m.label if kind == "defaults" else f"{m.label} ({kind}: {_words(extra)})"
             row = scored(kind, label, run, greedy, m.options(extra))
             # the calibrated setting is the chosen one, or the defaults when none was chosen
@@ -597,6 +621,7 @@ def _tick(check: dict | None) -> str:
 
 
 def markdown(report: dict) -> str:
+    t = report.get("run_timing", {"runs": 0, "seconds": 0.0, "cpu_seconds": 0.0})
     lines = [
         f"# Co-occurrence hallucination and its mitigations ({Path(report['model']).name})",
         "",
@@ -605,7 +630,9 @@ def markdown(report: dict) -> str:
         f"Machine: {report['machine']}; torch {report['torch']}, transformers "
         f"{report['transformers']}. Run took {report['seconds']:.0f} s"
         + (" (partial: still running or killed)" if report["partial"] else "")
-        + f". Model: `{report['model']}`.",
+        + f". Model: `{report['model']}`. {t['runs']} runs took {t['seconds']:.0f} s of wall "
+        f"time and {t['cpu_seconds']:.0f} s of process CPU time, summed per run (resumed runs "
+        "as they took).",
         "",
         f"{report['images']} held-out probe scenes (seeds from 9,700,000; questions: "
         f"{report.get('questions', {})}); settings chosen on {report['calibration']} "
@@ -864,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"prunings": {}, "chosen": {}, "calibration_rows": {}}
 
     def write(partial: bool = True) -> None:
+        report["run_timing"] = runs.timing()
         _write(args, argv, start, report, partial)
 
     with tqdm(total=total, desc="runs", dynamic_ncols=True) as bar:

@@ -25,6 +25,11 @@ GOALS = {
 }
 
 
+#: How far past the k-th margin the equal-recall shift goes (logits): far below any gap that
+#: separates two answers, and far above float noise at logits of a few units.
+SHIFT_STEP = 1e-6
+
+
 def mcnemar_p(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value from the discordant pairs: ``b`` questions only the
     first run answers right, ``c`` only the second. Under the null each discordant pair goes
@@ -59,27 +64,28 @@ def shifted(margins: Sequence[float], delta: float) -> list[str]:
 
 
 def shift_for_yes_count(margins: Sequence[float], k: int) -> float:
-    """A shift ``delta`` under which exactly ``k`` of ``margins`` say yes (``margin + delta >
-    0``): halfway between the k-th and (k+1)-th largest margin, one logit beyond the ends. With
+    """The best shift ``delta`` under which ``k`` of ``margins`` say yes (``margin + delta >
+    0``): the smallest such shift, just past the k-th largest margin, so that the fewest other
+    margins (the negatives' too, when the positives' margins are passed) cross with them. With
     tied margins at the boundary no shift gives exactly ``k``; this one gives the nearest count
-    from above or below (the caller reads the recall it reached)."""
+    above it (the caller reads the recall it reached)."""
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(margins):
         raise ValueError(f"k must be an int in [0, {len(margins)}], got {k!r}")
     if not margins:
         return 0.0
     top = sorted(margins, reverse=True)
     if k == 0:
-        return -top[0] - 1.0
-    if k == len(top):
-        return -top[-1] + 1.0
-    return -(top[k - 1] + top[k]) / 2
+        return -top[0]  # nothing above the largest margin
+    step = SHIFT_STEP if k == len(top) else min(SHIFT_STEP, (top[k - 1] - top[k]) / 2)
+    return -top[k - 1] + (step if step > 0 else SHIFT_STEP)
 
 
 def equal_recall_shift(
     margins: Sequence[float], labels: Sequence[str], preds: Sequence[str]
 ) -> tuple[float, list[str]]:
-    """The constant shift whose recall equals that of ``preds`` on the same questions, and its
-    answers: as many ``yes`` on the positive questions as ``preds`` has."""
+    """The best constant shift whose recall equals that of ``preds`` on the same questions, and
+    its answers: as many ``yes`` on the positive questions as ``preds`` has, and of the shifts
+    that give them, the one with the fewest ``yes`` on the negatives (`shift_for_yes_count`)."""
     if not len(margins) == len(labels) == len(preds):
         raise ValueError("margins, labels and preds must be paired (equal lengths)")
     positive = [m for m, y in zip(margins, labels, strict=True) if y == "yes"]

@@ -69,20 +69,24 @@ def test_shift_reaches_each_yes_count():
     for k in range(len(margins) + 1):
         delta = shift_for_yes_count(margins, k)
         assert sum(m + delta > 0 for m in margins) == k
-    assert shift_for_yes_count(margins, 2) == pytest.approx(-(2.0 + 0.5) / 2)  # 2nd, 3rd
+    # just past the 2nd largest margin: the fewest other margins cross with it
+    assert shift_for_yes_count(margins, 2) == pytest.approx(-2.0, abs=1e-5)
+    assert shift_for_yes_count(margins, 0) == -3.0
     with pytest.raises(ValueError, match="k must be"):
         shift_for_yes_count(margins, 6)
 
 
 def test_equal_recall_shift_on_a_constructed_margin_list():
     """Greedy margins of 4 present and 4 absent questions; a method that says yes to 2 of the
-    4 present ones. The shift that matches its recall keeps the 2 largest present margins (3, 1)
-    and answers every question by the same threshold, delta = -(1 + 0.2) / 2."""
+    4 present ones. The best shift that matches its recall keeps the 2 largest present margins
+    (3, 1) and answers every question by the same threshold, just below 1: delta = -1 + tiny,
+    so the absent question at 0.6 stays no (a shift of -0.6 would reach the same recall with
+    more false yes)."""
     labels = ["yes"] * 4 + ["no"] * 4
     margins = [3.0, 1.0, 0.2, -2.0, 2.5, 0.6, -0.5, -3.0]
     method = ["yes", "no", "no", "yes", "no", "no", "no", "no"]  # 2 of 4 present say yes
     delta, preds = equal_recall_shift(margins, labels, method)
-    assert delta == pytest.approx(-0.6)
+    assert delta == pytest.approx(-1.0, abs=1e-5) and delta > -1.0
     assert preds == ["yes", "yes", "no", "no", "yes", "no", "no", "no"]
     assert preds == shifted(margins, delta)
     recall = lambda p: sum(x == "yes" for x, y in zip(p, labels) if y == "yes") / 4  # noqa: E731
@@ -168,10 +172,13 @@ def test_benchmark_scores_a_run_against_greedy_and_its_shift(monkeypatch):
     row = module.scored("chosen", "m", run, greedy, {})
     assert row["precision_cooccur"] == 1.0 and row["recall_cost"] == 0.0
     assert row["closed"] == pytest.approx((1.0 - 4 / 6) / (4 / 5 - 4 / 6))
-    # equal recall (all 4 present): delta halfway below the smallest present margin, 0.5
-    assert row["shift"]["delta"] == pytest.approx(-0.5 + 1.0)
-    assert row["shift"]["precision_cooccur"] == pytest.approx(4 / 6)
-    # present + cooccur: the method is right on both cooccur questions, greedy and shift not
+    # equal recall (all 4 present): the threshold just below the smallest present margin, 0.5,
+    # so the cooccur question at 0.2 and the control at 0.1 turn no, the one at 1.5 stays yes
+    assert row["shift"]["delta"] == pytest.approx(-0.5, abs=1e-5)
+    assert row["shift"]["precision_cooccur"] == pytest.approx(4 / 5)
+    assert row["shift"]["precision_other"] == 1.0
+    # present + cooccur: the method is right on both cooccur questions, greedy on neither and
+    # the shift on one
     assert (row["mcnemar_greedy"]["a_only"], row["mcnemar_greedy"]["b_only"]) == (2, 0)
-    assert (row["mcnemar_shift"]["a_only"], row["mcnemar_shift"]["b_only"]) == (2, 0)
+    assert (row["mcnemar_shift"]["a_only"], row["mcnemar_shift"]["b_only"]) == (1, 0)
     assert row["flips"] == 3  # the two cooccur questions and one control question
