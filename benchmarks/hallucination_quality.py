@@ -88,9 +88,10 @@ from vlm_focus.setting import RunSetting
 PRUNED = FocusConfig(pruner="fastv", keep=0.25, layer=0)
 PRUNED_NAME = "fastv k0.25 l0"
 #: Methods beyond one per registered mitigation: options that make another method of it, each
-#: calibrated and reported on its own (a variant the registry does not take is skipped).
+#: calibrated and reported on its own (a variant the registry does not take is skipped; with
+#: none left, the mitigation runs as it is).
 VARIANTS: dict[str, list[dict]] = {
-    "attention_reweight": [{}, {"placement": "pai"}, {"placement": "vaf"}],
+    "attention_reweight": [{"placement": "relevant"}, {"placement": "pai"}, {"placement": "vaf"}],
     "visual_contrast": [{"branch": "noise"}, {"branch": "blank"}, {"branch": "text"}],
 }
 #: Settings tried on calibration scenes per method (its label), besides its defaults; a point
@@ -99,6 +100,7 @@ VARIANTS: dict[str, list[dict]] = {
 #: first token, hence every yes/no answer, as it is.
 GRID: dict[str, list[dict]] = {
     "attention_reweight": [{"strength": 2.0}, {"strength": 4.0, "layers": [0]}],
+    "attention_reweight[relevant]": [{"strength": 2.0}, {"strength": 4.0, "layers": [0]}],
     "attention_reweight[pai]": [{"strength": 0.5}, {"strength": 0.2}, {"heads": 0.25}],
     "attention_reweight[vaf]": [{"strength": 2.0}, {"suppress": 0.5}, {"heads": 0.25}],
     "visual_beam": [{"weight": 3.0}],
@@ -146,10 +148,8 @@ def methods() -> list[Method]:
     """Every registered mitigation, and its variants, once each (by its parameters)."""
     out, seen = [], set()
     for name in hal.mitigations():
-        variants = VARIANTS.get(name, [{}])
+        variants = [v for v in VARIANTS.get(name, []) if _takes(name, v)] or [{}]
         for base in variants:
-            if not _takes(name, base):
-                continue
             key = (name, json.dumps(hal.get_mitigation(name).parameters(**base), default=str))
             if key in seen:
                 continue
