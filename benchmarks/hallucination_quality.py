@@ -300,6 +300,7 @@ class Bench:
                 caption_tokens=self.args.caption_tokens,
                 margins=margins,
                 prior=self.prior,
+                records=True,
             )
 
         out = self.runs.get(key, compute)
@@ -451,6 +452,7 @@ def measure(
             run = bench.probe(focus, m.mitigation, m.options(extra), False, captions=captions)
             label = m.label if kind == "defaults" else f"{m.label} ({kind}: {_words(extra)})"
             row = scored(kind, label, run, greedy, m.options(extra))
+            row["changed"] = extra  # over the method's own options
             # the calibrated setting is the chosen one, or the defaults when none was chosen
             calibrated = kind == "chosen" or (kind == "defaults" and not pick)
             row["method"], row["setting"] = m.label, "chosen" if calibrated else kind
@@ -607,7 +609,7 @@ def _setting_words(row: dict) -> str:
     if row["kind"] == "shift":
         return row["label"]
     if row["kind"] in ("chosen", "cutoff only"):
-        return f"{row['kind']}: {_words(row['options'])}"
+        return f"{row['kind']}: {_words(row.get('changed', row['options']))}"
     return row["kind"]
 
 

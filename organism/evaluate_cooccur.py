@@ -139,14 +139,16 @@ def cooccur_eval(
     caption_tokens: int = CAPTION_TOKENS,
     margins: bool = False,
     prior=None,
+    records: bool = False,
 ) -> dict:
     """The co-occurrence probe under ``setting`` (default: unpruned, unmitigated): POPE scores
-    (`cooccur_scores`, no prompt suffix, greedy), each question's record (``question_id``,
-    ``split``, ``label``, ``pred``; with ``margins`` also its `yes_no_margins` ``margin``, for
-    the unmitigated run) and, with ``captions``, CHAIR of the captions (`cooccur_captions`)
-    under the same pruning and mitigation: ``caption_tokens`` new tokens at most, the last
-    unfinished sentence dropped from a caption that reached the limit (CHAIR's protocol for
-    short captions), ``tokens`` the mean new tokens generated."""
+    (`cooccur_scores`, no prompt suffix, greedy); with ``records`` or ``margins``, each
+    question's record (``question_id``, ``split``, ``label``, ``pred``, ``parseable``; with
+    ``margins`` also its `yes_no_margins` ``margin``, for the unmitigated run); with
+    ``captions``, CHAIR of the captions (`cooccur_captions`) under the same pruning and
+    mitigation: ``caption_tokens`` new tokens at most, the last unfinished sentence dropped from
+    a caption that reached the limit (CHAIR's protocol for short captions), ``tokens`` the mean
+    new tokens generated."""
     from vlm_focus.eval.chair import drop_unfinished
     from vlm_focus.eval.generation import Generator
 
@@ -167,20 +169,18 @@ def cooccur_eval(
         batch_size=BATCH,
         progress=progress,
     )
-    records = [
+    answered = [
         {"question_id": row["question_id"], "split": row["split"], "label": row["label"]}
         | {"pred": record["pred"], "parseable": record["parseable"]}
         for row, record in zip(rows, result.records, strict=True)
     ]
     if margins:
-        for record, m in zip(records, yes_no_margins(model, processor, rows, image, setting)):
+        found = yes_no_margins(model, processor, rows, image, setting)
+        for record, m in zip(answered, found, strict=True):
             record["margin"] = m
-    out = {
-        "pope": cooccur_scores(records),
-        "records": records,
-        "setting": setting.describe(),
-        "images": n,
-    }
+    out = {"pope": cooccur_scores(answered), "setting": setting.describe(), "images": n}
+    if records or margins:
+        out["records"] = answered
     if captions:
         generator = Generator(
             model, processor, dataclasses.replace(setting, max_new_tokens=caption_tokens)
