@@ -262,3 +262,26 @@ def test_cooccur_recipe_fine_tunes_the_guide_in_one_chat_stage():
     assert sum(s.minutes for s in recipe.stages) <= 20  # the fine-tune's wall-clock budget
     small = default_recipe("cooccur", scale=0.01)
     assert small.stages[0].minutes < recipe.stages[0].minutes
+
+
+def test_margins_match_a_plain_forward_and_the_greedy_answers():
+    """`yes_no_margins` reads the first answer step of greedy generate(): equal to the yes-minus-no
+    logit of a plain forward pass of one row, and positive exactly where greedy says yes."""
+    import torch
+
+    from organism import cooccur_model_path
+    from organism.answering import model_inputs
+    from organism.evaluate_cooccur import cooccur_eval, cooccur_set
+    from vlm_focus.loading import load_model
+
+    model, processor = load_model(str(cooccur_model_path()))
+    out = cooccur_eval(model, processor, 3, margins=True, caption_tokens=6)
+    records = out["records"]
+    assert all((r["margin"] > 0) == (r["pred"] == "yes") for r in records)
+    assert 0 < out["chair"]["tokens"] <= 6
+    scenes, rows = cooccur_set(3)
+    scene = next(s for s in scenes if s.seed == rows[0]["image_id"])
+    with torch.no_grad():
+        logits = model(**model_inputs(processor, [scene], [rows[0]["text"]])).logits[0, -1]
+    yes, no = (processor.tokenizer(w, add_special_tokens=False).input_ids[0] for w in ("yes", "no"))
+    assert records[0]["margin"] == pytest.approx(float(logits[yes] - logits[no]), abs=1e-3)
