@@ -791,7 +791,9 @@ def plot(report: dict, path: Path) -> bool:
     parts = report["prunings"]
     fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 5), squeeze=False)
     for ax, (pruning, part) in zip(axes[0], parts.items(), strict=True):
-        curve = part["shift_curve"]
+        shown = [100 * r["recall"] for r in part["rows"] if r["kind"] != "shift"]
+        low = max(0.0, min(shown) - 20)  # the plot shows the recall around the methods
+        curve = [c for c in part["shift_curve"] if 100 * c["recall"] >= max(low, 1e-9)]
         ax.plot(
             [100 * c["recall"] for c in curve],
             [100 * c["precision_cooccur"] for c in curve],
@@ -818,6 +820,7 @@ def plot(report: dict, path: Path) -> bool:
             ls="--",
             label="greedy's P_other (no co-occurrence)",
         )
+        ax.set_xlim(low, 101)
         ax.set_xlabel("recall (%)")
         ax.set_ylabel("P_cooc (%)")
         ax.set_title(f"{pruning}: methods against the shift's curve")
