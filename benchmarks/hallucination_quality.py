@@ -415,7 +415,7 @@ def reference_shift_row(greedy: dict) -> dict:
     }
 
 
-def shift_curve(greedy: dict, points: int = 41) -> list[dict]:
+def shift_curve(greedy: dict, points: int = 121) -> list[dict]:
     """P_cooc and recall of the shift over a range of deltas (the plot's curve)."""
     records = greedy["records"]
     margins = [r["margin"] for r in records]
@@ -624,6 +624,7 @@ def _tick(check: dict | None) -> str:
 
 def markdown(report: dict) -> str:
     t = report.get("run_timing", {"runs": 0, "seconds": 0.0, "cpu_seconds": 0.0})
+    q = report.get("questions", {})
     lines = [
         f"# Co-occurrence hallucination and its mitigations ({Path(report['model']).name})",
         "",
@@ -636,8 +637,9 @@ def markdown(report: dict) -> str:
         f"time and {t['cpu_seconds']:.0f} s of process CPU time, summed per run (resumed runs "
         "as they took).",
         "",
-        f"{report['images']} held-out probe scenes (seeds from 9,700,000; questions: "
-        f"{report.get('questions', {})}); settings chosen on {report['calibration']} "
+        f"{report['images']} held-out probe scenes (seeds from 9,700,000; {q.get('present')} "
+        f"present, {q.get('cooccur')} cooccur and {q.get('other')} control questions); settings "
+        f"chosen on {report['calibration']} "
         "calibration scenes (seeds from 8,700,000). In percent unless said. P_cooc / P_other: "
         "precision with the cooccur / the control questions (the same present questions); "
         "closed: share of greedy's gap closed by raising P_cooc; cost: recall points lost "
