@@ -182,3 +182,32 @@ def test_benchmark_scores_a_run_against_greedy_and_its_shift(monkeypatch):
     assert (row["mcnemar_greedy"]["a_only"], row["mcnemar_greedy"]["b_only"]) == (2, 0)
     assert (row["mcnemar_shift"]["a_only"], row["mcnemar_shift"]["b_only"]) == (1, 0)
     assert row["flips"] == 3  # the two cooccur questions and one control question
+
+
+def test_methods_follow_the_registry_and_skip_what_it_refuses(monkeypatch):
+    """Every registered mitigation is a method; a variant or grid point whose options the
+    registry refuses is skipped (a variant-less mitigation runs as it is), so the benchmark
+    picks up new methods and survives renamed options."""
+    import importlib.util
+
+    from vlm_focus import hallucination as hal
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hallucination_quality.py"
+    spec = importlib.util.spec_from_file_location("hallucination_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hallucination_quality", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "VARIANTS", {"visual_beam": [{"no_such_option": 1}]})
+    monkeypatch.setattr(
+        module,
+        "GRID",
+        {"visual_beam": [{"weight": 3.0}, {"no_such_option": 2}, {"weight": "high"}]},
+    )
+    methods = module.methods()
+    assert sorted({m.mitigation for m in methods}) == hal.mitigations()
+    beam = next(m for m in methods if m.mitigation == "visual_beam")
+    assert (beam.label, beam.base) == ("visual_beam", {})
+    assert module.grid(beam) == [{}, {"weight": 3.0}]  # the defaults first, the refused dropped
+    contrast = next(m for m in methods if m.mitigation == "instruction_contrast")
+    assert module.cutoff_only(contrast, {"beta": 0.2}) == {"beta": 0.2, "alpha": 0.0}
+    assert module.cutoff_only(beam, {}) is None  # no plausibility cutoff
