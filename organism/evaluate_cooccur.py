@@ -4,15 +4,19 @@ an anchor's absent companion, in POPE questions and in captions.
 
 from __future__ import annotations
 
+import dataclasses
+
 from vlm_focus.eval.pope import evaluate as evaluate_pope
 from vlm_focus.setting import RunSetting
 
-from .answering import ANSWER_TOKENS, BATCH, QUESTION_SEED, answer, picture
+from .answering import ANSWER_TOKENS, BATCH, QUESTION_SEED, picture
 from .scenes import CATEGORIES, Scene
 from .vocab import CAPTION_PROMPT
 
 #: Probe scenes per set: calibration scenes choose settings, held-out scenes are reported.
 COOCCUR_IMAGES = 200
+#: New tokens per caption at most (the last unfinished sentence of a longer one is dropped).
+CAPTION_TOKENS = 64
 
 
 def cooccur_set(n: int = COOCCUR_IMAGES, calibration: bool = False, prior=None):
@@ -81,6 +85,49 @@ def cooccur_captions(scenes: list[Scene], captions: list[str], prior=None) -> di
     return out
 
 
+def yes_no_margins(
+    model, processor, rows: list[dict], images, setting: RunSetting, suffix: str = ""
+) -> list[float]:
+    """Per POPE row, the logit of ``yes`` minus that of ``no`` at the first answer token of the
+    greedy ``generate()`` under ``setting`` (pruned as it says; read before any mitigation's
+    logits processor, so meant for the unmitigated run), batched as `evaluate_pope` batches
+    (``BATCH`` rows in question order). ``images(row)`` gives a row's image; the words ``yes``
+    and ``no`` are each one token of the organisms' vocabulary."""
+    from transformers import LogitsProcessor
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = [tokenizer(w, add_special_tokens=False).input_ids for w in ("yes", "no")]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(f"'yes' and 'no' must be one token each, got {ids}")
+    yes, no = ids[0][0], ids[1][0]
+
+    class FirstStep(LogitsProcessor):
+        """Keeps the first step's yes-minus-no logit and changes nothing."""
+
+        def __init__(self) -> None:
+            self.margin = None
+
+        def __call__(self, input_ids, scores):
+            if self.margin is None:
+                self.margin = (scores[:, yes] - scores[:, no]).float().tolist()
+            return scores
+
+    setting = dataclasses.replace(setting, max_new_tokens=1)
+    out: list[float] = []
+    for i in range(0, len(rows), BATCH):
+        chunk = rows[i : i + BATCH]
+        step = FirstStep()
+        setting.answer(
+            model,
+            processor,
+            [images(r) for r in chunk],
+            [r["text"] + suffix for r in chunk],
+            logits_processor=[step],
+        )
+        out += step.margin
+    return out
+
+
 def cooccur_eval(
     model,
     processor,
@@ -89,36 +136,64 @@ def cooccur_eval(
     calibration: bool = False,
     captions: bool = True,
     progress: bool | str = False,
+    caption_tokens: int = CAPTION_TOKENS,
+    margins: bool = False,
+    prior=None,
+    records: bool = False,
 ) -> dict:
     """The co-occurrence probe under ``setting`` (default: unpruned, unmitigated): POPE scores
-    (`cooccur_scores`, no prompt suffix, greedy) and, with ``captions``, CHAIR of the captions
-    (`cooccur_captions`, 24 new tokens) under the same pruning and mitigation."""
-    import dataclasses
+    (`cooccur_scores`, no prompt suffix, greedy); with ``records`` or ``margins``, each
+    question's record (``question_id``, ``split``, ``label``, ``pred``, ``parseable``; with
+    ``margins`` also its `yes_no_margins` ``margin``, for the unmitigated run); with
+    ``captions``, CHAIR of the captions (`cooccur_captions`) under the same pruning and
+    mitigation: ``caption_tokens`` new tokens at most, the last unfinished sentence dropped from
+    a caption that reached the limit (CHAIR's protocol for short captions), ``tokens`` the mean
+    new tokens generated."""
+    from vlm_focus.eval.chair import drop_unfinished
+    from vlm_focus.eval.generation import Generator
 
     setting = setting or RunSetting()
-    scenes, rows = cooccur_set(n, calibration)
+    scenes, rows = cooccur_set(n, calibration, prior)
     by_seed = {s.seed: s for s in scenes}
+
+    def image(row):
+        return picture(by_seed[row["image_id"]])
+
     result = evaluate_pope(
         model,
         processor,
         rows,
         dataclasses.replace(setting, max_new_tokens=ANSWER_TOKENS),
-        images=lambda row: picture(by_seed[row["image_id"]]),
+        images=image,
         suffix="",
         batch_size=BATCH,
         progress=progress,
     )
-    for row, record in zip(rows, result.records, strict=True):
-        record["split"] = row["split"]
-    out = {"pope": cooccur_scores(result.records), "setting": setting.describe(), "images": n}
+    answered = [
+        {"question_id": row["question_id"], "split": row["split"], "label": row["label"]}
+        | {"pred": record["pred"], "parseable": record["parseable"]}
+        for row, record in zip(rows, result.records, strict=True)
+    ]
+    if margins:
+        found = yes_no_margins(model, processor, rows, image, setting)
+        for record, m in zip(answered, found, strict=True):
+            record["margin"] = m
+    out = {"pope": cooccur_scores(answered), "setting": setting.describe(), "images": n}
+    if records or margins:
+        out["records"] = answered
     if captions:
-        caps = answer(
-            model,
-            processor,
-            scenes,
-            [CAPTION_PROMPT] * len(scenes),
-            setting=dataclasses.replace(setting, max_new_tokens=24),
+        generator = Generator(
+            model, processor, dataclasses.replace(setting, max_new_tokens=caption_tokens)
         )
-        out["chair"] = cooccur_captions(scenes, caps)
+        caps, tokens = [], []
+        for i in range(0, len(scenes), BATCH):
+            chunk = scenes[i : i + BATCH]
+            texts, facts = generator([picture(s) for s in chunk], [CAPTION_PROMPT] * len(chunk))
+            for text, fact in zip(texts, facts, strict=True):
+                cut = fact["new_tokens"] >= caption_tokens
+                caps.append(drop_unfinished(text) if cut else text)
+                tokens.append(fact["new_tokens"])
+        out["chair"] = cooccur_captions(scenes, caps, prior)
+        out["chair"]["tokens"] = sum(tokens) / max(len(tokens), 1)
         out["examples"] = [{"image_id": s.seed, "caption": c} for s, c in zip(scenes[:3], caps)]
     return out

@@ -291,12 +291,16 @@ def cooccur_pope_rows(
     - ``present``: ``per_image`` categories in the scene (all of them when fewer), ``yes``;
     - ``cooccur``: every absent companion of an anchor in the scene, ``no`` (the adversarial
       question by co-occurrence);
-    - ``other``: as many absent categories that are no such companion, drawn uniformly, ``no``.
+    - ``other``: as many absent categories in no pair of the prior (neither an anchor nor a
+      companion of any anchor), drawn uniformly, ``no``: the control set, which no
+      co-occurrence can bias (a companion whose anchor is absent would still carry the
+      prior's bias through its pairing, so it is no control).
 
     So the precision on ``present + cooccur`` and on ``present + other`` have the same true
     positives and the same number of negatives; they differ only in which absent objects are
     asked about. Images are named ``scene_<seed>.png`` (``image_id``: the seed)."""
     rng = np.random.default_rng(seed)
+    paired = {c for pair in prior.pairs for c in pair}
     rows: list[dict] = []
     for scene in scenes:
         present = list(dict.fromkeys(scene.categories))
@@ -304,7 +308,7 @@ def cooccur_pope_rows(
         if not unmet:
             raise ValueError(f"scene {scene.seed} holds no anchor without its companion")
         pos = [int(c) for c in rng.permutation(present)[:per_image]]
-        others = [c for c in range(len(CATEGORIES)) if c not in present and c not in unmet]
+        others = [c for c in range(len(CATEGORIES)) if c not in present and c not in paired]
         neg = [int(c) for c in rng.choice(others, len(unmet), replace=False)]
         asked = [(c, "yes", "present") for c in pos] + [(c, "no", "cooccur") for c in unmet]
         asked += [(c, "no", "other") for c in neg]

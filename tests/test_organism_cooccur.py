@@ -23,6 +23,7 @@ from organism.scenes import (
 from vlm_focus.eval.pope import question_text
 
 COMPANION = dict(COOCCUR_PAIRS)
+PAIRED = {CATEGORIES[c] for pair in COOCCUR_PAIRS for c in pair}
 
 
 def _conditional_rate(prior: CooccurPrior, n: int = 1500) -> tuple[float, int]:
@@ -128,9 +129,21 @@ def test_probe_questions_share_positives_and_balance_negatives():
         assert set(split["cooccur"]) == unmet
         assert len(split["other"]) == len(split["cooccur"])
         assert not set(split["other"]) & (present | unmet)
+        assert not set(split["other"]) & PAIRED  # the control carries no co-occurrence
         assert all(r["label"] == ("yes" if r["split"] == "present" else "no") for r in mine)
         assert all(r["text"] == question_text(r["category"]) for r in mine)
     assert rows == cooccur_pope_rows(scenes, prior, seed=3)
+
+
+def test_control_questions_name_no_paired_category():
+    """The control ("other") questions carry no co-occurrence: neither an anchor nor a
+    companion of any pair, on the held-out and the calibration scenes."""
+    prior = CooccurPrior()
+    for first in (9_700_000, 8_700_000):
+        rows = cooccur_pope_rows(cooccur_probe_scenes(first, 100, prior), prior, seed=777)
+        other = [r["category"] for r in rows if r["split"] == "other"]
+        assert other and not set(other) & PAIRED
+        assert len(other) == sum(r["split"] == "cooccur" for r in rows)
 
 
 def test_probe_questions_need_an_unmet_companion():
@@ -249,3 +262,26 @@ def test_cooccur_recipe_fine_tunes_the_guide_in_one_chat_stage():
     assert sum(s.minutes for s in recipe.stages) <= 20  # the fine-tune's wall-clock budget
     small = default_recipe("cooccur", scale=0.01)
     assert small.stages[0].minutes < recipe.stages[0].minutes
+
+
+def test_margins_match_a_plain_forward_and_the_greedy_answers():
+    """`yes_no_margins` reads the first answer step of greedy generate(): equal to the yes-minus-no
+    logit of a plain forward pass of one row, and positive exactly where greedy says yes."""
+    import torch
+
+    from organism import cooccur_model_path
+    from organism.answering import model_inputs
+    from organism.evaluate_cooccur import cooccur_eval, cooccur_set
+    from vlm_focus.loading import load_model
+
+    model, processor = load_model(str(cooccur_model_path()))
+    out = cooccur_eval(model, processor, 3, margins=True, caption_tokens=6)
+    records = out["records"]
+    assert all((r["margin"] > 0) == (r["pred"] == "yes") for r in records)
+    assert 0 < out["chair"]["tokens"] <= 6
+    scenes, rows = cooccur_set(3)
+    scene = next(s for s in scenes if s.seed == rows[0]["image_id"])
+    with torch.no_grad():
+        logits = model(**model_inputs(processor, [scene], [rows[0]["text"]])).logits[0, -1]
+    yes, no = (processor.tokenizer(w, add_special_tokens=False).input_ids[0] for w in ("yes", "no"))
+    assert records[0]["margin"] == pytest.approx(float(logits[yes] - logits[no]), abs=1e-3)
