@@ -355,3 +355,16 @@ def test_bad_options_and_inputs_raise():
         other = torch.zeros_like(inputs["input_ids"])
         with pytest.raises(ValueError, match="serves the prompt it was built for"):
             proc(other, torch.zeros(2, model.config.text_config.vocab_size))
+
+
+def test_the_content_free_question_keeps_each_prompts_answer_instruction():
+    from vlm_focus.grounding import GENERIC_PROMPT
+
+    suffix = "\nAnswer the question using a single word or phrase."
+    prompts = [question_text("dog") + suffix, question_text("cat"), "Describe the image."]
+    assert H.ContentFree.generic_prompts(prompts) == [
+        H.CONTENT_FREE_PROMPT + suffix,
+        H.CONTENT_FREE_PROMPT,
+        H.CONTENT_FREE_PROMPT,
+    ]
+    assert H.InstructionContrast.generic_prompts(prompts) == [GENERIC_PROMPT] * 3

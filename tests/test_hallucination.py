@@ -208,7 +208,7 @@ def test_instruction_contrast_generates_a_batch_and_restores(kind):
 # --- names and keywords -----------------------------------------------------------------------
 @pytest.mark.parametrize("old", ["reweight", "beam", "contrast"])
 def test_only_the_registry_names_are_mitigations(old):
-    allowed = "none, attention_reweight, instruction_contrast, visual_beam"
+    allowed = "none, attention_reweight, content_free, instruction_contrast, visual_beam"
     with pytest.raises(ValueError, match=f"unknown mitigation '{old}'; allowed: {allowed}"):
         H.mitigation_name(old)
     with pytest.raises(ValueError, match="unknown mitigation"):
@@ -274,6 +274,7 @@ def test_register_mitigation_checks_what_it_registers(monkeypatch):
         H.register_mitigation(type("Loose", (H.Mitigation,), {"name": "loose", "Options": dict}))
     assert H.mitigations() == [
         "attention_reweight",
+        "content_free",
         "instruction_contrast",
         "visual_beam",
         "visual_contrast",

@@ -324,6 +324,7 @@ def test_written_heldout_set_equals_the_organism_scenes(tmp_path):
 def test_one_registry_of_mitigations_with_one_set_of_defaults():
     assert hal.mitigations() == [
         "attention_reweight",
+        "content_free",
         "instruction_contrast",
         "visual_beam",
         "visual_contrast",

@@ -286,8 +286,9 @@ class RunSetting:
                 if self.needs_guide:
                     guide_inputs = model_inputs(guide.model, guide.processor, media, prompts)
                 if self.generic_prompt is not None:
+                    mitigation = hal.get_mitigation(self.mitigation)
                     generic = model_inputs(
-                        model, processor, media, [self.generic_prompt] * len(prompts)
+                        model, processor, media, mitigation.generic_prompts(prompts)
                     )
                 sequences = self.generate(
                     model,

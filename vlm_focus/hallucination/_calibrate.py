@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,13 @@ class ContentFree(Mitigation, LogitsProcessor):
     Options = ContentFreeOptions
     summary = "divide the first token's probabilities by the image's content-free ones"
     generic_prompt = CONTENT_FREE_PROMPT
+
+    @classmethod
+    def generic_prompts(cls, prompts: Sequence[str]) -> list[str]:
+        """The content-free question with each prompt's answer instruction: what follows the
+        prompt's first ``?`` (POPE's "Answer the question using a single word or phrase."), so
+        that the calibration sees the same answer format as the question."""
+        return [cls.generic_prompt + (p.split("?", 1)[1] if "?" in p else "") for p in prompts]
 
     def __init__(
         self,

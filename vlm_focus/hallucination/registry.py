@@ -85,6 +85,12 @@ class Mitigation:
         self.remove()
 
     @classmethod
+    def generic_prompts(cls, prompts: Sequence[str]) -> list[str]:
+        """The ``generic_prompt`` for each of ``prompts`` (the same one unless a method keeps
+        part of each prompt)."""
+        return [cls.generic_prompt] * len(prompts)
+
+    @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls.Options)]
 
