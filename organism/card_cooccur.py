@@ -93,7 +93,7 @@ def _cooccur_details(m: dict) -> list[str]:
             "",
             "Each scene holds 3-5 objects, at least one anchor and none of the present anchors' companions "
             f"(`evaluate_cooccur.cooccur_set`). Questions: {n['present']} about present objects (yes), {n['cooccur']} "
-            f"about the absent companions (no), {n['other']} about as many other absent objects (no). "
+            f"about the absent companions (no), {n['other']} about as many absent objects in no co-occurrence pair (no). "
             "`precision_cooccur = TP / (TP + FP_cooccur)`, `precision_other = TP / (TP + FP_other)`: the same "
             "present questions, as many negatives each.",
             "",
