@@ -4,10 +4,14 @@ eager, generate() and an exact restore."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from reference import masked_reference
 from tiny_models import make_inputs, make_model
 
+import vlm_focus as vf
 from vlm_focus import hallucination as H
 from vlm_focus.core.attention import instruction_relevance
 from vlm_focus.core.probe import AttentionBias, rows_from_mask
@@ -239,3 +243,137 @@ def test_the_biased_attention_equals_the_hand_computation(placement, opts, layer
         n_heads = intended.any(-1).sum(1)  # [B]
         want_heads = max(1, round(opts.get("heads", 1.0) * 4))
         assert n_heads.tolist() == [want_heads] * 2
+
+
+@pytest.mark.parametrize(
+    ("placement", "opts"),
+    [("pai", dict(strength=0.5, heads=0.5)), ("vaf", dict(strength=0.8, suppress=0.4))],
+)
+def test_decode_steps_are_biased_as_the_hand_computation(placement, opts):
+    model = make_model("llava", "eager")
+    inputs = make_inputs("llava", model, batch=2)
+    valid, visual, text, before = _layout(model, inputs)
+    seq = valid.shape[1]
+    with _Recorder() as rec, torch.no_grad():
+        with H.attention_reweight(model, placement=placement, layers=[2], **opts):
+            model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    prefill, step = rec.calls[2][0], rec.calls[2][2]  # the second decode step
+    z = _raw_logits(step)  # [B, H, 1, L]
+    width = z.shape[-1]
+    keys = torch.cat([valid, torch.ones(2, width - seq, dtype=torch.bool)], 1)
+    base = torch.zeros(2, 1, 1, width).masked_fill(~keys[:, None, None], float("-inf"))
+    image = torch.cat([visual, torch.zeros(2, width - seq, dtype=torch.bool)], 1)[:, None, None]
+    if placement == "pai":
+        bias = opts["strength"] * z.abs() * image
+    else:
+        head = torch.cat([before, torch.zeros(2, width - seq, dtype=torch.bool)], 1)[:, None, None]
+        bias = image * math.log1p(opts["strength"]) + head * math.log1p(-opts["suppress"])
+    if opts.get("heads", 1.0) < 1:  # the heads chosen at the prefill
+        probs = torch.softmax(_raw_logits(prefill) + _base_mask(valid, torch.arange(seq)), -1)
+        chosen = _head_choice(probs.nan_to_num(0.0), text, visual, opts["heads"])
+        bias = bias * chosen[:, :, None, None]
+    want = torch.softmax(z + base + bias, -1)
+    torch.testing.assert_close(step["weights"].float(), want, atol=1e-5, rtol=0)
+    assert float((want - torch.softmax(z + base, -1)).abs().max()) > 1e-3
+
+
+def _wrap(model, layer):
+    return vf.wrap(model, pruner="fastv", keep=0.5, layer=layer)
+
+
+def _alone(inputs, b):
+    """Row ``b`` of a left-padded LLaVA batch, without its padding."""
+    keep = inputs["attention_mask"][b].bool()
+    return dict(
+        input_ids=inputs["input_ids"][b : b + 1, keep],
+        attention_mask=inputs["attention_mask"][b : b + 1, keep],
+        pixel_values=inputs["pixel_values"][b : b + 1],
+    )
+
+
+PLACED = [
+    ("relevant", dict(strength=2.0, heads=0.5)),
+    ("pai", dict(strength=4.0, skip=1)),  # a tiny random model's logits are small
+    ("vaf", dict(strength=1.0, suppress=0.5, heads=0.5, layers=[1, 2])),
+]
+
+
+@pytest.mark.parametrize(("placement", "opts"), PLACED)
+def test_a_left_padded_batch_equals_its_rows_alone_and_exit_restores(placement, opts):
+    model = make_model("llava")
+    inputs = make_inputs("llava", model, batch=2)
+    base = _logits(model, inputs), _generate(model, inputs)
+    with H.attention_reweight(model, placement=placement, **opts):
+        seq, scores = _generate(model, inputs)
+        rows = [_generate(model, _alone(inputs, b)) for b in range(2)]
+    for b, (row_seq, row_scores) in enumerate(rows):
+        n = row_seq.shape[1]
+        assert torch.equal(seq[b, -n:], row_seq[0])
+        torch.testing.assert_close(scores[b], row_scores[0], atol=1e-4, rtol=0)
+    assert float((scores - base[1][1]).abs().max()) > 1e-3  # it acted
+    assert torch.equal(_logits(model, inputs), base[0])  # exit restores exactly
+    after = _generate(model, inputs)
+    assert torch.equal(after[0], base[1][0]) and torch.equal(after[1], base[1][1])
+    with H.attention_reweight(model, placement=placement, **{**opts, "strength": 0.0}):
+        if placement != "vaf":  # vaf still suppresses the text before the image
+            assert torch.equal(_logits(model, inputs), base[0])
+
+
+@pytest.mark.parametrize(("placement", "opts"), PLACED[1:])
+def test_sdpa_equals_eager_on_a_gqa_model(placement, opts):
+    out = {}
+    for attn in ("sdpa", "eager"):
+        model = make_model("qwen2_vl", attn)
+        inputs = make_inputs("qwen2_vl", model, batch=2)
+        with H.attention_reweight(model, placement=placement, **opts):
+            out[attn] = _generate(model, inputs)
+        plain = _generate(model, inputs)
+    assert torch.equal(out["sdpa"][0], out["eager"][0])
+    torch.testing.assert_close(out["sdpa"][1], out["eager"][1], atol=1e-4, rtol=0)
+    assert float((out["eager"][1] - plain[1]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize(("placement", "opts"), PLACED[1:])
+def test_on_a_pruned_model_it_equals_the_masked_reference(placement, opts):
+    model = make_model("llava")
+    inputs = make_inputs("llava", model, batch=2)
+    layers = model.model.language_model.layers
+    opts = {**opts, "heads": 0.5, "layers": [1, 2, 3]}  # before and after the stage
+    with _wrap(model, 2) as handle, H.attention_reweight(model, placement=placement, **opts):
+        seq, scores = _generate(model, inputs)
+        trace = handle.last_trace
+    with (
+        masked_reference(model, layers, trace),
+        H.attention_reweight(model, placement=placement, **opts),
+    ):
+        ref_seq, ref_scores = _generate(model, inputs)
+    with _wrap(model, 2):
+        plain = _generate(model, inputs)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=0)
+    assert float((scores - plain[1]).abs().max()) > 1e-3
+
+
+def test_the_options_are_checked_with_clear_errors():
+    model = make_model("llava")
+    with pytest.raises(ValueError, match=r"placement='fastv' is not one of \('relevant', 'pai'"):
+        H.attention_reweight(model, placement="fastv")
+    with pytest.raises(ValueError, match=r"skip must be >= 0, got -1"):
+        H.attention_reweight(model, placement="pai", skip=-1)
+    with pytest.raises(TypeError, match=r"skip must be an int, got 1.5"):
+        H.attention_reweight(model, skip=1.5)
+    with pytest.raises(ValueError, match=r"skip=4 leaves no layer of this 4-layer model"):
+        H.attention_reweight(model, placement="pai", skip=4)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"suppress must lie in \[0, 1\)"):
+            H.attention_reweight(model, placement="vaf", suppress=bad)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"heads must lie in \(0, 1\]"):
+            H.attention_reweight(model, heads=bad)
+    with pytest.raises(ValueError, match=r"strength must be > -1"):
+        H.attention_reweight(model, placement="vaf", strength=-1.0)
+    # each placement's own layers; layers overrides them
+    assert H.attention_reweight(model).layers == [0, 1, 2, 3]
+    assert H.attention_reweight(model, placement="pai").layers == [2, 3]
+    assert H.attention_reweight(model, placement="vaf").layers == [1]
+    assert H.attention_reweight(model, placement="vaf", layers=[3]).layers == [3]

@@ -106,7 +106,8 @@ def visual_heads(probs: torch.Tensor, rows: torch.Tensor, visual: torch.Tensor, 
     most attention on the visual keys (``probs [B, H, Tq, W]``, ``rows [B, Tq]`` the valid
     rows, ``visual [B, S]``, ``S <= W``; ties to the lower head)."""
     batch, n_heads = probs.shape[:2]
-    on_image = probs[..., : visual.shape[1]].mul(visual[:, None, None].float()).sum(-1)
+    image = visual.to(probs.device)[:, None, None].float()
+    on_image = probs[..., : visual.shape[1]].mul(image).sum(-1)  # [B, H, Tq]
     weights = rows.float() / rows.sum(1, keepdim=True).clamp(min=1)  # [B, Tq]
     mass = torch.einsum("bht,bt->bh", on_image, weights)
     order = torch.sort(mass, dim=1, descending=True, stable=True).indices
@@ -238,7 +239,7 @@ class AttentionReweight(Mitigation):
         first = max(seq - 1 - call.past, 0)  # this call's first generating row
         device = view.hidden.device
         positions = torch.arange(call.past + first, call.past + new, device=device)
-        logits = view.logits(self.adapter, positions.expand(batch, -1))  # [B, H, Tg, W]
+        logits = view.logits(self.adapter, positions.repeat(batch, 1))  # [B, H, Tg, W]
         image = torch.zeros(batch, view.width, device=device)
         image[:, :seq] = prefill.visual.to(device).float()
         bias = logits.new_zeros(batch, logits.shape[1], new, view.width)
