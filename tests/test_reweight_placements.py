@@ -247,7 +247,7 @@ def test_the_biased_attention_equals_the_hand_computation(placement, opts, layer
 
 @pytest.mark.parametrize(
     ("placement", "opts"),
-    [("pai", dict(strength=0.5, heads=0.5)), ("vaf", dict(strength=0.8, suppress=0.4))],
+    [("pai", dict(strength=4.0, heads=0.5)), ("vaf", dict(strength=0.8, suppress=0.4))],
 )
 def test_decode_steps_are_biased_as_the_hand_computation(placement, opts):
     model = make_model("llava", "eager")
