@@ -1,6 +1,6 @@
 """How one decoder layer sees the current call, in original positions (:class:`LayerView`),
-and the attention rows it computes (:func:`layer_attention_rows`): what the probes record and
-the biases write through.
+and the attention rows it computes (:func:`layer_attention_rows`; raw logits:
+:meth:`LayerView.logits`): what the probes record and the biases write through.
 
 In decode, keys come from the layer's own KV cache plus the new tokens' k. On a pruned model a
 layer after a pruning stage holds only the kept tokens; the call tracker knows their original
