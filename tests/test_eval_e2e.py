@@ -242,7 +242,15 @@ def test_pope_with_a_mitigation_and_its_limits(setup, tmp_path, capsys):
     folder = tmp_path / "pope" / "eval0--model" / "random"
     summary = json.loads((folder / "unpruned-attention_reweight.json").read_text())
     assert summary["mitigate"] == "attention_reweight" and summary["n"] == 2
-    assert summary["mitigation_parameters"] == {"strength": 1.0, "layers": None, "ratio": 0.25}
+    assert summary["mitigation_parameters"] == {
+        "strength": 1.0,
+        "layers": None,
+        "ratio": 0.25,
+        "placement": "relevant",
+        "skip": 2,
+        "suppress": 0.0,
+        "heads": 1.0,
+    }
     assert main([*args, "--mitigate", "reweight", "--max-new-tokens", "2"]) == 2  # gone
     # mitigations run on a pruned model too; only guided and fixation pruning refuse them
     pruned = [*args, "--mitigate", "attention_reweight", "--pruner", "fastv"]

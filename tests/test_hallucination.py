@@ -233,9 +233,10 @@ def test_mitigation_options_are_each_options_dataclass_as_pruner_options_are():
         infos = vf.mitigation_options(name)
         assert infos == options(cls.Options) and all(info.help for info in infos)
         assert cls.parameters() == {info.name: info.default for info in infos}
-    strength, layers, ratio = vf.mitigation_options("attention_reweight")
+    strength, layers, ratio, placement, *_ = vf.mitigation_options("attention_reweight")
     assert (strength.name, strength.type, strength.default) == ("strength", "float", 1.0)
     assert (layers.name, layers.type, ratio.default) == ("layers", "list[int] | None", 0.25)
+    assert (placement.name, placement.default) == ("placement", "relevant")
     assert H.get_mitigation("visual_beam").describe(weight=2.0) == {
         "mitigation": "visual_beam",
         "weight": 2.0,

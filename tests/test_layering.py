@@ -336,6 +336,10 @@ def test_one_registry_of_mitigations_with_one_set_of_defaults():
         "strength": 1.0,
         "layers": None,
         "ratio": 0.25,
+        "placement": "relevant",
+        "skip": 2,
+        "suppress": 0.0,
+        "heads": 1.0,
     }
     contrast = hal.get_mitigation("instruction_contrast")
     from transformers import LogitsProcessor

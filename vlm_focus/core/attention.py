@@ -8,8 +8,8 @@ than asking the model for ``output_attentions``. This module is the one home of 
 * :func:`layer_qk`: q for chosen rows and k for every token of one layer's input;
 * :func:`allowed_keys`: the model's mask rule (:data:`MASK_RULES`) + padding, by original
   positions;
-* :func:`attention_probs`: ``softmax(q k^T * scaling)`` over allowed keys, GQA heads grouped
-  onto their kv head instead of repeating the keys;
+* :func:`attention_logits`: ``q k^T * scaling``, GQA heads grouped onto their kv head instead
+  of repeating the keys; :func:`attention_probs`: their softmax over allowed keys;
 * :func:`text_after_image`: the instruction, i.e. the valid tokens after each row's last visual
   token;
 * :func:`instruction_relevance`: the attention the instruction rows pay each key, averaged over
@@ -92,21 +92,29 @@ def allowed_keys(
     return key_valid[:, None, :] & seen
 
 
+def attention_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``q k^T * scaling`` as ``[B, Hkv, G, Tq, S]`` float32 (``G = H / Hkv`` query heads per
+    kv head): q ``[B, H, Tq, D]``, k ``[B, Hkv, S, D]``, head ``h`` reads kv head ``h // G``;
+    GQA heads are grouped onto their kv head instead of repeating the keys."""
+    batch, n_heads, n_query, dim = q.shape
+    n_kv, seq = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv
+    grouped = q.float().reshape(batch, n_kv, groups * n_query, dim)
+    logits = torch.matmul(grouped, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*Tq, S]
+    return logits.view(batch, n_kv, groups, n_query, seq)
+
+
 def attention_probs(
     q: torch.Tensor, k: torch.Tensor, scaling: float, allowed: torch.Tensor
 ) -> torch.Tensor:
     """``softmax(q k^T * scaling)`` over allowed keys: q ``[B, H, Tq, D]``, k ``[B, Hkv, S, D]``
     (head ``h`` reads kv head ``h // (H / Hkv)``), allowed ``[B, Tq, S]`` -> ``[B, H, Tq, S]``
     float32; a row with no allowed key is 0. The largest intermediate is this slab."""
-    batch, n_heads, n_query, dim = q.shape
-    n_kv, seq = k.shape[1], k.shape[2]
-    groups = n_heads // n_kv
-    grouped = q.float().reshape(batch, n_kv, groups * n_query, dim)
-    logits = torch.matmul(grouped, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*Tq, S]
-    logits = logits.view(batch, n_kv, groups, n_query, seq)
+    batch, n_heads, n_query, _ = q.shape
+    logits = attention_logits(q, k, scaling)
     logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    return probs.view(batch, n_heads, n_query, seq)
+    return probs.view(batch, n_heads, n_query, k.shape[2])
 
 
 def text_after_image(visual: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """How one decoder layer sees the current call, in original positions (:class:`LayerView`),
-and the attention rows it computes (:func:`layer_attention_rows`): what the probes record and
-the biases write through.
+and the attention rows it computes (:func:`layer_attention_rows`; raw logits:
+:meth:`LayerView.logits`): what the probes record and the biases write through.
 
 In decode, keys come from the layer's own KV cache plus the new tokens' k. On a pruned model a
 layer after a pruning stage holds only the kept tokens; the call tracker knows their original
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..model_adapters import ModelAdapter
-from .attention import allowed_keys, attention_probs, layer_qk
+from .attention import allowed_keys, attention_logits, attention_probs, layer_qk
 from .calls import CallState, CallTracker, Prefill, cache_of
 
 
@@ -85,13 +85,26 @@ class LayerView:
         return out.scatter(-1, index, x)
 
     def to_layer(self, full: torch.Tensor) -> torch.Tensor:
-        """``[B, T, width]`` over the call's tokens and keys -> ``[B, T_l, L]`` over this
-        layer's tokens and keys."""
+        """``[B, T, width]`` (or per head ``[B, H, T, width]``) over the call's tokens and keys
+        -> ``[B, T_l, L]`` (``[B, H, T_l, L]``) over this layer's tokens and keys."""
         if self.keys is None:
             return full
-        rows = self.rows - self.call.past
-        full = full.gather(1, rows[..., None].expand(-1, -1, full.shape[-1]))
-        return full.gather(2, self.keys[:, None, :].expand(-1, full.shape[1], -1))
+        batch, ones = full.shape[0], [1] * (full.dim() - 3)  # a head dim, if any
+        rows = (self.rows - self.call.past).view(batch, *ones, -1, 1)
+        full = full.gather(-2, rows.expand(*full.shape[:-2], -1, full.shape[-1]))
+        keys = self.keys.view(batch, *ones, 1, -1)
+        return full.gather(-1, keys.expand(*full.shape[:-1], -1))
+
+    def logits(self, adapter: ModelAdapter, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, H, Tq, width]`` float32 raw attention logits ``q k^T * scaling`` (before mask
+        and softmax) of the rows at original ``positions`` (tokens of this call) over the call's
+        keys, from the layer's own q/k; 0 at keys the layer does not hold."""
+        q, k = layer_query_keys(
+            adapter, self.layer, self.hidden, self.kwargs, self.local(positions), self.past
+        )
+        scaling = getattr(self.layer, adapter.attention).scaling
+        logits = attention_logits(q, k, scaling)  # [B, Hkv, G, Tq, L]
+        return self.to_full(logits.flatten(1, 2))
 
     def attention(self, adapter: ModelAdapter, positions: torch.Tensor) -> torch.Tensor:
         """``[B, H, Tq, width]`` attention of the rows at original ``positions`` (tokens of
@@ -183,6 +196,24 @@ def layer_view(
     )
 
 
+def layer_query_keys(
+    adapter: ModelAdapter,
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    kwargs: dict,
+    local: torch.Tensor,
+    past: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[B, H, Tq, D]`` of the rows ``local [B, Tq]`` (indices into this call's ``hidden``)
+    and k ``[B, Hkv, L, D]`` of the layer's keys (``past`` cached ones, then this call's), after
+    RoPE, from the layer's own norm, projections and RoPE tables."""
+    cos, sin = kwargs["position_embeddings"]
+    q, k = layer_qk(adapter, layer, hidden, cos, sin, local)  # [B, H, Tq, D], [B, Hkv, T, D]
+    if past is not None:
+        k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]
+    return q, k
+
+
 def layer_attention_rows(
     adapter: ModelAdapter,
     layer: nn.Module,
@@ -200,10 +231,7 @@ def layer_attention_rows(
     (``past`` cached keys, then this call's), from the layer's own norm, projections and RoPE
     tables. ``valid [B, L]`` marks non-padding keys, ``key_positions [B, L]`` their original
     positions (default ``0 .. L-1``), ``allowed [B, Tq, L]`` what the layer's mask permits."""
-    cos, sin = kwargs["position_embeddings"]
-    q, k = layer_qk(adapter, layer, hidden, cos, sin, local)  # [B, H, Tq, D], [B, Hkv, T, D]
-    if past is not None:
-        k = torch.cat([past.to(k.dtype), k], dim=2)  # [B, Hkv, L, D]
+    q, k = layer_query_keys(adapter, layer, hidden, kwargs, local, past)
     total = k.shape[2]
     if valid.shape[1] != total:
         raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")

@@ -264,10 +264,12 @@ class AttentionBias(_LayerHooks):
 
     ``bias_fn(view) -> [B, T, W] float or None`` gives the additive bias of one decoder layer
     (:class:`LayerView`: its index, module, inputs and positions) for the call's ``T`` tokens
-    over its ``W`` keys, in original positions (``-inf`` blocks a key); it may read the layer's
-    own attention (:meth:`LayerView.attention`). The bias is mapped onto the tokens and keys the
-    layer holds (a pruned layer holds fewer), the layer's own mask (causal + padding) is rebuilt
-    as an additive float mask and the bias added, so the attention becomes
+    over its ``W`` keys, in original positions (``-inf`` blocks a key); ``[B, H, T, W]`` gives
+    one per query head (``H`` heads of q, not of the kv cache: GQA heads sharing a kv head may
+    differ). It may read the layer's own attention and raw logits (:meth:`LayerView.attention`,
+    :meth:`LayerView.logits`). The bias is mapped onto the tokens and keys the layer holds (a
+    pruned layer holds fewer), the layer's own mask (causal + padding) is rebuilt as an additive
+    float mask and the bias added, so the attention becomes
     ``softmax(q k^T * scaling + mask + bias)``.
     """
 
@@ -297,20 +299,24 @@ class AttentionBias(_LayerHooks):
                 bias = self.bias_fn(view)
             if bias is None:
                 return None
-            return args, self._biased(view, bias, self.adapter.mask_rule)
+            heads = None  # a per-head bias: the heads of q
+            if bias.dim() == 4:
+                heads = getattr(module, self.adapter.attention).config.num_attention_heads
+            return args, self._biased(view, bias, self.adapter.mask_rule, heads)
 
         return hook
 
     @staticmethod
-    def _biased(view: LayerView, bias: torch.Tensor, mask_rule: str) -> dict:
+    def _biased(view: LayerView, bias: torch.Tensor, mask_rule: str, n_heads: int | None) -> dict:
         kwargs, hidden = view.kwargs, view.hidden
         batch = hidden.shape[0]
         n_call = view.call.input_ids.shape[1]
-        if tuple(bias.shape) != (batch, n_call, view.width):
+        shapes = ([batch, n_call, view.width], [batch, n_heads, n_call, view.width])
+        if list(bias.shape) not in shapes:
             raise RuntimeError(
-                f"bias has shape {list(bias.shape)}, expected {[batch, n_call, view.width]}"
+                f"bias has shape {list(bias.shape)}, expected {shapes[0]} or per head {shapes[1]}"
             )
-        bias = view.to_layer(bias.to(hidden.device))  # [B, T_l, L]
+        bias = view.to_layer(bias.to(hidden.device))  # [B, T_l, L] or [B, H, T_l, L]
         dtype = hidden.dtype if hidden.is_floating_point() else torch.float32
         low = torch.finfo(dtype).min
         mask = kwargs.get("attention_mask")
@@ -326,7 +332,9 @@ class AttentionBias(_LayerHooks):
             base = base.masked_fill(~allowed[:, None], low)
         if tuple(base.shape[-2:]) != tuple(bias.shape[-2:]):
             raise RuntimeError(f"layer mask {list(base.shape)} does not match the call")
-        bias = bias.to(dtype)[:, None]  # [B, 1, T, L]
+        bias = bias.to(dtype)
+        if bias.dim() == 3:
+            bias = bias[:, None]  # [B, 1, T, L]: every head alike
         blocked = torch.isneginf(bias)
         out = (base + bias.masked_fill(blocked, 0.0)).clamp(min=low).masked_fill(blocked, low)
         kwargs = dict(kwargs)

@@ -13,8 +13,8 @@
 
     with hal.mitigate(model, "visual_beam", inputs) as active:   # by name, with the defaults
         model.generate(**inputs, **active.generate_kwargs())   # that every entry point uses
-    hal.mitigations()   # ['attention_reweight', 'instruction_contrast', 'visual_beam', ...]
-    hal.mitigation_options("attention_reweight")   # strength, layers, ratio: type, default, help
+    hal.mitigations()   # ['attention_reweight', 'content_free', 'instruction_contrast', ...]
+    hal.mitigation_options("attention_reweight")   # each option: name, type, default, help
 
 Each method installs instance hooks only while active and removes them on exit, under SDPA or
 eager attention. A method registers like a pruner: a :class:`Mitigation` subclass with an
