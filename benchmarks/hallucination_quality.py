@@ -66,6 +66,8 @@ import time
 from pathlib import Path
 
 import torch
+from hallucination_embedded import embedded_table
+from hallucination_report import finite, markdown, plot, words
 from paired_stats import (
     GOALS,
     caption_goal,
@@ -76,8 +78,8 @@ from paired_stats import (
 )
 from tqdm.auto import tqdm
 
-from organism import cooccur_model_path, default_model_path
-from organism.evaluate_cooccur import cooccur_eval, cooccur_scores, cooccur_set, yes_no_margins
+from organism import cooccur_model_path
+from organism.evaluate_cooccur import cooccur_eval, cooccur_scores, cooccur_set
 from organism.scenes import COOCCUR_PAIRS, CooccurPrior
 from vlm_focus import FocusConfig
 from vlm_focus import hallucination as hal
@@ -112,22 +114,17 @@ GRID: dict[str, list[dict]] = {
 }
 #: Settings tried on calibration captions per method (its label), besides its defaults: the
 #: caption goal's setting is chosen here (`calibrate_captions`), apart from the yes/no one.
-#: Methods that change only the first answer token (content_free) have none.
+#: The contrast's caption settings need a lower cutoff than VCD's 0.1 (which keeps the
+#: companion, the one plausible next object after its anchor) and a weight that beats the
+#: prior; a method without an entry is judged on captions at its yes/no setting.
 CAPTION_GRID: dict[str, list[dict]] = {
-    "attention_reweight[relevant]": [{"strength": 2.0}],
-    "attention_reweight[pai]": [{"strength": 0.5}],
-    "attention_reweight[vaf]": [{"strength": 2.0}],
-    "visual_beam": [{"weight": 3.0}],
-    "instruction_contrast": [{"alpha": 2.0}],
-    **{
-        f"visual_contrast[{branch}]": [
-            {"weight": 2.0, "beta": 0.01},
-            {"weight": 2.0, "beta": 0.03},
-            {"weight": 4.0, "beta": 0.03},
-            {"weight": 1.0, "beta": 0.01, "growth": 0.1},
-        ]
-        for branch in ("noise", "blank", "text")
-    },
+    "visual_contrast[noise]": [{"weight": 2.0, "beta": 0.01}],
+    "visual_contrast[blank]": [{"weight": 2.0, "beta": 0.01}, {"weight": 4.0, "beta": 0.03}],
+    "visual_contrast[text]": [
+        {"weight": 2.0, "beta": 0.01},
+        {"weight": 4.0, "beta": 0.03},
+        {"weight": 1.0, "beta": 0.01, "growth": 0.1},
+    ],
 }
 CALIBRATION_CAPTION_RECALL = 0.02  # a caption setting loses at most 2 points of object recall
 #: A plausibility cutoff's contrast weight, per mitigation: zero it for the cutoff-only row.
@@ -231,7 +228,7 @@ class Runs:
             self.done[text] = result
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
-                f.write(json.dumps({"key": text, "result": _finite(self.done[text])}) + "\n")
+                f.write(json.dumps({"key": text, "result": finite(self.done[text])}) + "\n")
         return self.done[text]
 
 
@@ -509,7 +506,7 @@ def measure(
             # greedy with a cutoff alone keeps the top token: its captions are greedy's too
             captions = kind != "cutoff only"
             run = bench.probe(focus, m.mitigation, m.options(extra), False, captions=captions)
-            label = m.label if kind == "defaults" else f"{m.label} ({kind}: {_words(extra)})"
+            label = m.label if kind == "defaults" else f"{m.label} ({kind}: {words(extra)})"
             row = scored(kind, label, run, greedy, m.options(extra))
             row["changed"] = extra  # over the method's own options
             # the calibrated setting is the chosen one, or the defaults when none was chosen
@@ -522,386 +519,6 @@ def measure(
             rows.append(row)
             with_goals(rows)
             write()
-
-
-# --- the embedded model's table -------------------------------------------------------------
-def embedded_table(args, ms: list[Method], runs: Runs, bar) -> dict:
-    """POPE adversarial and CHAIR on organism-default: greedy, the shift at each method's
-    recall, and every method at its defaults (first ``args.embedded`` held-out images)."""
-    from PIL import Image
-
-    from vlm_focus.asset_paths import CAPTION_PROMPT, heldout_path
-    from vlm_focus.eval.chair import (
-        EMBEDDED_MAX_NEW_TOKENS,
-        ObjectWords,
-        chair_metrics,
-        drop_unfinished,
-        truth_objects,
-    )
-    from vlm_focus.eval.generation import Generator
-    from vlm_focus.eval.metrics import pope_metrics
-    from vlm_focus.eval.pope import LLAVA_SUFFIX, read_questions
-    from vlm_focus.eval.pope import evaluate as evaluate_pope
-    from vlm_focus.eval.scenes import generate_scene
-
-    path = default_model_path()
-    model, processor = load_model(str(path))
-    rows = read_questions(heldout_path("pope_adversarial.jsonl"))
-    ids = list(dict.fromkeys(r["image_id"] for r in rows))[: args.embedded]
-    rows = [r for r in rows if r["image_id"] in set(ids)]
-    instances = json.loads(heldout_path("instances.json").read_text())
-    names = {c["id"]: c["name"] for c in instances["categories"]}
-    table = ObjectWords.for_categories(names.values())
-    refs: dict[int, list[str]] = {}
-    for c in json.loads(heldout_path("captions.json").read_text()):
-        refs.setdefault(c["image_id"], []).append(c["caption"])
-    objs: dict[int, set[str]] = {i: set() for i in ids}
-    for a in instances["annotations"]:
-        if a["image_id"] in objs:
-            objs[a["image_id"]].add(names[a["category_id"]])
-    truth = {i: truth_objects(objs[i], refs.get(i, []), table) for i in ids}
-
-    def image(row):
-        return Image.fromarray(generate_scene(int(row["image_id"])).image())
-
-    def run(mitigation: str, options: dict, margins: bool) -> dict:
-        key = {
-            "embedded": str(path),
-            "n": len(ids),
-            "mitigation": mitigation,
-            "options": options,
-            "margins": margins,
-        }
-
-        def compute() -> dict:
-            setting = RunSetting(mitigation=mitigation, mitigation_options=options)
-            pope = evaluate_pope(
-                model,
-                processor,
-                rows,
-                dataclasses.replace(setting, max_new_tokens=2),
-                images=image,
-                suffix=LLAVA_SUFFIX,
-                batch_size=32,
-            )
-            records = [
-                {"label": r["label"], "pred": r["pred"], "split": "all"} for r in pope.records
-            ]
-            if margins:
-                found = yes_no_margins(model, processor, rows, image, setting, LLAVA_SUFFIX)
-                for r, m in zip(records, found, strict=True):
-                    r["margin"] = m
-            tokens_max = EMBEDDED_MAX_NEW_TOKENS
-            gen = Generator(
-                model, processor, dataclasses.replace(setting, max_new_tokens=tokens_max)
-            )
-            caps, tokens = {}, []
-            for i in range(0, len(ids), 32):
-                chunk = ids[i : i + 32]
-                pictures = [image({"image_id": j}) for j in chunk]
-                texts, facts = gen(pictures, [CAPTION_PROMPT] * len(chunk))
-                for j, text, fact in zip(chunk, texts, facts, strict=True):
-                    cut = fact["new_tokens"] >= tokens_max
-                    caps[j] = drop_unfinished(text) if cut else text
-                    tokens.append(fact["new_tokens"])
-            chair = chair_metrics(caps, truth, table)
-            chair["tokens"] = sum(tokens) / max(len(tokens), 1)
-            return {"pope": pope.scores(), "records": records, "chair": chair}
-
-        out = runs.get(key, compute)
-        bar.update()
-        return out
-
-    greedy = run("none", {}, True)
-    labels = [r["label"] for r in greedy["records"]]
-    margins = [r["margin"] for r in greedy["records"]]
-    greedy_preds = [r["pred"] for r in greedy["records"]]
-    out = [{"label": "greedy", **greedy["pope"], **_caption(greedy)}]
-    for m in ms:
-        done = run(m.mitigation, m.options(), False)
-        preds = [r["pred"] for r in done["records"]]
-        delta, shift_preds = equal_recall_shift(margins, labels, preds)
-        shift = pope_metrics(labels, shift_preds)
-        label = f"shift at {m.label}'s recall (delta = {delta:+.2f})"
-        out.append({"label": label, "kind": "shift", **shift})
-        out.append(
-            {
-                "label": m.label,
-                **done["pope"],
-                **_caption(done),
-                "mcnemar_greedy": mcnemar(preds, greedy_preds, labels),
-                "mcnemar_shift": mcnemar(preds, shift_preds, labels),
-            }
-        )
-    return {"model": str(path), "images": len(ids), "questions": len(rows), "rows": out}
-
-
-def _caption(run: dict) -> dict:
-    return {f"caption_{k}": v for k, v in run["chair"].items()}
-
-
-# --- report ---------------------------------------------------------------------------------
-def _finite(value):
-    """``value`` with NaN floats written as None, for strict JSON."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _pct(x) -> str:
-    return "n/a" if x is None or x != x else f"{100 * x:.1f}"
-
-
-def _p(test: dict | None) -> str:
-    if not test:
-        return "-"
-    return f"{test['p']:.3g} ({test['a_only']}/{test['b_only']})"
-
-
-def _words(options: dict) -> str:
-    if not options:
-        return "defaults"
-    return ", ".join(f"{k}={Path(v).stem if k == 'centre' else v}" for k, v in options.items())
-
-
-def _setting_words(row: dict) -> str:
-    if row["kind"] == "shift":
-        return row["label"]
-    if row["kind"] in ("chosen", "cutoff only"):
-        return f"{row['kind']}: {_words(row.get('changed', row['options']))}"
-    return row["kind"]
-
-
-def _tick(check: dict | None) -> str:
-    """``met``, or ``no`` with the conditions that failed."""
-    if not check:
-        return "-"
-    if check["met"]:
-        return "**met**"
-    return "no (" + ", ".join(k for k, v in check.items() if v is False and k != "met") + ")"
-
-
-def markdown(report: dict) -> str:
-    t = report.get("run_timing", {"runs": 0, "seconds": 0.0, "cpu_seconds": 0.0})
-    q = report.get("questions", {})
-    lines = [
-        f"# Co-occurrence hallucination and its mitigations ({Path(report['model']).name})",
-        "",
-        f"`{report['command']}`",
-        "",
-        f"Machine: {report['machine']}; torch {report['torch']}, transformers "
-        f"{report['transformers']}. Run took {report['seconds']:.0f} s"
-        + (" (partial: still running or killed)" if report["partial"] else "")
-        + f". Model: `{report['model']}`. {t['runs']} runs took {t['seconds']:.0f} s of wall "
-        f"time and {t['cpu_seconds']:.0f} s of process CPU time, summed per run (resumed runs "
-        "as they took).",
-        "",
-        f"{report['images']} held-out probe scenes (seeds from 9,700,000; {q.get('present')} "
-        f"present, {q.get('cooccur')} cooccur and {q.get('other')} control questions); settings "
-        f"chosen on {report['calibration']} "
-        "calibration scenes (seeds from 8,700,000). In percent unless said. P_cooc / P_other: "
-        "precision with the cooccur / the control questions (the same present questions); "
-        "closed: share of greedy's gap closed by raising P_cooc; cost: recall points lost "
-        "against greedy; flips: answers that differ from greedy's. shift: greedy's answers "
-        "with the yes-minus-no logit moved by delta so that its recall equals the row's. "
-        "McNemar: two-sided exact p on the present + cooccur questions (row right only / "
-        "other right only). Captions: at most "
-        f"{report['caption_tokens']} new tokens, the last unfinished sentence dropped; "
-        "companion: captions naming an absent companion; obj recall: share of the scene's "
-        "objects named; tokens: mean new tokens.",
-    ]
-    for pruning, part in report["prunings"].items():
-        rows = part["rows"]
-        lines += [
-            "",
-            f"## {pruning}: yes/no",
-            "",
-            "| method | setting | P_cooc | P_other | gap | closed | recall | cost | yes-ratio | "
-            "flips | shift delta | shift P_cooc | shift closed | shift yes-ratio | "
-            "McNemar vs greedy | McNemar vs shift | goal |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
-        ]
-        for r in rows:
-            s = r.get("shift", {})
-            delta = f"{s['delta']:+.2f}" if s else "-"
-            lines.append(
-                f"| {r.get('method', r['label'])} | {_setting_words(r)} | "
-                f"{_pct(r['precision_cooccur'])} | {_pct(r['precision_other'])} | "
-                f"{_pct(r['gap'])} | {_pct(r['closed'])} | {_pct(r['recall'])} | "
-                f"{_pct(r['recall_cost'])} | {_pct(r['yes_ratio'])} | {r.get('flips', '-')} | "
-                f"{delta} | {_pct(s.get('precision_cooccur'))} | {_pct(s.get('closed'))} | "
-                f"{_pct(s.get('yes_ratio'))} | {_p(r.get('mcnemar_greedy'))} | "
-                f"{_p(r.get('mcnemar_shift'))} | {_tick(r.get('goal_yes_no'))} |"
-            )
-        lines += [
-            "",
-            f"## {pruning}: captions",
-            "",
-            "| method | setting | CHAIR_i | CHAIR_s | companion | obj recall | tokens | words | "
-            "goal |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for r in rows:
-            if "caption_CHAIR_i" not in r:
-                continue
-            lines.append(
-                f"| {r.get('method', r['label'])} | {_setting_words(r)} | "
-                f"{_pct(r['caption_CHAIR_i'])} | {_pct(r['caption_CHAIR_s'])} | "
-                f"{_pct(r['caption_companion_rate'])} | {_pct(r['caption_recall'])} | "
-                f"{r['caption_tokens']:.1f} | {r['caption_length']:.1f} | "
-                f"{_tick(r.get('goal_captions'))} |"
-            )
-        lines += ["", *goal_lines(rows, pruning)]
-    if report.get("embedded"):
-        e = report["embedded"]
-        lines += [
-            "",
-            f"## Embedded model ({Path(e['model']).name}): POPE adversarial and CHAIR",
-            "",
-            f"The shipped adversarial questions of the first {e['images']} held-out images "
-            f"({e['questions']} questions, LLaVA suffix), greedy; every method at its defaults; "
-            "the shift at each method's recall. McNemar on every question. Captions: "
-            "organism prompt, 64 new tokens at most, unfinished sentence dropped.",
-            "",
-            "| row | accuracy | precision | recall | F1 | yes-ratio | McNemar vs greedy | "
-            "McNemar vs shift | CHAIR_i | CHAIR_s | obj recall | tokens |",
-            "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
-        ]
-        for r in e["rows"]:
-            cap = "caption_CHAIR_i" in r
-            lines.append(
-                f"| {r['label']} | {_pct(r['accuracy'])} | {_pct(r['precision'])} | "
-                f"{_pct(r['recall'])} | {_pct(r['f1'])} | {_pct(r['yes_ratio'])} | "
-                f"{_p(r.get('mcnemar_greedy'))} | {_p(r.get('mcnemar_shift'))} | "
-                + (
-                    f"{_pct(r['caption_CHAIR_i'])} | {_pct(r['caption_CHAIR_s'])} | "
-                    f"{_pct(r['caption_recall'])} | {r['caption_tokens']:.1f} |"
-                    if cap
-                    else "- | - | - | - |"
-                )
-            )
-    lines += [
-        "",
-        "Calibration choices (largest calibration gain in P_cooc at a calibration recall cost "
-        "<= 1 point; defaults when none qualifies): "
-        + "; ".join(
-            f"{p}: " + ", ".join(f"{m} {_words(o)}" for m, o in ch.items())
-            for p, ch in report["chosen"].items()
-        )
-        + ". Caption choices (largest drop in captions naming an absent companion at a "
-        "calibration cost <= 2 points of object recall; defaults when none qualifies): "
-        + "; ".join(
-            f"{p}: " + ", ".join(f"{m} {_words(o)}" for m, o in ch.items())
-            for p, ch in report.get("caption_chosen", {}).items()
-        )
-        + ". Every calibration row is in the JSON file.",
-        "",
-        "![P_cooc against recall: the shift's curve and the methods](hallucination_quality.png)",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def goal_lines(rows: list[dict], pruning: str) -> list[str]:
-    """The goal lines and a plain reading of one pruning's rows."""
-    ranked = [r for r in rows if r.get("setting") == "chosen"]
-    yes_no = [r for r in ranked if r.get("goal_yes_no", {}).get("met")]
-    for_captions = [r for r in rows if r.get("caption_setting")]
-    caps = [r for r in for_captions if r.get("goal_captions", {}).get("met")]
-    g = GOALS
-    out = [
-        f"**Yes/no goal** ({pruning}; calibrated settings: closes >= {100 * g['closed']:.0f}% of "
-        f"the gap at <= {100 * g['recall_cost']:.0f} recall point, P_cooc above the shift at "
-        f"equal recall, McNemar p < {g['p']} against greedy and against that shift): "
-        + ("met by " + ", ".join(r["label"] for r in yes_no) if yes_no else "**not met**")
-        + ".",
-        "",
-        f"**Caption goal** ({pruning}; settings chosen on calibration captions: >= "
-        f"{100 * g['companion_drop']:.0f}% fewer captions "
-        f"naming an absent companion, CHAIR_i down >= {100 * g['chair_drop']:.0f}% relative, "
-        f"<= {100 * g['caption_recall_cost']:.0f} points of object recall lost): "
-        + ("met by " + ", ".join(r["label"] for r in caps) if caps else "**not met**")
-        + ".",
-    ]
-    best = max(
-        (r for r in ranked if r["recall_cost"] <= g["recall_cost"] + 1e-12),
-        key=lambda r: r["precision_cooccur"],
-        default=None,
-    )
-    if best is not None:
-        s = best["shift"]
-        out += [
-            "",
-            f"Reading: among calibrated settings within {100 * g['recall_cost']:.0f} recall point, "
-            f"{best['label']} has the highest P_cooc ({_pct(best['precision_cooccur'])}%, "
-            f"closing {_pct(best['closed'])}% of the gap); the constant shift at its recall "
-            f"reaches {_pct(s['precision_cooccur'])}% (closing {_pct(s['closed'])}%), "
-            f"McNemar p = {best['mcnemar_shift']['p']:.3g} against it.",
-        ]
-    cut = [r for r in rows if r["kind"] == "cutoff only"]
-    if cut:
-        out += [
-            "",
-            "Cutoff only (the chosen cutoff, zero contrast weight): "
-            + "; ".join(f"{r['method']}: {r['flips']} answers differ from greedy" for r in cut)
-            + ".",
-        ]
-    return out
-
-
-def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipped the plot", file=sys.stderr)
-        return False
-    parts = report["prunings"]
-    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 5), squeeze=False)
-    for ax, (pruning, part) in zip(axes[0], parts.items(), strict=True):
-        shown = [100 * r["recall"] for r in part["rows"] if r["kind"] != "shift"]
-        low = max(0.0, min(shown) - 20)  # the plot shows the recall around the methods
-        curve = [c for c in part["shift_curve"] if 100 * c["recall"] >= max(low, 1e-9)]
-        ax.plot(
-            [100 * c["recall"] for c in curve],
-            [100 * c["precision_cooccur"] for c in curve],
-            color="grey",
-            lw=1,
-            label="constant shift of greedy's yes-no logit",
-        )
-        for r in part["rows"]:
-            if r["kind"] == "shift":
-                continue
-            marker = {"greedy": "*", "defaults": "o", "chosen": "s", "cutoff only": "x"}[r["kind"]]
-            ax.scatter(
-                100 * r["recall"],
-                100 * r["precision_cooccur"],
-                marker=marker,
-                label=r["label"],
-                s=60 if r["kind"] == "greedy" else 30,
-            )
-        base = part["rows"][0]
-        ax.axhline(
-            100 * base["precision_other"],
-            color="tab:green",
-            lw=0.8,
-            ls="--",
-            label="greedy's P_other (no co-occurrence)",
-        )
-        ax.set_xlim(low, 101)
-        ax.set_xlabel("recall (%)")
-        ax.set_ylabel("P_cooc (%)")
-        ax.set_title(f"{pruning}: methods against the shift's curve")
-        ax.legend(fontsize=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -1020,7 +637,7 @@ def _write(args, argv, start, report: dict, partial: bool) -> None:
         **report,
         "prunings": parts,
     }
-    (args.out / "hallucination_quality.json").write_text(json.dumps(_finite(full), indent=1))
+    (args.out / "hallucination_quality.json").write_text(json.dumps(finite(full), indent=1))
     (args.out / "hallucination_quality.md").write_text(markdown(full))
     plot(full, args.out / "hallucination_quality.png")
 
