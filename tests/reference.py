@@ -124,6 +124,30 @@ def greedy_generate(model, inputs, steps, **kwargs):
     return out.sequences, torch.stack(out.logits, 1)
 
 
+def greedy_out(model, inputs, steps, min_new_tokens=None, **kwargs):
+    """Greedy ``generate()`` of ``steps`` tokens (at least ``min_new_tokens``, default all of
+    them), its output with every step's scores (after the logits processors) and logits."""
+    with torch.no_grad():
+        return model.generate(
+            **inputs,
+            max_new_tokens=steps,
+            min_new_tokens=steps if min_new_tokens is None else min_new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            output_logits=True,
+            **kwargs,
+        )
+
+
+def greedy_scores(model, inputs, steps, **kwargs):
+    """The sequences and the scores ``[B, steps, V]`` of :func:`greedy_out` (the ``-inf`` of
+    ``min_new_tokens`` set to 0)."""
+    out = greedy_out(model, inputs, steps, **kwargs)
+    scores = torch.stack(out.scores, 1)
+    return out.sequences, scores.masked_fill(torch.isinf(scores), 0.0)
+
+
 def manual_decode(model, inputs, steps, cache=None):
     """Greedy decoding without ``generate()``: one prefill forward, then ``steps - 1`` forwards
     of one token each with the 2-D mask and positions built by hand, on ``cache`` (default: the

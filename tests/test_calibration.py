@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from reference import greedy_out
 from tiny_models import make_case, make_inputs, make_model
 
 import vlm_focus as vf
@@ -51,16 +52,7 @@ def _formula(full, content_free, strength, beta):
 
 
 def _generate(model, inputs, steps=3, **kwargs):
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=steps,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_scores=True,
-            output_logits=True,
-            **kwargs,
-        )
+    out = greedy_out(model, inputs, steps, min_new_tokens=0, **kwargs)
     return out.sequences, torch.stack(out.scores, 1), torch.stack(out.logits, 1)
 
 

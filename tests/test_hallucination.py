@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from reference import greedy_scores
 from tiny_models import KINDS, make_inputs, make_model
 
 import vlm_focus as vf
@@ -22,18 +23,7 @@ def _logits(model, inputs):
 
 
 def _generate(model, inputs, steps=4, **kwargs):
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_scores=True,
-            **kwargs,
-        )
-    scores = torch.stack(out.scores, 1)
-    return out.sequences, scores.masked_fill(torch.isinf(scores), 0.0)  # min_new_tokens: -inf
+    return greedy_scores(model, inputs, steps, **kwargs)
 
 
 def _last_visual(model, inputs):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from reference import masked_reference
+from reference import greedy_scores, masked_reference
 from tiny_models import make_inputs, make_model
 
 import vlm_focus as vf
@@ -24,18 +24,8 @@ def _logits(model, inputs):
         return model(**inputs).logits
 
 
-def _generate(model, inputs, steps=3):
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_scores=True,
-        )
-    scores = torch.stack(out.scores, 1)
-    return out.sequences, scores.masked_fill(torch.isinf(scores), 0.0)
+def _generate(model, inputs, steps=3, **kwargs):
+    return greedy_scores(model, inputs, steps, **kwargs)
 
 
 # --- relevant: the method as it was before placements, copied here as the reference ----------

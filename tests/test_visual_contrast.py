@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from reference import greedy_out, masked_reference
 from tiny_models import make_inputs, make_model
 from tiny_processors import PLACEHOLDERS, noise_image, ramp_image, tiny_processor
 
@@ -28,16 +29,7 @@ def _logits(model, inputs):
 
 
 def _generate(model, inputs, steps=4, **kwargs):
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_scores=True,
-            **kwargs,
-        )
+    out = greedy_out(model, inputs, steps, **kwargs)
     return out.sequences, torch.stack(out.scores, 1)
 
 
@@ -250,7 +242,6 @@ def test_sdpa_and_eager_agree_and_exit_restores_the_model():
     ("kind", "branch"), [("llava", "blank"), ("llava", "text"), ("qwen2_vl", "noise")]
 )
 def test_on_a_pruned_model_the_branch_equals_the_masked_reference(kind, branch):
-    from reference import masked_reference
 
     model = make_model(kind)
     inputs = make_inputs(kind, model, batch=2)
