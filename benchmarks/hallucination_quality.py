@@ -118,6 +118,9 @@ GRID: dict[str, list[dict]] = {
 #: companion, the one plausible next object after its anchor) and a weight that beats the
 #: prior; a method without an entry is judged on captions at its yes/no setting.
 CAPTION_GRID: dict[str, list[dict]] = {
+    "attention_reweight[relevant]": [{"strength": 2.0}],
+    "attention_reweight[pai]": [{"strength": 0.5}],
+    "attention_reweight[vaf]": [{"strength": 2.0}],
     "visual_contrast[noise]": [{"weight": 2.0, "beta": 0.01}],
     "visual_contrast[blank]": [{"weight": 2.0, "beta": 0.01}, {"weight": 4.0, "beta": 0.03}],
     "visual_contrast[text]": [
@@ -512,10 +515,10 @@ def measure(
             # the calibrated setting is the chosen one, or the defaults when none was chosen
             calibrated = kind == "chosen" or (kind == "defaults" and not pick)
             row["method"], row["setting"] = m.label, "chosen" if calibrated else kind
-            # the caption goal counts the setting chosen on calibration captions
-            row["caption_setting"] = kind == "captions" or (
-                calibrated and caption_chosen.get(m.label, {}) in ({}, pick)
-            )
+            # the caption goal counts the setting chosen on calibration captions (the yes/no
+            # one for a method without a caption grid)
+            target = caption_chosen.get(m.label, pick)
+            row["caption_setting"] = kind != "cutoff only" and extra == target
             rows.append(row)
             with_goals(rows)
             write()

@@ -245,7 +245,13 @@ def plot(report: dict, path: Path) -> bool:
         for r in part["rows"]:
             if r["kind"] == "shift":
                 continue
-            marker = {"greedy": "*", "defaults": "o", "chosen": "s", "cutoff only": "x"}[r["kind"]]
+            marker = {
+                "greedy": "*",
+                "defaults": "o",
+                "chosen": "s",
+                "cutoff only": "x",
+                "captions": "^",
+            }[r["kind"]]
             ax.scatter(
                 100 * r["recall"],
                 100 * r["precision_cooccur"],
