@@ -62,11 +62,12 @@ def markdown(report: dict) -> str:
         f"`{report['command']}`",
         "",
         f"Machine: {report['machine']}; torch {report['torch']}, transformers "
-        f"{report['transformers']}. Run took {report['seconds']:.0f} s"
+        f"{report['transformers']}. The last invocation took {report['seconds']:.0f} s"
         + (" (partial: still running or killed)" if report["partial"] else "")
         + f". Model: `{report['model']}`. {t['runs']} runs took {t['seconds']:.0f} s of wall "
-        f"time and {t['cpu_seconds']:.0f} s of process CPU time, summed per run (resumed runs "
-        "as they took).",
+        f"time and {t['cpu_seconds']:.0f} s of process CPU time, summed per run (runs "
+        "finished by earlier invocations of the same command count as they took; the machine "
+        "was shared, so the times are upper bounds).",
         "",
         f"{report['images']} held-out probe scenes (seeds from 9,700,000; {q.get('present')} "
         f"present, {q.get('cooccur')} cooccur and {q.get('other')} control questions); settings "
