@@ -71,13 +71,19 @@ def test_run_stage_descends_logs_and_probes_on_its_cadence():
 
 
 def test_each_architecture_is_one_record_and_its_recipe_names_it():
-    assert set(ARCHITECTURES) == {"llava", "qwen2_5_vl"}
+    assert set(ARCHITECTURES) == {"llava", "qwen2_5_vl", "llava_prior"}
     assert isinstance(default_recipe("default"), Recipe) and Recipe.model_type == "llava"
     assert isinstance(default_recipe("qwen"), QwenRecipe) and QwenRecipe.model_type == "qwen2_5_vl"
     assert architecture(Recipe.model_type).part("train") is llava_train.train
     assert architecture(QwenRecipe.model_type).part("train") is qwen_train.train
     assert saved_architecture(default_model_path()) is ARCHITECTURES["llava"]
     assert saved_architecture(qwen_model_path()).pope_images == 300
+    from organism.prior import PriorRecipe, train
+    from vlm_focus.asset_paths import prior_model_path
+
+    assert isinstance(default_recipe("prior"), PriorRecipe)
+    assert architecture(PriorRecipe.model_type).part("train") is train
+    assert saved_architecture(prior_model_path()) is ARCHITECTURES["llava_prior"]
     with pytest.raises(
         ValueError, match="model_type='gemma3' has no organism recipe; allowed: llava"
     ):

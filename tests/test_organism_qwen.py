@@ -178,11 +178,13 @@ def test_training_smoke_saves_a_float32_model_that_loads(tmp_path):
     assert type(processor).__name__ == "Qwen2_5_VLProcessor"
 
 
-def test_all_shipped_assets_fit_80_mb():
+def test_all_shipped_assets_fit_100_mb():
+    """Seven organisms and the held-out set; organism-prior (20 MB, for hallucination
+    mitigation) took the budget from 80 MB to 100 MB."""
     from vlm_focus.asset_paths import ASSETS
 
     total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
-    assert total <= 80_000_000, f"assets hold {total / 1e6:.2f} MB"
+    assert total <= 100_000_000, f"assets hold {total / 1e6:.2f} MB"
 
 
 @pytest.fixture(scope="module")
