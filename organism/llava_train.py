@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .data import Batcher, cat_last_ids, chat_ids, pad, pixel_values
-from .loop import Clock, autocast, prefetch, run_stage, training_dtype
+from .loop import Clock, autocast, jsonl_logger, prefetch, run_stage, training_dtype
 from .losses import (
     HopProbe,
     PatchHead,
@@ -298,14 +298,7 @@ def train(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict:
     if log_path.exists():
         history = [json.loads(line) for line in log_path.read_text().splitlines() if line]
 
-    def log(stage: str, step: int, clock: Clock, values: dict) -> None:
-        row = {"stage": stage, "step": step, "seconds": round(clock.wall(), 1)}
-        row |= {"cpu_seconds": round(clock.cpu(), 1), **values}
-        history.append(row)
-        with log_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if not quiet:
-            print(json.dumps(row), flush=True)
+    log = jsonl_logger(log_path, history, quiet)
 
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}  # stages checkpointed without CPU accounting are left out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +55,25 @@ def prefetch(make: Callable[[], object]) -> Iterator:
         worker_init_fn=lambda _: torch.set_num_threads(1),
     )
     return iter(loader)
+
+
+def jsonl_logger(
+    path: Path, history: list[dict], quiet: bool = False
+) -> Callable[[str, int, Clock, dict], None]:
+    """A stage log (``log(stage, step, clock, values)``, what :func:`run_stage` calls): each
+    record, with the stage's wall and CPU seconds so far, is appended to ``history`` and to
+    ``path`` as a JSON line, and printed unless ``quiet``."""
+
+    def log(stage: str, step: int, clock: Clock, values: dict) -> None:
+        row = {"stage": stage, "step": step, "seconds": round(clock.wall(), 1)}
+        row |= {"cpu_seconds": round(clock.cpu(), 1), **values}
+        history.append(row)
+        with Path(path).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if not quiet:
+            print(json.dumps(row), flush=True)
+
+    return log
 
 
 class Clock:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .data import TRAIN_SEED_BASE, chat_ids, pad, pixel_values
-from .loop import Clock, autocast, prefetch, run_stage, training_dtype
+from .loop import Clock, autocast, jsonl_logger, prefetch, run_stage, training_dtype
 from .questions import IGNORE, presence_qa
 from .recipe import StageConfig
 from .scenes import CooccurPrior, Scene, cooccur_scene
@@ -191,14 +191,7 @@ def train(recipe: PriorRecipe, out_dir: Path, quiet: bool = False) -> dict:
     log_path = out_dir / "train_log.jsonl"
     log_path.write_text("")
 
-    def log(stage: str, step: int, clock: Clock, values: dict) -> None:
-        row = {"stage": stage, "step": step, "seconds": round(clock.wall(), 1)}
-        row |= {"cpu_seconds": round(clock.cpu(), 1), **values}
-        history.append(row)
-        with log_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if not quiet:
-            print(json.dumps(row), flush=True)
+    log = jsonl_logger(log_path, history, quiet)
 
     def step(batch: dict) -> tuple[torch.Tensor, dict]:
         with autocast():
