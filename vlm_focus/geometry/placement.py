@@ -94,25 +94,19 @@ def check_size(
 
 
 def _check_tiles(layout: Any, size: Size, image_processor: Any, where: str) -> None:
-    """A tiled image's tile count must be the one the processor gives ``size``. An image of
+    """A tiled image's tile count must be the one the processor gives ``size`` (width and
+    height swapped give the same count, so a swap goes unseen here). An image of
     one view may be any size: the processor shows every image whole when called with
     ``crop_to_patches=False``, and without the processor any count is possible."""
     tiles = len(layout.grids) - 1
     if image_processor is None or tiles < 1:
         return
     rows, cols = tile_grid(size, image_processor)
-    if rows * cols == tiles:
-        return
-    swapped = tile_grid(Size(size.height, size.width), image_processor)
-    hint = (
-        "; width and height look swapped (Size is (width, height), PIL's image.size order)"
-        if swapped[0] * swapped[1] == tiles and swapped != (rows, cols)
-        else ""
-    )
-    raise ValueError(
-        f"{where}size {size} cannot be this image's: the processor cuts it into {rows}x{cols} "
-        f"tiles, but the image has {tiles} tile(s){hint}"
-    )
+    if rows * cols != tiles:  # a swapped size gives the transposed canvas: the same count
+        raise ValueError(
+            f"{where}size {size} cannot be this image's: the processor cuts it into "
+            f"{rows}x{cols} tiles, but the image has {tiles}"
+        )
 
 
 def view_frames(
