@@ -8,10 +8,16 @@ and 6 cached decode steps, SDPA and eager, K = 0 and K = 2, every pruner, a mult
 pyramid, left-padded batches of 2 whose images have different tile counts; ``remove()``;
 ``positions="compact"``; the static cache, compiled decode steps, no host reads per decode step;
 the tile arithmetic against the processor's; a map and a box on a non-square image in its
-pixels.
+pixels; ``vlm-focus run`` and ``bench`` and lmms-eval's InternVL chat class on a saved
+checkpoint.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import host_reads
 import pytest
@@ -420,3 +426,55 @@ def test_a_planted_peak_lands_in_its_tiles_pixels_map_point_and_box(
     (box,) = G.boxes(heat, threshold=0.5, sigma=0)
     assert G.iou(box, [x_lo, y_lo, x_hi - x_lo, y_hi - y_lo]) >= 0.5
     assert float(heat.pixels.sum()) == pytest.approx(1.0, abs=1e-2)  # a density of mass 1
+
+
+# --- the command line and lmms-eval on a saved checkpoint -----------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny InternVL saved with its real processor, and a wide picture beside it."""
+    path = tmp_path_factory.mktemp("internvl")
+    model = tiny_model("internvl")
+    model.save_pretrained(path / "model")
+    tiny_processor(model).save_pretrained(path / "model")
+    noise_image(*WIDE, seed=1).save(path / "image.png")
+    return path
+
+
+def test_run_and_bench_on_a_saved_checkpoint(checkpoint, capsys):
+    from vlm_focus import cli
+
+    argv = ["--model", str(checkpoint / "model"), "--image", str(checkpoint / "image.png")]
+    run = ["run", *argv, "--keep", "0.5", "--repeats", "1", "--max-new-tokens", "2", "--json"]
+    assert cli.main(run) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "internvl" and report["pruned"]
+    assert (report["visual_kept"], report["visual_total"]) == (32, 64)  # 3 tiles + thumbnail
+    assert cli.main(["bench", *argv, "--keeps", "1.0,0.5", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kept   64/64" in out and "kept   32/64" in out
+
+
+@pytest.mark.slow
+def test_lmms_eval_runs_the_internvl_chat_class_pruned(checkpoint, tmp_path):
+    from vlm_focus.integrations import lmms_eval_tasks_path
+
+    task = "vf_pope_organism_adversarial"
+    env = dict(
+        os.environ,
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    args = f"pretrained={checkpoint / 'model'},pruner=fastv,keep=0.5,layer=2"
+    cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
+    cmd += ["--tasks", task, "--include_path", lmms_eval_tasks_path(), "--limit", "2"]
+    cmd += ["--batch_size", "1", "--output_path", str(tmp_path / "out"), "--log_samples"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (samples,) = (tmp_path / "out").rglob(f"*_samples_{task}.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    counts = [row["token_counts"][0] for row in rows]
+    assert len(counts) == 2
+    assert all(2 * c["visual_kept"] == c["visual_total"] > 0 for c in counts)
