@@ -85,5 +85,4 @@ INTERNVL = ModelAdapter(
     # (vlm_focus.geometry.view_frames); an image of one tile is squashed whole.
     fallback_geometry={0: ("resize",)},
     processor_rule="tiled",
-    aspect_grids=False,
 )
