@@ -295,6 +295,10 @@ def _item_colours(model, processor, inputs, layouts) -> list[torch.Tensor]:
             first = taken[layout.kind]
             colours = _merged_colours(model, pixels)[first : first + n]
             taken[layout.kind] += n
+        elif model.config.model_type == "internvl":  # [tiles, C, H, W], every image's tiles
+            first = taken[layout.kind]
+            colours = _frame_colours(pixels[first : first + len(layout.grids)], layout)
+            taken[layout.kind] += len(layout.grids)
         else:
             item = pixels[taken[layout.kind]]  # [crops or frames, C, H, W]; LLaVA: [C, H, W]
             taken[layout.kind] += 1

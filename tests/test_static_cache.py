@@ -71,7 +71,7 @@ def test_static_cache_equals_the_masked_reference(kind, attn, layer):
     _check(kind, attn, 2, layer)  # batch 2, left-padded, rows of different visual counts
 
 
-@pytest.mark.parametrize("kind", ["llava_next", "qwen2_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("kind", ["llava_next", "qwen2_vl", "qwen3_vl_moe", "internvl"])
 def test_static_cache_at_batch_one(kind):
     _check(kind, "sdpa", 1, 2)
 

@@ -24,7 +24,7 @@ import vlm_focus as vf
 from vlm_focus.model_adapters import get_adapter
 from vlm_focus.model_adapters.tiny import VIDEO
 
-ALL_KINDS = KINDS + NEW_KINDS
+ALL_KINDS = KINDS + NEW_KINDS + ("internvl",)
 PIXEL_KEYS = ("pixel_values", "image_", "video_", "batch_num")
 
 

@@ -177,6 +177,16 @@ def make_case(kind: str, case: str, model, batch: int = 1, seed: int = 0, prompt
                 )
             extra["pixel_values_videos"] = torch.randn(batch, frames, 3, 32, 32, generator=gen)
         return {**_left_pad(rows), **extra}
+    if kind == "internvl" and case == "image":
+        from vlm_focus.model_adapters.internvl import tile_side
+
+        per_tile = tile_side(model) ** 2
+        views = [4, 3][:batch]  # 3 tiles + thumbnail; 2 tiles + thumbnail
+        for b, n in enumerate(views):  # <img> and </img> are text to the layout
+            block = [3] + [IMAGE] * (n * per_tile) + [4]
+            rows.append([BOS] + _text(2, gen) + block + _text(prompt_len + b, gen))
+        extra["pixel_values"] = torch.randn(sum(views), 3, 32, 32, generator=gen)
+        return {**_left_pad(rows), **extra}
     if kind == "llava" and case == "two_images":
         n = _patches(model)
         for b in range(batch):

@@ -193,6 +193,55 @@ def _qwen(model, processor: str, video_processor: str) -> transformers.Processor
     )
 
 
+#: InternVL: the ``<img>`` and ``</img>`` markers around each image block (the image token is
+#: ``<IMG_CONTEXT>``); a prompt writes ``<IMG_CONTEXT>`` per image and ``<video>`` per video.
+IMG_START, IMG_END = 126, 127
+INTERNVL_PLACEHOLDERS = ("<IMG_CONTEXT>", "<video>")
+INTERNVL_TEMPLATE = _chatml(_content(*(p + "\n" for p in INTERNVL_PLACEHOLDERS)))
+#: the most tiles an InternVL image is cut into (plus its thumbnail)
+INTERNVL_MAX_TILES = 6
+
+
+def _internvl(model) -> transformers.ProcessorMixin:
+    """OpenGVLab's InternVL3 (``-hf``): tiles of the tower's side, up to
+    :data:`INTERNVL_MAX_TILES` of them plus a thumbnail; video frames squashed to one tile."""
+    pixels = model.config.vision_config.image_size[0]
+    square = {"height": pixels, "width": pixels}
+    words = word_tokenizer(
+        {
+            "<IMG_CONTEXT>": IMAGE,
+            "<video>": VIDEO,
+            "<img>": IMG_START,
+            "</img>": IMG_END,
+            **_CHATML,
+        }
+    )
+    # the processor reads its markers from the tokenizer's named special tokens
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        extra_special_tokens={
+            "start_image_token": "<img>",
+            "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>",
+        },
+    )
+    return transformers.InternVLProcessor(
+        image_processor=transformers.GotOcr2ImageProcessor(
+            size=square, crop_to_patches=True, min_patches=1, max_patches=INTERNVL_MAX_TILES
+        ),
+        video_processor=transformers.InternVLVideoProcessor(size=square),
+        tokenizer=tokenizer,
+        image_seq_length=model.config.image_seq_length,
+        chat_template=INTERNVL_TEMPLATE,
+    )
+
+
 _BUILDERS = {
     "llava": _llava,
     "llava_next": _llava_next,
@@ -200,6 +249,7 @@ _BUILDERS = {
     "qwen2_vl": lambda m: _qwen(m, "Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen2_5_vl": lambda m: _qwen(m, "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen3_vl": lambda m: _qwen(m, "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+    "internvl": _internvl,
 }
 KINDS = tuple(_BUILDERS)
 VIDEO_KINDS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -211,6 +261,7 @@ PLACEHOLDERS = {
     "qwen2_vl": QWEN_PLACEHOLDERS,
     "qwen2_5_vl": QWEN_PLACEHOLDERS,
     "qwen3_vl": QWEN_PLACEHOLDERS,
+    "internvl": INTERNVL_PLACEHOLDERS,
 }
 
 

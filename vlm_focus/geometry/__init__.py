@@ -39,9 +39,15 @@ rectangle (per axis, processed = ``a * original + b``):
   Qwen3-VL): the whole image squashed to the ``smart_resize`` size, whose merged grid follows the
   image's aspect ratio, so a size given as ``(height, width)`` instead of ``(width, height)`` is
   caught;
+* tiling processors (``min_patches``/``max_patches``; InternVL's ``GotOcr2ImageProcessor`` with
+  ``crop_to_patches``): :func:`tile_grid` picks the ``rows x cols`` canvas of square tiles whose
+  aspect ratio is closest to the image's, the image is squashed onto it and each tile is a view
+  (row-major), then a thumbnail view of the whole image squashed (:func:`tile_frames`). An image
+  cut into one tile has that one view. Without the processor the tile count the visual tokens
+  show picks the canvas; with it, a size whose tile count differs is caught;
 * video frames are squashed to the grid (the frame is the whole frame).
 
-Which of these three the processor follows is the model adapter's declaration
+Which of these the processor follows is the model adapter's declaration
 (``ModelAdapter.processor_rule``, one of :data:`PROCESSOR_RULES`); the processor's settings give
 the numbers. Without a processor the model adapter's fallback rule applies
 (``ModelAdapter.fallback_geometry``; one of :data:`RULES` per view). A fallback is a guess about
@@ -73,6 +79,8 @@ from .processors import (
     native_side,
     processor_frames,
     smart_resize_grid,
+    tile_frames,
+    tile_grid,
 )
 from .shapes import Frame, Size, as_frame
 from .sizes import Sizes, as_size, as_sizes, layout_sizes, unknown_size_message
@@ -101,6 +109,8 @@ __all__ = [
     "rule_frame",
     "seen_region",
     "smart_resize_grid",
+    "tile_frames",
+    "tile_grid",
     "unknown_size_message",
     "upsample",
     "view_frames",

@@ -12,6 +12,8 @@ from .processors import (
     image_processor_of,
     processor_frames,
     smart_resize_grid,
+    tile_frames,
+    tile_grid,
 )
 from .shapes import Frame, Size
 from .sizes import as_size
@@ -60,13 +62,17 @@ def check_size(
     """Raise when ``size`` cannot be the original size of ``layout``'s image: a
     dynamic-resolution processor's (``processor_rule="dynamic"``) grid must equal its
     ``smart_resize`` grid, and (``aspect``) a grid that follows the image's aspect ratio must
-    fit it. The message says when width and height look swapped."""
+    fit it; a tiling processor's (``"tiled"``) tile count must be the layout's. The message
+    says when width and height look swapped."""
     if layout.kind == "video":
         return
     grid = tuple(int(v) for v in layout.grids[0])
     swapped = Size(size.height, size.width)
     if processor_rule is not None:
         check_processor_rule(processor_rule)
+    if processor_rule == "tiled":
+        _check_tiles(layout, size, image_processor, where)
+        return
     dynamic = image_processor is not None and processor_rule == "dynamic"
     if dynamic and smart_resize_grid(size, image_processor) == grid:
         return
@@ -85,6 +91,22 @@ def check_size(
         f"{where}size {size} cannot be this image's: its grid is {grid} (rows, cols), which "
         f"does not follow that aspect ratio{hint}"
     )
+
+
+def _check_tiles(layout: Any, size: Size, image_processor: Any, where: str) -> None:
+    """A tiled image's tile count must be the one the processor gives ``size`` (width and
+    height swapped give the same count, so a swap goes unseen here). An image of
+    one view may be any size: the processor shows every image whole when called with
+    ``crop_to_patches=False``, and without the processor any count is possible."""
+    tiles = len(layout.grids) - 1
+    if image_processor is None or tiles < 1:
+        return
+    rows, cols = tile_grid(size, image_processor)
+    if rows * cols != tiles:  # a swapped size gives the transposed canvas: the same count
+        raise ValueError(
+            f"{where}size {size} cannot be this image's: the processor cuts it into "
+            f"{rows}x{cols} tiles, but the image has {tiles}"
+        )
 
 
 def view_frames(
@@ -119,5 +141,7 @@ def view_frames(
         return processor_frames(image_processor, layout, size, processor_rule=processor_rule)
     if layout.kind == "video":
         return [rule_frame(size, "resize")] * n_views
+    if processor_rule == "tiled" and n_views > 1:  # the view count tells the tile count
+        return tile_frames(size, tile_grid(size, tiles=n_views - 1), n_views)
     rules = list(fallback) or ["resize"]
     return [rule_frame(size, rules[min(v, len(rules) - 1)]) for v in range(n_views)]

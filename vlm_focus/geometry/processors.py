@@ -16,8 +16,10 @@ from .shapes import Frame, Size
 #: it (``ModelAdapter.processor_rule``): ``"single"`` (one view: pad to a square, resize,
 #: centre crop, as CLIP's and ``LlavaImageProcessor`` do), ``"anyres"`` (a base view and a
 #: tiled high-resolution view from ``image_grid_pinpoints``), ``"dynamic"`` (the whole image
-#: squashed to the ``smart_resize`` size, Qwen-VL's).
-PROCESSOR_RULES = ("single", "anyres", "dynamic")
+#: squashed to the ``smart_resize`` size, Qwen-VL's), ``"tiled"`` (the image squashed onto a
+#: ``rows x cols`` canvas of square tiles whose shape follows its aspect ratio, each tile one
+#: view, then a thumbnail of the whole image; InternVL's ``GotOcr2ImageProcessor``).
+PROCESSOR_RULES = ("single", "anyres", "dynamic", "tiled")
 
 
 @dataclass
@@ -218,6 +220,66 @@ def smart_resize_grid(size: Size, ip: Any) -> tuple[int, int]:
     return h_bar // factor, w_bar // factor
 
 
+def tile_grid(
+    size: Size, image_processor: Any = None, *, tiles: int | None = None
+) -> tuple[int, int]:
+    """``(rows, cols)`` of the tiles a tiling processor (``processor_rule="tiled"``) cuts a
+    ``size`` image into: of the canvases of ``min_patches`` to ``max_patches`` tiles, the one
+    whose ``cols / rows`` is closest to ``width / height``, as the processor's own
+    ``get_optimal_tiled_canvas`` picks it from its settings (``size`` is the tile).
+
+    Without ``image_processor``, the canvases of exactly ``tiles`` tiles compete (the count the
+    visual tokens show), and a tie between two goes to the wider one: the processor's own choice
+    whenever its limits allow that count and the image covers at least half the tiles' area.
+    """
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import (  # heavy: import on use
+        get_optimal_tiled_canvas,
+    )
+
+    if image_processor is None:
+        if tiles is None or tiles < 1:
+            raise ValueError(f"tile_grid needs the image processor or tiles >= 1, got {tiles!r}")
+        # a 1-pixel tile makes every image "large", so ties go to the later (wider) canvas
+        cols, rows = get_optimal_tiled_canvas((size.height, size.width), (1, 1), tiles, tiles)
+        return rows, cols
+    low, high = _get(image_processor, "min_patches"), _get(image_processor, "max_patches")
+    tile = image_processor.size
+    if low is None or high is None or not _get(tile, "height") or not _get(tile, "width"):
+        raise ValueError(
+            f"{type(image_processor).__name__} has no min_patches, max_patches and size "
+            "height/width: it is not a tiling image processor"
+        )
+    if int(high) <= 1:
+        return 1, 1
+    cols, rows = get_optimal_tiled_canvas(
+        (size.height, size.width),
+        (int(_get(tile, "height")), int(_get(tile, "width"))),
+        int(low),
+        int(high),
+    )
+    return rows, cols
+
+
+def tile_frames(size: Size, grid: tuple[int, int], views: int) -> list[Frame]:
+    """The frames of a tiled image's ``views`` views: the ``rows x cols`` tiles of ``grid`` in
+    row-major order (tile ``(r, c)`` covers ``[c * width / cols, (c + 1) * width / cols)`` by
+    ``[r * height / rows, (r + 1) * height / rows)``: the canvas squashes the image), then the
+    thumbnail, the whole image. One view is an untiled image: the whole image."""
+    width, height = float(size.width), float(size.height)
+    whole = Frame(0.0, 0.0, width, height)
+    if views == 1:
+        return [whole]
+    rows, cols = grid
+    if rows * cols != views - 1:
+        raise ValueError(
+            f"a {rows}x{cols} tile grid gives {rows * cols} tiles plus a thumbnail, but the "
+            f"image has {views} views"
+        )
+    tw, th = width / cols, height / rows
+    tiles = [Frame(c * tw, r * th, tw, th) for r in range(rows) for c in range(cols)]
+    return [*tiles, whole]
+
+
 def processor_frames(
     image_processor: Any, layout: Any, size: Size, *, processor_rule: str
 ) -> list[Frame]:
@@ -229,6 +291,8 @@ def processor_frames(
     whole = Frame(0.0, 0.0, float(size.width), float(size.height))
     if layout.kind == "video" or check_processor_rule(processor_rule) == "dynamic":
         return [whole] * n_views
+    if processor_rule == "tiled":
+        return tile_frames(size, tile_grid(size, ip), n_views)
     if processor_rule == "anyres":
         if n_views == 1:  # an image the processor did not tile
             chain = _Chain(size)

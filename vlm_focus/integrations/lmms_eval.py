@@ -72,6 +72,7 @@ DELEGATES: dict[str, Delegate] = {
         "checkpoint's name (a part like 'A3B'), not from its config, so a local or renamed "
         "checkpoint would load as the dense model; `vlm-focus eval` runs it",
     ),
+    "internvl": Delegate("lmms_eval.models.chat.internvl_hf.InternVLHf", max_batch=1),
 }
 
 

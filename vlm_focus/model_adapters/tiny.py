@@ -94,6 +94,12 @@ _QWEN3_MOE_TEXT = dict(_QWEN3_TEXT, num_experts=4, num_experts_per_tok=2, moe_in
 # OneVision: 1x2 / 2x1 / 2x2 crops, and 4x4 crops whose grid is downscaled (anyres_max_9).
 _ONEVISION_PINPOINTS = [[32, 64], [64, 32], [64, 64], [128, 128]]
 
+# InternVL: 32-pixel tiles of 8x8 patches, pixel-shuffled (downsample_ratio 0.5) to 4x4 = 16
+# tokens per tile; the decoder is Qwen2 (1-D RoPE).
+_INTERNVL_VISION = dict(
+    _VISION, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4
+)
+
 _QWEN_TOKENS = dict(
     image_token_id=IMAGE,
     video_token_id=VIDEO,
@@ -171,6 +177,15 @@ _TINY: dict[str, _Tiny] = {
         _QWEN3_MOE_TEXT,
         _QWEN3_VISION,
         _QWEN_TOKENS,
+    ),
+    "internvl": _Tiny(
+        "InternVLConfig",
+        "InternVLForConditionalGeneration",
+        _LLAMA,
+        _INTERNVL_VISION,
+        dict(image_token_id=IMAGE, image_seq_length=16, vision_feature_layer=-1),
+        text_class="Qwen2Config",
+        vision_class="InternVLVisionConfig",
     ),
 }
 

@@ -95,6 +95,9 @@ NOT_SERVED = {
     "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
     "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
     "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
+    "internvl": "no pruning class for vLLM's InternVL yet (1-D RoPE as LLaVA's class, but each "
+    "image's tile count and its thumbnail come from vLLM's own InternVL processing, which the "
+    "class would have to follow)",
 }
 
 
