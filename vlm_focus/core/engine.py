@@ -85,6 +85,12 @@ class FocusEngine:
         self, model: nn.Module, adapter: ModelAdapter, config: FocusConfig, pruner: Pruner
     ) -> None:
         self.setup = EngineSetup.of(model, adapter, config, pruner)
+        if pruner.decode_time and self.setup.recurrent:
+            raise ValueError(
+                f"pruner {pruner.name!r} picks visual keys per decoding step by masking the "
+                f"others, which the linear-attention layers of '{adapter.model_type}' cannot "
+                "do (they read every token they hold); use a prefill pruner"
+            )
         self.model = model
         self.adapter = adapter
         self.config = config
@@ -138,7 +144,9 @@ class FocusEngine:
         seen = set()
         for index in self.setup.stages:
             layer = self.setup.layers[index]
-            attn = getattr(layer, self.adapter.attention)
+            attn = getattr(self.adapter.scoring_layer(self.model, index), self.adapter.attention)
+            if not hasattr(attn, "q_proj"):  # a stand-in that scores without the kernel's heads
+                continue
             weight = attn.q_proj.weight
             device = execution_device(layer, weight.device)
             n_heads = weight.shape[0] // attn.head_dim

@@ -113,6 +113,13 @@ class PrefillPass:
             layout = prefill.layout(setup.model, setup.adapter)
         batch, seq = input_ids.shape
         if is_static(cache):
+            if self.setup.recurrent:
+                raise ValueError(
+                    f"vlm_focus cannot prune '{setup.adapter.model_type}' on a static cache: its "
+                    "linear-attention layers sit in the static cache as fixed-size states, and "
+                    "the static path builds per-slot 4-D masks that such a layer cannot take; "
+                    "use the default dynamic cache (no cache_implementation='static')"
+                )
             self.static.fit(cache, seq, drops)
         trace = FocusTrace(n_visual=n_visual, visual=visual)
         # the prompt without its cache: the state is filed under the cache, weakly
@@ -161,10 +168,12 @@ class PrefillPass:
         """Rows of a batch keep their own share of visual tokens: each drops what the row with
         the fewest drops, and masks the rest of its share as keys in the slots it keeps (the
         batch keeps one length, so this costs what the longest row costs). A static cache
-        (fixed masks per slot), flash attention (no key masks), compact positions (which count
-        every kept slot) and decode-time selection keep the common rule instead."""
+        (fixed masks per slot), flash attention (no key masks), a hybrid decoder's recurrent
+        layers (which read every token they hold), compact positions (which count every kept
+        slot) and decode-time selection keep the common rule instead."""
         return not (
             is_static(cache)
+            or self.setup.recurrent
             or self.setup.flash
             or self.setup.config.positions == "compact"
             or self.setup.pruner.decode_time
@@ -333,7 +342,7 @@ class PrefillPass:
             config=setup.config,
             layer_index=index,
             stage_index=stage_index,
-            decoder_layer=layer,
+            decoder_layer=setup.adapter.scoring_layer(setup.model, index),
             hidden=hidden,
             cos=gather_seq(cos.to(device), current, 1),
             sin=gather_seq(sin.to(device), current, 1),

@@ -12,6 +12,7 @@ from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
 from .llava_onevision import LLAVA_ONEVISION
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
 __all__ = [
@@ -63,4 +64,6 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
 
 
 for _adapter in (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):
+    register_adapter(_adapter)
+for _adapter in (QWEN3_5, QWEN3_5_MOE):  # hybrid decoders (linear-attention layers)
     register_adapter(_adapter)
