@@ -113,13 +113,6 @@ class PrefillPass:
             layout = prefill.layout(setup.model, setup.adapter)
         batch, seq = input_ids.shape
         if is_static(cache):
-            if self.setup.recurrent:
-                raise ValueError(
-                    f"vlm_focus cannot prune '{setup.adapter.model_type}' on a static cache: its "
-                    "linear-attention layers sit in the static cache as fixed-size states, and "
-                    "the static path builds per-slot 4-D masks that such a layer cannot take; "
-                    "use the default dynamic cache (no cache_implementation='static')"
-                )
             self.static.fit(cache, seq, drops)
         trace = FocusTrace(n_visual=n_visual, visual=visual)
         # the prompt without its cache: the state is filed under the cache, weakly
