@@ -39,15 +39,19 @@ def register_adapter(adapter: ModelAdapter, *, replace: bool = False) -> None:
 
 
 def supported_models(
-    *, consecutive_positions: bool | None = None, video: bool | None = None
+    *,
+    consecutive_positions: bool | None = None,
+    video: bool | None = None,
+    static_cache: bool | None = None,
 ) -> list[str]:
-    """The model types with a registered adapter (with ``consecutive_positions`` or ``video``,
-    those whose adapter declares it so)."""
+    """The model types with a registered adapter (with ``consecutive_positions``, ``video`` or
+    ``static_cache``, those whose adapter declares it so)."""
     return sorted(
         name
         for name, adapter in _ADAPTERS.items()
         if consecutive_positions in (None, adapter.consecutive_positions)
         and video in (None, adapter.video)
+        and static_cache in (None, adapter.static_cache)
     )
 
 

@@ -176,6 +176,9 @@ class ModelAdapter:
     #: with the grid input whose rows' products count the patches per image (Qwen's
     #: ``pixel_values`` and ``image_grid_thw``); any other pixel input has one entry per image.
     patch_grids: Mapping[str, str] = field(default_factory=dict)
+    #: the engine prunes on a static cache (``cache_implementation="static"``); ``False`` where
+    #: it refuses (a hybrid decoder's linear-attention layers)
+    static_cache: bool = True
 
     def __post_init__(self) -> None:
         check_processor_rule(self.processor_rule)

@@ -95,6 +95,11 @@ NOT_SERVED = {
     "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
     "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
     "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
+    "qwen3_5": "no pruning class for vLLM's Qwen3.5 yet: its hybrid decoder keeps the "
+    "linear-attention layers' states in vLLM's own cache, and no hook there drops tokens "
+    "inside the decoder",
+    "qwen3_5_moe": "no pruning class for vLLM's Qwen3.5 mixture-of-experts model yet (the same "
+    "hybrid decoder as qwen3_5)",
 }
 
 
