@@ -1,10 +1,11 @@
 """The support matrix: what each model class runs, read from the registries.
 
-One row per ``model_type`` that :func:`vlm_focus.supported_models` lists. Images and several images
-per prompt run on every registered class (the tests' reference suites cover each); video and
-the static cache come from the adapter (``ModelAdapter.video``, ``ModelAdapter.static_cache``); the lmms-eval and vLLM
-columns come from each integration's own table (``lmms_eval.DELEGATES``, ``vllm.MODELS`` and
-``vllm.NOT_SERVED``), so a class one of them leaves out says so here with the reason.
+One row per ``model_type`` that :func:`vlm_focus.supported_models` lists. Images and several
+images per prompt run on every registered class (the tests' reference suites cover each); video
+and the static cache come from the adapter (``ModelAdapter.video``,
+``ModelAdapter.static_cache``); the lmms-eval and vLLM columns come from each integration's
+own table (``lmms_eval.DELEGATES``, ``vllm.MODELS`` and ``vllm.NOT_SERVED``), so a class one
+of them leaves out says so here with the reason.
 """
 
 from __future__ import annotations
