@@ -147,18 +147,16 @@ SETTINGS = [
     dict(pruner="fastv", layer=0),
     dict(pruner="fastv", layer=LINEAR),
     dict(pruner="fastv", layer=FULL),
-    dict(pruner="random", layer=0),
     dict(pruner="random", layer=FULL),
     dict(pruner="debiased", layer=LINEAR),
     dict(pruner="debiased", layer=FULL),
-    dict(pruner="diverse", layer=LINEAR),
     dict(pruner="diverse", layer=3),  # a linear layer with no full layer after it
     dict(pruner="pyramid", layer=(LINEAR, FULL), keep=(0.6, 0.5)),
     dict(pruner="pyramid", layer=(0, FULL), keep=(0.7, 0.4)),
 ]
 
 
-EAGER = [SETTINGS[0], SETTINGS[1], SETTINGS[6], SETTINGS[9]]
+EAGER = [SETTINGS[0], SETTINGS[1], SETTINGS[5], SETTINGS[7]]
 
 
 def _name(setting: dict) -> str:
@@ -175,7 +173,7 @@ def test_pruned_equals_the_hybrid_reference(setting, attn):
 
 
 @pytest.mark.parametrize("case", ["video", "two_images"])
-@pytest.mark.parametrize("setting", [SETTINGS[1], SETTINGS[10]], ids=_name)
+@pytest.mark.parametrize("setting", [SETTINGS[1], SETTINGS[8]], ids=_name)
 def test_video_and_two_images_equal_the_hybrid_reference(case, setting):
     model = _model("sdpa")
     _check(model, _inputs(model, case), **{"keep": 0.5, **setting})
@@ -185,7 +183,6 @@ def test_moe_equals_the_hybrid_reference():
     model = _model("sdpa", "qwen3_5_moe")
     assert get_adapter(model).recurrent_layers(model) == {0, 1, 3}
     _check(model, _inputs(model, "image"), pruner="fastv", keep=0.5, layer=LINEAR)
-    _check(model, _inputs(model, "video"), pruner="pyramid", layer=(0, FULL), keep=(0.7, 0.4))
 
 
 def test_real_processor_images_of_two_sizes_and_a_video():
@@ -305,9 +302,8 @@ def test_delta_qk_are_the_deltanets_own_queries_and_keys(monkeypatch):
     assert scorer.self_attn.scaling == layer.linear_attn.head_k_dim**-0.5
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_delta_qk_scoring_equals_the_reference(attn):
-    model = _model(attn)
+def test_delta_qk_scoring_equals_the_reference():
+    model = _model("sdpa")
     inputs = _inputs(model, "image")
     register_adapter(dataclasses.replace(QWEN3_5, linear_scoring="delta_qk"), replace=True)
     try:
