@@ -29,9 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
-
-from organism import qwen_model_path
 from qwen_organism import (
     KEEPS,
     VIDEO_KINDS,
@@ -42,6 +39,9 @@ from qwen_organism import (
     scored,
     video_questions,
 )
+from tqdm import tqdm
+
+from organism import qwen_model_path
 from vlm_focus import FocusConfig
 from vlm_focus.loading import load_model
 
@@ -139,9 +139,7 @@ def markdown(results: dict) -> str:
         lines += [
             f"## Layer K = {layer}",
             "",
-            "| setting | budget | score | "
-            + " | ".join(f"keep {k}" for k in KEEPS)
-            + " |",
+            "| setting | budget | score | " + " | ".join(f"keep {k}" for k in KEEPS) + " |",
             "|---|---|---:|" + "---|" * len(KEEPS),
         ]
         rows = sorted(
@@ -154,7 +152,9 @@ def markdown(results: dict) -> str:
             else:
                 cells = [" / ".join(f"{100 * k[kind]:.0f}" for kind in kinds) for k in r["kinds"]]
             score = "—" if r["score"] is None else f"{100 * r['score']:.1f}"
-            lines.append(f"| {r['setting']} | {r['budget']} | {score} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {r['setting']} | {r['budget']} | {score} | " + " | ".join(cells) + " |"
+            )
         lines.append("")
     if results.get("images"):
         lines += [
@@ -248,7 +248,12 @@ def main(argv: list[str] | None = None) -> None:
         results["image_unpruned"] = accuracy(generate(model, processor, image_qs, None), image_qs)
         compared = {("fastv", "fastv", (), "span")}
         compared.add(
-            (chosen["setting"], chosen["pruner"], tuple(chosen["options"].items()), chosen["budget"])
+            (
+                chosen["setting"],
+                chosen["pruner"],
+                tuple(chosen["options"].items()),
+                chosen["budget"],
+            )
         )
         results["images"] = image_rows(
             model,

@@ -79,7 +79,10 @@ def test_unknown_model_type_lists_supported_and_registration_works():
     model.config.model_type = "my_vlm"
     with pytest.raises(
         ValueError,
-        match="supported: .*llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_vl",
+        match=(
+            "supported: .*llava, llava_next, llava_onevision, .*qwen2_vl, qwen3_5, qwen3_5_moe, "
+            "qwen3_vl"
+        ),
     ):
         vf.wrap(model)
     llava = get_adapter(make_model("llava"))
@@ -152,6 +155,8 @@ def test_video_and_mask_rule_are_declared_and_match_the_classes():
         "llava_onevision",
         "qwen2_5_vl",
         "qwen2_vl",
+        "qwen3_5",
+        "qwen3_5_moe",
         "qwen3_vl",
         "qwen3_vl_moe",
     ]

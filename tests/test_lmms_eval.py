@@ -428,7 +428,8 @@ def test_delegates_cover_every_supported_model_or_say_why_not():
     for model_type, spec in DELEGATES.items():
         assert (spec.class_path is None) == bool(spec.left_out), model_type
     left_out = sorted(t for t, spec in DELEGATES.items() if spec.class_path is None)
-    assert left_out == ["qwen3_vl_moe"]  # lmms-eval 0.7.3 picks its MoE class by name
+    # lmms-eval 0.7.3 picks its MoE classes by name; its Qwen3.5 class is not checked yet
+    assert left_out == ["qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"]
 
 
 def test_a_left_out_model_type_says_why_before_weights_load(monkeypatch, tmp_path):

@@ -299,3 +299,10 @@ def noise_video(frames: int, width: int, height: int, seed: int) -> np.ndarray:
     """``[frames, height, width, 3]`` uint8."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+def hybrid_processor(model) -> transformers.ProcessorMixin:
+    """Qwen3.5's real processor (``AutoProcessor`` maps ``qwen3_5`` to ``Qwen3VLProcessor``),
+    matched to its tiny config. Kept out of :data:`KINDS`, whose tests compare with the masked
+    reference, which a hybrid decoder has none of (``tests/reference_hybrid.py``)."""
+    return _qwen(model, "Qwen3VLProcessor", "Qwen3VLVideoProcessor")

@@ -29,8 +29,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as the decoder applies it: ``x * cos + rotate_half(x) * sin``; M-RoPE arrives
-    already folded into ``cos``/``sin`` (``[B, T, D]``), so one formula serves both."""
+    already folded into ``cos``/``sin`` (``[B, T, D]``), so one formula serves both. Tables
+    narrower than the head (partial rotary, Qwen3.5) turn its first ``D`` dims and pass the
+    rest through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        head, rest = x[..., :turned], x[..., turned:]
+        return torch.cat([head * cos + rotate_half(head) * sin, rest], dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -44,7 +50,12 @@ def layer_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[B, H, Tq, D]`` of the rows ``rows [B, Tq]`` (indices into ``hidden``) and k
     ``[B, Hkv, T, D]`` of every token, after RoPE, from the layer's own input norm and
-    projections; ``cos``/``sin`` are the ``[B or 1, T, D]`` tables of ``hidden``'s tokens."""
+    projections; ``cos``/``sin`` are the ``[B or 1, T, D]`` tables of ``hidden``'s tokens. A
+    stand-in layer with its own ``query_key`` (an adapter's
+    :meth:`~vlm_focus.model_adapters.ModelAdapter.scoring_layer`) computes them itself."""
+    own = getattr(layer, "query_key", None)
+    if own is not None:
+        return own(hidden, cos, sin, rows)
     attention = getattr(layer, adapter.attention)
     norm = getattr(layer, adapter.input_norm)
     batch, _, width = hidden.shape

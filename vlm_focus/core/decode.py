@@ -114,8 +114,8 @@ class Decode:
             return kwargs  # no mask: every cached key is attendable, nothing to slice
         width, n_new = mask.shape[-1], call.hidden.shape[1]
         own = held_length(call.cache, index)
-        if width == own + n_new:
-            return kwargs
+        if width == own + n_new or (mask.dim() == 2 and width == n_new):
+            return kwargs  # as wide as the layer holds, or a recurrent layer's new tokens only
         kept_cols = state.decode_cols[index]
         prompt = state.full_len
         if width - prompt != own - kept_cols.shape[1] + n_new:

@@ -40,7 +40,7 @@ from ..kernels import warm_up
 from ..model_adapters import ModelAdapter
 from ..trace import FocusTrace
 from .cache_lengths import report_original_length
-from .calls import CallState, CallTracker, cache_length, cache_of
+from .calls import CallState, CallTracker, cache_length, cache_of, is_static
 from .decode import Decode
 from .prefill import PrefillPass
 from .prune_state import EngineSetup, LayerCall, PrunedLayers, PruneState
@@ -85,6 +85,12 @@ class FocusEngine:
         self, model: nn.Module, adapter: ModelAdapter, config: FocusConfig, pruner: Pruner
     ) -> None:
         self.setup = EngineSetup.of(model, adapter, config, pruner)
+        if pruner.decode_time and self.setup.recurrent:
+            raise ValueError(
+                f"pruner {pruner.name!r} picks visual keys per decoding step by masking the "
+                f"others, which the linear-attention layers of '{adapter.model_type}' cannot "
+                "do (they read every token they hold); use a prefill pruner"
+            )
         self.model = model
         self.adapter = adapter
         self.config = config
@@ -138,7 +144,9 @@ class FocusEngine:
         seen = set()
         for index in self.setup.stages:
             layer = self.setup.layers[index]
-            attn = getattr(layer, self.adapter.attention)
+            attn = getattr(self.adapter.scoring_layer(self.model, index), self.adapter.attention)
+            if not hasattr(attn, "q_proj"):  # a stand-in that scores without the kernel's heads
+                continue
             weight = attn.q_proj.weight
             device = execution_device(layer, weight.device)
             n_heads = weight.shape[0] // attn.head_dim
@@ -169,6 +177,13 @@ class FocusEngine:
         if not self._active:
             return args, kwargs
         cache = cache_of(kwargs)
+        if self.setup.recurrent and self.tracker.has_images and is_static(cache):
+            raise ValueError(
+                f"vlm_focus cannot prune '{self.adapter.model_type}' on a static cache: its "
+                "linear-attention layers hold fixed-size states that the static path's per-slot "
+                "4-D masks cannot address; use the default dynamic cache (no "
+                "cache_implementation='static')"
+            )
         # A call brings images when it carries pixels or (inside generate()) encoder outputs;
         # an image-token id that decoding emits is only text, so ids alone never decide.
         tracker = self.tracker

@@ -161,10 +161,12 @@ class PrefillPass:
         """Rows of a batch keep their own share of visual tokens: each drops what the row with
         the fewest drops, and masks the rest of its share as keys in the slots it keeps (the
         batch keeps one length, so this costs what the longest row costs). A static cache
-        (fixed masks per slot), flash attention (no key masks), compact positions (which count
-        every kept slot) and decode-time selection keep the common rule instead."""
+        (fixed masks per slot), flash attention (no key masks), a hybrid decoder's recurrent
+        layers (which read every token they hold), compact positions (which count every kept
+        slot) and decode-time selection keep the common rule instead."""
         return not (
             is_static(cache)
+            or self.setup.recurrent
             or self.setup.flash
             or self.setup.config.positions == "compact"
             or self.setup.pruner.decode_time
@@ -333,7 +335,7 @@ class PrefillPass:
             config=setup.config,
             layer_index=index,
             stage_index=stage_index,
-            decoder_layer=layer,
+            decoder_layer=setup.adapter.scoring_layer(setup.model, index),
             hidden=hidden,
             cos=gather_seq(cos.to(device), current, 1),
             sin=gather_seq(sin.to(device), current, 1),

@@ -33,6 +33,9 @@ class EngineSetup:
     stages: dict[int, float | int]  # stage layer -> keep
     first_layer: int  # K: the first stage layer; layers >= K are hooked
     flash: bool  # flash attention: no key masks, and no position ids in pruned layers
+    #: a pruned layer keeps a recurrent state (a hybrid decoder's linear attention): it reads
+    #: every token it holds, so no key can be masked in it
+    recurrent: bool = False
 
     @classmethod
     def of(
@@ -49,6 +52,7 @@ class EngineSetup:
             stages=stages,
             first_layer=min(stages),
             flash=attn.startswith("flash"),
+            recurrent=any(i >= min(stages) for i in adapter.recurrent_layers(model)),
         )
 
     @property

@@ -73,6 +73,18 @@ DELEGATES: dict[str, Delegate] = {
         "checkpoint would load as the dense model; `vlm-focus eval` runs it",
     ),
     "internvl": Delegate("lmms_eval.models.chat.internvl_hf.InternVLHf", max_batch=1),
+    "qwen3_5": Delegate(
+        None,
+        left_out="lmms-eval 0.7.3's Qwen3.5 chat class (lmms_eval.models.chat.qwen3_5) is not "
+        "yet checked against `vlm-focus eval` on a hybrid-decoder checkpoint; `vf.wrap` on the "
+        "HF model runs it",
+    ),
+    "qwen3_5_moe": Delegate(
+        None,
+        left_out="lmms-eval 0.7.3's Qwen3.5 class picks its mixture-of-experts class from the "
+        "checkpoint's name (a part like 'A3B'), not from its config; `vf.wrap` on the HF model "
+        "runs it",
+    ),
 }
 
 

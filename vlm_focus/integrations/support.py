@@ -1,10 +1,11 @@
 """The support matrix: what each model class runs, read from the registries.
 
-One row per ``model_type`` that :func:`vlm_focus.supported_models` lists. Images, several images
-per prompt and the static cache run on every registered class (the tests' masked-reference
-suites cover each); video comes from the adapter (``ModelAdapter.video``); the lmms-eval and vLLM
-columns come from each integration's own table (``lmms_eval.DELEGATES``, ``vllm.MODELS`` and
-``vllm.NOT_SERVED``), so a class one of them leaves out says so here with the reason.
+One row per ``model_type`` that :func:`vlm_focus.supported_models` lists. Images and several
+images per prompt run on every registered class (the tests' reference suites cover each); video
+and the static cache come from the adapter (``ModelAdapter.video``,
+``ModelAdapter.static_cache``); the lmms-eval and vLLM columns come from each integration's
+own table (``lmms_eval.DELEGATES``, ``vllm.MODELS`` and ``vllm.NOT_SERVED``), so a class one
+of them leaves out says so here with the reason.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def support_matrix() -> str:
         "|---|---|---|---|---|---|---|",
     ]
     videos = set(supported_models(video=True))
+    static = set(supported_models(static_cache=True))
     for model_type in supported_models():
         video = "yes" if model_type in videos else "—"
-        cells = ["yes", "yes", video, "yes", _lmms_eval_cell(model_type), _vllm_cell(model_type)]
+        cache = "yes" if model_type in static else "—"
+        cells = ["yes", "yes", video, cache, _lmms_eval_cell(model_type), _vllm_cell(model_type)]
         lines.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
 from .llava_onevision import LLAVA_ONEVISION
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
 __all__ = [
@@ -39,15 +40,19 @@ def register_adapter(adapter: ModelAdapter, *, replace: bool = False) -> None:
 
 
 def supported_models(
-    *, consecutive_positions: bool | None = None, video: bool | None = None
+    *,
+    consecutive_positions: bool | None = None,
+    video: bool | None = None,
+    static_cache: bool | None = None,
 ) -> list[str]:
-    """The model types with a registered adapter (with ``consecutive_positions`` or ``video``,
-    those whose adapter declares it so)."""
+    """The model types with a registered adapter (with ``consecutive_positions``, ``video`` or
+    ``static_cache``, those whose adapter declares it so)."""
     return sorted(
         name
         for name, adapter in _ADAPTERS.items()
         if consecutive_positions in (None, adapter.consecutive_positions)
         and video in (None, adapter.video)
+        and static_cache in (None, adapter.static_cache)
     )
 
 
@@ -63,6 +68,16 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
     return _ADAPTERS[model_type]
 
 
-for _adapter in (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):
+for _adapter in (
+    LLAVA,
+    LLAVA_NEXT,
+    LLAVA_ONEVISION,
+    QWEN2_VL,
+    QWEN2_5_VL,
+    QWEN3_VL,
+    QWEN3_VL_MOE,
+    INTERNVL,
+    QWEN3_5,  # hybrid decoders (linear-attention layers)
+    QWEN3_5_MOE,
+):
     register_adapter(_adapter)
-register_adapter(INTERNVL)

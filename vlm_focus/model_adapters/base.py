@@ -176,6 +176,9 @@ class ModelAdapter:
     #: with the grid input whose rows' products count the patches per image (Qwen's
     #: ``pixel_values`` and ``image_grid_thw``); any other pixel input has one entry per image.
     patch_grids: Mapping[str, str] = field(default_factory=dict)
+    #: the engine prunes on a static cache (``cache_implementation="static"``); ``False`` where
+    #: it refuses (a hybrid decoder's linear-attention layers)
+    static_cache: bool = True
 
     def __post_init__(self) -> None:
         check_processor_rule(self.processor_rule)
@@ -253,6 +256,18 @@ class ModelAdapter:
             q_norm, k_norm = (getattr(attention, name) for name in self.qk_norms)
             q, k = q_norm(q), k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2)
+
+    def recurrent_layers(self, model: nn.Module) -> frozenset[int]:
+        """Indices of the decoder layers whose token mixer keeps a recurrent state instead of
+        attending over cached keys (a hybrid decoder's linear-attention layers). Such a layer
+        reads every token it is given, so it cannot mask a key out. None by default."""
+        return frozenset()
+
+    def scoring_layer(self, model: nn.Module, index: int) -> nn.Module:
+        """The module whose input norm and attention score a pruning stage at decoder layer
+        ``index``: the layer itself by default. A stand-in that computes its own q/k defines
+        ``query_key(hidden, cos, sin, rows)`` (:func:`vlm_focus.core.attention.layer_qk`)."""
+        return self.decoder_layers(model)[index]
 
     def token_ids(self, model: nn.Module) -> tuple[int | None, int | None]:
         """(image token id, video token id or None)."""

@@ -93,6 +93,35 @@ _QWEN3_VISION = dict(
 _QWEN3_MOE_TEXT = dict(_QWEN3_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # OneVision: 1x2 / 2x1 / 2x2 crops, and 4x4 crops whose grid is downscaled (anyres_max_9).
 _ONEVISION_PINPOINTS = [[32, 64], [64, 32], [64, 64], [128, 128]]
+# Qwen3.5: a hybrid decoder, Gated DeltaNet (linear) layers around one full-attention layer
+# (gated queries, q/k norms, RoPE over half the head dim, interleaved M-RoPE); the real 3:1
+# pattern would put the full layer last, this one has a linear layer after it too.
+_QWEN3_5_TEXT = dict(
+    _LLAMA,
+    hidden_size=96,
+    head_dim=16,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+)
+_QWEN3_5_MOE_TEXT = dict(
+    _QWEN3_5_TEXT,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+_QWEN3_5_VISION = {k: v for k, v in _QWEN3_VISION.items() if k != "deepstack_visual_indexes"}
 
 # InternVL: 32-pixel tiles of 8x8 patches, pixel-shuffled (downsample_ratio 0.5) to 4x4 = 16
 # tokens per tile; the decoder is Qwen2 (1-D RoPE).
@@ -186,6 +215,20 @@ _TINY: dict[str, _Tiny] = {
         dict(image_token_id=IMAGE, image_seq_length=16, vision_feature_layer=-1),
         text_class="Qwen2Config",
         vision_class="InternVLVisionConfig",
+    ),
+    "qwen3_5": _Tiny(
+        "Qwen3_5Config",
+        "Qwen3_5ForConditionalGeneration",
+        _QWEN3_5_TEXT,
+        _QWEN3_5_VISION,
+        _QWEN_TOKENS,
+    ),
+    "qwen3_5_moe": _Tiny(
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeForConditionalGeneration",
+        _QWEN3_5_MOE_TEXT,
+        _QWEN3_5_VISION,
+        _QWEN_TOKENS,
     ),
 }
 

@@ -98,6 +98,11 @@ NOT_SERVED = {
     "internvl": "no pruning class for vLLM's InternVL yet (1-D RoPE as LLaVA's class, but each "
     "image's tile count and its thumbnail come from vLLM's own InternVL processing, which the "
     "class would have to follow)",
+    "qwen3_5": "no pruning class for vLLM's Qwen3.5 yet: its hybrid decoder keeps the "
+    "linear-attention layers' states in vLLM's own cache, and no hook there drops tokens "
+    "inside the decoder",
+    "qwen3_5_moe": "no pruning class for vLLM's Qwen3.5 mixture-of-experts model yet (the same "
+    "hybrid decoder as qwen3_5)",
 }
 
 
