@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import ImageLayout, ModelAdapter
+from .gemma3 import GEMMA3
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
 from .llava_onevision import LLAVA_ONEVISION
@@ -64,3 +65,4 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
 
 for _adapter in (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):
     register_adapter(_adapter)
+register_adapter(GEMMA3)
