@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import ATOL, assert_pruned_equals_masked
+from reference import ATOL, assert_pruned_equals_masked, greedy_generate, masked_reference
 
 import vlm_focus as vf
 from vlm_focus.core.attention import allowed_keys, image_blocks
+from vlm_focus.core.probe import AttentionProbe
 from vlm_focus.model_adapters import get_adapter
 from vlm_focus.model_adapters.tiny import BOS, IMAGE, IMAGE_END, IMAGE_START, PAD, tiny_model
 
@@ -77,3 +78,132 @@ def test_pruned_equals_masked_reference(pruner, options, layer, attn):
         wrap.update(layer=(layer, layer + 1), keep=(0.5, 0.25))
     trace = assert_pruned_equals_masked(model, gemma_inputs(), steps=6, **wrap)
     assert len(trace.stages) == (2 if pruner == "pyramid" else 1)
+
+
+def _eager_attentions(model, inputs) -> tuple[torch.Tensor, ...]:
+    """The unwrapped model's own attention probabilities per layer, ``[B, H, S, S]``, from
+    eager attention with the model's own masks."""
+    with torch.no_grad():
+        return model(**inputs, output_attentions=True).attentions
+
+
+def test_stage_scores_equal_the_models_attention_with_its_window():
+    """fastv's scores at a sliding layer are the instruction rows' head-mean attention that
+    the model itself computes (eager, its own mask): keys beyond the window score 0. With a
+    window of 12 the instruction sees part of the second image and none of the first."""
+    model = gemma_model("eager", sliding_window=12)
+    inputs = gemma_inputs()
+    attentions = _eager_attentions(model, inputs)
+    layer = 2  # a sliding-window layer
+    wrap = dict(pruner="fastv", keep=0.5, layer=layer, reduce="mean", query_rows="text")
+    with torch.no_grad(), vf.wrap(model, **wrap) as handle:
+        model(**inputs)
+        stage = handle.last_trace.stages[0]
+    visual = inputs["input_ids"] == IMAGE
+    for b in range(2):
+        text = torch.nonzero(visual[b]).max() < torch.arange(visual.shape[1])
+        text &= inputs["attention_mask"][b].bool()
+        expected = attentions[layer][b].mean(0)[text].mean(0)[visual[b]]  # [n_visual]
+        torch.testing.assert_close(stage.scores[b], expected, atol=1e-6, rtol=0)
+        assert (stage.scores[b] == 0).sum() >= TOKENS  # the first image: out of the window
+        assert (stage.scores[b] > 0).any()
+
+
+def test_probe_rows_of_image_tokens_see_their_block_both_ways():
+    """Attention rows the probes compute for image-token queries equal the model's own (eager)
+    rows at every layer: the block is bidirectional (an image token attends to later tokens of
+    its block) and sliding layers cut at the window."""
+    model = gemma_model("eager")
+    inputs = gemma_inputs()
+    attentions = _eager_attentions(model, inputs)
+    rows = inputs["input_ids"] == IMAGE
+    with torch.no_grad(), AttentionProbe(model, layers=None, rows=rows) as probe:
+        model(**inputs)
+    assert len(probe.records) == 4
+    for record in probe.records:
+        for b in range(2):
+            positions = record.positions[b][record.mask[b]]
+            expected = attentions[record.layer][b][:, positions]  # [H, Tq, S]
+            got = record.probs[b][:, record.mask[b]]
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    first = torch.nonzero(rows[0]).min()
+    ahead = attentions[1][0][:, first, first + 1 : first + TOKENS]
+    assert (ahead > 0).all()  # bidirectional: the block's first token sees the rest
+
+
+def test_allowed_keys_image_blocks_and_window_by_hand():
+    """The rule by hand: positions 0..7, an image block at 2..4 and one at 6..7, window 3."""
+    visual = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    blocks = image_blocks(visual)
+    assert blocks.tolist() == [[-1, -1, 0, 0, 0, -1, 1, 1]]
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    query = torch.tensor([[2, 5, 6]])
+    rule = allowed_keys(valid, query, rule="image_blocks", blocks=(blocks.gather(1, query), blocks))
+    assert rule[0].long().tolist() == [
+        [1, 1, 1, 1, 1, 0, 0, 0],  # an image token sees its whole block
+        [1, 1, 1, 1, 1, 1, 0, 0],  # text: causal
+        [1, 1, 1, 1, 1, 1, 1, 1],  # the second block, and everything before it
+    ]
+    windowed = allowed_keys(
+        valid, query, rule="image_blocks", window=3, blocks=(blocks.gather(1, query), blocks)
+    )
+    assert windowed[0].long().tolist() == [
+        [1, 1, 1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 1],
+    ]
+    with pytest.raises(ValueError, match="needs blocks="):
+        allowed_keys(valid, query, rule="image_blocks")
+
+
+def test_remove_restores_logits_exactly():
+    model = gemma_model()
+    inputs = gemma_inputs()
+    with torch.no_grad():
+        before = model(**inputs).logits
+        handle = vf.wrap(model, pruner="fastv", keep=0.25, layer=1)
+        pruned = model(**inputs).logits
+        handle.remove()
+        after = model(**inputs).logits
+    assert pruned.shape[1] < before.shape[1]
+    assert torch.equal(before, after)
+
+
+def test_pruning_needs_token_type_ids_and_refuses_a_static_cache():
+    model = gemma_model()
+    inputs = gemma_inputs()
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=2):
+        without = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+        with pytest.raises(ValueError, match="needs `token_type_ids`"):
+            model(**without)
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
+
+
+def test_one_image_and_a_long_decode_past_the_window():
+    """One image per prompt, 12 decode steps: the sliding caches roll over more than once."""
+    model = gemma_model()
+    assert_pruned_equals_masked(
+        model, gemma_inputs(images=1, seed=3), steps=12, pruner="fastv", keep=0.25, layer=1
+    )
+
+
+def test_probe_rows_of_a_pruned_run_equal_the_masked_reference():
+    """Probes read the pruned layers' attention in original positions, prefill and decode,
+    sliding caches included: each record equals the same probe on the masked reference."""
+    model = gemma_model()
+    inputs = gemma_inputs()
+    layers = get_adapter(model).decoder_layers(model)
+    probe = dict(layers=None, rows="text", decode=True)
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=1) as handle:
+        with AttentionProbe(model, **probe) as pruned:
+            greedy_generate(model, inputs, 4)
+        trace = handle.last_trace
+    with torch.no_grad(), masked_reference(model, layers, trace):
+        with AttentionProbe(model, **probe) as reference:
+            greedy_generate(model, inputs, 4)
+    assert len(pruned.records) == len(reference.records) == 4 * 4
+    for got, want in zip(pruned.records, reference.records, strict=True):
+        assert (got.layer, got.step) == (want.layer, want.step)
+        assert torch.equal(got.positions, want.positions)
+        torch.testing.assert_close(got.probs, want.probs, atol=ATOL, rtol=0)

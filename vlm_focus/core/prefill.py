@@ -28,7 +28,8 @@ from torch import nn
 from ..config import keep_count
 from ..model_adapters import ImageLayout
 from ..trace import FocusTrace, StageTrace
-from .calls import CACHE_KEYS, CallTracker, is_static
+from .attention import layer_window
+from .calls import CACHE_KEYS, SLIDING_STATIC, CallTracker, is_static
 from .fixation import StepFixation
 from .prune_state import EngineSetup, LayerCall, PruneState
 from .pruned_loss import has_labels, take_labels
@@ -112,6 +113,10 @@ class PrefillPass:
                     )
             layout = prefill.layout(setup.model, setup.adapter)
         batch, seq = input_ids.shape
+        if is_static(cache) and any(
+            layer_window(setup.adapter, layer) is not None for layer in setup.layers
+        ):
+            raise ValueError(f"vlm_focus needs {SLIDING_STATIC} to prune images")
         if is_static(cache):
             self.static.fit(cache, seq, drops)
         trace = FocusTrace(n_visual=n_visual, visual=visual)
