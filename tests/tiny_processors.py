@@ -20,6 +20,8 @@ from vlm_focus.model_adapters.tiny import (
     BOS,
     EOS,
     IMAGE,
+    IMAGE_END,
+    IMAGE_START,
     PAD,
     VIDEO,
     VISION_END,
@@ -41,11 +43,17 @@ _QWEN_SPECIAL = {
     "<|vision_end|>": VISION_END,
 }
 _CHATML = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
+_GEMMA3_SPECIAL = {
+    "<image_soft_token>": IMAGE,
+    "<start_of_image>": IMAGE_START,
+    "<end_of_image>": IMAGE_END,
+}
 
 
 #: What a prompt writes for one image, and for one video: the processor expands the image and
 #: video tokens in it.
 LLAVA_PLACEHOLDERS = ("<image>", "<video>")
+GEMMA3_PLACEHOLDERS = ("<start_of_image>", "<start_of_image>")  # Gemma 3 takes no video
 QWEN_PLACEHOLDERS = (
     "<|vision_start|><|image_pad|><|vision_end|>",
     "<|vision_start|><|video_pad|><|vision_end|>",
@@ -80,6 +88,11 @@ LLAVA_TEMPLATE = (
 )
 ONEVISION_TEMPLATE = _chatml(_content(*_LINES))
 QWEN_TEMPLATE = _chatml(_content(*QWEN_PLACEHOLDERS))
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}\n"
+    + _content(*GEMMA3_PLACEHOLDERS)
+    + "\n{% endfor %}{% if add_generation_prompt %}assistant\n{% endif %}"
+)
 
 
 def word_tokenizer(special: dict[str, int]) -> transformers.PreTrainedTokenizerFast:
@@ -193,6 +206,26 @@ def _qwen(model, processor: str, video_processor: str) -> transformers.Processor
     )
 
 
+def _gemma3(model) -> transformers.ProcessorMixin:
+    """Gemma 3: a plain resize to the tower's square side, pan-and-scan crops when asked (at
+    this tiny side, crops of at least 8 pixels), ``mm_tokens_per_image`` tokens per block."""
+    pixels = model.config.vision_config.image_size
+    tokenizer = word_tokenizer(_GEMMA3_SPECIAL)
+    # Gemma3Processor reads these from the tokenizer, as the real Gemma tokenizer names them
+    tokenizer.boi_token, tokenizer.boi_token_id = "<start_of_image>", IMAGE_START
+    tokenizer.eoi_token, tokenizer.eoi_token_id = "<end_of_image>", IMAGE_END
+    tokenizer.image_token, tokenizer.image_token_id = "<image_soft_token>", IMAGE
+    image_processor = transformers.Gemma3ImageProcessor(
+        size={"height": pixels, "width": pixels}, pan_and_scan_min_crop_size=8
+    )
+    return transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=model.config.mm_tokens_per_image,
+        chat_template=GEMMA3_TEMPLATE,
+    )
+
+
 _BUILDERS = {
     "llava": _llava,
     "llava_next": _llava_next,
@@ -200,6 +233,7 @@ _BUILDERS = {
     "qwen2_vl": lambda m: _qwen(m, "Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen2_5_vl": lambda m: _qwen(m, "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen3_vl": lambda m: _qwen(m, "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+    "gemma3": _gemma3,
 }
 KINDS = tuple(_BUILDERS)
 VIDEO_KINDS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -211,6 +245,7 @@ PLACEHOLDERS = {
     "qwen2_vl": QWEN_PLACEHOLDERS,
     "qwen2_5_vl": QWEN_PLACEHOLDERS,
     "qwen3_vl": QWEN_PLACEHOLDERS,
+    "gemma3": GEMMA3_PLACEHOLDERS,
 }
 
 
