@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import ATOL, assert_pruned_equals_masked, greedy_generate, masked_reference
+from tiny_processors import ramp_image, tiny_processor
 
 import vlm_focus as vf
 from vlm_focus.core.attention import allowed_keys, image_blocks
@@ -207,3 +208,84 @@ def test_probe_rows_of_a_pruned_run_equal_the_masked_reference():
         assert (got.layer, got.step) == (want.layer, want.step)
         assert torch.equal(got.positions, want.positions)
         torch.testing.assert_close(got.probs, want.probs, atol=ATOL, rtol=0)
+
+
+PAN_AND_SCAN = dict(
+    do_pan_and_scan=True,
+    pan_and_scan_min_crop_size=8,
+    pan_and_scan_max_num_crops=4,
+    pan_and_scan_min_ratio_to_activate=1.2,
+)
+
+
+def test_pan_and_scan_prompt_prunes_as_the_masked_reference():
+    """The real processor with pan-and-scan: a wide image becomes itself plus 3 crops, each its
+    own image block (so 4 bidirectional blocks); a square one stays whole. Batch 2, padded."""
+    model = gemma_model()
+    processor = tiny_processor(model)
+    wide, square = ramp_image(60, 20), ramp_image(30, 30)
+    inputs = processor(
+        images=[[wide, square], [square]],
+        text=["describe <start_of_image> and <start_of_image> ?", "what <start_of_image> is"],
+        padding=True,
+        return_tensors="pt",
+        **PAN_AND_SCAN,
+    )
+    assert inputs["pixel_values"].shape[0] == 4 + 1 + 1  # wide + 3 crops, square, square
+    layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)
+    assert [len(row) for row in layout] == [5, 1]
+    assert (inputs["token_type_ids"] == (inputs["input_ids"] == IMAGE)).all()
+    for layer in (0, 2):
+        assert_pruned_equals_masked(model, inputs, steps=6, pruner="fastv", keep=0.25, layer=layer)
+
+
+def test_grounding_map_on_a_non_square_image_in_its_pixels():
+    """Gemma 3's processor squashes the image to the square side: the map's one frame is the
+    whole 60 x 20 image, its pixels are the image's, and the peak cell's pixels hold the peak."""
+    from vlm_focus import grounding as G
+    from vlm_focus.geometry import Frame
+
+    model = gemma_model()
+    processor = tiny_processor(model)
+    image = ramp_image(60, 20)
+    inputs = processor(
+        images=[[image]], text=["describe <start_of_image> the image"], return_tensors="pt"
+    )
+    heat = G.heatmap(model, inputs, processor=processor, images=[image])[0][0]
+    assert heat.frames == [Frame(0.0, 0.0, 60.0, 20.0)]
+    assert heat.pixels.shape == (20, 60) and tuple(heat.grid.shape) == (4, 4)
+    cell = divmod(int(heat.grid.argmax()), 4)
+    x_lo, y_lo, x_hi, y_hi = heat.frames[0].cells((4, 4))[cell].tolist()
+    assert (x_lo, x_hi) == (15.0 * cell[1], 15.0 * (cell[1] + 1))  # 60 / 4 wide cells
+    y, x = divmod(int(heat.pixels.argmax()), 60)
+    assert x_lo <= x + 0.5 <= x_hi and y_lo <= y + 0.5 <= y_hi
+
+
+def test_pan_and_scan_frames_are_where_the_processor_cut_the_crops():
+    """Each crop's pixels (the ramp's red and green encode the original x and y) decode to the
+    centre of the frame :func:`pan_and_scan_frames` gives it; too small or square: no crops."""
+    from vlm_focus.geometry import Frame, Size, pan_and_scan_frames
+
+    processor = tiny_processor(gemma_model())
+    part = processor.image_processor
+    for size, n in ((Size(60, 20), 3), (Size(20, 50), 3), (Size(70, 20), 4)):
+        frames = pan_and_scan_frames(size, part, **PAN_AND_SCAN)
+        assert len(frames) == n
+        pixels = part(ramp_image(*size), return_tensors="pt", **PAN_AND_SCAN)["pixel_values"]
+        assert pixels.shape[0] == 1 + n  # the image, then its crops
+        for frame, crop in zip(frames, pixels[1:], strict=True):
+            colour = (crop[:2].mean((1, 2)) * 0.5 + 0.5) * 255  # back to the ramp's 0..255
+            x, y = colour[0] / 255 * size.width, colour[1] / 255 * size.height
+            assert abs(x - (frame.x0 + frame.width / 2)) < 0.6, (size, frame, x)
+            assert abs(y - (frame.y0 + frame.height / 2)) < 0.6, (size, frame, y)
+    assert pan_and_scan_frames(Size(60, 20), part) == []  # the processor's own default: off
+    assert pan_and_scan_frames(Size(30, 30), part, **PAN_AND_SCAN) == []
+    assert (
+        pan_and_scan_frames(
+            Size(60, 20), part, **{**PAN_AND_SCAN, "pan_and_scan_min_crop_size": 25}
+        )
+        == []
+    )
+    assert pan_and_scan_frames(Size(60, 20), part, **PAN_AND_SCAN)[2] == Frame(
+        40.0, 0.0, 20.0, 20.0
+    )

@@ -39,7 +39,9 @@ rectangle (per axis, processed = ``a * original + b``):
   Qwen3-VL): the whole image squashed to the ``smart_resize`` size, whose merged grid follows the
   image's aspect ratio, so a size given as ``(height, width)`` instead of ``(width, height)`` is
   caught;
-* video frames are squashed to the grid (the frame is the whole frame).
+* video frames are squashed to the grid (the frame is the whole frame);
+* Gemma 3's pan-and-scan crops (:func:`pan_and_scan_frames`): each crop is an image of its own
+  in the prompt, squashed to the square side; its frame is its crop of the original image.
 
 Which of these three the processor follows is the model adapter's declaration
 (``ModelAdapter.processor_rule``, one of :data:`PROCESSOR_RULES`); the processor's settings give
@@ -71,6 +73,7 @@ from .processors import (
     check_processor_rule,
     image_processor_of,
     native_side,
+    pan_and_scan_frames,
     processor_frames,
     smart_resize_grid,
 )
@@ -97,6 +100,7 @@ __all__ = [
     "image_processor_of",
     "layout_sizes",
     "native_side",
+    "pan_and_scan_frames",
     "processor_frames",
     "rule_frame",
     "seen_region",
