@@ -1,15 +1,24 @@
 """The support matrix: what each model class runs, read from the registries.
 
-One row per ``model_type`` that :func:`vlm_focus.supported_models` lists. Images, several images
-per prompt and the static cache run on every registered class (the tests' masked-reference
-suites cover each); video comes from the adapter (``ModelAdapter.video``); the lmms-eval and vLLM
+One row per ``model_type`` that :func:`vlm_focus.supported_models` lists. Images and several
+images per prompt run on every registered class (the tests' masked-reference suites cover
+each), and so does the static cache except on a class with sliding-window layers
+(``ModelAdapter.attention_window``), which refuses it; video comes from the adapter
+(``ModelAdapter.video``); the lmms-eval and vLLM
 columns come from each integration's own table (``lmms_eval.DELEGATES``, ``vllm.MODELS`` and
 ``vllm.NOT_SERVED``), so a class one of them leaves out says so here with the reason.
 """
 
 from __future__ import annotations
 
-from ..model_adapters import supported_models
+from types import SimpleNamespace
+
+from ..model_adapters import get_adapter, supported_models
+
+
+def _static_cell(model_type: str) -> str:
+    adapter = get_adapter(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+    return "yes" if adapter.attention_window is None else "— (sliding-window layers)"
 
 
 def _lmms_eval_cell(model_type: str) -> str:
@@ -46,6 +55,7 @@ def support_matrix() -> str:
     videos = set(supported_models(video=True))
     for model_type in supported_models():
         video = "yes" if model_type in videos else "—"
-        cells = ["yes", "yes", video, "yes", _lmms_eval_cell(model_type), _vllm_cell(model_type)]
+        static = _static_cell(model_type)
+        cells = ["yes", "yes", video, static, _lmms_eval_cell(model_type), _vllm_cell(model_type)]
         lines.append(f"| `{model_type}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

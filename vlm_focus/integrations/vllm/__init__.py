@@ -95,6 +95,9 @@ NOT_SERVED = {
     "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
     "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
     "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
+    "gemma3": "no pruning class for vLLM's Gemma3ForConditionalGeneration yet: its image "
+    "tokens attend to their block both ways and half its layers use a sliding window, so "
+    "a kept set needs vLLM's per-layer attention metadata, not only new positions",
 }
 
 
