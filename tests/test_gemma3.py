@@ -289,3 +289,21 @@ def test_pan_and_scan_frames_are_where_the_processor_cut_the_crops():
     assert pan_and_scan_frames(Size(60, 20), part, **PAN_AND_SCAN)[2] == Frame(
         40.0, 0.0, 20.0, 20.0
     )
+
+
+def test_cli_run_on_a_saved_checkpoint(tmp_path, capsys):
+    """``vlm-focus run --model <path>`` on a saved tiny Gemma 3 and its processor."""
+    import json
+
+    from vlm_focus import cli
+
+    model = gemma_model()
+    model.save_pretrained(tmp_path / "model")
+    tiny_processor(model).save_pretrained(tmp_path / "model")
+    ramp_image(60, 20).save(tmp_path / "wide.png")
+    argv = ["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "wide.png")]
+    argv += ["--keep", "0.5", "--repeats", "1", "--max-new-tokens", "2", "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["model"] == "gemma3" and report["pruned"]
+    assert (report["visual_total"], report["visual_kept"]) == (TOKENS, TOKENS // 2)

@@ -95,9 +95,13 @@ GEMMA3_TEMPLATE = (
 )
 
 
-def word_tokenizer(special: dict[str, int]) -> transformers.PreTrainedTokenizerFast:
+def word_tokenizer(
+    special: dict[str, int], named: dict[str, str] | None = None
+) -> transformers.PreTrainedTokenizerFast:
     """A word-level tokenizer over :data:`WORDS` whose ``special`` tokens (and pad, bos, eos)
-    sit at the tiny vocabulary's ids; every id is below the tiny model's ``VOCAB``."""
+    sit at the tiny vocabulary's ids; every id is below the tiny model's ``VOCAB``. ``named``
+    gives some of them the attribute names a processor reads (Gemma 3's ``boi_token``), kept
+    when the tokenizer is saved."""
     vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **special}
     free = (i for i in range(VOCAB) if i not in vocab.values())
     for word in [*WORDS, "\n", "<unk>"]:
@@ -111,6 +115,7 @@ def word_tokenizer(special: dict[str, int]) -> transformers.PreTrainedTokenizerF
         pad_token="<pad>",
         unk_token="<unk>",
         padding_side="left",
+        **({"extra_special_tokens": named} if named else {}),
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     # a line break is a token, as in the real vocabularies (the pre-tokenizer drops whitespace)
@@ -210,11 +215,9 @@ def _gemma3(model) -> transformers.ProcessorMixin:
     """Gemma 3: a plain resize to the tower's square side, pan-and-scan crops when asked (at
     this tiny side, crops of at least 8 pixels), ``mm_tokens_per_image`` tokens per block."""
     pixels = model.config.vision_config.image_size
-    tokenizer = word_tokenizer(_GEMMA3_SPECIAL)
-    # Gemma3Processor reads these from the tokenizer, as the real Gemma tokenizer names them
-    tokenizer.boi_token, tokenizer.boi_token_id = "<start_of_image>", IMAGE_START
-    tokenizer.eoi_token, tokenizer.eoi_token_id = "<end_of_image>", IMAGE_END
-    tokenizer.image_token, tokenizer.image_token_id = "<image_soft_token>", IMAGE
+    # Gemma3Processor reads these names from the tokenizer, as the real Gemma tokenizer has them
+    names = dict(zip(("image_token", "boi_token", "eoi_token"), _GEMMA3_SPECIAL, strict=True))
+    tokenizer = word_tokenizer(_GEMMA3_SPECIAL, names)
     image_processor = transformers.Gemma3ImageProcessor(
         size={"height": pixels, "width": pixels}, pan_and_scan_min_crop_size=8
     )
