@@ -68,6 +68,8 @@ def test_layout_one_grid_per_block():
         ("debiased", {}),
         ("diverse", {}),
         ("pyramid", {}),
+        ("pool", {}),
+        ("text", {}),
     ],
 )
 def test_pruned_equals_masked_reference(pruner, options, layer, attn):
@@ -307,3 +309,37 @@ def test_cli_run_on_a_saved_checkpoint(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["model"] == "gemma3" and report["pruned"]
     assert (report["visual_total"], report["visual_kept"]) == (TOKENS, TOKENS // 2)
+
+
+def test_refusals_name_the_problem():
+    """A decode-time pruner (its steps read a layer's whole cache) and soft-capped attention
+    logits (which the attention math does not apply) are refused with the reason."""
+    model = gemma_model()
+    with pytest.raises(ValueError, match="sliding-window layers among layers >= 1"):
+        vf.wrap(model, pruner="fixation", keep=0.25, layer=1)
+    capped = tiny_model("gemma3", text=dict(attn_logit_softcapping=50.0))
+    with torch.no_grad(), vf.wrap(capped, pruner="fastv", keep=0.5, layer=2):
+        with pytest.raises(ValueError, match="attn_logit_softcapping"):
+            capped(**gemma_inputs())
+
+
+def test_score_and_select_with_a_layer_mask_runs_on_the_torch_twin():
+    """``allowed=`` equal to the causal rule gives the causal scores; a windowed one zeroes
+    the keys out of the window; the Triton kernel, causal only, refuses it when forced."""
+    from vlm_focus.kernels import score_and_select
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 11, 16, generator=gen)
+    visual = torch.zeros(2, 11, dtype=torch.bool)
+    visual[:, 2:8] = True
+    rows = torch.tensor([[8, 9, 10]]).expand(2, -1)
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    args = dict(scaling=0.3, query_pos=rows, reduce="mean", backend="torch")
+    causal, _ = score_and_select(q, k, visual, 3, **args)
+    same, _ = score_and_select(q, k, visual, 3, allowed=allowed_keys(valid, rows), **args)
+    torch.testing.assert_close(same, causal, atol=0, rtol=0)
+    windowed = allowed_keys(valid, rows, window=5)
+    scores, _ = score_and_select(q, k, visual, 3, allowed=windowed, **args)
+    assert (scores[:, 2:4] == 0).all() and (scores[:, 6:8] > 0).all()  # 10 - 5 < key
+    with pytest.raises(ValueError, match="causal masks only"):
+        score_and_select(q, k, visual, 3, allowed=windowed, **{**args, "backend": "triton"})

@@ -41,6 +41,13 @@ def _grid_side(model: nn.Module) -> int:
 def gemma3_layout(
     model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any]
 ) -> list[list[ImageLayout]]:
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        # the core's attention math is softmax(q k^T * scaling) without a tanh cap
+        raise ValueError(
+            "gemma3 with attn_logit_softcapping set: vlm_focus recomputes attention without "
+            "the soft-cap, so its scores would differ from the model's; the released Gemma 3 "
+            "checkpoints leave it None"
+        )
     side = _grid_side(model)
     per_block = side * side
     cells = grid_cells(side, side)
