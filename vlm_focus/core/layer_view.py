@@ -65,15 +65,23 @@ class LayerView:
     window: int | None = None
     blocks: torch.Tensor | None = None
 
+    def rule_blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(query_block [B, Tq], key_block [B, L])`` of the rows at original positions
+        ``rows`` and of the layer's keys, or ``None`` when the mask rule has no image blocks."""
+        if self.blocks is None:
+            return None
+        return self.blocks.gather(1, rows), self.blocks.gather(1, self.key_positions())
+
     def rule_mask(self, adapter: ModelAdapter, rows: torch.Tensor) -> torch.Tensor:
         """``[B, Tq, L]`` bool: the keys the rows at original positions ``rows [B, Tq]`` see
         by the model's mask rule, this layer's window and padding."""
-        blocks = None
-        if self.blocks is not None:
-            keys = self.keys if self.keys is not None else self.key_positions()
-            blocks = (self.blocks.gather(1, rows), self.blocks.gather(1, keys))
         return allowed_keys(
-            self.valid, rows, self.keys, rule=adapter.mask_rule, window=self.window, blocks=blocks
+            self.valid,
+            rows,
+            self.keys,
+            rule=adapter.mask_rule,
+            window=self.window,
+            blocks=self.rule_blocks(rows),
         )
 
     def key_positions(self) -> torch.Tensor:
@@ -143,12 +151,21 @@ class LayerView:
         if self.allowed is not None:
             allowed = self.allowed.expand(local.shape[0], -1, -1)
             allowed = allowed.gather(1, local[..., None].expand(-1, -1, allowed.shape[-1]))
-        q, k = layer_query_keys(adapter, self.layer, self.hidden, self.kwargs, local, self.past)
-        permitted = self.rule_mask(adapter, positions)
-        if allowed is not None:
-            permitted = permitted & allowed
-        scaling = getattr(self.layer, adapter.attention).scaling
-        return self.to_full(attention_probs(q, k, scaling, permitted))
+        probs = layer_attention_rows(
+            adapter,
+            self.layer,
+            self.hidden,
+            self.kwargs,
+            local,
+            positions,
+            self.past,
+            self.valid,
+            self.keys,
+            allowed,
+            self.window,
+            self.rule_blocks(positions),
+        )
+        return self.to_full(probs)
 
 
 def _layer_allowed(mask: Any, n_rows: int, n_keys: int) -> torch.Tensor | None:
@@ -274,7 +291,6 @@ def layer_attention_rows(
     valid: torch.Tensor,
     key_positions: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
-    *,
     window: int | None = None,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
