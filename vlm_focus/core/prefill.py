@@ -224,11 +224,13 @@ class PrefillPass:
             "cols", None, current, lambda: self._columns(state, current)
         )
         kwargs = dict(kwargs)
-        # The decoder hands every layer the same full-length cos/sin, mask and position ids, and
-        # the kept set changes only at a stage: slice each once per stage (on its own device).
+        # The decoder hands every layer the same full-length cos/sin, mask and position ids (one
+        # set per layer type where it has several, e.g. sliding-window and full layers), and the
+        # kept set changes only at a stage: slice each once per stage and type (on its device).
+        kind = f":{id(cos)}"
         kwargs["position_embeddings"] = (
-            state.once("cos", cos, current, lambda: self._kept_positions(cos, current, 1)),
-            state.once("sin", sin, current, lambda: self._kept_positions(sin, current, 1)),
+            state.once("cos" + kind, cos, current, lambda: self._kept_positions(cos, current, 1)),
+            state.once("sin" + kind, sin, current, lambda: self._kept_positions(sin, current, 1)),
         )
         mask = kwargs.get("attention_mask")
         if state.static:
@@ -241,7 +243,7 @@ class PrefillPass:
             )
         else:
             kwargs["attention_mask"] = state.once(
-                "mask",
+                "mask" + kind,
                 mask,
                 current,
                 lambda: slice_mask(mask, on_device_of(current, mask), on_device_of(current, mask)),
@@ -256,7 +258,7 @@ class PrefillPass:
             state.masked_at[index] = masked
             mask = kwargs["attention_mask"]
             kwargs["attention_mask"] = state.once(
-                "masked_mask",
+                "masked_mask" + kind,
                 mask,
                 current,
                 lambda: mask_keys(mask, masked, hidden.shape[1], masked.shape[1]),
