@@ -140,7 +140,9 @@ class Decode:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.is_floating_point():
             low = torch.finfo(mask.dtype).min
-            allowed = torch.zeros(allowed.shape, dtype=mask.dtype).masked_fill(~allowed, low)
+            allowed = torch.zeros(
+                allowed.shape, dtype=mask.dtype, device=allowed.device
+            ).masked_fill(~allowed, low)
         kwargs = dict(kwargs)
         kwargs["attention_mask"] = allowed.to(hidden.device)
         return kwargs
