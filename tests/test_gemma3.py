@@ -312,9 +312,12 @@ def test_cli_run_on_a_saved_checkpoint(tmp_path, capsys):
 
 
 def test_refusals_name_the_problem():
-    """A decode-time pruner (its steps read a layer's whole cache) and soft-capped attention
-    logits (which the attention math does not apply) are refused with the reason."""
+    """Compact positions (the masks count original ones), a decode-time pruner (its steps read
+    a layer's whole cache) and soft-capped attention logits (which the attention math does not
+    apply) are refused with the reason."""
     model = gemma_model()
+    with pytest.raises(ValueError, match="positions='compact' renumbers the kept tokens"):
+        vf.wrap(model, pruner="fastv", keep=0.5, layer=0, positions="compact")
     with pytest.raises(ValueError, match="sliding-window layers among layers >= 1"):
         vf.wrap(model, pruner="fixation", keep=0.25, layer=1)
     capped = tiny_model("gemma3", text=dict(attn_logit_softcapping=50.0))

@@ -78,4 +78,7 @@ GEMMA3 = ModelAdapter(
     qk_norms=("q_norm", "k_norm"),
     visual_marker_attrs=("boi_token_id", "eoi_token_id"),
     multi_image_views=True,
+    # 1-D RoPE, but its windows and image blocks are masked by original positions, so the
+    # kept tokens are never renumbered (positions="compact" is refused)
+    consecutive_positions=False,
 )
