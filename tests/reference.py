@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 import vlm_focus as vf
+from vlm_focus.core.attention import layer_window
 from vlm_focus.model_adapters import get_adapter
 
 ATOL = 2e-5  # fp32: only summation order differs between a pruned run and its reference
@@ -32,6 +33,8 @@ def _masking(model, layers, dropped):
         call["mask2d"] = mask2d
         call["step"] = call["step"] + 1 if past > 0 else -1
 
+    adapter = get_adapter(model)
+
     def on_layer(index):
         def hook(module, args, kwargs):
             sets = dropped(index, call)
@@ -41,16 +44,19 @@ def _masking(model, layers, dropped):
             batch, n_new = hidden.shape[:2]
             mask2d = call["mask2d"]
             width = mask2d.shape[1]
-            keys = torch.arange(width)
             queries = torch.arange(width - n_new, width)
-            allowed = (keys[None, :] <= queries[:, None]).expand(batch, n_new, width).clone()
-            allowed &= mask2d.bool()[:, None, :]
+            if adapter.mask_rule == "causal" and layer_window(adapter, module) is None:
+                keys = torch.arange(width)  # causal + padding, built from scratch
+                allowed = (keys[None, :] <= queries[:, None]).expand(batch, n_new, width).clone()
+                allowed &= mask2d.bool()[:, None, :]
+            else:  # the model's own rule: the mask the decoder handed this layer
+                keys, allowed = _model_mask(module, kwargs, index, batch, queries, mask2d)
             for b in range(batch):
                 if sets[b]:
-                    allowed[b][:, torch.tensor(sorted(sets[b]))] = False
+                    allowed[b] &= ~torch.isin(keys, torch.tensor(sorted(sets[b])))[None, :]
             allowed |= keys[None, None, :] == queries[None, :, None]  # keep the diagonal
             dtype = hidden.dtype
-            mask = torch.zeros(batch, 1, n_new, width, dtype=dtype)
+            mask = torch.zeros(batch, 1, n_new, keys.shape[0], dtype=dtype)
             mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
             kwargs = dict(kwargs)
             kwargs["attention_mask"] = mask
@@ -66,6 +72,30 @@ def _masking(model, layers, dropped):
     finally:
         for h in handles:
             h.remove()
+
+
+def _model_mask(module, kwargs, index, batch, queries, mask2d):
+    """The keys (original positions, ``[L]``) a layer of the unpruned model attends to in this
+    call and its own mask over them, ``[B, T, L]`` bool. Its keys are the newest ``L``
+    positions: all of them, or a sliding-window cache's last ones. Without a materialised mask
+    (SDPA's causal shortcut) the mask is causal + padding over those keys."""
+    mask = kwargs.get("attention_mask")
+    width = mask2d.shape[1]
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        n_keys = mask.shape[-1]
+        allowed = (
+            mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] > torch.finfo(mask.dtype).min / 2
+        )
+        allowed = allowed.expand(batch, -1, -1).clone()
+    else:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        layer = cache.layers[index] if cache is not None else None
+        held = layer.keys.shape[-2] if layer is not None and layer.is_initialized else 0
+        n_keys = held + queries.shape[0]
+        keys = torch.arange(width - n_keys, width)
+        allowed = (keys[None, :] <= queries[:, None]).expand(batch, -1, -1).clone()
+        allowed &= mask2d.bool()[:, None, width - n_keys :]
+    return torch.arange(width - n_keys, width), allowed
 
 
 def masked_reference(model, layers, trace):

@@ -166,7 +166,9 @@ CASES = list(_cases())
 def _placeholder_tokens(processor, replacement: dict) -> tuple[str, int]:
     """(kind, visual tokens) of one expanded placeholder."""
     kind = replacement["type"]
-    token = processor.image_token if kind == "image" else processor.video_token
+    # the tiny vocabulary's visual token (Gemma 3's processor names its <start_of_image>
+    # marker `image_token`, and expands it to soft tokens)
+    token = processor.tokenizer.convert_ids_to_tokens(IMAGE if kind == "image" else VIDEO)
     return kind, replacement["replacement"].count(token)
 
 
@@ -304,6 +306,8 @@ def _item_colours(model, processor, inputs, layouts) -> list[torch.Tensor]:
             taken[layout.kind] += 1
             if video:
                 colours = _frame_colours(item, layout)
+            elif layout.patches is None:  # pooled tokens (Gemma 3): each reads its grid cell
+                colours = _frame_colours(item[None], layout)
             else:
                 colours = _crop_colours(model, item if item.dim() == 4 else item[None], layout)
         out.append(_to_255(colours, part))

@@ -304,7 +304,15 @@ def test_reask_refuses_crops_that_are_not_frames_inside_the_image():
 def test_default_modes_come_from_the_model_type():
     assert zoom.default_mode(make_model("llava")) == "crop"
     assert zoom.default_mode(make_model("qwen2_vl")) == "both"
-    both = {"internvl", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+    both = {
+        "gemma3",
+        "internvl",
+        "llava_onevision",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    }
     for model_type in vf.supported_models():  # the adapters' multi_image_views decide
         adapter = get_adapter(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
         assert zoom.mode_for(adapter) == ("both" if model_type in both else "crop"), model_type

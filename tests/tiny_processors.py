@@ -20,6 +20,8 @@ from vlm_focus.model_adapters.tiny import (
     BOS,
     EOS,
     IMAGE,
+    IMAGE_END,
+    IMAGE_START,
     PAD,
     VIDEO,
     VISION_END,
@@ -41,11 +43,17 @@ _QWEN_SPECIAL = {
     "<|vision_end|>": VISION_END,
 }
 _CHATML = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
+_GEMMA3_SPECIAL = {
+    "<image_soft_token>": IMAGE,
+    "<start_of_image>": IMAGE_START,
+    "<end_of_image>": IMAGE_END,
+}
 
 
 #: What a prompt writes for one image, and for one video: the processor expands the image and
 #: video tokens in it.
 LLAVA_PLACEHOLDERS = ("<image>", "<video>")
+GEMMA3_PLACEHOLDERS = ("<start_of_image>", "<start_of_image>")  # Gemma 3 takes no video
 QWEN_PLACEHOLDERS = (
     "<|vision_start|><|image_pad|><|vision_end|>",
     "<|vision_start|><|video_pad|><|vision_end|>",
@@ -80,11 +88,20 @@ LLAVA_TEMPLATE = (
 )
 ONEVISION_TEMPLATE = _chatml(_content(*_LINES))
 QWEN_TEMPLATE = _chatml(_content(*QWEN_PLACEHOLDERS))
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}\n"
+    + _content(*GEMMA3_PLACEHOLDERS)
+    + "\n{% endfor %}{% if add_generation_prompt %}assistant\n{% endif %}"
+)
 
 
-def word_tokenizer(special: dict[str, int]) -> transformers.PreTrainedTokenizerFast:
+def word_tokenizer(
+    special: dict[str, int], named: dict[str, str] | None = None
+) -> transformers.PreTrainedTokenizerFast:
     """A word-level tokenizer over :data:`WORDS` whose ``special`` tokens (and pad, bos, eos)
-    sit at the tiny vocabulary's ids; every id is below the tiny model's ``VOCAB``."""
+    sit at the tiny vocabulary's ids; every id is below the tiny model's ``VOCAB``. ``named``
+    gives some of them the attribute names a processor reads (Gemma 3's ``boi_token``), kept
+    when the tokenizer is saved."""
     vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **special}
     free = (i for i in range(VOCAB) if i not in vocab.values())
     for word in [*WORDS, "\n", "<unk>"]:
@@ -98,6 +115,7 @@ def word_tokenizer(special: dict[str, int]) -> transformers.PreTrainedTokenizerF
         pad_token="<pad>",
         unk_token="<unk>",
         padding_side="left",
+        **({"extra_special_tokens": named} if named else {}),
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     # a line break is a token, as in the real vocabularies (the pre-tokenizer drops whitespace)
@@ -242,6 +260,24 @@ def _internvl(model) -> transformers.ProcessorMixin:
     )
 
 
+def _gemma3(model) -> transformers.ProcessorMixin:
+    """Gemma 3: a plain resize to the tower's square side, pan-and-scan crops when asked (at
+    this tiny side, crops of at least 8 pixels), ``mm_tokens_per_image`` tokens per block."""
+    pixels = model.config.vision_config.image_size
+    # Gemma3Processor reads these names from the tokenizer, as the real Gemma tokenizer has them
+    names = dict(zip(("image_token", "boi_token", "eoi_token"), _GEMMA3_SPECIAL, strict=True))
+    tokenizer = word_tokenizer(_GEMMA3_SPECIAL, names)
+    image_processor = transformers.Gemma3ImageProcessor(
+        size={"height": pixels, "width": pixels}, pan_and_scan_min_crop_size=8
+    )
+    return transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=model.config.mm_tokens_per_image,
+        chat_template=GEMMA3_TEMPLATE,
+    )
+
+
 _BUILDERS = {
     "llava": _llava,
     "llava_next": _llava_next,
@@ -250,6 +286,7 @@ _BUILDERS = {
     "qwen2_5_vl": lambda m: _qwen(m, "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen3_vl": lambda m: _qwen(m, "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
     "internvl": _internvl,
+    "gemma3": _gemma3,
 }
 KINDS = tuple(_BUILDERS)
 VIDEO_KINDS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -262,6 +299,7 @@ PLACEHOLDERS = {
     "qwen2_5_vl": QWEN_PLACEHOLDERS,
     "qwen3_vl": QWEN_PLACEHOLDERS,
     "internvl": INTERNVL_PLACEHOLDERS,
+    "gemma3": GEMMA3_PLACEHOLDERS,
 }
 
 

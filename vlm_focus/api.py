@@ -122,6 +122,12 @@ def _check_compact(config: FocusConfig, adapter: ModelAdapter) -> None:
             f"first decoder layer), got layer={config.layer!r}; use positions='original' for "
             "other schedules"
         )
+    if adapter.mask_rule != "causal" or adapter.attention_window is not None:
+        raise ValueError(
+            f"positions='compact' renumbers the kept tokens, but '{adapter.model_type}' masks "
+            "attention by position (sliding windows, image blocks), which vlm_focus keeps in "
+            "original positions; use positions='original'"
+        )
     if not adapter.consecutive_positions:
         allowed = ", ".join(supported_models(consecutive_positions=True))
         raise ValueError(

@@ -71,11 +71,12 @@ def layer_qk(
 
 
 #: The attention-mask rules the core understands, as a model adapter declares its model's
-#: (``ModelAdapter.mask_rule``): ``"causal"``, a query sees every key at or before it. A
-#: model with another rule (Gemma 3's ``"sliding_window"`` layers, its
-#: ``"bidirectional_images"`` image tokens) adds its name here and its branch in
-#: :func:`allowed_keys`, the one place a rule becomes a mask.
-MASK_RULES = ("causal",)
+#: (``ModelAdapter.mask_rule``): ``"causal"``, a query sees every key at or before it;
+#: ``"image_blocks"`` (Gemma 3), causal, and a visual token also sees every token of its own
+#: image block (a run of consecutive visual tokens), before or after it. A layer's sliding
+#: window (its attention module's, see ``ModelAdapter.attention_window``) narrows either rule.
+#: :func:`allowed_keys` is the one place a rule becomes a mask.
+MASK_RULES = ("causal", "image_blocks")
 
 
 def check_mask_rule(rule: object) -> str:
@@ -85,22 +86,58 @@ def check_mask_rule(rule: object) -> str:
     return rule
 
 
+def image_blocks(visual: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` id of the image block each token belongs to (-1 off the visual tokens): a
+    block is a run of consecutive visual tokens. Pruning removes only visual tokens, so runs
+    in a pruned sequence are still the blocks of the original one."""
+    starts = visual & ~torch.nn.functional.pad(visual, (1, 0))[:, :-1]
+    return torch.where(visual, starts.long().cumsum(1) - 1, -1)
+
+
 def allowed_keys(
     key_valid: torch.Tensor,
     query_pos: torch.Tensor,
     key_pos: torch.Tensor | None = None,
     *,
     rule: str = "causal",
+    window: int | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, Tq, S]`` bool: key ``s`` is valid and the mask ``rule`` (one of
-    :data:`MASK_RULES`) lets query ``t`` see it (``"causal"``: not after it), comparing
-    original positions (``query_pos [B, Tq]``, ``key_pos [B, S]``, default ``0..S-1``) so
-    pruned sequences keep the unpruned model's semantics."""
+    :data:`MASK_RULES`) lets query ``t`` see it, comparing original positions
+    (``query_pos [B, Tq]``, ``key_pos [B, S]``, default ``0..S-1``) so pruned sequences keep
+    the unpruned model's semantics:
+
+    * ``"causal"``: ``key_pos <= query_pos``;
+    * ``"image_blocks"``: causal, or query and key in the same image block; ``blocks`` is
+      ``(query_block [B, Tq], key_block [B, S])`` (:func:`image_blocks`, -1 off images),
+      required with this rule;
+    * ``window`` (a sliding-window layer): additionally ``key_pos > query_pos - window``.
+    """
     if key_pos is None:
         key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)[None]
-    if check_mask_rule(rule) == "causal":
-        seen = key_pos[:, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
+    rule = check_mask_rule(rule)
+    seen = key_pos[:, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
+    if rule == "image_blocks":
+        if blocks is None:
+            raise ValueError(
+                "mask_rule='image_blocks' needs blocks=(query_block, key_block): the image "
+                "block of each query and key (vlm_focus.core.attention.image_blocks)"
+            )
+        query_block, key_block = blocks
+        same = query_block[:, :, None] == key_block[:, None, :]
+        seen = seen | (same & (query_block[:, :, None] >= 0))
+    if window is not None:
+        seen = seen & (key_pos[:, None, :] > query_pos[:, :, None] - window)
     return key_valid[:, None, :] & seen
+
+
+def layer_window(adapter, layer: nn.Module) -> int | None:
+    """The sliding window of decoder ``layer``'s attention (keys more than ``window - 1``
+    positions back are not seen), or ``None`` for full attention."""
+    if adapter.attention_window is None:
+        return None
+    return getattr(getattr(layer, adapter.attention), adapter.attention_window, None)
 
 
 def attention_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .attention import allowed_keys, layer_window
 from .cache_lengths import held_length
 from .calls import CACHE_KEYS, CallState, cache_length, static_length
 from .fixation import FixedView
@@ -90,6 +91,9 @@ class Decode:
         else column-sliced, with this layer's masked prompt keys kept masked."""
         if state.static:
             return self.static.decode_layer(state, call.index, call.kwargs)
+        window = layer_window(self.setup.adapter, call.module)
+        if window is not None:
+            return self._windowed(state, call, window)
         masked = state.masked_at.get(call.index)
         hidden = call.hidden
         if masked is not None:  # this layer's masked prompt keys stay masked at every step
@@ -104,6 +108,44 @@ class Decode:
             )
             return kwargs
         return self._sliced(state, call)
+
+    @staticmethod
+    def _windowed(state: PruneState, call: LayerCall, window: int) -> dict:
+        """A decode step's mask on a sliding-window layer, built from original positions.
+
+        Its cache keeps only its newest ``window - 1`` keys, and after pruning those reach
+        further back in original positions than the window does; the model's mask, sized by
+        another layer's cache, cannot tell which of them to hide. So the mask is built here:
+        the step sees the held keys that are valid, not masked for its row, and within
+        ``window`` positions of it (:func:`vlm_focus.core.attention.allowed_keys`)."""
+        index, kwargs, hidden = call.index, call.kwargs, call.hidden
+        n_new = hidden.shape[1]
+        layer = call.cache.layers[index]
+        held = (layer.keys.shape[-2] if layer.is_initialized else 0) + n_new
+        width = cache_length(call.cache, index) + n_new  # reported in original positions
+        kept = state.decode_cols[index]
+        key_pos = decode_columns(kept, state.full_len, width)[:, -held:]  # [B, held]
+        prompt = state.valid.to(kept.device)
+        valid = torch.ones(key_pos.shape, dtype=torch.bool, device=kept.device)
+        in_prompt = key_pos < state.full_len
+        valid &= ~in_prompt | prompt.gather(1, key_pos.clamp(max=state.full_len - 1))
+        masked = state.masked_at.get(index)
+        if masked is not None:  # this layer's masked prompt keys stay masked at every step
+            full = torch.cat([masked, masked.new_zeros(masked.shape[0], width - state.full_len)], 1)
+            valid &= ~full.to(kept.device)[:, -held:]
+        query_pos = torch.arange(width - n_new, width, device=kept.device).expand(
+            key_pos.shape[0], -1
+        )
+        allowed = allowed_keys(valid, query_pos, key_pos, window=window)[:, None]  # [B,1,T,L]
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            low = torch.finfo(mask.dtype).min
+            allowed = torch.zeros(
+                allowed.shape, dtype=mask.dtype, device=allowed.device
+            ).masked_fill(~allowed, low)
+        kwargs = dict(kwargs)
+        kwargs["attention_mask"] = allowed.to(hidden.device)
+        return kwargs
 
     @staticmethod
     def _sliced(state: PruneState, call: LayerCall) -> dict:

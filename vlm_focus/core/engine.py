@@ -39,6 +39,7 @@ from ..config import FocusConfig
 from ..kernels import warm_up
 from ..model_adapters import ModelAdapter
 from ..trace import FocusTrace
+from .attention import layer_window
 from .cache_lengths import report_original_length
 from .calls import CallState, CallTracker, cache_length, cache_of, is_static
 from .decode import Decode
@@ -90,6 +91,16 @@ class FocusEngine:
                 f"pruner {pruner.name!r} picks visual keys per decoding step by masking the "
                 f"others, which the linear-attention layers of '{adapter.model_type}' cannot "
                 "do (they read every token they hold); use a prefill pruner"
+            )
+        if pruner.decode_time and any(
+            layer_window(adapter, layer) is not None
+            for layer in self.setup.layers[self.setup.first_layer :]
+        ):
+            raise ValueError(
+                f"pruner={pruner.name!r} picks each decoding step's visual keys from the whole "
+                "cache of the layers it prunes, but this model has sliding-window layers among "
+                f"layers >= {self.setup.first_layer}, whose caches keep only their newest keys; "
+                "use a prefill pruner (see vf.pruners())"
             )
         self.model = model
         self.adapter = adapter

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from ..model_adapters import ModelAdapter
-from .attention import allowed_keys, attention_logits, attention_probs, layer_qk
+from .attention import (
+    allowed_keys,
+    attention_logits,
+    attention_probs,
+    image_blocks,
+    layer_qk,
+    layer_window,
+)
 from .calls import CallState, CallTracker, Prefill, cache_of
 
 
@@ -39,6 +46,9 @@ class LayerView:
     it attends to (its cache, then this call's tokens), ``None`` when it holds every one
     (``0 .. width-1``). ``valid [B, L]`` marks the non-padding keys, ``allowed [B, T, L]`` what
     the layer's own mask lets each row see (``None``: causal + padding), ``past`` its cache.
+    A sliding-window layer (``window``) holds only the newest keys of its cache. ``blocks
+    [B, width]`` is the image block of each of the call's tokens under the
+    ``"image_blocks"`` mask rule (else ``None``).
     """
 
     index: int
@@ -52,6 +62,33 @@ class LayerView:
     valid: torch.Tensor
     past: torch.Tensor | None
     allowed: torch.Tensor | None
+    window: int | None = None
+    blocks: torch.Tensor | None = None
+
+    def rule_blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(query_block [B, Tq], key_block [B, L])`` of the rows at original positions
+        ``rows`` and of the layer's keys, or ``None`` when the mask rule has no image blocks."""
+        if self.blocks is None:
+            return None
+        return self.blocks.gather(1, rows), self.blocks.gather(1, self.key_positions())
+
+    def rule_mask(self, adapter: ModelAdapter, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, Tq, L]`` bool: the keys the rows at original positions ``rows [B, Tq]`` see
+        by the model's mask rule, this layer's window and padding."""
+        return allowed_keys(
+            self.valid,
+            rows,
+            self.keys,
+            rule=adapter.mask_rule,
+            window=self.window,
+            blocks=self.rule_blocks(rows),
+        )
+
+    def key_positions(self) -> torch.Tensor:
+        """``[B, L]`` original positions of the layer's keys."""
+        if self.keys is not None:
+            return self.keys
+        return torch.arange(self.valid.shape[1], device=self.valid.device).expand_as(self.valid)
 
     @property
     def width(self) -> int:
@@ -125,6 +162,8 @@ class LayerView:
             self.valid,
             self.keys,
             allowed,
+            self.window,
+            self.rule_blocks(positions),
         )
         return self.to_full(probs)
 
@@ -172,11 +211,16 @@ def layer_view(
     device = hidden.device
     kept = tracker.prompt_positions(index)
     width = call.valid.shape[1]
+    window = layer_window(adapter, layer)
+    held = n_past + n_new
     if kept is None:
-        if n_past + n_new != width:
-            raise RuntimeError(f"layer {index} keys ({n_past + n_new}) and mask ({width}) differ")
+        # a sliding-window layer's cache holds only the newest keys
+        if held != width and (window is None or held > width):
+            raise RuntimeError(f"layer {index} keys ({held}) and mask ({width}) differ")
         rows = torch.arange(call.past, call.past + n_new, device=device).expand(batch, -1)
-        keys, valid = None, call.valid.to(device)
+        keys = None
+        if held != width:
+            keys = torch.arange(width - held, width, device=device).expand(batch, -1)
     else:
         kept = kept.to(device)
         if past is None:
@@ -184,15 +228,37 @@ def layer_view(
         else:
             later = torch.arange(tracker.prompt_length, width, device=device).expand(batch, -1)
             keys = torch.cat([kept, later], dim=1)
+            if window is not None:
+                keys = keys[:, max(0, keys.shape[1] - held) :]
             rows = later[:, later.shape[1] - n_new :]
-        if keys.shape[1] != n_past + n_new:
+        if keys.shape[1] != held:
             raise RuntimeError(
-                f"layer {index} holds {n_past + n_new} keys, the pruning trace {keys.shape[1]}"
+                f"layer {index} holds {held} keys, the pruning trace {keys.shape[1]}"
             )
-        valid = call.valid.to(device).gather(1, keys)
+    valid = call.valid.to(device)
+    if keys is not None:
+        valid = valid.gather(1, keys)
+    blocks = None
+    if adapter.mask_rule == "image_blocks" and tracker.prefill is not None:
+        visual = tracker.prefill.visual.to(device)
+        blocks = torch.nn.functional.pad(
+            image_blocks(visual), (0, width - visual.shape[1]), value=-1
+        )
     allowed = _layer_allowed(kwargs.get("attention_mask"), n_new, n_past + n_new)
     return LayerView(
-        index, layer, hidden, kwargs, call, tracker.prefill, rows, keys, valid, past, allowed
+        index,
+        layer,
+        hidden,
+        kwargs,
+        call,
+        tracker.prefill,
+        rows,
+        keys,
+        valid,
+        past,
+        allowed,
+        window,
+        blocks,
     )
 
 
@@ -225,17 +291,23 @@ def layer_attention_rows(
     valid: torch.Tensor,
     key_positions: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
+    window: int | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention probabilities ``[B, H, Tq, L]`` of the query rows ``local [B, Tq]`` (indices
     into this call's ``hidden``; original positions ``rows``) over the layer's ``L`` keys
     (``past`` cached keys, then this call's), from the layer's own norm, projections and RoPE
     tables. ``valid [B, L]`` marks non-padding keys, ``key_positions [B, L]`` their original
-    positions (default ``0 .. L-1``), ``allowed [B, Tq, L]`` what the layer's mask permits."""
+    positions (default ``0 .. L-1``), ``allowed [B, Tq, L]`` what the layer's mask permits;
+    ``window`` and ``blocks`` (query and key image blocks) complete the model's mask rule
+    (:func:`vlm_focus.core.attention.allowed_keys`)."""
     q, k = layer_query_keys(adapter, layer, hidden, kwargs, local, past)
     total = k.shape[2]
     if valid.shape[1] != total:
         raise RuntimeError(f"layer keys ({total}) and attention_mask ({valid.shape[1]}) differ")
-    permitted = allowed_keys(valid, rows, key_positions, rule=adapter.mask_rule)  # [B, Tq, L]
+    permitted = allowed_keys(
+        valid, rows, key_positions, rule=adapter.mask_rule, window=window, blocks=blocks
+    )  # [B, Tq, L]
     if allowed is not None:
         permitted = permitted & allowed
     return attention_probs(q, k, getattr(layer, adapter.attention).scaling, permitted)

@@ -28,7 +28,8 @@ from torch import nn
 from ..config import keep_count
 from ..model_adapters import ImageLayout
 from ..trace import FocusTrace, StageTrace
-from .calls import CACHE_KEYS, CallTracker, is_static
+from .attention import layer_window
+from .calls import CACHE_KEYS, SLIDING_STATIC, CallTracker, is_static
 from .fixation import StepFixation
 from .prune_state import EngineSetup, LayerCall, PruneState
 from .pruned_loss import has_labels, take_labels
@@ -112,6 +113,10 @@ class PrefillPass:
                     )
             layout = prefill.layout(setup.model, setup.adapter)
         batch, seq = input_ids.shape
+        if is_static(cache) and any(
+            layer_window(setup.adapter, layer) is not None for layer in setup.layers
+        ):
+            raise ValueError(f"vlm_focus needs {SLIDING_STATIC} to prune images")
         if is_static(cache):
             self.static.fit(cache, seq, drops)
         trace = FocusTrace(n_visual=n_visual, visual=visual)
@@ -221,11 +226,13 @@ class PrefillPass:
             "cols", None, current, lambda: self._columns(state, current)
         )
         kwargs = dict(kwargs)
-        # The decoder hands every layer the same full-length cos/sin, mask and position ids, and
-        # the kept set changes only at a stage: slice each once per stage (on its own device).
+        # The decoder hands every layer the same full-length cos/sin, mask and position ids (one
+        # set per layer type where it has several, e.g. sliding-window and full layers), and the
+        # kept set changes only at a stage: slice each once per stage and type (on its device).
+        kind = f":{id(cos)}"
         kwargs["position_embeddings"] = (
-            state.once("cos", cos, current, lambda: self._kept_positions(cos, current, 1)),
-            state.once("sin", sin, current, lambda: self._kept_positions(sin, current, 1)),
+            state.once("cos" + kind, cos, current, lambda: self._kept_positions(cos, current, 1)),
+            state.once("sin" + kind, sin, current, lambda: self._kept_positions(sin, current, 1)),
         )
         mask = kwargs.get("attention_mask")
         if state.static:
@@ -238,7 +245,7 @@ class PrefillPass:
             )
         else:
             kwargs["attention_mask"] = state.once(
-                "mask",
+                "mask" + kind,
                 mask,
                 current,
                 lambda: slice_mask(mask, on_device_of(current, mask), on_device_of(current, mask)),
@@ -253,7 +260,7 @@ class PrefillPass:
             state.masked_at[index] = masked
             mask = kwargs["attention_mask"]
             kwargs["attention_mask"] = state.once(
-                "masked_mask",
+                "masked_mask" + kind,
                 mask,
                 current,
                 lambda: mask_keys(mask, masked, hidden.shape[1], masked.shape[1]),

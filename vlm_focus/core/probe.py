@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model_adapters import get_adapter
-from .attention import allowed_keys, attention_probs
+from ..model_adapters import ModelAdapter, get_adapter
+from .attention import attention_probs
 from .calls import CallState, CallTracker, Prefill
 from .layer_view import LayerView, layer_attention_rows, layer_view
 
@@ -302,12 +302,14 @@ class AttentionBias(_LayerHooks):
             heads = None  # a per-head bias: the heads of q
             if bias.dim() == 4:
                 heads = getattr(module, self.adapter.attention).config.num_attention_heads
-            return args, self._biased(view, bias, self.adapter.mask_rule, heads)
+            return args, self._biased(view, bias, self.adapter, heads)
 
         return hook
 
     @staticmethod
-    def _biased(view: LayerView, bias: torch.Tensor, mask_rule: str, n_heads: int | None) -> dict:
+    def _biased(
+        view: LayerView, bias: torch.Tensor, adapter: ModelAdapter, n_heads: int | None
+    ) -> dict:
         kwargs, hidden = view.kwargs, view.hidden
         batch = hidden.shape[0]
         n_call = view.call.input_ids.shape[1]
@@ -327,7 +329,7 @@ class AttentionBias(_LayerHooks):
             else:
                 base = mask.to(dtype).expand(batch, -1, -1, -1)
         else:
-            allowed = allowed_keys(view.valid, view.rows, view.keys, rule=mask_rule)  # [B, T_l, L]
+            allowed = view.rule_mask(adapter, view.rows)  # [B, T_l, L]
             base = torch.zeros(batch, 1, *allowed.shape[1:], dtype=dtype, device=hidden.device)
             base = base.masked_fill(~allowed[:, None], low)
         if tuple(base.shape[-2:]) != tuple(bias.shape[-2:]):

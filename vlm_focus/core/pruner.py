@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from ..kernels import score_and_select
-from .attention import apply_rope, layer_qk, text_after_image  # noqa: F401 (re-exported)
+from .attention import (  # noqa: F401 (apply_rope, text_after_image re-exported)
+    allowed_keys,
+    apply_rope,
+    image_blocks,
+    layer_qk,
+    layer_window,
+    text_after_image,
+)
 
 if TYPE_CHECKING:
     from ..config import FocusConfig
@@ -148,6 +155,25 @@ class StageContext:
         with this layer's own norm and projections (never the full ``S x S`` attention)."""
         return layer_qk(self.adapter, self.decoder_layer, self.hidden, self.cos, self.sin, rows)
 
+    def allowed(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``[B, Tq, S]`` bool: the current keys the query ``rows [B, Tq]`` (local indices) see
+        under this layer's own mask (:func:`vlm_focus.core.attention.allowed_keys`, by original
+        positions: the model's mask rule, the layer's sliding window, padding), or ``None``
+        where that mask is plain causal + padding, which every scorer applies itself."""
+        window = layer_window(self.adapter, self.decoder_layer)
+        if self.adapter.mask_rule == "causal" and window is None:
+            return None
+        blocks = image_blocks(self.visual)
+        query_pos = self.positions.gather(1, rows)
+        return allowed_keys(
+            self.valid,
+            query_pos,
+            self.positions,
+            rule=self.adapter.mask_rule,
+            window=window,
+            blocks=(blocks.gather(1, rows), blocks),
+        )
+
     def attention_scores(
         self,
         n_keep: int,
@@ -174,6 +200,7 @@ class StageContext:
             reduce=reduce or self.config.reduce,
             debias=debias,
             n_visual=None if self.visual_counts is None else min(self.visual_counts),
+            allowed=self.allowed(rows),
         )
         return Selection(scores=scores, kept=kept)
 

@@ -45,7 +45,9 @@ rectangle (per axis, processed = ``a * original + b``):
   (row-major), then a thumbnail view of the whole image squashed (:func:`tile_frames`). An image
   cut into one tile has that one view. Without the processor the tile count the visual tokens
   show picks the canvas; with it, a size whose tile count differs is caught;
-* video frames are squashed to the grid (the frame is the whole frame).
+* video frames are squashed to the grid (the frame is the whole frame);
+* Gemma 3's pan-and-scan crops (:func:`pan_and_scan_frames`): each crop is an image of its own
+  in the prompt, squashed to the square side; its frame is its crop of the original image.
 
 Which of these the processor follows is the model adapter's declaration
 (``ModelAdapter.processor_rule``, one of :data:`PROCESSOR_RULES`); the processor's settings give
@@ -77,6 +79,7 @@ from .processors import (
     check_processor_rule,
     image_processor_of,
     native_side,
+    pan_and_scan_frames,
     processor_frames,
     smart_resize_grid,
     tile_frames,
@@ -105,6 +108,7 @@ __all__ = [
     "image_processor_of",
     "layout_sizes",
     "native_side",
+    "pan_and_scan_frames",
     "processor_frames",
     "rule_frame",
     "seen_region",

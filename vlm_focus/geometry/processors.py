@@ -344,3 +344,50 @@ def native_side(processor: Any) -> int:
     raise ValueError(
         f"cannot read the encoder's input size from {type(ip).__name__} (size={size!r})"
     )
+
+
+def pan_and_scan_frames(size: Size, settings: Any, **overrides: Any) -> list[Frame]:
+    """The crops pan-and-scan (Gemma 3's image processor, ``do_pan_and_scan``) adds after an
+    image, in prompt order, as frames on the ``size`` image; ``[]`` when it adds none.
+
+    An image whose long side exceeds ``pan_and_scan_min_ratio_to_activate`` times its short
+    side is cut along the long side into ``n`` equal crops: ``n`` is the aspect ratio rounded
+    half up, at most ``long // pan_and_scan_min_crop_size``, then clamped to
+    ``[2, pan_and_scan_max_num_crops]``; a crop's side is ``ceil(long / n)`` (the last one ends
+    at the image's edge) and none is made when a crop would be shorter than the minimum on
+    either side. Each crop is then resized to the square side like the image itself.
+    ``settings`` is the image processor (or its settings); ``overrides`` are the call's own
+    values (``processor(..., do_pan_and_scan=True, pan_and_scan_min_crop_size=...)``)."""
+    size = Size(*size)
+
+    def setting(key: str) -> Any:
+        return overrides[key] if key in overrides else _get(settings, key)
+
+    if not setting("do_pan_and_scan"):
+        return []
+    ratio = setting("pan_and_scan_min_ratio_to_activate")
+    min_crop = setting("pan_and_scan_min_crop_size")
+    max_crops = setting("pan_and_scan_max_num_crops")
+    if None in (ratio, min_crop, max_crops):
+        raise ValueError(
+            "pan-and-scan needs pan_and_scan_min_ratio_to_activate, pan_and_scan_min_crop_size "
+            "and pan_and_scan_max_num_crops (pass them as keyword overrides)"
+        )
+    wide = size.width >= size.height
+    long, short = (size.width, size.height) if wide else (size.height, size.width)
+    if long / short < ratio:
+        return []
+    n = min(math.floor(long / short + 0.5), math.floor(long / min_crop))
+    n = min(max(2, n), max_crops)
+    side = math.ceil(long / n)
+    if min(side, short) < min_crop:
+        return []
+    frames = []
+    for i in range(n):
+        start = side * i
+        extent = min(side, long - start)
+        if wide:
+            frames.append(Frame(float(start), 0.0, float(extent), float(short)))
+        else:
+            frames.append(Frame(0.0, float(start), float(short), float(extent)))
+    return frames

@@ -66,6 +66,8 @@ DELEGATES: dict[str, Delegate] = {
     "qwen2_vl": Delegate("lmms_eval.models.simple.qwen2_vl.Qwen2_VL", chat=False, max_batch=1),
     "qwen2_5_vl": Delegate("lmms_eval.models.chat.qwen2_5_vl.Qwen2_5_VL"),
     "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL"),
+    # its processor output (token_type_ids included) goes straight to generate()
+    "gemma3": Delegate("lmms_eval.models.simple.gemma3.Gemma3", chat=False, max_batch=1),
     "qwen3_vl_moe": Delegate(
         None,
         left_out="lmms-eval 0.7.3's Qwen3_VL picks its mixture-of-experts class from the "

@@ -63,6 +63,7 @@ def score_and_select(
     debias: torch.Tensor | None = None,
     backend: str | None = None,
     n_visual: int | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention mass each visual key receives from the query rows, and the top ``n_keep`` keys.
 
@@ -81,6 +82,11 @@ def score_and_select(
         backend: ``None`` (automatic), ``"torch"`` or ``"triton"``.
         n_visual: the fewest valid visual keys of any row, when the caller knows it on the
             host; otherwise it is counted, which makes the host wait for the device.
+        allowed: ``[B, Tq, S]`` bool, the keys each query row sees when the layer's mask is
+            not plain causal (a sliding window, bidirectional image blocks; see
+            :func:`vlm_focus.core.attention.allowed_keys`); it replaces the ``query_pos``
+            rule and is combined with ``key_mask``. The Triton kernel reads causal masks
+            only, so such a call runs on the torch twin (``backend="triton"`` raises).
 
     Returns:
         ``scores [B, S]`` float32 (0 where a key is not visual) and ``kept [B, n_keep]`` int64,
@@ -123,6 +129,8 @@ def score_and_select(
         )
     if debias is not None and tuple(debias.shape) != (batch, seq):
         raise ValueError(f"debias has shape {list(debias.shape)}, expected [{batch}, {seq}]")
+    if allowed is not None:
+        _check_bool("allowed", allowed, (batch, n_query, seq))
     visual = visual & key_mask
     args = dict(
         scaling=float(scaling),
@@ -132,6 +140,13 @@ def score_and_select(
         reduce=reduce,
         debias=debias,
     )
+    if allowed is not None:
+        if backend == "triton":
+            raise ValueError(
+                "backend='triton' computes causal masks only; a layer with a sliding window or "
+                "bidirectional image blocks (allowed=) scores on backend='torch'"
+            )
+        return score_and_select_naive(q, k, visual, n_keep, allowed=allowed, **args)
     if _pick_backend(backend, q) == "triton":
         from ._triton import score_and_select_triton
 

@@ -24,6 +24,7 @@ def score_and_select_naive(
     query_weights: torch.Tensor,
     reduce: str,
     debias: torch.Tensor | None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score visual keys by the attention the query rows pay them, then keep the top ``n_keep``.
 
@@ -34,7 +35,13 @@ def score_and_select_naive(
     Arguments are already checked and defaulted by :func:`vlm_focus.kernels.score_and_select`.
     """
     per_query = per_query_attention(
-        q, k, scaling=scaling, key_mask=key_mask, query_pos=query_pos, reduce=reduce
+        q,
+        k,
+        scaling=scaling,
+        key_mask=key_mask,
+        query_pos=query_pos,
+        reduce=reduce,
+        allowed=allowed,
     )  # [B, Tq, S]
     scores = torch.einsum("bt,bts->bs", query_weights.float(), per_query)
     if debias is not None:
@@ -56,12 +63,18 @@ def per_query_attention(
     key_mask: torch.Tensor,
     query_pos: torch.Tensor,
     reduce: str,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, Tq, S]``: ``R_h(softmax_s(q[b,h,t].k[b,h,s] * scaling))`` for every query row, over
-    the keys that are valid and at or before ``query_pos[b, t]`` (a row with none gives 0).
+    the keys that are valid and at or before ``query_pos[b, t]`` (a row with none gives 0), or,
+    with ``allowed [B, Tq, S]`` (a layer's own mask rule), the valid keys it allows.
 
     The softmax is :func:`vlm_focus.core.attention.attention_probs`, the one the probes use; the
     largest intermediate is its ``[B, H, Tq, S]`` probability slab.
     """
-    probs = attention_probs(q, k, scaling, allowed_keys(key_mask, query_pos))  # [B, H, Tq, S]
+    if allowed is None:
+        allowed = allowed_keys(key_mask, query_pos)
+    else:
+        allowed = allowed & key_mask[:, None, :]
+    probs = attention_probs(q, k, scaling, allowed)  # [B, H, Tq, S]
     return probs.mean(dim=1) if reduce == "mean" else probs.amax(dim=1)

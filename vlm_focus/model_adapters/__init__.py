@@ -9,6 +9,7 @@ from torch import nn
 
 from .base import ImageLayout, ModelAdapter
 from .internvl import INTERNVL
+from .gemma3 import GEMMA3
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
 from .llava_onevision import LLAVA_ONEVISION
@@ -81,3 +82,4 @@ for _adapter in (
     QWEN3_5_MOE,
 ):
     register_adapter(_adapter)
+register_adapter(GEMMA3)

@@ -110,6 +110,9 @@ class ModelAdapter:
             :data:`vlm_focus.core.attention.MASK_RULES` (``"causal"``); every reader of the
             model's attention rows builds its mask from it
             (:func:`vlm_focus.core.attention.allowed_keys`).
+        attention_window: attribute of a decoder layer's attention module holding its sliding
+            window (``None`` there on a full-attention layer), or ``None`` when the family has
+            no sliding-window layers (Gemma 3's ``"sliding_window"``).
         video: the family reads videos (its processor takes ``videos=`` and the model encodes
             them); it then names its video token in ``video_token_attrs``.
         processor_rule: the arithmetic the family's image processor places the image by, one
@@ -154,6 +157,7 @@ class ModelAdapter:
         default_factory=lambda: {0: ("resize",)}
     )
     mask_rule: str = "causal"
+    attention_window: str | None = None
     video: bool = False
     processor_rule: str = "single"
     aspect_grids: bool = False

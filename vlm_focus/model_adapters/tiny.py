@@ -23,6 +23,8 @@ import transformers
 VOCAB = 128
 PAD, BOS, EOS = 0, 1, 2
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
+# Gemma 3's <start_of_image> and <end_of_image> around each image's tokens
+IMAGE_START, IMAGE_END = 126, 127
 
 _LLAMA = dict(
     vocab_size=VOCAB,
@@ -129,6 +131,25 @@ _INTERNVL_VISION = dict(
     _VISION, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4
 )
 
+# Gemma 3: per-head q/k norms, query_pre_attn_scalar scaling, sliding-window layers (window 8)
+# mixed with full ones, each type with its own RoPE; a SigLIP tower of 8x8 patches pooled to
+# a 4x4 grid (16 tokens per image).
+_GEMMA3_TEXT = dict(
+    _LLAMA,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)
+_GEMMA3_VISION = dict(
+    _VISION,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=4,
+    vision_use_head=False,
+)
+
 _QWEN_TOKENS = dict(
     image_token_id=IMAGE,
     video_token_id=VIDEO,
@@ -229,6 +250,20 @@ _TINY: dict[str, _Tiny] = {
         _QWEN3_5_MOE_TEXT,
         _QWEN3_5_VISION,
         _QWEN_TOKENS,
+    ),
+    "gemma3": _Tiny(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        _GEMMA3_TEXT,
+        _GEMMA3_VISION,
+        dict(
+            mm_tokens_per_image=16,
+            image_token_index=IMAGE,
+            boi_token_index=IMAGE_START,
+            eoi_token_index=IMAGE_END,
+        ),
+        text_class="Gemma3TextConfig",
+        vision_class="SiglipVisionConfig",
     ),
 }
 

@@ -92,6 +92,7 @@ def per_query_scores(
         key_mask=ctx.valid,
         query_pos=rows,
         reduce=reduce or ctx.config.reduce,
+        allowed=ctx.allowed(rows),
     )
     return per_query.masked_fill(~candidates[:, None, :], 0.0)
 

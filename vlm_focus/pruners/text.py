@@ -86,6 +86,7 @@ class TextPruner(Pruner):
                 query_pos=last,
                 query_weights=torch.ones_like(last, dtype=torch.float32),
                 reduce=ctx.config.reduce,
+                allowed=ctx.allowed(last),
             )  # [B, S]: last token's attention to each instruction token
             prior = to_text.gather(1, rows)
         weights = rater_weights(raters, prior)

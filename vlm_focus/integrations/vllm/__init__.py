@@ -103,6 +103,9 @@ NOT_SERVED = {
     "inside the decoder",
     "qwen3_5_moe": "no pruning class for vLLM's Qwen3.5 mixture-of-experts model yet (the same "
     "hybrid decoder as qwen3_5)",
+    "gemma3": "no pruning class for vLLM's Gemma3ForConditionalGeneration yet: its image "
+    "tokens attend to their block both ways and half its layers use a sliding window, so "
+    "a kept set needs vLLM's per-layer attention metadata, not only new positions",
 }
 
 
