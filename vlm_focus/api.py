@@ -10,7 +10,7 @@ from torch import nn
 from .config import FocusConfig
 from .core.engine import FocusEngine
 from .model_adapters import ModelAdapter, get_adapter, supported_models
-from .pruners import get_pruner
+from .pruners import get_pruner, video_pruner_class
 from .trace import FocusTrace
 
 _HANDLE_ATTR = "_vlm_focus_handle"
@@ -105,7 +105,11 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
             )
     if config.positions == "compact":
         _check_compact(config, adapter)
-    engine = FocusEngine(model, adapter, config, pruner_cls(config, pruner_options))
+    video_cls = video_pruner_class(config)  # the pruner of prompts with a video, if another
+    video_pruner = None if video_cls is None else video_cls(config, video_cls.Options())
+    engine = FocusEngine(
+        model, adapter, config, pruner_cls(config, pruner_options), video_pruner=video_pruner
+    )
     engine.attach()
     handle = FocusHandle(model, engine)
     setattr(model, _HANDLE_ATTR, handle)
