@@ -29,9 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
-
-from organism import qwen_model_path
 from qwen_organism import (
     KEEPS,
     VIDEO_KINDS,
@@ -42,6 +39,9 @@ from qwen_organism import (
     scored,
     video_questions,
 )
+from tqdm import tqdm
+
+from organism import qwen_model_path
 from vlm_focus import FocusConfig
 from vlm_focus.loading import load_model
 
@@ -71,8 +71,13 @@ def video_rows(model, processor, rows, layers) -> list[dict]:
     for (label, pruner, options), budget, layer in tqdm(settings, desc="video settings"):
         per_keep = []
         for keep in KEEPS:
-            focus = FocusConfig(
-                pruner=pruner, keep=keep, layer=layer, budget=budget, options=dict(options)
+            focus = FocusConfig(  # the named pruner on the clips (no video default)
+                pruner=pruner,
+                keep=keep,
+                layer=layer,
+                budget=budget,
+                video_pruner=None,
+                options=dict(options),
             )
             per_keep.append(scored(model, processor, rows, focus, kind_accuracy))
         refused = next((k for k in per_keep if isinstance(k, str)), None)
@@ -139,9 +144,7 @@ def markdown(results: dict) -> str:
         lines += [
             f"## Layer K = {layer}",
             "",
-            "| setting | budget | score | "
-            + " | ".join(f"keep {k}" for k in KEEPS)
-            + " |",
+            "| setting | budget | score | " + " | ".join(f"keep {k}" for k in KEEPS) + " |",
             "|---|---|---:|" + "---|" * len(KEEPS),
         ]
         rows = sorted(
@@ -154,7 +157,9 @@ def markdown(results: dict) -> str:
             else:
                 cells = [" / ".join(f"{100 * k[kind]:.0f}" for kind in kinds) for k in r["kinds"]]
             score = "—" if r["score"] is None else f"{100 * r['score']:.1f}"
-            lines.append(f"| {r['setting']} | {r['budget']} | {score} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {r['setting']} | {r['budget']} | {score} | " + " | ".join(cells) + " |"
+            )
         lines.append("")
     if results.get("images"):
         lines += [
@@ -248,7 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         results["image_unpruned"] = accuracy(generate(model, processor, image_qs, None), image_qs)
         compared = {("fastv", "fastv", (), "span")}
         compared.add(
-            (chosen["setting"], chosen["pruner"], tuple(chosen["options"].items()), chosen["budget"])
+            (
+                chosen["setting"],
+                chosen["pruner"],
+                tuple(chosen["options"].items()),
+                chosen["budget"],
+            )
         )
         results["images"] = image_rows(
             model,

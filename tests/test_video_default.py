@@ -100,11 +100,20 @@ def test_a_mixed_batch_prunes_each_row_with_its_own_pruner(model):
     assert [len(k) for k in kept] == [6, 4]  # each row its own share
 
 
-@pytest.mark.parametrize("case", ["video", "mixed"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_the_video_default_equals_the_masked_reference(case, attn):
-    model = make_model(KIND, attn=attn)
-    inputs = _mixed(model) if case == "mixed" else make_case(KIND, "video", model, batch=2)
+@pytest.mark.parametrize(
+    "kind,case,attn",
+    [
+        (KIND, "video", "sdpa"),
+        (KIND, "video", "eager"),
+        (KIND, "mixed", "sdpa"),
+        (KIND, "mixed", "eager"),
+        ("qwen3_vl", "video", "sdpa"),
+        ("llava_onevision", "video", "sdpa"),
+    ],
+)
+def test_the_video_default_equals_the_masked_reference(kind, case, attn):
+    model = make_model(kind, attn=attn)
+    inputs = _mixed(model) if case == "mixed" else make_case(kind, "video", model, batch=2)
     trace = assert_pruned_equals_masked(model, inputs, steps=4, keep=0.25, layer=2)
     assert trace.pruners == (["diverse", "fastv"] if case == "mixed" else ["diverse"] * 2)
 
