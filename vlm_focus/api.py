@@ -68,8 +68,9 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
     """Prune visual tokens inside ``model``'s language model; returns a :class:`FocusHandle`.
 
     ``options`` are :class:`FocusConfig` fields (``pruner``, ``keep``, ``layer``, ``query_rows``,
-    ``reduce``, ``budget``, ``positions``) and the chosen pruner's own options. The model object
-    is patched in place with instance hooks only. Wrapping an already wrapped model raises
+    ``reduce``, ``budget``, ``positions``, ``video_pruner``) and the chosen pruner's own
+    options; a prompt that carries a video runs :attr:`FocusConfig.pruner_for_video`. The model
+    object is patched in place with instance hooks only. Wrapping an already wrapped model raises
     ``ValueError``: call ``handle.remove()`` first.
 
     Example::
