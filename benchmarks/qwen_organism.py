@@ -159,7 +159,7 @@ def pruner_table(model, processor, n_images: int) -> dict:
     settings = [(p, layer, keep) for p in names for layer in LAYERS for keep in KEEPS]
     for pruner, layer, keep in tqdm(settings, desc="pruners"):
         options = {"options": {"mode": "uniform"}} if pruner == "temporal" else {}
-        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options)
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options, video_pruner=None)
         result = scored(model, processor, rows, focus)
         table["rows"].append({"pruner": pruner, "layer": layer, "keep": keep, "accuracy": result})
     return table
@@ -183,7 +183,7 @@ def video_table(model, processor, n_clips: int) -> dict:
         for k in KEEPS
     ]
     for pruner, budget, keep, layer in tqdm(settings, desc="video budgets"):
-        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget=budget)
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget=budget, video_pruner=None)
         kinds = scored(model, processor, rows, focus, kind_accuracy)
         result = kinds if isinstance(kinds, str) else kinds["all"]
         table["budgets"].append(
@@ -206,7 +206,7 @@ def video_table(model, processor, n_clips: int) -> dict:
     for name, keep, layer in tqdm(settings, desc="temporal"):
         pruner = "random" if name == "random" else "temporal"
         options = {} if name == "random" else {"options": {"mode": name}}
-        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options)
+        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, **options, video_pruner=None)
         result = scored(model, processor, rows, focus)
         table["temporal"].append(
             {"setting": name, "keep": keep, "layer": layer, "accuracy": result}
@@ -254,7 +254,9 @@ def first_object_table(model, processor, n_clips: int, keeps=KEEPS) -> dict:
     names = ("fastv", "text", "diverse", "random", FirstObjectOracle.name)
     settings = [(p, layer, k) for layer in LAYERS for p in names for k in keeps]
     for pruner, layer, keep in tqdm(settings, desc="first object"):
-        focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, budget="frame")
+        focus = FocusConfig(
+            pruner=pruner, keep=keep, layer=layer, budget="frame", video_pruner=None
+        )
         answers, kept = [], {name: [] for name in groups[0]}
         with vf.wrap(model, focus) as handle:
             for i in range(0, len(rows), BATCH):
@@ -285,7 +287,7 @@ def fixation_table(model, processor, n_clips: int, layer: int = 1) -> dict:
     table: dict = {"unpruned": unpruned, "layer": layer, "rows": []}
     for pruner in ("fixation", "fastv", "random"):
         for keep in (0.1, 0.2, 0.5):
-            focus = FocusConfig(pruner=pruner, keep=keep, layer=layer)
+            focus = FocusConfig(pruner=pruner, keep=keep, layer=layer, video_pruner=None)
             result = scored(
                 model,
                 processor,

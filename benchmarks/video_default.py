@@ -71,8 +71,13 @@ def video_rows(model, processor, rows, layers) -> list[dict]:
     for (label, pruner, options), budget, layer in tqdm(settings, desc="video settings"):
         per_keep = []
         for keep in KEEPS:
-            focus = FocusConfig(
-                pruner=pruner, keep=keep, layer=layer, budget=budget, options=dict(options)
+            focus = FocusConfig(  # the named pruner on the clips (no video default)
+                pruner=pruner,
+                keep=keep,
+                layer=layer,
+                budget=budget,
+                video_pruner=None,
+                options=dict(options),
             )
             per_keep.append(scored(model, processor, rows, focus, kind_accuracy))
         refused = next((k for k in per_keep if isinstance(k, str)), None)

@@ -54,6 +54,12 @@ def test_run_answers_about_a_video_pruned_and_unpruned(kind, tmp_path, capsys):
     tokens = int(grid.prod()) // 4  # merged 2 x 2
     assert report["visual_total"] == tokens and report["visual_kept"] == tokens // 2
     assert report["budget"] == "frame" and report["pruned"]
+    # the video default at layer 2: diverse, named beside the setting
+    assert (report["pruner"], report["video_pruner"], report["pruned_by"]) == (
+        "fastv",
+        "auto",
+        "diverse",
+    )
 
 
 def test_bench_runs_on_qwen3_vl(tmp_path, capsys):

@@ -37,7 +37,8 @@ def _matrix():
 def _check(kind, case, attn, batch, layer, pruner="fastv", keep=0.5, steps=8, **options):
     model = make_model(kind, attn=attn)
     inputs = make_case(kind, case, model, batch=batch)
-    wrap = dict(pruner=pruner, keep=keep, layer=layer, **options)
+    # the named pruner on videos too (the video default has its own tests)
+    wrap = dict(pruner=pruner, keep=keep, layer=layer, video_pruner=None, **options)
     return model, inputs, assert_pruned_equals_masked(model, inputs, steps, **wrap)
 
 

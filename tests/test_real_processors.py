@@ -211,7 +211,7 @@ def _assert_timestamped_frames(processor, inputs) -> None:
 # --- the pruned run against the masked reference -----------------------------------------------
 def _assert_pruned_equals_masked(model, inputs, layer: int, keep: float = 0.5) -> None:
     trace = assert_pruned_equals_masked(
-        model, inputs, STEPS, pruner="fastv", keep=keep, layer=layer
+        model, inputs, STEPS, pruner="fastv", keep=keep, layer=layer, video_pruner=None
     )
     assert [s.layer for s in trace.stages] == [layer]
 

@@ -24,6 +24,7 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
             "reduce": "max",
             "budget": "frame",
             "positions": "original",
+            "video_pruner": None,
             "warm_kernels": True,
             "options": {},
         },
@@ -43,6 +44,7 @@ def test_hf_overrides_pick_the_pruning_architecture_and_carry_the_settings():
         ({"budget": "frames"}, "budget='frames' is not one of"),
         ({"positions": "compact"}, "positions='compact' is not one of \\('original',\\)"),
         ({"positions": "shifted"}, "positions='shifted' is not one of"),
+        ({"video_pruner": "diverse"}, "one pruner for images and videos"),
     ],
 )
 def test_bad_settings_name_what_is_allowed(options, message):

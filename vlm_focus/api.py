@@ -10,7 +10,7 @@ from torch import nn
 from .config import FocusConfig
 from .core.engine import FocusEngine
 from .model_adapters import ModelAdapter, get_adapter, supported_models
-from .pruners import get_pruner
+from .pruners import get_pruner, video_pruner_class
 from .trace import FocusTrace
 
 _HANDLE_ATTR = "_vlm_focus_handle"
@@ -68,8 +68,9 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
     """Prune visual tokens inside ``model``'s language model; returns a :class:`FocusHandle`.
 
     ``options`` are :class:`FocusConfig` fields (``pruner``, ``keep``, ``layer``, ``query_rows``,
-    ``reduce``, ``budget``, ``positions``) and the chosen pruner's own options. The model object
-    is patched in place with instance hooks only. Wrapping an already wrapped model raises
+    ``reduce``, ``budget``, ``positions``, ``video_pruner``) and the chosen pruner's own
+    options; a prompt that carries a video runs :attr:`FocusConfig.pruner_for_video`. The model
+    object is patched in place with instance hooks only. Wrapping an already wrapped model raises
     ``ValueError``: call ``handle.remove()`` first.
 
     Example::
@@ -105,7 +106,11 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
             )
     if config.positions == "compact":
         _check_compact(config, adapter)
-    engine = FocusEngine(model, adapter, config, pruner_cls(config, pruner_options))
+    video_cls = video_pruner_class(config)  # the pruner of prompts with a video, if another
+    video_pruner = None if video_cls is None else video_cls(config, video_cls.Options())
+    engine = FocusEngine(
+        model, adapter, config, pruner_cls(config, pruner_options), video_pruner=video_pruner
+    )
     engine.attach()
     handle = FocusHandle(model, engine)
     setattr(model, _HANDLE_ATTR, handle)

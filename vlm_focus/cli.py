@@ -283,6 +283,8 @@ def _run(config: RunConfig) -> int:
             model, inputs, repeats=config.repeats, answer=pruned
         )
     fixated = trace is not None and trace.n_fixated
+    # the pruner that chose (a video's may be video_pruner's, FocusConfig.pruner_for_video)
+    pruned_by = trace.pruners[0] if trace is not None and trace.pruners else focus.pruner
     report = {
         "model": model.config.model_type,
         "video" if config.video is not None else "image": source,
@@ -291,6 +293,7 @@ def _run(config: RunConfig) -> int:
         "answer_unpruned": unpruned.texts[0],
         "answer_pruned": pruned.texts[0],
         **{k: v for k, v in focus.to_dict().items() if k != "warm_kernels"},
+        "pruned_by": pruned_by,
         "visual_kept": kept,
         "visual_total": total,
         **({"visual_per_decode_step": trace.n_fixated[0]} if fixated else {}),
@@ -314,7 +317,8 @@ def _run(config: RunConfig) -> int:
     print(f"model     {report['model']}   {'video' if config.video else 'image'} {shown}")
     print(f"prompt    {prompt}")
     print(f"unpruned  {unpruned.texts[0]}")
-    print(f"pruned    {pruned.texts[0]}   ({RunSetting(focus=focus).tag})")
+    by = "" if pruned_by == focus.pruner else f", pruned by {pruned_by}"
+    print(f"pruned    {pruned.texts[0]}   ({RunSetting(focus=focus).tag}{by})")
     print(_kept_line(kept, total, trace))
     timed = prefill_report(timing, kept, total)
     if timing is None and fixated:  # the prompt kept all: the decode steps prune

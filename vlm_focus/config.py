@@ -10,12 +10,19 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .core.options import check_choices, option
+from .core.options import check_choices, default_of, option
 
 QUERY_ROWS = ("last", "text")
 REDUCTIONS = ("mean", "max")
 BUDGETS = ("span", "frame")
 POSITIONS = ("original", "compact")
+#: ``video_pruner``'s default: the measured choice for prompts that carry a video
+#: (:attr:`FocusConfig.pruner_for_video`), resolved per setting.
+VIDEO_AUTO = "auto"
+#: what ``video_pruner="auto"`` runs on a video while ``pruner`` is its default and pruning
+#: starts after layer 0: pure max-min diversity keeps "which object comes first" at every keep
+#: where attention pruners lose it (benchmarks/results/video_default.md)
+VIDEO_DEFAULT = "diverse"
 KEEP_RULE = "a float ratio in (0, 1] (1.0 keeps every visual token) or an int count >= 2"
 
 
@@ -110,6 +117,16 @@ def read_layer(value: Any, name: str = "layer") -> int | tuple[int, ...]:
     return read_stages(name, value, one)
 
 
+def read_video_pruner(value: Any) -> Any:
+    """``video_pruner`` as a command line (or a harness's ``key=value``) gives it: ``none`` is
+    ``None`` (``pruner`` for every prompt), other text a name (checked by
+    :func:`vlm_focus.wrap`); anything but text is returned unchanged."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    return None if text.lower() == "none" else text
+
+
 def keeps_everything(keep: Any) -> bool:
     """True for the ratio ``1.0``: every stage keeps every visual token (no pruning)."""
     keeps = keep if isinstance(keep, (tuple, list)) else (keep,)
@@ -172,6 +189,17 @@ class FocusConfig:
         tag="p",
         recorded="when_set",
     )
+    video_pruner: str | None = option(
+        VIDEO_AUTO,
+        "the pruner of a prompt that carries a video: 'auto' = 'diverse' (pure max-min; at "
+        "layer 2 it keeps which object comes first where fastv loses it, "
+        "benchmarks/results/video_default.md) while pruner is the default 'fastv' and "
+        "pruning starts after layer 0, else pruner; a registered name = that pruner, with its "
+        "default options, for every prompt with a video; none = pruner for every prompt",
+        parse=read_video_pruner,
+        tag="v",
+        recorded="when_set",
+    )
     warm_kernels: bool = option(
         True,
         "on a GPU, compile the Triton kernels' variants at wrap() so that no "
@@ -216,6 +244,16 @@ class FocusConfig:
             raise TypeError(f"warm_kernels must be True or False, got {self.warm_kernels!r}")
         if not isinstance(self.pruner, str):
             raise TypeError(f"pruner must be a name (str), got {type(self.pruner).__name__}")
+        if self.video_pruner is not None and not isinstance(self.video_pruner, str):
+            raise TypeError(
+                f"video_pruner must be a pruner name (str), 'auto' or None, got "
+                f"{type(self.video_pruner).__name__}"
+            )
+        if isinstance(self.video_pruner, str) and not self.video_pruner.strip():
+            raise ValueError(
+                "video_pruner='' is empty: pass a registered pruner name, 'auto' (the measured "
+                "video default) or None (pruner for every prompt)"
+            )
 
     @property
     def stages(self) -> list[tuple[int, float | int]]:
@@ -223,6 +261,26 @@ class FocusConfig:
         layers = self.layer if isinstance(self.layer, (tuple, list)) else (self.layer,)
         keeps = self.keep if isinstance(self.keep, (tuple, list)) else (self.keep,)
         return list(zip(layers, keeps, strict=True))
+
+    @property
+    def pruner_for_video(self) -> str:
+        """The pruner that runs on a prompt whose visual tokens include a video:
+
+        - ``video_pruner=None``: ``pruner``, as for every prompt;
+        - ``"auto"`` (the default): ``"diverse"`` (:data:`VIDEO_DEFAULT`, with its default
+          ``pool=1``) while ``pruner`` is its default ``"fastv"`` and the first stage is after
+          layer 0, where it was measured best on videos; ``pruner`` otherwise: a pruner the
+          caller names, and pruning at layer 0 (where fastv keeps more than diverse), apply to
+          videos unchanged;
+        - a name: that pruner, whatever ``pruner`` is.
+        """
+        if self.video_pruner is None:
+            return self.pruner
+        if self.video_pruner != VIDEO_AUTO:
+            return self.video_pruner
+        if self.pruner == default_of(FocusConfig, "pruner") and self.stages[0][0] > 0:
+            return VIDEO_DEFAULT
+        return self.pruner
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

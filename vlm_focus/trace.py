@@ -96,11 +96,16 @@ class FocusTrace:
         sequence: ``[B, S']`` original positions of every token the last layers still see
             (text, padding and kept visual tokens); logits of a pruned forward line up with it.
         seconds: wall time spent scoring and selecting.
+        pruners: per row, the name of the pruner that chose its kept set: ``video_pruner``'s
+            for a row with a video, else ``pruner``'s
+            (:attr:`~vlm_focus.FocusConfig.pruner_for_video`; ``pruner``'s where nothing was
+            pruned).
     """
 
     n_visual: list[int]
     visual: torch.Tensor  # [B, S] bool, the input's visual tokens
     stages: list[StageTrace] = field(default_factory=list)
+    pruners: list[str] = field(default_factory=list)
     sequence: torch.Tensor | None = None
     stopwatch: Stopwatch = field(default_factory=Stopwatch, repr=False)
     fixation: object | None = field(default=None, repr=False)  # decode-time selection state

@@ -83,9 +83,14 @@ class FocusEngine:
     """Owns the hooks on one model instance and the state of the current prefill."""
 
     def __init__(
-        self, model: nn.Module, adapter: ModelAdapter, config: FocusConfig, pruner: Pruner
+        self,
+        model: nn.Module,
+        adapter: ModelAdapter,
+        config: FocusConfig,
+        pruner: Pruner,
+        video_pruner: Pruner | None = None,
     ) -> None:
-        self.setup = EngineSetup.of(model, adapter, config, pruner)
+        self.setup = EngineSetup.of(model, adapter, config, pruner, video_pruner)
         if pruner.decode_time and self.setup.recurrent:
             raise ValueError(
                 f"pruner {pruner.name!r} picks visual keys per decoding step by masking the "
@@ -146,8 +151,9 @@ class FocusEngine:
             )
         if self.adapter.sequence_hooks is not None:  # e.g. Qwen3-VL's DeepStack
             self._hooks.extend(self.adapter.sequence_hooks(self.model, self.held.prompt_positions))
-        self._hooks.extend(self.pruner.attach(self.model, self.adapter))  # e.g. vision tower
-        if self.config.warm_kernels and self.pruner.attention_based:
+        for pruner in setup.all_pruners:
+            self._hooks.extend(pruner.attach(self.model, self.adapter))  # e.g. vision tower
+        if self.config.warm_kernels and any(p.attention_based for p in setup.all_pruners):
             self._warm_kernels()
 
     def _warm_kernels(self) -> None:

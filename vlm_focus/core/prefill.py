@@ -33,7 +33,7 @@ from .calls import CACHE_KEYS, SLIDING_STATIC, CallTracker, is_static
 from .fixation import StepFixation
 from .prune_state import EngineSetup, LayerCall, PruneState
 from .pruned_loss import has_labels, take_labels
-from .pruner import StageContext
+from .pruner import Pruner, Selection, StageContext
 from .selection import frame_shares, keep_mask, kept_columns, lowest_visual, selected_keep
 from .slicing import execution_device, gather_seq, mask_keys, on_device_of, slice_mask
 from .static_decode import StaticBuffers
@@ -119,7 +119,10 @@ class PrefillPass:
             raise ValueError(f"vlm_focus needs {SLIDING_STATIC} to prune images")
         if is_static(cache):
             self.static.fit(cache, seq, drops)
-        trace = FocusTrace(n_visual=n_visual, visual=visual)
+        # each row's pruner: a row with a video takes the video pruner (read from the layout,
+        # which exists whenever something is chosen; else nothing is, and pruner stands)
+        row_pruners = setup.row_pruners(layout)
+        trace = FocusTrace(n_visual=n_visual, visual=visual, pruners=[p.name for p in row_pruners])
         # the prompt without its cache: the state is filed under the cache, weakly
         prompt = dataclasses.replace(
             prefill, inputs={k: v for k, v in prefill.inputs.items() if k not in CACHE_KEYS}
@@ -131,6 +134,7 @@ class PrefillPass:
             extras=extras,
             visual_counts=counts,
             trace=trace,
+            pruners=row_pruners,
             current=torch.arange(seq, device=input_ids.device).expand(batch, seq),
             prompt_end=tracker.prompt_end,  # set for the whole forward of a grounding pass
             frames=(
@@ -357,7 +361,7 @@ class PrefillPass:
         watch = state.trace.stopwatch
         start = watch.start(device)
         with torch.no_grad():
-            selection = setup.pruner.select(ctx, n_keep)
+            selection = _select(state.pruners, ctx, n_keep)
         ranking = selection.scores
         if setup.config.budget == "frame":
             frames = state.frames.to(device).gather(1, current)
@@ -385,3 +389,18 @@ class PrefillPass:
             StageTrace(index, current, visual, keep, selection.scores, masked=masked)
         )
         return local
+
+
+def _select(row_pruners: list[Pruner], ctx: StageContext, n_keep: int) -> Selection:
+    """The selection of one stage when each row names its pruner: the pruner's own, or, in a
+    batch that mixes pruners (video and image rows), every row's scores from its own pruner.
+    Each pruner then scores the whole batch, and every row keeps its own pruner's top
+    ``n_keep`` (:func:`~vlm_focus.core.selection.keep_mask`), as it would alone."""
+    distinct = list(dict.fromkeys(row_pruners))
+    if len(distinct) == 1:
+        return distinct[0].select(ctx, n_keep)
+    device = ctx.hidden.device
+    scores = [p.select(ctx, n_keep).scores.float().to(device) for p in distinct]
+    which = torch.tensor([distinct.index(p) for p in row_pruners], device=device)
+    merged = torch.stack(scores).gather(0, which[None, :, None].expand(1, *scores[0].shape))[0]
+    return Selection(scores=merged)

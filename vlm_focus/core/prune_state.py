@@ -23,7 +23,9 @@ from .pruner import Pruner
 
 @dataclass(frozen=True)
 class EngineSetup:
-    """The model, its adapter, the setting and the pruner that one engine serves."""
+    """The model, its adapter, the setting and the pruners that one engine serves: ``pruner``,
+    and ``video_pruner`` for prompts that carry a video (``None``: ``pruner`` for every prompt,
+    see :attr:`~vlm_focus.FocusConfig.pruner_for_video`)."""
 
     model: nn.Module
     adapter: ModelAdapter
@@ -36,10 +38,16 @@ class EngineSetup:
     #: a pruned layer keeps a recurrent state (a hybrid decoder's linear attention): it reads
     #: every token it holds, so no key can be masked in it
     recurrent: bool = False
+    video_pruner: Pruner | None = None
 
     @classmethod
     def of(
-        cls, model: nn.Module, adapter: ModelAdapter, config: FocusConfig, pruner: Pruner
+        cls,
+        model: nn.Module,
+        adapter: ModelAdapter,
+        config: FocusConfig,
+        pruner: Pruner,
+        video_pruner: Pruner | None = None,
     ) -> EngineSetup:
         stages = dict(config.stages)
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
@@ -53,11 +61,27 @@ class EngineSetup:
             first_layer=min(stages),
             flash=attn.startswith("flash"),
             recurrent=any(i >= min(stages) for i in adapter.recurrent_layers(model)),
+            video_pruner=video_pruner,
         )
 
     @property
     def last_layer(self) -> int:
         return len(self.layers) - 1
+
+    @property
+    def all_pruners(self) -> list[Pruner]:
+        """``pruner``, then ``video_pruner`` when there is one."""
+        return [self.pruner] + ([self.video_pruner] if self.video_pruner is not None else [])
+
+    def row_pruners(self, layout: list[list[ImageLayout]]) -> list[Pruner]:
+        """Per batch row, the pruner that chooses its kept set: ``video_pruner`` for a row
+        with a video in ``layout``, else ``pruner`` (so a batch that mixes video and image rows
+        prunes each row as it would alone)."""
+        video = self.video_pruner
+        return [
+            video if video is not None and any(i.kind == "video" for i in row) else self.pruner
+            for row in layout
+        ]
 
 
 @dataclass(slots=True)
@@ -94,6 +118,7 @@ class PruneState:
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (a decode_time pruner)
+    pruners: list[Pruner] = field(default_factory=list)  # per row, the one that chooses
     # A static cache: every layer writes at its own length into a buffer as wide as the cache,
     # and every mask is that wide. Per layer, the mask column each buffer slot reads in decode
     # (built once, at the end of the prompt: a compiled step then only gathers).

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .options import OptionInfo, options, options_markdown
 from .pruner import Pruner
+
+if TYPE_CHECKING:
+    from ..config import FocusConfig
 
 _PRUNERS: dict[str, type[Pruner]] = {}
 
@@ -60,6 +63,38 @@ def get_pruner(name: str) -> type[Pruner]:
     if not isinstance(name, str) or name not in _PRUNERS:
         raise ValueError(f"unknown pruner {name!r}; registered: {', '.join(pruners())}")
     return _PRUNERS[name]
+
+
+def video_pruner_class(config: FocusConfig) -> type[Pruner] | None:
+    """The class of the pruner that ``config`` runs on prompts that carry a video
+    (:attr:`~vlm_focus.FocusConfig.pruner_for_video`, with its default options), or ``None``
+    when that is ``config.pruner`` itself. Both choose in the prefill: a pruner that selects
+    per decoding step or drives generation through a guide runs every prompt, so it can be
+    neither the video pruner nor beside one (``ValueError`` naming the option)."""
+    name = config.pruner_for_video
+    if name == config.pruner:
+        return None
+    try:
+        video_cls = get_pruner(name)
+    except ValueError as err:
+        raise ValueError(f"video_pruner={name!r}: {err}") from None
+    if _drives_decoding(video_cls):
+        raise ValueError(
+            f"video_pruner={name!r} chooses per decoding step or through a guide model; "
+            "video_pruner takes a pruner that chooses in the prefill (pass it as pruner to run "
+            "it on every prompt)"
+        )
+    if _drives_decoding(get_pruner(config.pruner)):
+        raise ValueError(
+            f"pruner={config.pruner!r} chooses per decoding step or through a guide model, so "
+            f"video_pruner={name!r} cannot run beside it; pass video_pruner=None to run "
+            f"{config.pruner!r} on every prompt"
+        )
+    return video_cls
+
+
+def _drives_decoding(cls: type[Pruner]) -> bool:
+    return cls.decode_time or cls.needs_guide or cls.drives_decoding
 
 
 def pruners_with(capability: str) -> list[str]:

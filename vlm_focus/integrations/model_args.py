@@ -4,7 +4,8 @@ Harnesses such as lmms-eval hand a model every ``--model_args`` item as one keyw
 takes out the ones that belong to vlm_focus and checks them, before any weights load:
 
 - :class:`vlm_focus.FocusConfig` fields: ``pruner``, ``keep``, ``layer``, ``query_rows``,
-  ``reduce``, ``budget``, ``positions``;
+  ``reduce``, ``budget``, ``positions``, ``video_pruner`` (``video_pruner=none`` runs
+  ``pruner`` on videos too);
   ``layer`` and ``keep`` take multi-stage schedules as colon lists (``layer=2:8:16,
   keep=0.5:0.25:0.125``), since the harness splits its arguments on commas;
 - the chosen pruner's own options (``base``, ``alpha``, ``seed``, ...), checked by that pruner's
@@ -30,7 +31,7 @@ from typing import Any
 
 from transformers import LogitsProcessor
 
-from ..config import FocusConfig, read_keep, read_layer
+from ..config import FocusConfig, read_keep, read_layer, read_video_pruner
 from ..core.options import OptionInfo
 from ..hallucination import (
     Mitigation,
@@ -39,12 +40,12 @@ from ..hallucination import (
     mitigation_options,
     mitigations,
 )
-from ..pruners import get_pruner, pruners, pruners_with
+from ..pruners import get_pruner, pruners, pruners_with, video_pruner_class
 from ..setting import RunSetting
 
 FOCUS_FIELDS = tuple(f.name for f in dataclasses.fields(FocusConfig) if f.name != "options")
 #: the command lines' readers of the options that take a multi-stage schedule
-_READERS = {"layer": read_layer, "keep": read_keep}
+_READERS = {"layer": read_layer, "keep": read_keep, "video_pruner": read_video_pruner}
 #: mitigation options that a flat list of model arguments would read as pruning's (``layer``,
 #: keep's ratio), so they take the ``mitigate_`` prefix
 _READ_AS_PRUNING = ("layers", "ratio")
@@ -218,7 +219,9 @@ def _focus_config(wrap: dict[str, Any]) -> FocusConfig:
     extra = {k: v for k, v in wrap.items() if k not in FOCUS_FIELDS}
     if "pruner" in fields:
         get_pruner(fields["pruner"])  # ValueError listing the registered pruners
-    return FocusConfig(**fields, options=extra)
+    config = FocusConfig(**fields, options=extra)
+    video_pruner_class(config)  # the video pruner's name and what it combines with
+    return config
 
 
 def _mitigation(value: Any) -> str | None:

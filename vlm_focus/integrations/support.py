@@ -10,7 +10,6 @@ of them leaves out says so here with the reason.
 
 from __future__ import annotations
 
-
 from ..model_adapters import supported_models
 
 

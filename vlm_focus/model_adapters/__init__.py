@@ -8,8 +8,8 @@ from __future__ import annotations
 from torch import nn
 
 from .base import ImageLayout, ModelAdapter
-from .internvl import INTERNVL
 from .gemma3 import GEMMA3
+from .internvl import INTERNVL
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
 from .llava_onevision import LLAVA_ONEVISION

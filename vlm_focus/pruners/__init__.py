@@ -32,6 +32,7 @@ from ..core.registry import (
     pruners_with,
     read_pruner_options,
     register_pruner,
+    video_pruner_class,
 )
 
 # Importing each built-in registers it (``@register_pruner`` on its class).
@@ -58,4 +59,5 @@ __all__ = [
     "split_budget",
     "spread_order",
     "tile_index",
+    "video_pruner_class",
 ]

@@ -184,6 +184,10 @@ class ServeOptions(FocusConfig):
         help="a video's share-out: 'frame' = every frame keeps the same share, 'span' = the "
         "pruner chooses where (Qwen2.5-VL)",
     )
+    # One pruner serves a server's images and videos: FocusConfig's video default (diverse,
+    # measured best at layer 2) chooses inside the LLM, and at layer 0, where the plugin
+    # prunes, fastv with budget "frame" (this default) was measured best on videos.
+    video_pruner: str | None = inherit(FocusConfig, "video_pruner", default=None, cli=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,6 +195,11 @@ class ServeOptions(FocusConfig):
             raise ValueError(
                 f"{CONFIG_KEY}.layer={self.layer!r}: the vLLM plugin prunes before the LLM, "
                 "at layer 0 only"
+            )
+        if self.video_pruner is not None:
+            raise ValueError(
+                f"{CONFIG_KEY}.video_pruner={self.video_pruner!r}: the vLLM plugin runs one "
+                "pruner for images and videos (pruner=...); leave video_pruner out (None)"
             )
         check_pruner(self.pruner)
         before_llm_pruner(self, self.options)  # the pruner's own checks of its options
