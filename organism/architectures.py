@@ -40,6 +40,12 @@ ARCHITECTURES = {
         model_card="organism.qwen_card:model_card",
         pope_images=300,
     ),
+    "qwen3_5": Architecture(
+        train="organism.qwen_train:train",
+        evaluate="organism.qwen35_eval:evaluate",
+        model_card="organism.qwen35_card:model_card",
+        pope_images=300,
+    ),
     # organism-prior: a LLaVA fine-tuned with stages of its own (its run's summary names this
     # record, since its config says "llava")
     "llava_prior": Architecture(
