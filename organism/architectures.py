@@ -1,7 +1,7 @@
-"""The organisms' two architectures, keyed by the saved ``model_type``: where each one's
-training, evaluation and model card live. Everything else (the loop, the scenes, the questions,
+"""The organisms' architectures, keyed by the saved ``model_type``: where each one's training,
+evaluation and model card live. Everything else (the loop, the scenes, the questions,
 the shipping) is shared; the entries name ``module:function`` so that reading one record loads
-neither architecture's code."""
+no architecture's code."""
 
 from __future__ import annotations
 
