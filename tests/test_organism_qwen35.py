@@ -166,6 +166,7 @@ def test_hop_read_trains_the_full_attention_layer_and_carry_the_layers_before(pr
     assert after is None  # read at the input of the full-attention layer
 
 
+@pytest.mark.slow  # 4 stages and their probes through the DeltaNet torch fallback: 1-2 min
 def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
