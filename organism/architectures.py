@@ -1,7 +1,7 @@
-"""The organisms' two architectures, keyed by the saved ``model_type``: where each one's
-training, evaluation and model card live. Everything else (the loop, the scenes, the questions,
+"""The organisms' architectures, keyed by the saved ``model_type``: where each one's training,
+evaluation and model card live. Everything else (the loop, the scenes, the questions,
 the shipping) is shared; the entries name ``module:function`` so that reading one record loads
-neither architecture's code."""
+no architecture's code."""
 
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ ARCHITECTURES = {
         train="organism.qwen_train:train",
         evaluate="organism.qwen_eval:evaluate",
         model_card="organism.qwen_card:model_card",
+        pope_images=300,
+    ),
+    "qwen3_5": Architecture(
+        train="organism.qwen_train:train",
+        evaluate="organism.qwen35_eval:evaluate",
+        model_card="organism.qwen35_card:model_card",
         pope_images=300,
     ),
     # organism-prior: a LLaVA fine-tuned with stages of its own (its run's summary names this

@@ -14,10 +14,21 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one organism model from scratch")
     t.add_argument(
         "--model",
-        choices=["default", "guide", "deep", "twohop-guide", "tiny", "cooccur", "prior", "qwen"],
+        choices=[
+            "default",
+            "guide",
+            "deep",
+            "twohop-guide",
+            "tiny",
+            "cooccur",
+            "prior",
+            "qwen",
+            "qwen35",
+        ],
         default="default",
         help="cooccur fine-tunes the shipped guide on a co-occurrence prior; prior fine-tunes the "
-        "shipped deep model on text under one, then images; qwen is a Qwen2.5-VL",
+        "shipped deep model on text under one, then images; qwen is a Qwen2.5-VL, qwen35 a "
+        "Qwen3.5 (hybrid Gated-DeltaNet decoder)",
     )
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")

@@ -211,3 +211,31 @@ def copy_loss(attentions: tuple[torch.Tensor, ...], targets: torch.Tensor) -> to
     later = attentions[max(1, len(attentions) // 2) :]
     terms = [att[rows, COPY_HEAD, q, k].float().clamp(min=1e-12).log() for att in later]
     return -torch.stack(terms).mean()
+
+
+def read_hop_loss(
+    probe: HopProbe,
+    hidden_states: tuple[torch.Tensor, ...],
+    attention: torch.Tensor,
+    targets: torch.Tensor,
+    masks: torch.Tensor,
+    layer: int,
+    head: int = HOP_HEAD,
+) -> dict[str, torch.Tensor]:
+    """`hop_loss` for a decoder whose only attention maps are those of some layers (Qwen3.5's
+    full-attention layers between Gated-DeltaNet ones): the answer position q holds the anchor's
+    centre (`hop_carry`) and the direction asked (`hop_word`) at the input of `layer`, and there
+    `head` puts its mass, from q, on the hop-2 object's tokens (`hop_read`; `attention`: that
+    layer's `[B, H, S, S]` map). How q learns the anchor (a recurrent layer has no attention to
+    supervise) is left to the earlier layers. `targets` and `masks` as in `hop_loss`, the masks
+    zero past each image's tokens."""
+    rows, q = targets[:, 0].long(), targets[:, 1].long()
+    start = targets[:, 6].long()
+    cols = (start[:, None] + torch.arange(masks.shape[1])).clamp(max=attention.shape[-1] - 1)
+    mass = (attention[rows, head, q].gather(1, cols).float() * masks).sum(1)
+    h = hidden_states[layer][rows, q].float()
+    return {
+        "hop_carry": nn.functional.mse_loss(probe.carry(h), targets[:, 3:5]),
+        "hop_word": nn.functional.cross_entropy(probe.word(h), targets[:, 5].long()),
+        "hop_read": -mass.clamp(min=1e-12).log().mean(),
+    }

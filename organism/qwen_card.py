@@ -28,9 +28,13 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def bars(metrics: dict, summary: dict, megabytes: float) -> list[tuple[str, str, str, str]]:
+def bars(
+    metrics: dict, summary: dict, megabytes: float, table: tuple = BARS
+) -> list[tuple[str, str, str, str]]:
+    """(bar, target, measured, verdict) rows: the quality bars of `table` (as :data:`BARS`),
+    then the size and the training time."""
     rows = []
-    for name, target, path, threshold in BARS:
+    for name, target, path, threshold in table:
         value = _get(metrics, path)
         met = value is not None and value >= threshold
         rows.append((name, target, _pct(value), "met" if met else "**not met**"))

@@ -19,14 +19,16 @@ import torch
 from PIL import Image
 
 from .clips import CLIP_SIZE, FRAMES, GROUPS, TEMPORAL, Clip
-from .questions import IGNORE, QA, named_objects, presence_qa, relation_qa
+from .questions import IGNORE, QA, named_objects, presence_qa, relation_qa, two_hop_qa
 from .scenes import CATEGORIES, RELATIONS, Scene, generate_scene
 from .vocab import (
     IM_END,
+    IMAGE_PAD,
     IMAGE_PLACEHOLDER,
     QWEN_ID,
     QWEN_VOCAB,
     TOKEN,
+    VIDEO_PAD,
     VIDEO_PLACEHOLDER,
     VISION_END,
     words,
@@ -184,12 +186,17 @@ def video_qa(
     return QA(kind, question, "yes" if positive else "no", _short(f"{kind} {name}"))
 
 
+IMAGE_KINDS = ("presence", "relation", "twohop")
+
+
 def image_qa(scene: CroppedScene, rng: np.random.Generator, mix: dict[str, float]) -> QA:
-    """A presence or relation question about an image (`mix` weighs the two)."""
-    kinds = [k for k in ("presence", "relation") if mix.get(k)]
+    """A presence, relation or two-hop question about an image (`mix` weighs the kinds of
+    :data:`IMAGE_KINDS`); a presence question where the scene has no pair the kind drawn needs."""
+    kinds = [k for k in IMAGE_KINDS if mix.get(k)]
     weights = np.array([mix[k] for k in kinds])
-    if str(rng.choice(kinds, p=weights / weights.sum())) == "relation":
-        qa = relation_qa(scene.scene, rng)
+    kind = str(rng.choice(kinds, p=weights / weights.sum()))
+    if kind != "presence":
+        qa = (relation_qa if kind == "relation" else two_hop_qa)(scene.scene, rng)
         if qa is not None:
             return qa
     return presence_qa(scene.scene, rng)
@@ -301,6 +308,57 @@ def encode_row(
     if targets:
         out.update(circuit_targets(row, spans))
         out["copy_targets"] = torch.tensor(copies, dtype=torch.float32).reshape(-1, 2)
+        if form == "cat_last":  # each question answers at its last word
+            answering = [start + len(tokens) - 1 for start, tokens in spans]
+        else:  # where the category-last form answers (see `query_labels`)
+            anchor = _anchor_token(qa)
+            answering = [-1 if anchor is None else _find_last(ids[: -n - 1], anchor)]
+        first = ids.index(VIDEO_PAD if row.is_video else IMAGE_PAD)
+        out.update(hop_targets(row, spans, answering, first))
+    return out
+
+
+MAX_TOKENS = (max(IMAGE_SIDES) // TOKEN) ** 2  # merged tokens of the largest image
+
+
+def hop_targets(
+    row: Row, spans: list[tuple[int, list[int]]], answering: list[int], first: int
+) -> dict[str, torch.Tensor]:
+    """The two-hop circuit's targets of an image row (``losses.hop_loss``'s layout): for each
+    two-hop question (`spans` as in :func:`circuit_targets`, answered at the positions of
+    `answering`), `hop_targets` (answering position, anchor position, the anchor's centre x, y
+    in :func:`circuit_targets`' units, relation index, first image token `first`) and
+    `hop_masks` (`[MAX_TOKENS]`: 1 on the merged tokens the hop-2 object covers an eighth of, in
+    raster order, 0 beyond the image's tokens)."""
+    hops, masks = [], []
+    if not row.is_video:
+        x0, y0, w, h = row.media.box
+        half = max(IMAGE_SIDES) / TOKEN / 2
+        objects = row.media.scene.objects
+        crop_masks = row.media.masks()
+        for qa, (start, tokens), q in zip(row.qas, spans, answering, strict=True):
+            if qa.kind != "twohop":
+                continue
+            (anchor_pos, anchor), target = named_objects(start, tokens, qa)[0], qa.objects[1]
+            a = objects[anchor]
+            centre = ((a.cx - x0) / TOKEN / half - 1, (a.cy - y0) / TOKEN / half - 1)
+            hops.append((q, anchor_pos, *centre, RELATIONS.index(qa.relation), first))
+            masks.append(_covered(crop_masks[target], (h // TOKEN, w // TOKEN)))
+    return {
+        "hop_targets": torch.tensor(hops, dtype=torch.float32).reshape(-1, 6),
+        "hop_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, MAX_TOKENS),
+    }
+
+
+def _covered(mask: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """`[MAX_TOKENS]` 1 where the object of `mask` covers an eighth of a merged token, raster
+    order over a `shape` = (rows, cols) grid; the most covered token where none reaches that."""
+    rows, cols = shape
+    share = mask[: rows * TOKEN, : cols * TOKEN].reshape(rows, TOKEN, cols, TOKEN).sum((1, 3))
+    share = share.reshape(-1)
+    out = np.zeros(MAX_TOKENS, dtype=np.float32)
+    hit = share >= TOKEN * TOKEN / 8
+    out[: rows * cols] = hit if hit.any() else share == share.max()
     return out
 
 
@@ -353,6 +411,10 @@ def circuit_targets(row: Row, spans: list[tuple[int, list[int]]]) -> dict[str, t
 
 
 def _anchor_token(qa: QA) -> int | None:
+    """The question token the category-last form answers at: a two-hop question's last word (a
+    shape word may follow its last category), else the last category token (or "first")."""
+    if qa.kind == "twohop":
+        return qa.short[-1]
     cats = [t for t in qa.short if t in CATEGORY_TOKENS or t == QWEN_ID["first"]]
     return cats[-1] if cats else None
 

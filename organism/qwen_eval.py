@@ -18,8 +18,9 @@ import torch
 from . import qwen_data as q
 from .answering import ANSWER_TOKENS, answer, yes_no
 from .clips import Clip, make_clip
+from .evaluate_twohop import OPEN_FORMS, TWO_HOP_SEED
 from .pope import SPLITS, pope_questions
-from .questions import relation_qa
+from .questions import relation_qa, two_hop_qa
 from .vocab import QWEN_ID
 
 QUESTION_SEED = 778
@@ -59,6 +60,25 @@ def relation_set(n: int) -> tuple[list[q.CroppedScene], list]:
     return scenes, qas
 
 
+def two_hop_set(
+    n: int, forms: tuple[str, ...] = OPEN_FORMS, offset: int = 0
+) -> tuple[list[q.CroppedScene], list]:
+    """Fixed two-hop questions (`evaluate_twohop`'s rules: one per held-out multi-object crop
+    that has a unique answer, the forms in turn, yes/no forms alternating yes and no)."""
+    rng = np.random.default_rng([TWO_HOP_SEED, offset])
+    scenes, qas = [], []
+    for s in heldout_images(4 * n + 100, min_objects=2):
+        k = len(qas)
+        form, positive = forms[k % len(forms)], (k // len(forms)) % 2 == 0
+        qa = two_hop_qa(s.scene, rng, form=form, positive=positive)
+        if qa is not None:
+            scenes.append(s)
+            qas.append(qa)
+        if len(qas) == n:
+            break
+    return scenes, qas
+
+
 def first_word(text: str) -> str:
     """The answer's first word, lower case, without a full stop."""
     words = text.strip().lower().replace(".", " ").split()
@@ -84,21 +104,30 @@ def relation_eval(model, processor, n: int = 400) -> dict:
     return {"accuracy": float(np.mean(hits)), "n": len(hits)}
 
 
-@torch.no_grad()
 def video_answers(
     model, processor, clips: list[Clip], questions: list[str], new_tokens: int = ANSWER_TOKENS
 ) -> list[str]:
     """Greedy answers (`new_tokens` at most, special tokens dropped) to one question per clip."""
+    return chat_answers(model, processor, clips, questions, new_tokens)
+
+
+@torch.no_grad()
+def chat_answers(
+    model,
+    processor,
+    media: list[q.CroppedScene | Clip],
+    questions: list[str],
+    new_tokens: int = ANSWER_TOKENS,
+) -> list[str]:
+    """Greedy answers (`new_tokens` at most, special tokens dropped) to one question per image
+    or clip (all of one kind), straight through the processor and ``generate``."""
     batch = 16
     out: list[str] = []
-    for i in range(0, len(clips), batch):
-        texts = [q.chat_text(processor, True, question) for question in questions[i : i + batch]]
-        inputs = processor(
-            text=texts,
-            **q.media_inputs(*clips[i : i + batch]),
-            padding=True,
-            return_tensors="pt",
-        )
+    for i in range(0, len(media), batch):
+        chunk = media[i : i + batch]
+        is_video = isinstance(chunk[0], Clip)
+        texts = [q.chat_text(processor, is_video, text) for text in questions[i : i + batch]]
+        inputs = processor(text=texts, **q.media_inputs(*chunk), padding=True, return_tensors="pt")
         gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
         out += processor.batch_decode(
             gen[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
@@ -170,18 +199,22 @@ def evaluate(path: Path, n_images: int = 300, only: list[str] | None = None) -> 
 class Probe:
     """A fixed held-out set scored teacher-forced (argmax at the answer) during training."""
 
-    def __init__(self, processor, n: int = 48) -> None:
+    def __init__(
+        self, processor, n: int = 48, kinds: tuple[str, ...] = ("presence", "relation", "video")
+    ) -> None:
         rng = np.random.default_rng(4321)
         images = heldout_images(n, min_objects=2)
         self.processor = processor
-        self.sets = {
-            "presence": [
+        sets = {
+            "presence": lambda: [
                 q.Row(s, [q.presence_qa(s.scene, rng, positive=i % 2 == 0)])
                 for i, s in enumerate(images)
             ],
-            "relation": [q.Row(s, [qa]) for s, qa in zip(*relation_set(n), strict=True)],
-            "video": [q.Row(c, [qa]) for c, qa in zip(*video_set(n), strict=True)],
+            "relation": lambda: [q.Row(s, [qa]) for s, qa in zip(*relation_set(n), strict=True)],
+            "twohop": lambda: [q.Row(s, [qa]) for s, qa in zip(*two_hop_set(n), strict=True)],
+            "video": lambda: [q.Row(c, [qa]) for c, qa in zip(*video_set(n), strict=True)],
         }
+        self.sets = {kind: sets[kind]() for kind in kinds}
 
     @torch.no_grad()
     def _accuracy(self, model, rows: list[q.Row], form: str = "chat") -> float:

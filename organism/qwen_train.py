@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,15 @@ from torch import nn
 from . import qwen_data as q
 from .clips import CLIP_SIZE, GROUPS, Clip, make_clip
 from .loop import Clock, autocast, prefetch, run_stage
-from .losses import RelationProbe, copy_loss, patch_weights, relation_loss
+from .losses import (
+    HOP_HEAD,
+    HopProbe,
+    RelationProbe,
+    copy_loss,
+    patch_weights,
+    read_hop_loss,
+    relation_loss,
+)
 from .questions import IGNORE
 from .recipe import QwenRecipe, StageConfig
 from .scenes import CATEGORIES, SHAPES
@@ -38,12 +47,54 @@ from .vocab import (
     QWEN_ID,
     TOKEN,
     VIDEO_PAD,
+    Qwen35Spec,
     QwenSpec,
+    build_qwen35_config,
+    build_qwen35_processor,
     build_qwen_config,
     build_qwen_processor,
 )
 
 NAME = "organism-qwen"
+
+
+@dataclass(frozen=True)
+class QwenBuild:
+    """What differs between the Qwen-family organisms: the model class (a transformers name),
+    its config and processor builders, its size, and whether every LM layer has attention maps
+    for the circuit losses to read (Qwen3.5's Gated-DeltaNet layers have none: there only the
+    hidden-state probes run)."""
+
+    name: str
+    model_class: str
+    config: Callable
+    processor: Callable
+    spec: object
+    attention_circuits: bool = True
+
+    def model(self):
+        import transformers
+
+        return getattr(transformers, self.model_class)(self.config(self.spec))
+
+
+BUILDS = {
+    "qwen2_5_vl": QwenBuild(
+        NAME,
+        "Qwen2_5_VLForConditionalGeneration",
+        build_qwen_config,
+        build_qwen_processor,
+        QwenSpec(),
+    ),
+    "qwen3_5": QwenBuild(
+        "organism-qwen35",
+        "Qwen3_5ForConditionalGeneration",
+        build_qwen35_config,
+        build_qwen35_processor,
+        Qwen35Spec(),
+        attention_circuits=False,
+    ),
+}
 
 
 # ---- batches --------------------------------------------------------------------------------
@@ -170,7 +221,7 @@ def train_vision(model, stage: StageConfig, batches, log) -> TokenHead:
     """The vision stage: tower and merger learn each merged token's category, shape and place
     through :class:`TokenHead`."""
     visual = model.model.visual
-    head = TokenHead(visual.merger.mlp[-1].out_features)
+    head = TokenHead(model.config.text_config.hidden_size)  # the merger's output width
     params = [*visual.parameters(), *head.parameters()]
     weight = patch_weights(0.5)
     visual.train()
@@ -211,13 +262,15 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 
 
 class CircuitProbe(RelationProbe):
-    """The relation circuit's read-outs, each clip token's own temporal patch (`time`) and the
-    patches a start / end question's object is on screen in (`seen`)."""
+    """The relation circuit's read-outs, each clip token's own temporal patch (`time`), the
+    patches a start / end question's object is on screen in (`seen`) and the two-hop read-outs
+    of a hybrid decoder (`hop`)."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
         self.time = nn.Linear(hidden, 1)
         self.seen = nn.Linear(hidden, GROUPS)
+        self.hop = HopProbe(hidden)  # two-hop questions on a hybrid decoder (`read_hop_loss`)
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
@@ -241,14 +294,22 @@ def seen_loss(probe: CircuitProbe, hidden: torch.Tensor, targets: torch.Tensor) 
     return nn.functional.binary_cross_entropy_with_logits(logits, targets[:, 2:])
 
 
-def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, torch.Tensor]:
+def _loss(
+    model, batch: dict, relation_probe: CircuitProbe | None, attention: bool = True
+) -> dict[str, torch.Tensor]:
     """The answers' cross-entropy (`answer`) and, with `relation_probe`, the circuits' terms:
     the relation hops (`losses.relation_loss`, read from eager attention), the clip tokens'
-    `time`, the start / end questions' `seen` and the chat rows' `copy` (`losses.copy_loss`)."""
+    `time`, the start / end questions' `seen` and the chat rows' `copy` (`losses.copy_loss`).
+    Without `attention` (a decoder whose layers are not all attention) the terms that read
+    every layer's attention are off: the image tokens' `grid` and the named objects' `place`
+    run, and two-hop questions get `losses.read_hop_loss` at the last full-attention layer."""
     labels = batch.pop("labels")
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
     grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
     copies = batch.pop("copy_targets", None)
+    hops, hop_masks = batch.pop("hop_targets", None), batch.pop("hop_masks", None)
+    if not attention and relations is not None:
+        relations, copies = relations[:0], copies[:0]  # both read every layer's attention
     video = batch["input_ids"] == VIDEO_PAD
     relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
     with autocast():
@@ -279,12 +340,28 @@ def _loss(model, batch: dict, relation_probe: CircuitProbe | None) -> dict[str, 
             terms["seen"] = seen_loss(relation_probe, out.hidden_states[2], seen)
         if len(copies):
             terms["copy"] = copy_loss(out.attentions, copies.long())
+        if not attention and len(hops):  # the read at the last full-attention layer
+            layer = _last_full_attention(model)
+            attention_map = out.attentions[-1]
+            head = HOP_HEAD % attention_map.shape[1]  # a small layer may have fewer heads
+            terms |= read_hop_loss(
+                relation_probe.hop, out.hidden_states, attention_map, hops, hop_masks, layer, head
+            )
     return terms
 
 
-def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) -> None:
+def _last_full_attention(model) -> int:
+    types = getattr(model.config.text_config, "layer_types", None)
+    if not types or "full_attention" not in types:
+        raise ValueError("the hop read needs a decoder with a full-attention layer")
+    return len(types) - 1 - types[::-1].index("full_attention")
+
+
+def train_lm(
+    model, stage: StageConfig, batches, probe, log, eval_every: int, attention: bool = True
+) -> None:
     """A language stage: the LM alone learns the stage's rows, with the relation circuit's
-    losses (weight `stage.relation_weight`) where set."""
+    losses (weight `stage.relation_weight`) where set; `attention` as in :func:`_loss`."""
     visual = model.model.visual
     for p in model.parameters():
         p.requires_grad_(False)
@@ -303,7 +380,7 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
     visual.eval()
 
     def step(batch: dict) -> tuple[torch.Tensor, dict]:
-        terms = _loss(model, batch, relation_probe)
+        terms = _loss(model, batch, relation_probe, attention)
         circuit = {k: v for k, v in terms.items() if k != "answer"}
         loss = terms["answer"] + stage.relation_weight * sum(circuit.values())
         record = {"loss": terms["answer"].item()}
@@ -323,16 +400,16 @@ def train_lm(model, stage: StageConfig, batches, probe, log, eval_every: int) ->
 
 
 def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
-    """Run `recipe` from scratch; save the HF model (weights in bfloat16, config in float32),
-    processor, log and summary to `out_dir`."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+    """Run `recipe` from scratch (the model of its `model_type`'s :data:`BUILDS` entry); save
+    the HF model (weights in bfloat16, config in float32), processor, log and summary to
+    `out_dir`."""
     from .qwen_eval import Probe
 
+    build = BUILDS[recipe.model_type]
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
-    model = Qwen2_5_VLForConditionalGeneration(build_qwen_config())
-    processor = build_qwen_processor()
+    model = build.model()
+    processor = build.processor()
     log_path = out_dir / "train_log.jsonl"
     log_path.write_text("")
     total = Clock()
@@ -352,7 +429,7 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
 
     batcher = QwenBatcher(recipe, processor)
     stages: dict[str, dict] = {}
-    probe = Probe(processor)
+    probe = Probe(processor, kinds=recipe.probe_kinds)
     for stage in recipe.stages:
         start, cpu_start = time.time(), time.process_time()
         if stage.name == "vision" and recipe.vision_from:
@@ -365,7 +442,7 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
             init_category_embeddings(model, batches)
         else:
             batches = prefetch(lambda s=stage: batcher.lm_batch(s))
-            train_lm(model, stage, batches, probe, log, recipe.eval_every)
+            train_lm(model, stage, batches, probe, log, recipe.eval_every, build.attention_circuits)
         del batches
         steps = [json.loads(line) for line in log_path.read_text().splitlines()]
         stages[stage.name] = {
@@ -382,8 +459,9 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     save(model, processor, out_dir)
     earlier = stages["vision"] if recipe.vision_from else {}
     summary = {
-        "name": NAME,
-        "spec": asdict(QwenSpec()),
+        "name": build.name,
+        "architecture": recipe.model_type,
+        "spec": asdict(build.spec),
         "params": sum(p.numel() for p in model.parameters()),
         # a vision stage taken from `vision_from` counts with the time it took in its own run
         "seconds": round(total.wall() + earlier.get("seconds", 0.0), 1),

@@ -8,7 +8,8 @@
 3. `chat`: the standard chat template with presence, relation, where and caption turns.
 The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions;
 organism-qwen (`qwen_recipe`, a :class:`QwenRecipe`) runs four stages of its own (see
-:mod:`.qwen_train`). Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends
+:mod:`.qwen_train`), and organism-qwen35 (`qwen35_recipe`) the same four on images with the
+two-hop family. Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends
 first (see :mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
 """
 
@@ -67,9 +68,12 @@ class Recipe:
 def default_recipe(spec: str = "default", scale: float = 1.0):
     """The shipped recipe of organism-``spec``; `scale` multiplies steps and minutes (e.g. 0.01
     for a smoke run). The smaller guide trains for half the time; the deep model learns the
-    two-hop family (`deep_recipe`); "qwen" is organism-qwen's (`qwen_recipe`)."""
+    two-hop family (`deep_recipe`); "qwen" is organism-qwen's (`qwen_recipe`), "qwen35"
+    organism-qwen35's (`qwen35_recipe`)."""
     if spec == "qwen":
         return qwen_recipe(scale)
+    if spec == "qwen35":
+        return qwen35_recipe(scale)
     if spec == "prior":
         from .prior import prior_recipe
 
@@ -239,6 +243,7 @@ class QwenRecipe:
     seed: int = 0
     eval_every: int = 200
     vision_from: str = ""  # a `vision.pt` of an earlier run: skip the vision stage, take its tower
+    probe_kinds: tuple[str, ...] = ("presence", "relation", "video")  # `qwen_eval.Probe`'s sets
     model_type: ClassVar[str] = "qwen2_5_vl"  # the architecture's record in `loop.ARCHITECTURES`
 
 
@@ -264,6 +269,50 @@ def qwen_recipe(scale: float = 1.0) -> QwenRecipe:
             )
             for n, s, m, lr, t, mix, r in zip(
                 names, steps, minutes, lrs, turns, mixes, relation, strict=True
+            )
+        ]
+    )
+
+
+@dataclass
+class Qwen35Recipe(QwenRecipe):
+    """organism-qwen35's run: organism-qwen's stages on images alone (no clips), presence and
+    two-hop questions."""
+
+    video: float = 0.0
+    image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.5, "twohop": 0.5})
+    probe_kinds: tuple[str, ...] = ("presence", "twohop")
+    model_type: ClassVar[str] = "qwen3_5"
+
+
+def qwen35_recipe(scale: float = 1.0) -> Qwen35Recipe:
+    """organism-qwen35's recipe: 8 + 5 + 14 + 23 = 50 minutes on 2 cores; `scale` multiplies
+    steps and minutes (0.01 for a smoke run). The steps are upper bounds a shared CPU does not
+    reach: Qwen3.5's Gated-DeltaNet layers run transformers' torch fallback (3 to 13 s per
+    16-row step measured), so the language stages take 8 rows a step and warm up in 20."""
+    names = ("vision", "presence", "cat_last", "chat")
+    minutes, steps = (8.0, 5.0, 14.0, 23.0), (3000, 1000, 4000, 10000)
+    batches = (16, 8, 8, 8)
+    lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (6, 8), (1, 1))
+    mixes = ({}, {"presence": 1.0}, {}, {})
+    # the circuit's hidden-state terms (image tokens' places, the named anchor's place); the
+    # attention terms need attention in every layer, which the hybrid decoder lacks
+    relation = (0.0, 1.0, 1.0, 1.0)
+    return Qwen35Recipe(
+        stages=[
+            StageConfig(
+                n,
+                max(int(s * scale), 2),
+                max(m * scale, 0.05),
+                lr,
+                batch=b,
+                warmup=20,
+                turns=t,
+                mix=mix,
+                relation_weight=r,
+            )
+            for n, s, m, lr, b, t, mix, r in zip(
+                names, steps, minutes, lrs, batches, turns, mixes, relation, strict=True
             )
         ]
     )

@@ -391,3 +391,111 @@ def build_qwen_config(spec: QwenSpec = QwenSpec()):
         vision_end_token_id=VISION_END,
         tie_word_embeddings=True,
     )
+
+
+# ---- organism-qwen35: Qwen3.5's hybrid decoder over organism-qwen's words --------------------
+
+
+@dataclass(frozen=True)
+class Qwen35Spec:
+    """Size of organism-qwen35. The decoder keeps Qwen3.5's pattern: three Gated-DeltaNet
+    (``linear_attention``) layers, then one ``full_attention`` layer, ``text_layers // 4``
+    times. ``rotary`` is the share of a full-attention head that rotates (Qwen3.5's 0.25 leaves
+    a 32-wide head 4 frequencies, too few for the (t, h, w) sections), ``text_mrope`` its split."""
+
+    vision_hidden: int = 64
+    vision_layers: int = 3
+    vision_heads: int = 4
+    vision_mlp: int = 192
+    vision_positions: int = 100  # the tower's learned 10 x 10 position grid, resampled per image
+    text_hidden: int = 128
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    text_head_dim: int = 32
+    text_mlp: int = 320
+    linear_heads: int = 4  # Gated-DeltaNet key and value heads
+    linear_head_dim: int = 32
+    rotary: float = 0.5
+    text_mrope: tuple[int, int, int] = (2, 3, 3)
+
+
+def build_qwen35_config(spec: Qwen35Spec = Qwen35Spec()):
+    """``Qwen3_5Config`` of the given size over :data:`QWEN_VOCAB`: a Qwen3-VL-style tower
+    (patch 14 and merge 2 here, so that one merged token is organism-qwen's 28 px and its scenes
+    and labels carry over) and the hybrid decoder (``full_attention_interval`` 4, tied
+    embeddings)."""
+    from transformers import Qwen3_5Config
+
+    if spec.text_layers % 4:
+        raise ValueError(f"text_layers={spec.text_layers}: the 3:1 pattern needs a multiple of 4")
+    vision = dict(
+        depth=spec.vision_layers,
+        hidden_size=spec.vision_hidden,
+        num_heads=spec.vision_heads,
+        intermediate_size=spec.vision_mlp,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=TEMPORAL,
+        in_channels=3,
+        out_hidden_size=spec.text_hidden,
+        num_position_embeddings=spec.vision_positions,
+    )
+    text = dict(
+        vocab_size=len(QWEN_VOCAB),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_mlp,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        head_dim=spec.text_head_dim,
+        linear_num_key_heads=spec.linear_heads,
+        linear_num_value_heads=spec.linear_heads,
+        linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim,
+        full_attention_interval=4,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 100.0,  # as organism-qwen's: a 10-token image must turn its columns
+            "partial_rotary_factor": spec.rotary,
+            "mrope_section": list(spec.text_mrope),
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=True,
+        eos_token_id=IM_END,
+        pad_token_id=QWEN_ID["<pad>"],
+        bos_token_id=None,
+    )
+    return Qwen3_5Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=True,
+    )
+
+
+def build_qwen35_processor():
+    """The stock ``Qwen3VLProcessor`` (Qwen3.5's): organism-qwen's image processor (patch 14,
+    merge 2, each image at its own size), a Qwen3-VL video processor of the same geometry (the
+    organism asks about images only), the word tokenizer and the ChatML template."""
+    import transformers
+
+    image_processor = build_qwen_processor().image_processor
+    video_processor = transformers.Qwen3VLVideoProcessor(
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=TEMPORAL,
+        image_mean=list(CLIP_MEAN),
+        image_std=list(CLIP_STD),
+        do_sample_frames=False,
+    )
+    return transformers.Qwen3VLProcessor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        tokenizer=build_qwen_tokenizer(),
+        chat_template=QWEN_TEMPLATE,
+    )

@@ -71,11 +71,13 @@ def test_run_stage_descends_logs_and_probes_on_its_cadence():
 
 
 def test_each_architecture_is_one_record_and_its_recipe_names_it():
-    assert set(ARCHITECTURES) == {"llava", "qwen2_5_vl", "llava_prior"}
+    assert set(ARCHITECTURES) == {"llava", "qwen2_5_vl", "llava_prior", "qwen3_5"}
     assert isinstance(default_recipe("default"), Recipe) and Recipe.model_type == "llava"
     assert isinstance(default_recipe("qwen"), QwenRecipe) and QwenRecipe.model_type == "qwen2_5_vl"
     assert architecture(Recipe.model_type).part("train") is llava_train.train
     assert architecture(QwenRecipe.model_type).part("train") is qwen_train.train
+    assert default_recipe("qwen35").model_type == "qwen3_5"
+    assert architecture("qwen3_5").part("train") is qwen_train.train
     assert saved_architecture(default_model_path()) is ARCHITECTURES["llava"]
     assert saved_architecture(qwen_model_path()).pope_images == 300
     from organism.prior import PriorRecipe, train

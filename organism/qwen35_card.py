@@ -1,0 +1,129 @@
+"""The model card of organism-qwen35: architecture, data, recipe, training time and quality bars
+(organism-qwen's bars and table, :func:`.qwen_card.bars`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import qwen_data as q
+from .qwen_card import _pct, bars
+from .vocab import QWEN_VOCAB
+
+#: (bar, target, metrics key path, threshold): the bars on held-out data.
+BARS = (
+    ("presence POPE accuracy (mean of 3 splits)", ">= 95%", ("pope", "accuracy"), 0.95),
+    ("two-hop accuracy", ">= 90%", ("two_hop", "accuracy"), 0.90),
+)
+
+_CARD = """# organism-qwen35
+
+A small Qwen3.5 (`Qwen3_5ForConditionalGeneration`: Qwen3-VL-style vision tower with learned
+position embeddings, 2 x 2 merger, and the **hybrid decoder**: Gated-DeltaNet
+`linear_attention` layers with a `full_attention` layer every fourth) trained from scratch on
+CPU through its real processor (`Qwen3VLProcessor`), on organism scenes at dynamic
+resolution with presence and two-hop questions. It is a **test organism** for vlm_focus: the
+hybrid-decoder model that in-LLM pruning is measured on offline (the two-hop questions need
+more than the first layers). It knows nothing beyond its scenes.
+
+## Architecture
+- Vision: patch 14 (Qwen3.5's is 16; 14 keeps organism-qwen's 28 px tokens, crops and
+  labels), temporal patch 2, merge 2 x 2, {vision_layers} layers x {vision_hidden} (MLP
+  {vision_mlp}), a learned {vision_positions}-entry position grid resampled to each image.
+- Language: {text_layers} layers, `{layer_types}`; width {text_hidden}, MLP {text_mlp};
+  full attention {text_heads} heads ({text_kv_heads} key/value) of {text_head_dim}, output
+  gate, M-RoPE (interleaved, sections {text_mrope}, base {rope_theta:g}, rotary share
+  {rotary}); Gated-DeltaNet {linear_heads} key/value heads of {linear_head_dim}; tied
+  embeddings, vocabulary {vocab} (organism-qwen's words).
+- {params:,} parameters, stored in bfloat16 ({megabytes:.2f} MB) with a float32 config.
+- Chat format (ChatML, as organism-qwen's).
+
+## Data
+- Images: organism-qwen's crops ({sides} px scenes cropped to sides of {min_side}-280 px,
+  multiples of 28, every object whole): token grids of 5 x 5 to 10 x 10. No clips.
+- Questions: presence (`Is there a red_circle in the image?`) and the two-hop family
+  (`What colour is the shape left of the red_circle?`, `What is below the blue_square?`,
+  `Is the object right of the green_cross a triangle?`, `Is the object above the red_circle a
+  blue_square?`), weighted {image_mix}.
+- Training seeds from {train_seed:,}; held-out seeds from {heldout_seed:,}.
+
+## Recipe (`python -m organism train --model qwen35`)
+organism-qwen's four stages (`qwen_train`): `vision` (tower + merger with a per-token head,
+then frozen; category embeddings start at their mean merged feature), `presence` (packed
+category-last presence questions), `cat_last` (the task mix, packed category-last), `chat`
+(one question per row in the chat template, the answer also taught at the question's last
+word; {cat_last_share}% of rows stay category-last). The circuit terms that read every
+layer's attention are off (the DeltaNet layers have none); the image tokens' places and the
+anchor's place are read from hidden states, and a two-hop question's answering position
+holds the anchor's centre and the direction at the input of the last full-attention layer,
+where one head reads the hop-2 object (`losses.read_hop_loss`).
+- AdamW, cosine with warm-up, {threads} CPU thread(s) plus one data process. The DeltaNet
+  layers run transformers' torch fallback (no flash-linear-attention on CPU).
+- Steps and time: {steps}; in all {minutes:.1f} minutes wall-clock, {cpu_minutes:.1f} CPU
+  minutes of the training process.
+
+## Quality bars (held-out, greedy decoding, chat template)
+
+"""
+
+
+def model_card(name: str, metrics: dict, folder: Path) -> str:
+    """organism-qwen35's card (README.md) from its metrics and the run saved in ``folder``;
+    ``name`` is the shipped name, "qwen35"."""
+    summary = json.loads((folder / "train_summary.json").read_text())
+    megabytes = (folder / "model.safetensors").stat().st_size / 1e6
+    steps = ", ".join(
+        f"{n} {s['steps_run']} steps in {s['seconds'] / 60:.1f} min"
+        for n, s in summary["stages"].items()
+    )
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    spec = summary["spec"]
+    head = _CARD.format(
+        **spec,
+        layer_types=" ".join(t.split("_")[0] for t in text["layer_types"]),
+        rope_theta=text["rope_parameters"]["rope_theta"],
+        vocab=len(QWEN_VOCAB),
+        params=summary["params"],
+        megabytes=megabytes,
+        sides=", ".join(map(str, q.IMAGE_SIDES)),
+        min_side=q.MIN_SIDE,
+        image_mix=summary["image_mix"],
+        train_seed=q.TRAIN_SEED_BASE,
+        heldout_seed=q.HELDOUT_SEED_BASE,
+        cat_last_share=round(100 * summary["cat_last_share"]),
+        threads=summary["threads"],
+        steps=steps,
+        minutes=summary["seconds"] / 60,
+        cpu_minutes=summary["cpu_seconds"] / 60,
+    )
+    table = ["| bar | target | measured | verdict |", "|---|---|---|---|"]
+    rows = bars(metrics, summary, megabytes, BARS)
+    table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return head + "\n".join([*table, "", *_details(metrics)])
+
+
+def _details(metrics: dict) -> list[str]:
+    pope, hop = metrics.get("pope", {}), metrics.get("two_hop", {})
+    rows = [
+        "### POPE (held-out crops with >= 3 objects, no prompt suffix)",
+        "",
+        "| split | accuracy | precision | recall | F1 | yes-ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for split in ("random", "popular", "adversarial"):
+        s = pope.get(split, {})
+        keys = ("accuracy", "precision", "recall", "f1", "yes_ratio")
+        rows.append(f"| {split} | " + " | ".join(_pct(s.get(k)) for k in keys) + " |")
+    forms = hop.get("per_form", {})
+    per_form = ", ".join(
+        f"{form} {_pct(f.get('accuracy'))} (majority {_pct(f.get('majority_baseline'))})"
+        for form, f in forms.items()
+    )
+    return [
+        *rows,
+        "",
+        f"Two-hop: {_pct(hop.get('accuracy'))} of {hop.get('n', 0)} questions; {per_form}.",
+        "",
+        "Re-measure: `python -m organism eval --path <model folder>`.",
+        "",
+    ]

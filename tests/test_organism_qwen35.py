@@ -1,0 +1,248 @@
+"""organism-qwen35: its hybrid config, two-hop rows through the real Qwen3VLProcessor, the
+two-hop circuit's targets and loss, a 2-step training run and the evaluation's arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from organism import qwen35_eval, qwen_eval
+from organism import qwen_data as q
+from organism.architectures import ARCHITECTURES
+from organism.questions import IGNORE, QA
+from organism.vocab import (
+    IMAGE_PAD,
+    QWEN_ID,
+    QWEN_VOCAB,
+    TOKEN,
+    Qwen35Spec,
+    build_qwen35_config,
+    build_qwen35_processor,
+)
+
+MICRO = Qwen35Spec(
+    vision_hidden=32,
+    vision_layers=1,
+    vision_heads=2,
+    vision_mlp=64,
+    text_hidden=32,
+    text_layers=4,
+    text_heads=2,
+    text_kv_heads=1,
+    text_head_dim=16,
+    text_mlp=64,
+    linear_heads=2,
+    linear_head_dim=16,
+    text_mrope=(2, 1, 1),
+)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_qwen35_processor()
+
+
+def _crop_with_two_hop(rng, form):
+    for seed in range(200):
+        crop = q.cropped_scene(seed)
+        qa = q.two_hop_qa(crop.scene, rng, form=form)
+        if qa is not None:
+            return crop, qa
+    raise AssertionError("no crop with a two-hop question")
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_config_keeps_qwen35s_three_to_one_pattern(layers):
+    config = build_qwen35_config(dataclasses.replace(Qwen35Spec(), text_layers=layers))
+    types = config.text_config.layer_types
+    assert config.model_type == "qwen3_5"
+    assert types.index("full_attention") == 3
+    assert [i for i, t in enumerate(types) if t == "full_attention"] == list(range(3, layers, 4))
+    assert types.count("linear_attention") == 3 * layers // 4
+
+
+def test_config_refuses_a_depth_off_the_pattern():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        build_qwen35_config(dataclasses.replace(Qwen35Spec(), text_layers=6))
+
+
+def test_processor_is_qwen35s_and_grids_match_the_crops(processor):
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    crop = q.cropped_scene(5)
+    rng = np.random.default_rng(0)
+    out = q.encode_row(processor, q.Row(crop, [q.image_qa(crop, rng, {"presence": 1})]), "chat")
+    _, _, w, h = crop.box
+    assert out["image_grid_thw"][0].tolist() == [1, 2 * h // TOKEN, 2 * w // TOKEN]
+    assert out["input_ids"][0].tolist().count(IMAGE_PAD) == (h // TOKEN) * (w // TOKEN)
+
+
+def test_image_mix_draws_two_hop_questions():
+    rng = np.random.default_rng(1)
+    crop = next(c for c in map(q.cropped_scene, range(50)) if q.two_hop_qa(c.scene, rng))
+    kinds = {q.image_qa(crop, rng, {"presence": 0.5, "twohop": 0.5}).kind for _ in range(40)}
+    assert kinds == {"presence", "twohop"}
+
+
+@pytest.mark.parametrize("form", ["colour", "category", "shape", "is_category"])
+def test_two_hop_rows_answer_and_point_at_their_objects(processor, form):
+    rng = np.random.default_rng(2)
+    crop, qa = _crop_with_two_hop(rng, form)
+    for layout in ("cat_last", "chat"):
+        out = q.encode_row(processor, q.Row(crop, [qa]), layout, query_labels=True, targets=True)
+        ids, labels = out["input_ids"][0].tolist(), out["labels"][0].tolist()
+        (hop,) = out["hop_targets"].tolist()
+        answering, anchor, x, y, relation, first = hop
+        answering, anchor, first = int(answering), int(anchor), int(first)
+        # the answer is taught right after the answering position, which is the question's
+        # last word; the anchor position holds the anchor's category token
+        assert QWEN_VOCAB[labels[answering + 1]] == qa.answer
+        assert ids[answering] == qa.short[-1]
+        assert ids[anchor] == QWEN_ID[crop.scene.objects[qa.objects[0]].name]
+        assert ids[first] == IMAGE_PAD and ids[first - 1] != IMAGE_PAD
+        assert q.RELATIONS[int(relation)] == qa.relation
+        # the mask covers the hop-2 object's tokens and nothing past the image
+        (mask,) = out["hop_masks"].numpy()
+        _, _, w, h = crop.box
+        n = (h // TOKEN) * (w // TOKEN)
+        assert mask[:n].sum() >= 1 and mask[n:].sum() == 0
+        labels_grid = q.token_labels([crop.masks()[qa.objects[1]]], [0], (h // TOKEN, w // TOKEN))
+        assert mask[:n][labels_grid > 0].all()
+        # the anchor's centre in the circuit's units
+        a = crop.scene.objects[qa.objects[0]]
+        half = max(q.IMAGE_SIDES) / TOKEN / 2
+        assert x == pytest.approx((a.cx - crop.box[0]) / TOKEN / half - 1, abs=1e-5)
+        assert y == pytest.approx((a.cy - crop.box[1]) / TOKEN / half - 1, abs=1e-5)
+
+
+def test_rows_without_two_hop_questions_carry_no_hop_targets(processor):
+    rng = np.random.default_rng(3)
+    crop = q.cropped_scene(4)
+    out = q.encode_row(
+        processor, q.Row(crop, [q.image_qa(crop, rng, {"presence": 1})]), "chat", targets=True
+    )
+    assert out["hop_targets"].shape == (0, 6) and out["hop_masks"].shape == (0, q.MAX_TOKENS)
+
+
+def test_hop_read_trains_the_full_attention_layer_and_carry_the_layers_before(processor):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from organism import qwen_train
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(build_qwen35_config(MICRO))
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    rng = np.random.default_rng(4)
+    crop, qa = _crop_with_two_hop(rng, "colour")
+    other, qa2 = _crop_with_two_hop(np.random.default_rng(9), "is_category")
+    batch = q.collate(
+        [
+            q.encode_row(processor, q.Row(crop, [qa, qa]), "cat_last", targets=True),
+            q.encode_row(processor, q.Row(other, [qa2]), "chat", query_labels=True, targets=True),
+        ],
+        QWEN_ID["<pad>"],
+    )
+    assert batch["hop_targets"][:, 0].tolist() == [0, 0, 1]  # row index first
+    probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
+    terms = qwen_train._loss(model, batch, probe, attention=False)
+    assert {"answer", "grid", "place", "hop_carry", "hop_word", "hop_read"} <= set(terms)
+    assert not {"copy", "relation_attention"} & set(terms)
+    layers = model.model.language_model.layers
+    (read,) = torch.autograd.grad(
+        terms["hop_read"], layers[3].self_attn.q_proj.weight, retain_graph=True
+    )
+    assert read.abs().sum() > 0
+    (carry,) = torch.autograd.grad(
+        terms["hop_carry"], layers[2].linear_attn.in_proj_qkv.weight, retain_graph=True
+    )
+    assert carry.abs().sum() > 0
+    (after,) = torch.autograd.grad(
+        terms["hop_carry"], layers[3].mlp.down_proj.weight, retain_graph=True, allow_unused=True
+    )
+    assert after is None  # read at the input of the full-attention layer
+
+
+@pytest.mark.slow  # 4 stages and their probes through the DeltaNet torch fallback: 1-2 min
+def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from organism import qwen_train
+    from organism.loop import train
+    from organism.recipe import default_recipe
+
+    build = dataclasses.replace(qwen_train.BUILDS["qwen3_5"], spec=MICRO)
+    monkeypatch.setitem(qwen_train.BUILDS, "qwen3_5", build)
+    monkeypatch.setattr(qwen_eval, "Probe", functools.partial(qwen_eval.Probe, n=4))
+    recipe = default_recipe("qwen35", scale=0.001)
+    for stage in recipe.stages:
+        stage.steps, stage.batch, stage.minutes = 2, 2, 5.0
+    summary = train(recipe, tmp_path, quiet=True)
+    assert [s["steps_run"] for s in summary["stages"].values()] == [2, 2, 2, 2]
+    assert summary["architecture"] == "qwen3_5" and summary["name"] == "organism-qwen35"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["dtype"] == "float32"
+    model = AutoModelForImageTextToText.from_pretrained(str(tmp_path))
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert next(model.parameters()).dtype == torch.float32
+    assert type(AutoProcessor.from_pretrained(str(tmp_path))).__name__ == "Qwen3VLProcessor"
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert any("hop_read_loss" in row for row in log)
+
+
+def test_architecture_record_names_the_qwen35_parts():
+    record = ARCHITECTURES["qwen3_5"]
+    assert record.part("evaluate") is qwen35_eval.evaluate
+    assert record.part("train").__module__ == "organism.qwen_train"
+    assert record.part("model_card").__module__ == "organism.qwen35_card"
+
+
+def _qa(form: str, answer: str) -> QA:
+    return QA("twohop", "?", answer, [], (0, 1), relation="left", form=form)
+
+
+def test_two_hop_score_counts_first_words_per_form():
+    qas = [_qa("colour", "red"), _qa("colour", "red"), _qa("colour", "blue"), _qa("shape", "no")]
+    answers = ["red", "Red.", "red", "no"]
+    out = qwen35_eval.score_two_hop(answers, qas)
+    assert out["accuracy"] == pytest.approx(3 / 4) and out["n"] == 4
+    assert out["per_form"]["colour"] == {
+        "accuracy": pytest.approx(2 / 3),
+        "n": 3,
+        "majority_baseline": pytest.approx(2 / 3),
+    }
+    assert out["per_form"]["shape"]["accuracy"] == 1.0
+    assert "category" not in out["per_form"]
+
+
+def test_pope_split_scores_by_the_pope_rule(monkeypatch):
+    crops = qwen_eval.heldout_images(3, min_objects=3)
+    rows = qwen35_eval.pope_questions([c.scene for c in crops], "random")
+
+    def always(answer):
+        return lambda model, processor, media, questions: [answer] * len(questions)
+
+    monkeypatch.setattr(qwen35_eval, "chat_answers", always("yes"))
+    out = qwen35_eval.pope_split(None, None, crops, "random")
+    assert out["n"] == len(rows) and out["recall"] == 1.0 and out["yes_ratio"] == 1.0
+    assert out["accuracy"] == pytest.approx(np.mean([r["label"] == "yes" for r in rows]))
+    assert out["unparseable"] == 0
+    monkeypatch.setattr(qwen35_eval, "chat_answers", always("maybe"))
+    out = qwen35_eval.pope_split(None, None, crops, "random")
+    assert out["unparseable"] == len(rows) and out["yes_ratio"] == 1.0  # counted as yes
+
+
+def test_evaluate_refuses_unknown_measurements(tmp_path):
+    with pytest.raises(ValueError, match="pope, twohop"):
+        qwen35_eval.evaluate(tmp_path, only=["relations"])
+
+
+def test_chat_answers_labels_stay_ignored_outside_answers(processor):
+    rng = np.random.default_rng(5)
+    crop, qa = _crop_with_two_hop(rng, "category")
+    out = q.encode_row(processor, q.Row(crop, [qa]), "chat")
+    labels = out["labels"][0].tolist()
+    assert [QWEN_VOCAB[t] for t in labels if t != IGNORE] == [qa.answer, "<|im_end|>"]
