@@ -168,7 +168,11 @@ def test_no_host_read_per_decode_step():
             dict(layer=(0, 1), keep=(0.5, 0.25)),
             r"one pruning stage at layer=0 .*got layer=\(0, 1\)",
         ),
-        ("qwen2_vl", {}, r"1-D RoPE positions \(llava, llava_next, llava_onevision\); 'qwen2_vl'"),
+        (
+            "qwen2_vl",
+            {},
+            r"1-D RoPE positions \(internvl, llava, llava_next, llava_onevision\); 'qwen2_vl'",
+        ),
         ("qwen3_vl", {}, r"'qwen3_vl' positions visual tokens by their grid cells \(M-RoPE\)"),
     ],
 )

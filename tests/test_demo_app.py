@@ -203,6 +203,7 @@ def test_every_input_of_the_answer_endpoint_may_be_left_out():
         "reduce_value": focus.reduce,
         "budget_value": focus.budget,
         "positions_value": focus.positions,
+        "video_pruner_value": focus.video_pruner,
     }
 
 
@@ -301,7 +302,7 @@ def test_the_video_input_feeds_the_answer_endpoint_and_its_frame_gallery():
     answer = _answer_function(app.build_app(model, build_processor(SPECS["tiny"])))
     inputs = [c.elem_id for c in answer.inputs]
     assert inputs[0] == "image" and inputs[8] == "video"  # appended: old API calls still fit
-    assert inputs[9:] == ["query_rows", "reduce", "budget", "positions"]  # appended after it
+    assert inputs[9:] == ["query_rows", "reduce", "budget", "positions", "video_pruner"]
     assert [c.elem_id for c in answer.outputs][-1] == "frame-maps"
 
 

@@ -310,6 +310,8 @@ def test_default_modes_come_from_the_model_type():
         "llava_onevision",
         "qwen2_vl",
         "qwen2_5_vl",
+        "qwen3_5",
+        "qwen3_5_moe",
         "qwen3_vl",
         "qwen3_vl_moe",
     }

@@ -53,7 +53,7 @@ from typing import Any
 from PIL import Image
 from torch import nn
 
-from ..config import FocusConfig
+from ..config import FocusConfig, read_video_pruner
 from .answers import Answers, DemoSettings, answer
 from .inputs import (
     MAX_SIDE,
@@ -117,6 +117,8 @@ def run_request(
         layer = int(layer) if isinstance(layer, float) and layer.is_integer() else layer
         own = check_options(model, pruner, keep, layer, mitigation, pruner_options)
         check_focus_options(focus_options)
+        if "video_pruner" in focus_options:  # the page's dropdown says "none" for None
+            focus_options["video_pruner"] = read_video_pruner(focus_options["video_pruner"])
         settings = DemoSettings.of(
             FocusConfig(pruner=pruner, keep=keep, layer=layer, options=own, **focus_options),
             mitigation,

@@ -5,7 +5,8 @@ every command line.
 
 Three options have a widget of the page's own (:data:`PAGE_WIDGETS`): the pruner (a dropdown
 of the registry), the keep ratio and the layer (sliders, the layer's bounded by the model).
-Every other option is a dropdown of its declared ``choices`` (a checkbox for a flag) under
+Every other option is a dropdown of its declared ``choices`` (of the registry for
+``video_pruner``, :data:`REGISTRY_CHOICES`; a checkbox for a flag) under
 "More pruning options"; an option with neither needs a widget in :data:`PAGE_WIDGETS`.
 """
 
@@ -19,7 +20,7 @@ import gradio as gr
 
 import vlm_focus as vf
 
-from ..config import FocusConfig
+from ..config import VIDEO_AUTO, FocusConfig
 from ..core.options import default_of
 
 
@@ -46,6 +47,13 @@ PAGE_WIDGETS: dict[str, Callable[[dataclasses.Field, Any, int], Any]] = {
     "pruner": _pruner,
     "keep": _keep,
     "layer": _layer,
+}
+
+
+#: Options under "More pruning options" whose choices come from the registry rather than from
+#: the option's declaration (``"none"`` is read as ``None`` by the option's own reader).
+REGISTRY_CHOICES: dict[str, Callable[[], list[str]]] = {
+    "video_pruner": lambda: [VIDEO_AUTO, "none", *vf.pruners()],
 }
 
 
@@ -87,7 +95,9 @@ def more_widgets() -> dict[str, Any]:
             continue
         default, help_text = default_of(FocusConfig, f.name), f.metadata.get("help", "")
         common = {"value": default, "label": f.name, "info": help_text, "elem_id": f.name}
-        if "choices" in f.metadata:
+        if f.name in REGISTRY_CHOICES:
+            out[f.name] = gr.Dropdown(choices=REGISTRY_CHOICES[f.name](), **common)
+        elif "choices" in f.metadata:
             out[f.name] = gr.Dropdown(choices=list(f.metadata["choices"]), **common)
         elif isinstance(default, bool):
             out[f.name] = gr.Checkbox(**common)
@@ -102,6 +112,7 @@ def more_widgets() -> dict[str, Any]:
 __all__ = [
     "MODEL_PROPS",
     "PAGE_WIDGETS",
+    "REGISTRY_CHOICES",
     "model_updates",
     "focus_fields",
     "more_widgets",
