@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from . import qwen_data as q
-from .qwen_card import _pct, bars
+from .qwen_card import _pct, bars, pope_rows
 from .vocab import QWEN_VOCAB
 
 #: (bar, target, metrics key path, threshold): the bars on held-out data.
@@ -104,16 +104,7 @@ def model_card(name: str, metrics: dict, folder: Path) -> str:
 
 def _details(metrics: dict) -> list[str]:
     pope, hop = metrics.get("pope", {}), metrics.get("two_hop", {})
-    rows = [
-        "### POPE (held-out crops with >= 3 objects, no prompt suffix)",
-        "",
-        "| split | accuracy | precision | recall | F1 | yes-ratio |",
-        "|---|---|---|---|---|---|",
-    ]
-    for split in ("random", "popular", "adversarial"):
-        s = pope.get(split, {})
-        keys = ("accuracy", "precision", "recall", "f1", "yes_ratio")
-        rows.append(f"| {split} | " + " | ".join(_pct(s.get(k)) for k in keys) + " |")
+    rows = pope_rows(pope)
     forms = hop.get("per_form", {})
     per_form = ", ".join(
         f"{form} {_pct(f.get('accuracy'))} (majority {_pct(f.get('majority_baseline'))})"

@@ -170,18 +170,24 @@ def model_card(name: str, metrics: dict, folder: Path) -> str:
     return head + "\n".join([*table, "", *_details(metrics)])
 
 
-def _details(metrics: dict) -> list[str]:
-    pope, video = metrics.get("pope", {}), metrics.get("video", {})
+def pope_rows(pope: dict) -> list[str]:
+    """The card's POPE section: a heading and one row per split of the ``pope`` metrics."""
     rows = [
         "### POPE (held-out crops with >= 3 objects, no prompt suffix)",
         "",
         "| split | accuracy | precision | recall | F1 | yes-ratio |",
         "|---|---|---|---|---|---|",
     ]
+    keys = ("accuracy", "precision", "recall", "f1", "yes_ratio")
     for split in ("random", "popular", "adversarial"):
         s = pope.get(split, {})
-        keys = ("accuracy", "precision", "recall", "f1", "yes_ratio")
         rows.append(f"| {split} | " + " | ".join(_pct(s.get(k)) for k in keys) + " |")
+    return rows
+
+
+def _details(metrics: dict) -> list[str]:
+    pope, video = metrics.get("pope", {}), metrics.get("video", {})
+    rows = pope_rows(pope)
     relations = metrics.get("relations", {})
     captions = metrics.get("video_captions", {})
     return [
