@@ -41,7 +41,7 @@ from ...geometry import Frame, Size, view_frames
 
 @dataclass(frozen=True)
 class VllmLayerAdapter:
-    """What :class:`StageContext` asks a model adapter: three things about a decoder layer,
+    """What :class:`StageContext` asks a model adapter: five things about a decoder layer,
     answered for vLLM's Llama-style layers, and how an image's views sit on it when no processor
     is known (``frames``: the model adapter's ``ModelAdapter.frames``, which ``debiased``'s
     padding fix reads)."""
@@ -49,6 +49,9 @@ class VllmLayerAdapter:
     frames: Callable[..., list[Frame]] = view_frames
     attention: ClassVar[str] = "self_attn"
     input_norm: ClassVar[str] = "input_layernorm"
+    # the classes the plugin serves attend causally, with no sliding-window layers
+    mask_rule: ClassVar[str] = "causal"
+    attention_window: ClassVar[str | None] = None
 
     def project_qk(
         self, attention: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor
