@@ -213,6 +213,17 @@ def copy_loss(attentions: tuple[torch.Tensor, ...], targets: torch.Tensor) -> to
     return -torch.stack(terms).mean()
 
 
+def look_loss(attention: torch.Tensor, targets: torch.Tensor, masks: torch.Tensor, head: int):
+    """Mean -log attention mass of `head` (`attention`: one layer's `[B, H, S, S]` map) from
+    each question's category token to the tokens of the object it names (`targets`: row, q,
+    first image token; `masks` as in `read_hop_loss`): the lookup a hybrid decoder, whose
+    early layers have no attention to supervise, does in its first full-attention layer."""
+    rows, q, start = targets.long().unbind(1)
+    cols = (start[:, None] + torch.arange(masks.shape[1])).clamp(max=attention.shape[-1] - 1)
+    mass = (attention[rows, head, q].gather(1, cols).float() * masks).sum(1)
+    return -mass.clamp(min=1e-12).log().mean()
+
+
 def read_hop_loss(
     probe: HopProbe,
     hidden_states: tuple[torch.Tensor, ...],

@@ -310,11 +310,14 @@ def encode_row(
         out["copy_targets"] = torch.tensor(copies, dtype=torch.float32).reshape(-1, 2)
         if form == "cat_last":  # each question answers at its last word
             answering = [start + len(tokens) - 1 for start, tokens in spans]
+            reading = answering
         else:  # where the category-last form answers (see `query_labels`)
             anchor = _anchor_token(qa)
             answering = [-1 if anchor is None else _find_last(ids[: -n - 1], anchor)]
+            reading = [len(ids) - n - 1]  # the chat answer's own position reads the hop-2 object
         first = ids.index(VIDEO_PAD if row.is_video else IMAGE_PAD)
-        out.update(hop_targets(row, spans, answering, first))
+        out.update(hop_targets(row, spans, reading, first))
+        out.update(look_targets(row, answering, first))
     return out
 
 
@@ -347,6 +350,31 @@ def hop_targets(
     return {
         "hop_targets": torch.tensor(hops, dtype=torch.float32).reshape(-1, 6),
         "hop_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, MAX_TOKENS),
+    }
+
+
+def look_targets(row: Row, answering: list[int], first: int) -> dict[str, torch.Tensor]:
+    """The lookup a hybrid decoder's first full-attention layer does (``losses.look_loss``):
+    for each image question that names a present object (a positive presence question's
+    category, a two-hop question's anchor), `look_targets` (the question's last category token,
+    first image token) and `look_masks` (`[MAX_TOKENS]`: the merged tokens of every object of
+    that category, as in :func:`hop_targets`)."""
+    looks, masks = [], []
+    if not row.is_video:
+        _, _, w, h = row.media.box
+        objects, crop_masks = row.media.scene.objects, row.media.masks()
+        for qa, q in zip(row.qas, answering, strict=True):
+            if q < 0 or qa.kind not in ("presence", "twohop") or not qa.objects:
+                continue
+            category = objects[qa.objects[0]].category
+            mask = np.any(
+                [m for o, m in zip(objects, crop_masks, strict=True) if o.category == category], 0
+            )
+            looks.append((q, first))
+            masks.append(_covered(mask, (h // TOKEN, w // TOKEN)))
+    return {
+        "look_targets": torch.tensor(looks, dtype=torch.float32).reshape(-1, 2),
+        "look_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, MAX_TOKENS),
     }
 
 

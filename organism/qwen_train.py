@@ -31,10 +31,14 @@ from . import qwen_data as q
 from .clips import CLIP_SIZE, GROUPS, Clip, make_clip
 from .loop import Clock, autocast, prefetch, run_stage
 from .losses import (
+    COPY_HEAD,
+    HOP_ANCHOR_HEAD,
     HOP_HEAD,
+    RELATION_HEAD,
     HopProbe,
     RelationProbe,
     copy_loss,
+    look_loss,
     patch_weights,
     read_hop_loss,
     relation_loss,
@@ -308,8 +312,9 @@ def _loss(
     grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
     copies = batch.pop("copy_targets", None)
     hops, hop_masks = batch.pop("hop_targets", None), batch.pop("hop_masks", None)
+    looks, look_masks = batch.pop("look_targets", None), batch.pop("look_masks", None)
     if not attention and relations is not None:
-        relations, copies = relations[:0], copies[:0]  # both read every layer's attention
+        relations = relations[:0]  # it reads every layer's attention
     video = batch["input_ids"] == VIDEO_PAD
     relate = relation_probe is not None and (len(grid) > 0 or bool(video.any()))
     with autocast():
@@ -338,15 +343,36 @@ def _loss(
             terms["time"] = time_loss(relation_probe, out.hidden_states[1], video)
         if len(seen):
             terms["seen"] = seen_loss(relation_probe, out.hidden_states[2], seen)
-        if len(copies):
+        # a hybrid decoder's attentions are its full-attention layers' alone; the copy reads the
+        # later half of them, so it needs two
+        if len(copies) and (attention or len(out.attentions) > 1):
             terms["copy"] = copy_loss(out.attentions, copies.long())
-        if not attention and len(hops):  # the read at the last full-attention layer
-            layer = _last_full_attention(model)
-            attention_map = out.attentions[-1]
-            head = HOP_HEAD % attention_map.shape[1]  # a small layer may have fewer heads
-            terms |= read_hop_loss(
-                relation_probe.hop, out.hidden_states, attention_map, hops, hop_masks, layer, head
-            )
+        if not attention:
+            terms |= _hybrid_terms(model, relation_probe, out, hops, hop_masks, looks, look_masks)
+    return terms
+
+
+def _hybrid_terms(model, probe, out, hops, hop_masks, looks, look_masks) -> dict:
+    """A hybrid decoder's circuit: its first full-attention layer looks up the object a question
+    names (`losses.look_loss`), its last reads a two-hop question's hop-2 object
+    (`losses.read_hop_loss`), on a head other than the copy's where they share the layer."""
+    terms = {}
+    heads = out.attentions[0].shape[1]
+    if looks is not None and len(looks):
+        terms["look"] = look_loss(out.attentions[0], looks, look_masks, HOP_ANCHOR_HEAD % heads)
+    if len(hops):
+        read = HOP_HEAD % heads
+        if read == COPY_HEAD:
+            read = RELATION_HEAD
+        terms |= read_hop_loss(
+            probe.hop,
+            out.hidden_states,
+            out.attentions[-1],
+            hops,
+            hop_masks,
+            _last_full_attention(model),
+            read,
+        )
     return terms
 
 
@@ -433,8 +459,12 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     for stage in recipe.stages:
         start, cpu_start = time.time(), time.process_time()
         if stage.name == "vision" and recipe.vision_from:
-            model.load_state_dict(torch.load(recipe.vision_from)["model"])
-            stages[stage.name] = torch.load(recipe.vision_from)["stage"]
+            saved = torch.load(recipe.vision_from)
+            load_tower(model, saved["model"])
+            stages[stage.name] = saved["stage"]
+            batches = prefetch(lambda s=stage: batcher.vision_batch(s.batch))
+            init_category_embeddings(model, batches)
+            del batches
             continue
         if stage.name == "vision":
             batches = prefetch(lambda s=stage: batcher.vision_batch(s.batch))
@@ -477,6 +507,15 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     }
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def load_tower(model, state: dict) -> None:
+    """Load the vision tower and merger of an earlier run's `vision.pt` state into `model`; its
+    language model may differ in depth, and starts fresh."""
+    tower = {k: v for k, v in state.items() if ".visual." in f".{k}"}
+    missing, unexpected = model.load_state_dict(tower, strict=False)
+    if unexpected or any(".visual." in f".{k}" for k in missing):
+        raise ValueError(f"vision.pt does not fit this tower: {unexpected or missing}")
 
 
 def save(model, processor, out_dir: Path) -> None:
