@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply steps and minutes")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--vision-from",
+        type=Path,
+        default=None,
+        help="qwen, qwen35: the vision.pt of an earlier run; its tower replaces the vision stage",
+    )
     t.add_argument("--threads", type=int, default=2)
     e = sub.add_parser("eval", help="measure a model on the held-out set")
     e.add_argument(
@@ -70,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         recipe = default_recipe(args.model, scale=args.scale)
         recipe.seed = args.seed
+        if args.vision_from is not None:
+            if not hasattr(recipe, "vision_from"):
+                raise SystemExit(
+                    f"--vision-from: the {args.model} recipe has no vision stage to skip"
+                )
+            if not args.vision_from.is_file():
+                raise SystemExit(f"--vision-from: no file {args.vision_from}")
+            recipe.vision_from = str(args.vision_from)
         summary = train(recipe, args.out)
         if "minutes_total" not in summary:  # organism-qwen's summary counts seconds
             summary["minutes_total"] = round(summary["seconds"] / 60, 1)

@@ -286,17 +286,17 @@ class Qwen35Recipe(QwenRecipe):
 
 
 def qwen35_recipe(scale: float = 1.0) -> Qwen35Recipe:
-    """organism-qwen35's recipe: 8 + 5 + 14 + 23 = 50 minutes on 2 cores; `scale` multiplies
-    steps and minutes (0.01 for a smoke run). The steps are upper bounds a shared CPU does not
-    reach: Qwen3.5's Gated-DeltaNet layers run transformers' torch fallback (3 to 13 s per
-    16-row step measured), so the language stages take 8 rows a step and warm up in 20."""
+    """organism-qwen35's recipe: 13 + 5 + 13 + 26 = 57 minutes on 2 cores; `scale` multiplies
+    steps and minutes (0.01 for a smoke run). The steps are upper bounds a CPU does not reach:
+    Qwen3.5's Gated-DeltaNet layers run transformers' torch fallback (about 0.5 s per 8-row
+    language step at 8 layers), so the language stages take 8 rows a step and warm up in 20."""
     names = ("vision", "presence", "cat_last", "chat")
-    minutes, steps = (8.0, 5.0, 14.0, 23.0), (3000, 1000, 4000, 10000)
+    minutes, steps = (13.0, 5.0, 13.0, 26.0), (8000, 1000, 4000, 10000)
     batches = (16, 8, 8, 8)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (6, 8), (1, 1))
     mixes = ({}, {"presence": 1.0}, {}, {})
-    # the circuit's hidden-state terms (image tokens' places, the named anchor's place); the
-    # attention terms need attention in every layer, which the hybrid decoder lacks
+    # the circuit's hidden-state terms (image tokens' places, the named anchor's place) and the
+    # full-attention layers' lookup, hop read and copy (`qwen_train._hybrid_terms`)
     relation = (0.0, 1.0, 1.0, 1.0)
     return Qwen35Recipe(
         stages=[

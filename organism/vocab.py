@@ -409,7 +409,7 @@ class Qwen35Spec:
     vision_mlp: int = 192
     vision_positions: int = 100  # the tower's learned 10 x 10 position grid, resampled per image
     text_hidden: int = 128
-    text_layers: int = 4
+    text_layers: int = 8  # full attention at layers 3 and 7: the lookup, then the hop-2 read
     text_heads: int = 4
     text_kv_heads: int = 2
     text_head_dim: int = 32
