@@ -317,7 +317,7 @@ def encode_row(
             reading = [len(ids) - n - 1]  # the chat answer's own position reads the hop-2 object
         first = ids.index(VIDEO_PAD if row.is_video else IMAGE_PAD)
         out.update(hop_targets(row, spans, reading, first))
-        out.update(look_targets(row, answering, first))
+        out.update(look_targets(row, spans, first))
     return out
 
 
@@ -353,25 +353,26 @@ def hop_targets(
     }
 
 
-def look_targets(row: Row, answering: list[int], first: int) -> dict[str, torch.Tensor]:
+def look_targets(
+    row: Row, spans: list[tuple[int, list[int]]], first: int
+) -> dict[str, torch.Tensor]:
     """The lookup a hybrid decoder's first full-attention layer does (``losses.look_loss``):
     for each image question that names a present object (a positive presence question's
-    category, a two-hop question's anchor), `look_targets` (the question's last category token,
-    first image token) and `look_masks` (`[MAX_TOKENS]`: the merged tokens of every object of
-    that category, as in :func:`hop_targets`)."""
+    category, a two-hop question's anchor), `look_targets` (that category token's position,
+    first image token) and `look_masks` (`[MAX_TOKENS]`: the merged tokens of that object, as in
+    :func:`hop_targets`; a scene holds each category once). `spans` as in
+    :func:`circuit_targets`."""
     looks, masks = [], []
     if not row.is_video:
         _, _, w, h = row.media.box
-        objects, crop_masks = row.media.scene.objects, row.media.masks()
-        for qa, q in zip(row.qas, answering, strict=True):
-            if q < 0 or qa.kind not in ("presence", "twohop") or not qa.objects:
+        crop_masks = row.media.masks()
+        for qa, (start, tokens) in zip(row.qas, spans, strict=True):
+            named = named_objects(start, tokens, qa)
+            if qa.kind not in ("presence", "twohop") or not named:
                 continue
-            category = objects[qa.objects[0]].category
-            mask = np.any(
-                [m for o, m in zip(objects, crop_masks, strict=True) if o.category == category], 0
-            )
-            looks.append((q, first))
-            masks.append(_covered(mask, (h // TOKEN, w // TOKEN)))
+            position, index = named[0]
+            looks.append((position, first))
+            masks.append(_covered(crop_masks[index], (h // TOKEN, w // TOKEN)))
     return {
         "look_targets": torch.tensor(looks, dtype=torch.float32).reshape(-1, 2),
         "look_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, MAX_TOKENS),

@@ -98,11 +98,22 @@ def test_two_hop_rows_answer_and_point_at_their_objects(processor, form):
         (hop,) = out["hop_targets"].tolist()
         answering, anchor, x, y, relation, first = hop
         answering, anchor, first = int(answering), int(anchor), int(first)
-        # the answer is taught right after the answering position, which is the question's
-        # last word; the anchor position holds the anchor's category token
+        # the answer is taught right after the reading position: the question's last word in
+        # the category-last form, the prompt's last token in the chat form
         assert QWEN_VOCAB[labels[answering + 1]] == qa.answer
-        assert ids[answering] == qa.short[-1]
+        if layout == "cat_last":
+            assert ids[answering] == qa.short[-1]
+        else:
+            assert answering == len(ids) - 3  # before the answer and <|im_end|>
         assert ids[anchor] == QWEN_ID[crop.scene.objects[qa.objects[0]].name]
+        # the lookup starts at the anchor's category token and covers the anchor
+        (look,) = out["look_targets"].tolist()
+        assert int(look[0]) == anchor and int(look[1]) == first
+        (seen,) = out["look_masks"].numpy()
+        anchor_grid = q.token_labels(
+            [crop.masks()[qa.objects[0]]], [0], (crop.box[3] // TOKEN, crop.box[2] // TOKEN)
+        )
+        assert seen[: anchor_grid.size][anchor_grid > 0].all()
         assert ids[first] == IMAGE_PAD and ids[first - 1] != IMAGE_PAD
         assert q.RELATIONS[int(relation)] == qa.relation
         # the mask covers the hop-2 object's tokens and nothing past the image
@@ -128,6 +139,54 @@ def test_rows_without_two_hop_questions_carry_no_hop_targets(processor):
     assert out["hop_targets"].shape == (0, 6) and out["hop_masks"].shape == (0, q.MAX_TOKENS)
 
 
+def test_presence_rows_look_up_the_asked_object(processor):
+    rng = np.random.default_rng(5)
+    for seed in range(10):
+        crop = q.cropped_scene(seed)
+        yes, no = q.presence_pair(crop, rng)
+        out = q.encode_row(processor, q.Row(crop, [yes, no]), "cat_last", targets=True)
+        ids = out["input_ids"][0].tolist()
+        (look,) = out["look_targets"].tolist()  # the negative names no object: no lookup
+        assert ids[int(look[0])] == yes.short[-1]
+        _, _, w, h = crop.box
+        labels = q.token_labels([crop.masks()[yes.objects[0]]], [0], (h // TOKEN, w // TOKEN))
+        (mask,) = out["look_masks"].numpy()
+        assert mask[: labels.size][labels > 0].all() and mask[labels.size :].sum() == 0
+
+
+def test_look_loss_is_minus_log_mass_on_the_named_tokens():
+    from organism.losses import look_loss
+
+    attention = torch.zeros(1, 2, 6, 6)
+    attention[0, 1, 5, 2:4] = torch.tensor([0.25, 0.5])  # head 1, from position 5
+    targets = torch.tensor([[0.0, 5.0, 2.0]])  # row, q, first image token
+    masks = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    assert look_loss(attention, targets, masks, head=1).item() == pytest.approx(-np.log(0.75))
+
+
+def test_a_vision_pt_of_another_depth_loads_its_tower_alone(tmp_path):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from organism.qwen_train import load_tower
+
+    torch.manual_seed(0)
+    four = Qwen3_5ForConditionalGeneration(build_qwen35_config(MICRO))
+    eight = Qwen3_5ForConditionalGeneration(
+        build_qwen35_config(dataclasses.replace(MICRO, text_layers=8))
+    )
+    lm_before = {k: v.clone() for k, v in eight.model.language_model.state_dict().items()}
+    load_tower(eight, four.state_dict())
+    for k, v in four.model.visual.state_dict().items():
+        assert torch.equal(eight.model.visual.state_dict()[k], v)
+    for k, v in eight.model.language_model.state_dict().items():
+        assert torch.equal(lm_before[k], v)
+    wide = Qwen3_5ForConditionalGeneration(
+        build_qwen35_config(dataclasses.replace(MICRO, vision_hidden=48))
+    )
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_tower(eight, wide.state_dict())
+
+
 def test_hop_read_trains_the_full_attention_layer_and_carry_the_layers_before(processor):
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -149,7 +208,8 @@ def test_hop_read_trains_the_full_attention_layer_and_carry_the_layers_before(pr
     assert batch["hop_targets"][:, 0].tolist() == [0, 0, 1]  # row index first
     probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
     terms = qwen_train._loss(model, batch, probe, attention=False)
-    assert {"answer", "grid", "place", "hop_carry", "hop_word", "hop_read"} <= set(terms)
+    assert {"answer", "grid", "place", "look", "hop_carry", "hop_word", "hop_read"} <= set(terms)
+    # one full-attention layer: no later half for the copy head to run in
     assert not {"copy", "relation_attention"} & set(terms)
     layers = model.model.language_model.layers
     (read,) = torch.autograd.grad(
@@ -246,3 +306,37 @@ def test_chat_answers_labels_stay_ignored_outside_answers(processor):
     out = q.encode_row(processor, q.Row(crop, [qa]), "chat")
     labels = out["labels"][0].tolist()
     assert [QWEN_VOCAB[t] for t in labels if t != IGNORE] == [qa.answer, "<|im_end|>"]
+
+
+def test_eight_layers_look_at_layer_three_and_read_and_copy_at_layer_seven(processor):
+    """organism-qwen35's shape: the lookup trains layer 3's attention; the hop-2 read and the
+    chat copy train layer 7's, on different heads."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from organism import qwen_train
+
+    torch.manual_seed(0)
+    spec = dataclasses.replace(MICRO, text_layers=8, text_heads=4, text_kv_heads=2)
+    model = Qwen3_5ForConditionalGeneration(build_qwen35_config(spec))
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    crop, qa = _crop_with_two_hop(np.random.default_rng(4), "colour")
+    batch = q.collate(
+        [q.encode_row(processor, q.Row(crop, [qa]), "chat", query_labels=True, targets=True)],
+        QWEN_ID["<pad>"],
+    )
+    probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
+    terms = qwen_train._loss(model, batch, probe, attention=False)
+    assert {"look", "copy", "hop_read"} <= set(terms)
+    layers = model.model.language_model.layers
+
+    def grad(term: str, layer: int):
+        weight = layers[layer].self_attn.q_proj.weight
+        (g,) = torch.autograd.grad(terms[term], weight, retain_graph=True, allow_unused=True)
+        return None if g is None else g.view(spec.text_heads, 2, spec.text_head_dim, -1)[:, 0]
+
+    assert grad("look", 3).abs().sum() > 0 and grad("look", 7) is None
+    copy, read = grad("copy", 7), grad("hop_read", 7)
+    # each of the two layer-7 terms trains its own head's queries alone
+    copy_heads = copy.abs().sum((1, 2)) > 0
+    read_heads = read.abs().sum((1, 2)) > 0
+    assert copy_heads.sum() == 1 and read_heads.sum() == 1 and not (copy_heads & read_heads).any()
