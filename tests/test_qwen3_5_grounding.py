@@ -2,10 +2,12 @@
 types: linear, linear, full, linear).
 
 Only the full-attention layer has attention rows. The defaults that pick layers (grounding,
-probes, VAS, every mitigation) choose it; an explicitly named linear layer is refused with the
-layers to use instead. The probe's rows at the full layer equal the model's own eager attention
-(prefill of a left-padded batch of two images of two sizes, and cached decode); a planted peak
-lands on its cell in the original pixels of a non-square image through the real processor.
+probes, VAS, the mitigations that read or bias attention) choose it; an explicitly named linear
+layer is refused with the layers to use instead, and so is a contrast that would hide tokens
+from a linear layer. The probe's rows at the full layer equal the model's own eager attention:
+prefill of a left-padded batch of two images of two sizes, cached decode, and a model pruned at
+a linear or the full layer (over the kept keys). A planted peak lands on its cell in the
+original pixels of a non-square image through the real processor.
 """
 
 from __future__ import annotations
@@ -129,6 +131,32 @@ def test_probe_rows_at_the_full_layer_equal_eager_attention_prefill_and_decode()
     for rec in probe.records:
         step = gen.attentions[rec.step][0][:, :, -1]  # [B, H, L]
         torch.testing.assert_close(rec.probs[:, :, 0], step, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, FULL])  # a linear and the full stage layer
+def test_probe_rows_on_a_pruned_model_equal_its_eager_attention_over_the_kept_keys(stage):
+    model = _model("eager")
+    inputs = _inputs(model)
+    visual = get_adapter(model).visual_mask(model, inputs["input_ids"])
+    with vf.wrap(model, pruner="fastv", keep=0.5, layer=stage) as handle:
+        with torch.no_grad(), AttentionProbe(model, rows="text") as probe:
+            out = model(**inputs, output_attentions=True)
+        kept = handle.last_trace.kept
+    (rec,) = probe.records
+    ref = out.attentions[0]  # [B, H, S', S']: the full layer holds the kept tokens only
+    for b in range(2):
+        held = ~visual[b]
+        held[kept[b]] = True
+        held = torch.nonzero(held).flatten()  # original positions of the layer's tokens
+        assert held.numel() == ref.shape[-1]
+        local = {int(p): i for i, p in enumerate(held)}
+        rows = rec.positions[b][rec.mask[b]]
+        want = ref[b][:, [local[int(r)] for r in rows]]  # [H, Tq, S']
+        got = rec.probs[b][:, rec.mask[b]]  # [H, Tq, S] in original positions
+        torch.testing.assert_close(got[..., held], want, atol=1e-5, rtol=0)
+        dropped = torch.ones(got.shape[-1], dtype=torch.bool)
+        dropped[held] = False
+        assert float(got[..., dropped].abs().max()) == 0.0
 
 
 def test_vas_equals_the_visual_share_of_eager_attention():
