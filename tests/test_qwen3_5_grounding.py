@@ -20,6 +20,7 @@ import vlm_focus as vf
 import vlm_focus.core.layer_view as layer_view_module
 from vlm_focus import grounding as G
 from vlm_focus import hallucination as H
+from vlm_focus import zoom
 from vlm_focus.core.probe import AttentionProbe, attention_layers
 from vlm_focus.geometry import Size
 from vlm_focus.model_adapters import get_adapter
@@ -217,6 +218,22 @@ def test_planted_peak_lands_in_original_pixels_through_the_real_processor(monkey
         assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (box, (x0, y0, x1, y1))
         assert 0 <= box.x0 and box.x0 + box.width <= width
         assert 0 <= box.y0 and box.y0 + box.height <= height
+
+
+def test_zoom_maps_the_full_layer_and_refuses_a_linear_one():
+    model = _model()
+    processor = hybrid_processor(model)
+    image = noise_image(96, 64, seed=2)
+    question = "describe the image"
+    found = zoom.look_closer(
+        model, processor, image, question, max_new_tokens=2, min_size=24, anchor="peak"
+    )
+    assert found.zoomed and found.map.size == Size(96, 64)
+    assert found.map.pixels.shape == (64, 96)
+    with pytest.raises(ValueError, match=LINEAR_ERROR.format(0)):
+        zoom.look_closer(
+            model, processor, image, question, max_new_tokens=2, min_size=24, layers=[0]
+        )
 
 
 # --- mitigation at the full layer -----------------------------------------------------------
