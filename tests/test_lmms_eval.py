@@ -197,6 +197,61 @@ def test_qwen_chat_class_batch_4_equals_batch_1(tmp_path):
     assert all(kept < total for _, kept, total in runs[1].values())
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 (hybrid decoder) saved with its real processor. Patch 16, as the real
+    checkpoints: lmms-eval's Qwen3-VL chat class sizes images for it before the processor."""
+    from tiny_processors import hybrid_processor
+
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    path = tmp_path_factory.mktemp("qwen3_5") / "model"
+    model = tiny_model("qwen3_5", vision={"patch_size": 16})
+    model.save_pretrained(path)
+    hybrid_processor(model).save_pretrained(path)
+    return path
+
+
+def test_the_qwen3_5_class_takes_the_arguments_of_the_class_it_extends():
+    from lmms_eval.models.chat.qwen3_5 import Qwen3_5
+
+    from vlm_focus.integrations.lmms_eval import DELEGATES, _init_parameters
+
+    assert DELEGATES["qwen3_5"].class_path == "lmms_eval.models.chat.qwen3_5.Qwen3_5"
+    names = _init_parameters(Qwen3_5)
+    # its own (Qwen3.5's pixel budget and thinking) and Qwen3-VL's, which it forwards to
+    assert {"pretrained", "min_pixels", "enable_thinking", "batch_size", "device"} <= set(names)
+
+
+@pytest.mark.slow
+def test_lmms_eval_runs_the_qwen3_5_chat_class_pruned_batch_2_equals_batch_1(
+    qwen3_5_checkpoint, tmp_path
+):
+    """lmms-eval's Qwen3.5 chat class under the plugin on a saved tiny hybrid checkpoint,
+    offline, pruned at the full-attention layer: batch 2 (left-padded rows) gives batch 1's
+    answers and kept counts, half of each row's visual tokens."""
+    env = _env(tmp_path)
+    args = f"pretrained={qwen3_5_checkpoint},pruner=fastv,keep=0.5,layer=2"
+    runs = {}
+    for batch in (1, 2):
+        cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
+        cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", "4"]
+        cmd += ["--batch_size", str(batch), "--output_path", str(tmp_path / f"b{batch}")]
+        _run([*cmd, "--log_samples"], env)
+        (samples,) = (tmp_path / f"b{batch}").rglob(f"*_samples_{TASK}.jsonl")
+        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+        runs[batch] = {
+            s["accuracy"]["question_id"]: (
+                s["accuracy"]["answer"],
+                s["token_counts"][0]["visual_kept"],
+                s["token_counts"][0]["visual_total"],
+            )
+            for s in rows
+        }
+    assert len(runs[1]) == 4 and runs[2] == runs[1]
+    assert all(2 * kept == total > 0 for _, kept, total in runs[1].values())
+
+
 def test_entry_point_registers_the_model():
     (ep,) = [e for e in entry_points(group="lmms_eval.models") if e.name == "vlm_focus"]
     from lmms_eval.models import get_model
@@ -428,8 +483,8 @@ def test_delegates_cover_every_supported_model_or_say_why_not():
     for model_type, spec in DELEGATES.items():
         assert (spec.class_path is None) == bool(spec.left_out), model_type
     left_out = sorted(t for t, spec in DELEGATES.items() if spec.class_path is None)
-    # lmms-eval 0.7.3 picks its MoE classes by name; its Qwen3.5 class is not checked yet
-    assert left_out == ["qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"]
+    # lmms-eval 0.7.3 picks its MoE classes by name
+    assert left_out == ["qwen3_5_moe", "qwen3_vl_moe"]
 
 
 def test_a_left_out_model_type_says_why_before_weights_load(monkeypatch, tmp_path):

@@ -352,7 +352,9 @@ def test_the_options_are_checked_with_clear_errors():
         H.attention_reweight(model, placement="pai", skip=-1)
     with pytest.raises(TypeError, match=r"skip must be an int, got 1.5"):
         H.attention_reweight(model, skip=1.5)
-    with pytest.raises(ValueError, match=r"skip=4 leaves no layer of this 4-layer model"):
+    with pytest.raises(
+        ValueError, match=r"skip=4 leaves none of this model's attention layers \[0, 1, 2, 3\]"
+    ):
         H.attention_reweight(model, placement="pai", skip=4)
     for bad in (1.0, -0.1):
         with pytest.raises(ValueError, match=r"suppress must lie in \[0, 1\)"):

@@ -45,6 +45,7 @@ __all__ = [
     "Prefill",
     "QuerySpec",
     "Rows",
+    "attention_layers",
     "attention_probs",
     "check_layers",
     "layer_attention_rows",
@@ -122,8 +123,7 @@ class _LayerHooks:
         self.model = model
         self.adapter = get_adapter(model)
         self.decoder_layers = self.adapter.decoder_layers(model)
-        n_layers = len(self.decoder_layers)
-        self.layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+        self.layers = attention_layers(model, layers)
         self.tracker: CallTracker | None = None
         self._hooks: list[Any] = []
 
@@ -175,7 +175,8 @@ class AttentionProbe(_LayerHooks):
 
     Args:
         model: a supported VLM (``*ForConditionalGeneration``), pruned or not.
-        layers: decoder layer indices; ``None`` for all.
+        layers: decoder layer indices; ``None`` for every layer with attention rows (a hybrid
+            decoder's full-attention layers, :func:`attention_layers`).
         rows: prefill query rows (see :func:`resolve_rows`); ``None`` records no prefill rows.
         decode: also record every decode step's new token rows.
         on_rows: called with each :class:`Rows` as it is computed.
@@ -254,6 +255,33 @@ def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
     if not out:
         raise ValueError("layers is empty")
     return sorted(set(out))
+
+
+def attention_layers(model: nn.Module, layers: Sequence[int] | None = None) -> list[int]:
+    """The decoder layers whose attention rows are read or biased: ``layers`` checked by
+    :func:`check_layers`, or every layer with attention rows when ``None``.
+
+    A hybrid decoder's recurrent layers (the adapter's ``recurrent_layers``, e.g. Qwen3.5's
+    Gated DeltaNet layers) compute no attention rows and cannot hide a key, so they are left out
+    of the default, and asking for one raises a ``ValueError`` that lists the layers to use.
+    """
+    adapter = get_adapter(model)
+    n_layers = len(adapter.decoder_layers(model))
+    recurrent = adapter.recurrent_layers(model)
+    usable = [i for i in range(n_layers) if i not in recurrent]
+    if layers is None:
+        if not usable:
+            raise ValueError(f"'{adapter.model_type}' has no decoder layer with attention rows")
+        return usable
+    chosen = check_layers(layers, n_layers)
+    linear = [i for i in chosen if i in recurrent]
+    if linear:
+        raise ValueError(
+            f"decoder layer(s) {linear} of this '{adapter.model_type}' model are linear-attention "
+            f"(recurrent) layers with no attention rows to read or bias; use its full-attention "
+            f"layers {usable}"
+        )
+    return chosen
 
 
 BiasFn = Callable[[LayerView], torch.Tensor | None]

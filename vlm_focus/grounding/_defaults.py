@@ -10,7 +10,8 @@ A model carries its measured choice as data in its own ``config.json``::
 (the embedded organisms do; ``benchmarks/grounding_layers.py`` and
 ``benchmarks/grounding_presence.py`` measure the values). transformers keeps the key on
 ``model.config`` and writes it back with ``save_pretrained``. A model without it gets the rule
-:data:`LAYER_SHARE`: the first quarter of its decoder layers.
+:data:`LAYER_SHARE`: the first quarter of its decoder layers. On a hybrid decoder (Qwen3.5) the
+rule counts its full-attention layers only, the ones with attention rows to read.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core.probe import check_layers
-from ..model_adapters import get_adapter
+from ..core.probe import attention_layers
 
 #: The ``config.json`` key holding a model's measured grounding defaults.
 CONFIG_KEY = "vlm_focus_grounding"
@@ -61,17 +61,18 @@ def rule_layers(n_layers: int) -> list[int]:
 def default_layers(model: nn.Module) -> list[int]:
     """The decoder layers whose attention a map averages when no ``layers=`` (nor ``heads=``)
     is given: ``config.vlm_focus_grounding["layers"]`` when the model stores them (measured on
-    that model), else :func:`rule_layers` of its layer count."""
-    n_layers = len(get_adapter(model).decoder_layers(model))
+    that model), else :func:`rule_layers` of its layer count. On a hybrid decoder the rule
+    picks among the full-attention layers (:func:`~vlm_focus.core.probe.attention_layers`):
+    the first ``ceil(LAYER_SHARE * n_full)`` of them."""
+    usable = attention_layers(model)
     stored = _stored(model).get("layers")
     if stored is None:
-        return rule_layers(n_layers)
+        return [usable[i] for i in rule_layers(len(usable))]
     try:
-        return check_layers(list(stored), n_layers)
+        return attention_layers(model, list(stored))
     except (TypeError, ValueError) as err:
         raise ValueError(
-            f"config.{CONFIG_KEY}['layers']={stored!r} does not fit this model's "
-            f"{n_layers} decoder layers: {err}"
+            f"config.{CONFIG_KEY}['layers']={stored!r} does not fit this model: {err}"
         ) from None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.probe import attention_layers
 from ..model_adapters import get_adapter
 from ._image_attention import probe_forward, query_row_weights, token_attention
 from ._token_masks import Query, query_tokens
@@ -177,7 +178,8 @@ def load_heads(path: str | Path, model: nn.Module | None = None) -> Localization
     if model is not None:
         adapter = get_adapter(model)
         layers = adapter.decoder_layers(model)
-        n_heads = getattr(layers[0], adapter.attention).config.num_attention_heads
+        first = attention_layers(model)[0]  # a hybrid's layer 0 may have no attention
+        n_heads = getattr(layers[first], adapter.attention).config.num_attention_heads
         if (heads.model_type, heads.n_layers, heads.n_heads) != (
             adapter.model_type,
             len(layers),

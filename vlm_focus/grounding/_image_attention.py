@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.probe import AttentionProbe, Prefill, Rows, check_layers
+from ..core.probe import AttentionProbe, Prefill, Rows, attention_layers
 from ..model_adapters import ImageLayout, get_adapter
 
 HeadSpec = Any  # LocalizationHeads | Mapping[int, Sequence[int]] | None
@@ -50,8 +50,7 @@ def probe_forward(
     on a pruned model the pruner then scores with the prompt's rows, as generation did.
     """
     adapter = get_adapter(model)
-    n_layers = len(adapter.decoder_layers(model))
-    layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+    layers = attention_layers(model, layers)  # default: every layer with attention rows
     inputs = dict(inputs)
     inputs.pop("labels", None)
     with torch.no_grad(), AttentionProbe(model, layers, rows=rows) as probe:

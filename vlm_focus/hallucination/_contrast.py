@@ -13,10 +13,9 @@ from transformers import LogitsProcessor
 from ..config import keep_count
 from ..core.attention import instruction_relevance
 from ..core.options import option
-from ..core.probe import AttentionProbe, check_layers
+from ..core.probe import AttentionProbe, attention_layers
 from ..generation import extend_with_answer
 from ..grounding import GENERIC_PROMPT
-from ..model_adapters import get_adapter
 from ._side_pass import side_logits
 from .registry import Mitigation, check_numbers, register_mitigation
 
@@ -47,7 +46,7 @@ class InstructionContrastOptions:
         0.5, "share of the visual tokens that are instruction-irrelevant, in (0, 1)"
     )
     layers: list[int] | None = option(
-        None, "decoder layers whose attention is read (none: every layer)"
+        None, "decoder layers whose attention is read (none: every layer with attention rows)"
     )
 
     def __post_init__(self) -> None:
@@ -83,9 +82,7 @@ class InstructionContrast(Mitigation, LogitsProcessor):
         self.inputs = dict(inputs)
         self.alpha, self.beta = float(options.alpha), float(options.beta)
         self.ratio = float(options.ratio)
-        n_layers = len(get_adapter(model).decoder_layers(model))
-        layers = options.layers
-        self.layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+        self.layers = attention_layers(model, options.layers)
         visual, user = _instruction_attention(model, inputs, self.layers)
         g_visual, generic = _instruction_attention(model, generic_inputs, self.layers)
         if visual.shape[0] != g_visual.shape[0] or not torch.equal(visual.sum(1), g_visual.sum(1)):

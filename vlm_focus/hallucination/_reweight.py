@@ -13,7 +13,7 @@ from torch import nn
 from ..config import keep_count
 from ..core.attention import instruction_relevance
 from ..core.options import check_choices, option
-from ..core.probe import AttentionBias, LayerView, Prefill, rows_from_mask
+from ..core.probe import AttentionBias, LayerView, Prefill, attention_layers, rows_from_mask
 from ..model_adapters import get_adapter
 from .registry import Mitigation, check_numbers, register_mitigation
 
@@ -52,7 +52,7 @@ class AttentionReweightOptions:
     layers: list[int] | None = option(
         None,
         "decoder layers to reweight (none: the placement's; relevant every layer, pai from "
-        "skip on, vaf the middle layers [n/4, n/2))",
+        "skip on, vaf the middle layers [n/4, n/2); a hybrid decoder's full-attention ones)",
     )
     ratio: float = option(
         0.25, "relevant: share of the visual tokens that are task-relevant, in (0, 1]"
@@ -89,16 +89,21 @@ class AttentionReweightOptions:
             )
 
 
-def default_layers(placement: str, n_layers: int, skip: int) -> list[int]:
-    """The layers a placement reweights when ``layers`` is not given."""
+def default_layers(placement: str, usable: Sequence[int], skip: int) -> list[int]:
+    """The layers a placement reweights when ``layers`` is not given, chosen among ``usable``
+    (the decoder layers with attention rows, in order: every layer but a hybrid decoder's
+    linear-attention ones)."""
+    usable = list(usable)
     if placement == "pai":
-        if skip >= n_layers:
-            raise ValueError(f"skip={skip} leaves no layer of this {n_layers}-layer model")
-        return list(range(skip, n_layers))
+        chosen = [i for i in usable if i >= skip]
+        if not chosen:
+            raise ValueError(f"skip={skip} leaves none of this model's attention layers {usable}")
+        return chosen
     if placement == "vaf":  # the middle layers, where the image is fused into the text
-        start = round(n_layers / 4)
-        return list(range(start, max(round(n_layers / 2), start + 1)))
-    return list(range(n_layers))
+        n = len(usable)
+        start = round(n / 4)
+        return usable[start : max(round(n / 2), start + 1)]
+    return usable
 
 
 def visual_heads(probs: torch.Tensor, rows: torch.Tensor, visual: torch.Tensor, share: float):
@@ -126,7 +131,6 @@ class AttentionReweight(Mitigation):
     summary = "raise the attention logits of the visual tokens (relevant ones, PAI or VAF)"
 
     def __init__(self, model: nn.Module, options: AttentionReweightOptions) -> None:
-        n_layers = len(get_adapter(model).decoder_layers(model))
         self.model = model
         self.placement = options.placement
         self.strength = float(options.strength)
@@ -142,7 +146,7 @@ class AttentionReweight(Mitigation):
         self._has_visual = False
         layers = options.layers
         if layers is None:
-            layers = default_layers(self.placement, n_layers, options.skip)
+            layers = default_layers(self.placement, attention_layers(model), options.skip)
         self._bias = AttentionBias(model, layers, self._bias_fn)
         self.layers = self._bias.layers
 

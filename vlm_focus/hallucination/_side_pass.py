@@ -40,6 +40,14 @@ def side_pass(
         dropped = tracker.dropped_keys() if same_prompt else {}
         n_layers = len(adapter.decoder_layers(model))
         layers = range(n_layers) if blocked is not None else sorted(dropped)
+        # a recurrent (linear-attention) layer reads every token it is given: no mask hides one
+        unmaskable = sorted(set(layers) & adapter.recurrent_layers(model))
+        if unmaskable:
+            raise ValueError(
+                f"this contrast hides visual tokens from decoder layers {unmaskable}, which are "
+                f"linear-attention layers of this '{adapter.model_type}' model and cannot hide a "
+                "token; use a mitigation that reads or biases the full-attention layers only"
+            )
 
         def bias(view: LayerView) -> torch.Tensor | None:
             gone = dropped.get(view.index)

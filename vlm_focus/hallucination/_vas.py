@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.probe import AttentionProbe, QuerySpec, check_layers
-from ..model_adapters import get_adapter
+from ..core.probe import AttentionProbe, QuerySpec, attention_layers
 
 
 @dataclass
@@ -54,8 +53,7 @@ def vas(
     """
     if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
         raise TypeError("inputs must be the processor's output mapping with input_ids")
-    n_layers = len(get_adapter(model).decoder_layers(model))
-    layers = list(range(n_layers)) if layers is None else check_layers(layers, n_layers)
+    layers = attention_layers(model, layers)  # default: every layer with attention rows
     with torch.no_grad(), AttentionProbe(model, layers, rows=query_rows) as probe:
         model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
         visual = probe.prefill.visual

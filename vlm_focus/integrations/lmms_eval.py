@@ -75,12 +75,8 @@ DELEGATES: dict[str, Delegate] = {
         "checkpoint would load as the dense model; `vlm-focus eval` runs it",
     ),
     "internvl": Delegate("lmms_eval.models.chat.internvl_hf.InternVLHf", max_batch=1),
-    "qwen3_5": Delegate(
-        None,
-        left_out="lmms-eval 0.7.3's Qwen3.5 chat class (lmms_eval.models.chat.qwen3_5) is not "
-        "yet checked against `vlm-focus eval` on a hybrid-decoder checkpoint; `vf.wrap` on the "
-        "HF model runs it",
-    ),
+    # the Qwen3-VL chat class with Qwen3.5's defaults; it batches like Qwen3-VL's
+    "qwen3_5": Delegate("lmms_eval.models.chat.qwen3_5.Qwen3_5"),
     "qwen3_5_moe": Delegate(
         None,
         left_out="lmms-eval 0.7.3's Qwen3.5 class picks its mixture-of-experts class from the "
@@ -374,11 +370,21 @@ def _delegate(model_type: str | None, pretrained: str) -> Delegate:
 
 
 def _init_parameters(cls: type) -> list[str]:
-    """Keyword arguments a delegate's constructor names (its ``**kwargs`` must stay empty)."""
-    names = []
-    for p in inspect.signature(cls.__init__).parameters.values():
-        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            names.append(p.name)
+    """Keyword arguments a delegate's constructor names (its ``**kwargs`` must stay empty).
+    A constructor that passes ``**kwargs`` on to its parent's (lmms-eval's Qwen3.5 class over
+    Qwen3-VL's) takes the parent's names too."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is lmms:
+            continue
+        forwards = False
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.name != "self" and p.kind is not p.VAR_POSITIONAL and p.name not in names:
+                names.append(p.name)
+        if not forwards:
+            break
     return names
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.probe import attention_layers
 from ..generation import greedy_generate
 from ..geometry import Frame, as_size
 from ..grounding import Box, GroundingPass, HeatMap, Mention
 from ..loading import build_inputs, decode_new_tokens, load_image, to_model
-from ..model_adapters import get_adapter
 from ._options import ZoomOptions, merged
 from ._reask import multi_image_inputs, resolve_mode
 from ._regions import can_crop, choose_crops
@@ -95,8 +95,9 @@ def map_rows(
     layers = options.layers
     if layers is None and options.heads is None:
         # every layer: the zoom's measured best map on small objects (zoom_quality.md),
-        # unlike grounding's default layers, which point best at native size
-        layers = list(range(len(get_adapter(model).decoder_layers(model))))
+        # unlike grounding's default layers, which point best at native size (a hybrid
+        # decoder's full-attention layers: its linear ones have no attention rows)
+        layers = attention_layers(model)
     gp = GroundingPass(
         model,
         inputs,
