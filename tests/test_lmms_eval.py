@@ -168,6 +168,26 @@ def test_guided_pruning_and_mitigation_equal_vlm_focus_eval(tmp_path, extra, arg
 QWEN_PRUNED = "pruner=fastv,keep=0.25,layer=0"
 
 
+def _answers_and_counts(tmp_path, env, args: str, batch: int, limit: int) -> dict:
+    """Run lmms-eval's `vlm_focus` model on `limit` questions of TASK at `batch`; per question
+    id, the answer and the first row's visual tokens kept and total."""
+    out = tmp_path / f"b{batch}"
+    cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
+    cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", str(limit)]
+    cmd += ["--batch_size", str(batch), "--output_path", str(out)]
+    _run([*cmd, "--log_samples"], env)
+    (samples,) = out.rglob(f"*_samples_{TASK}.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    return {
+        s["accuracy"]["question_id"]: (
+            s["accuracy"]["answer"],
+            s["token_counts"][0]["visual_kept"],
+            s["token_counts"][0]["visual_total"],
+        )
+        for s in rows
+    }
+
+
 @pytest.mark.slow
 def test_qwen_chat_class_batch_4_equals_batch_1(tmp_path):
     """lmms-eval's batched Qwen2.5-VL chat class under the plugin, on organism-qwen: batch 4
@@ -177,20 +197,7 @@ def test_qwen_chat_class_batch_4_equals_batch_1(tmp_path):
     runs = {}
     for batch in (1, 4):
         args = f"pretrained={qwen_model_path()},{QWEN_PRUNED}"
-        cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
-        cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", "24"]
-        cmd += ["--batch_size", str(batch), "--output_path", str(tmp_path / f"b{batch}")]
-        _run([*cmd, "--log_samples"], env)
-        (samples,) = (tmp_path / f"b{batch}").rglob(f"*_samples_{TASK}.jsonl")
-        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
-        runs[batch] = {
-            s["accuracy"]["question_id"]: (
-                s["accuracy"]["answer"],
-                s["token_counts"][0]["visual_kept"],
-                s["token_counts"][0]["visual_total"],
-            )
-            for s in rows
-        }
+        runs[batch] = _answers_and_counts(tmp_path, env, args, batch, limit=24)
     assert len(runs[1]) == 24 and runs[4] == runs[1]
     answers = [a for a, _, _ in runs[1].values()]
     assert {"yes", "no"} <= {a.strip().lower() for a in answers}  # the model answers, both ways
@@ -234,20 +241,7 @@ def test_lmms_eval_runs_the_qwen3_5_chat_class_pruned_batch_2_equals_batch_1(
     args = f"pretrained={qwen3_5_checkpoint},pruner=fastv,keep=0.5,layer=2"
     runs = {}
     for batch in (1, 2):
-        cmd = [sys.executable, "-m", "lmms_eval", "--model", "vlm_focus", "--model_args", args]
-        cmd += ["--tasks", TASK, "--include_path", lmms_eval_tasks_path(), "--limit", "4"]
-        cmd += ["--batch_size", str(batch), "--output_path", str(tmp_path / f"b{batch}")]
-        _run([*cmd, "--log_samples"], env)
-        (samples,) = (tmp_path / f"b{batch}").rglob(f"*_samples_{TASK}.jsonl")
-        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
-        runs[batch] = {
-            s["accuracy"]["question_id"]: (
-                s["accuracy"]["answer"],
-                s["token_counts"][0]["visual_kept"],
-                s["token_counts"][0]["visual_total"],
-            )
-            for s in rows
-        }
+        runs[batch] = _answers_and_counts(tmp_path, env, args, batch, limit=4)
     assert len(runs[1]) == 4 and runs[2] == runs[1]
     assert all(2 * kept == total > 0 for _, kept, total in runs[1].values())
 
