@@ -78,14 +78,16 @@ MEASUREMENTS = ("pope", "twohop")
 def evaluate(path: Path, n_images: int = 300, only: list[str] | None = None) -> dict:
     """organism-qwen35's bars, greedy, on the saved model at `path`: ``only`` picks among
     :data:`MEASUREMENTS` (default all)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_focus.loading import load_processor
 
     chosen = list(MEASUREMENTS) if only is None else list(only)
     unknown = sorted(set(chosen) - set(MEASUREMENTS))
     if unknown:
         raise ValueError(f"only={unknown}: organism-qwen35 measures {', '.join(MEASUREMENTS)}")
     model = AutoModelForImageTextToText.from_pretrained(str(path), use_safetensors=True).eval()
-    processor = AutoProcessor.from_pretrained(str(path))
+    processor = load_processor(str(path))
     start = time.time()
     out: dict = {}
     if "pope" in chosen:

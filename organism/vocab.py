@@ -6,7 +6,8 @@ use a stock `LlavaProcessor` (CLIP image geometry) and `LlavaConfig` of a :class
 organism-qwen extends the same vocabulary with Qwen's ChatML and vision markers and the video
 questions' words (:data:`QWEN_VOCAB`) and uses a stock `Qwen2_5_VLProcessor` and
 `Qwen2_5_VLConfig` of a :class:`QwenSpec`. Every processor loads offline with
-`AutoProcessor.from_pretrained(path)`.
+`vlm_focus.loading.load_processor(path)`; plain `AutoProcessor.from_pretrained(path)` serves all
+but organism-qwen35, whose model type transformers ties to its byte-level BPE tokenizer.
 """
 
 from __future__ import annotations

@@ -81,6 +81,24 @@ def test_processor_is_qwen35s_and_grids_match_the_crops(processor):
     assert out["input_ids"][0].tolist().count(IMAGE_PAD) == (h // TOKEN) * (w // TOKEN)
 
 
+def test_a_saved_processor_reloads_with_the_word_tokenizer(processor, tmp_path):
+    # transformers maps qwen3_5 to its own byte-level BPE tokenizer whatever the folder says;
+    # that class reads the word vocabulary as unknown pieces, so the loader honours the folder
+    from transformers import AutoProcessor
+
+    from vlm_focus.loading import load_processor
+
+    processor.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(build_qwen35_config(MICRO).to_json_string())
+    text = q.chat_text(processor, False, "is there a red_circle ?", "yes")
+    ids = processor.tokenizer(text)["input_ids"]
+    reloaded = load_processor(str(tmp_path))
+    assert type(reloaded).__name__ == "Qwen3VLProcessor"
+    assert reloaded.tokenizer(text)["input_ids"] == ids
+    assert reloaded.tokenizer.padding_side == processor.tokenizer.padding_side
+    assert AutoProcessor.from_pretrained(str(tmp_path)).tokenizer(text)["input_ids"] != ids
+
+
 def test_image_mix_draws_two_hop_questions():
     rng = np.random.default_rng(1)
     crop = next(c for c in map(q.cropped_scene, range(50)) if q.two_hop_qa(c.scene, rng))
@@ -228,11 +246,12 @@ def test_hop_read_trains_the_full_attention_layer_and_carry_the_layers_before(pr
 
 @pytest.mark.slow  # 4 stages and their probes through the DeltaNet torch fallback: 1-2 min
 def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from organism import qwen_train
     from organism.loop import train
     from organism.recipe import default_recipe
+    from vlm_focus.loading import load_processor
 
     build = dataclasses.replace(qwen_train.BUILDS["qwen3_5"], spec=MICRO)
     monkeypatch.setitem(qwen_train.BUILDS, "qwen3_5", build)
@@ -248,7 +267,7 @@ def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch
     model = AutoModelForImageTextToText.from_pretrained(str(tmp_path))
     assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
     assert next(model.parameters()).dtype == torch.float32
-    assert type(AutoProcessor.from_pretrained(str(tmp_path))).__name__ == "Qwen3VLProcessor"
+    assert type(load_processor(str(tmp_path))).__name__ == "Qwen3VLProcessor"
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert any("hop_read_loss" in row for row in log)
 

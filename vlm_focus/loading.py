@@ -62,7 +62,7 @@ def load_model(
     adapter = get_adapter(_ConfigHolder(config))  # unsupported model types fail here, named
     if adapter.video:  # the model reads videos: its processor has a video processor
         check_torchvision(config.model_type)
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     vlm = AutoModelForImageTextToText.from_pretrained(
         path,
@@ -71,8 +71,26 @@ def load_model(
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
     )
-    processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    processor = load_processor(path, trust_remote_code=trust_remote_code)
     return vlm.to(device).eval(), processor
+
+
+def load_processor(path: str, trust_remote_code: bool = False) -> Any:
+    """``AutoProcessor`` of `path`, with the tokenizer class its ``tokenizer_config.json``
+    names when that is the generic ``TokenizersBackend``.
+
+    transformers gives some model types (``qwen3_5`` among them) their own tokenizer class
+    whatever the folder declares, and that class rebuilds a byte-level BPE from the vocabulary,
+    which misreads any other ``tokenizer.json`` (organism-qwen35's word-level one becomes unknown
+    tokens). ``TokenizersBackend`` reads ``tokenizer.json`` as written, so honouring a folder
+    that declares it is right for every model."""
+    from transformers import AutoProcessor, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    extra = {}
+    if get_tokenizer_config(path).get("tokenizer_class") == "TokenizersBackend":
+        extra["tokenizer"] = TokenizersBackend.from_pretrained(path)
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
 
 
 @dataclass
