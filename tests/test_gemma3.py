@@ -6,8 +6,10 @@ longer than the window and every decode step reads a sliding cache that dropped 
 
 from __future__ import annotations
 
+import host_reads
 import pytest
 import torch
+from host_reads import on_device, per_forward
 from reference import ATOL, assert_pruned_equals_masked, greedy_generate, masked_reference
 from tiny_processors import ramp_image, tiny_processor
 
@@ -170,6 +172,16 @@ def test_remove_restores_logits_exactly():
         after = model(**inputs).logits
     assert pruned.shape[1] < before.shape[1]
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("pruner,layer", [("fastv", 1), ("pyramid", 0), ("debiased", 1)])
+def test_no_host_reads_per_decode_step(pruner, layer):
+    model = gemma_model()
+    inputs = on_device(gemma_inputs())
+    with torch.no_grad(), vf.wrap(model, pruner=pruner, keep=0.5, layer=layer):
+        with per_forward(model) as marks:
+            model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert marks[1:] == [marks[1]] * (len(marks) - 1), f"{marks} {dict(host_reads.reads)}"
 
 
 def test_pruning_needs_token_type_ids_and_refuses_a_static_cache():

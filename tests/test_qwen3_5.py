@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import host_reads
 import pytest
 import torch
+from host_reads import on_device, per_forward
 from reference_hybrid import HybridReference
 from tiny_models import _qwen_types, make_case
 from tiny_processors import hybrid_processor, noise_image, noise_video
@@ -335,6 +337,16 @@ def test_keep_all_changes_nothing_and_remove_is_exact(kind):
         assert not torch.equal(model(**inputs).logits[:, -1], before[:, -1])
         handle.remove()
         assert torch.equal(model(**inputs).logits, before)
+
+
+@pytest.mark.parametrize("pruner,layer", [("fastv", LINEAR), ("fastv", FULL), ("pyramid", 0)])
+def test_no_host_reads_per_decode_step(pruner, layer):
+    model = _model()
+    inputs = on_device(_inputs(model, "image"))
+    with torch.no_grad(), vf.wrap(model, pruner=pruner, keep=0.5, layer=layer):
+        with per_forward(model) as marks:
+            model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert marks[1:] == [marks[1]] * (len(marks) - 1), f"{marks} {dict(host_reads.reads)}"
 
 
 @pytest.mark.parametrize("layer", [0, LINEAR, FULL])
