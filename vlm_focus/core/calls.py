@@ -53,20 +53,11 @@ def static_length(cache: Any, layer: int) -> torch.Tensor:
     return length if isinstance(length, torch.Tensor) else torch.tensor(length)
 
 
-#: Why a static cache cannot serve a model with sliding-window layers.
-SLIDING_STATIC = (
-    "the default dynamic cache on a model with sliding-window layers: a static "
-    "cache (cache_implementation='static', which torch.compile decodes) keeps each sliding "
-    "layer's window in a ring buffer that a pruned layer would fill with its kept tokens only, "
-    "and vlm_focus does not build those per-slot masks; generate without "
-    "cache_implementation='static'"
-)
-
-
 def full_attention_mask(mask: Any) -> Any:
     """The mask of a call: a model that takes one mask per attention type (``generate()`` with
-    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen) gives its full one."""
-    if isinstance(mask, dict) and set(mask) == {"full_attention"}:
+    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen, and a
+    ``"sliding_attention"`` one beside it for Gemma 3) gives its full one."""
+    if isinstance(mask, dict) and "full_attention" in mask:
         return mask["full_attention"]
     return mask
 
@@ -216,11 +207,6 @@ class CallTracker:
             self.problem = "input_ids (not inputs_embeds)"
             return
         mask = full_attention_mask(kwargs.get("attention_mask"))
-        if isinstance(mask, dict) and "sliding_attention" in mask:
-            # generate() builds one mask per layer type only for a static cache
-            self.call = None
-            self.problem = SLIDING_STATIC
-            return
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4)):
             self.call = None
             self.problem = "a 2-D attention_mask [batch, seq] (or none)"

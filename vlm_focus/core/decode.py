@@ -35,7 +35,8 @@ class Decode:
         """A decode step on the cache this prefill filled. On a static cache nothing here reads
         a length from the device, so a compiled step stays one graph."""
         if state.static and not call.compiled:
-            check_room(cache, call.past + call.input_ids.shape[1], state.full_len)
+            room = self.static.room(cache)
+            check_room(room, call.past + call.input_ids.shape[1], state.full_len)
         state.prefilling = False
         state.memo.clear()  # slices of the last call only
         state.prompt.inputs = {}  # pixel inputs served the prefill's stages; let them go
@@ -89,6 +90,8 @@ class Decode:
     def _masked(self, state: PruneState, call: LayerCall) -> dict:
         """The step's mask as the layer holds its keys: per buffer slot on a static cache,
         else column-sliced, with this layer's masked prompt keys kept masked."""
+        if state.static and self.static.windowed:
+            return self.static.windowed_decode(state, call)
         if state.static:
             return self.static.decode_layer(state, call.index, call.kwargs)
         window = layer_window(self.setup.adapter, call.module)

@@ -11,7 +11,8 @@ and which mode each call runs in.
   (and, under a decode-time pruner, the keys) of what the layer holds. Each layer's own cache
   length tells prefill from decode; a static cache (``StaticCache``, which ``torch.compile``
   decodes) keeps its lengths on the device, so its prefill is known per call instead and its
-  masks are built per buffer slot (:mod:`vlm_focus.core.static_decode`).
+  masks are built per buffer slot (:mod:`vlm_focus.core.static_decode`; on a model with
+  sliding-window layers, from each slot's original position).
 * After a prefill, the pruned layers of a dynamic cache report original lengths
   (:mod:`vlm_focus.core.cache_lengths`), and the loss of a call with labels is taken over the
   kept positions (:mod:`vlm_focus.core.pruned_loss`).

@@ -28,8 +28,7 @@ from torch import nn
 from ..config import keep_count
 from ..model_adapters import ImageLayout
 from ..trace import FocusTrace, StageTrace
-from .attention import layer_window
-from .calls import CACHE_KEYS, SLIDING_STATIC, CallTracker, is_static
+from .calls import CACHE_KEYS, CallTracker, is_static
 from .fixation import StepFixation
 from .prune_state import EngineSetup, LayerCall, PruneState
 from .pruned_loss import has_labels, take_labels
@@ -113,12 +112,8 @@ class PrefillPass:
                     )
             layout = prefill.layout(setup.model, setup.adapter)
         batch, seq = input_ids.shape
-        if is_static(cache) and any(
-            layer_window(setup.adapter, layer) is not None for layer in setup.layers
-        ):
-            raise ValueError(f"vlm_focus needs {SLIDING_STATIC} to prune images")
-        if is_static(cache):
-            self.static.fit(cache, seq, drops)
+        if is_static(cache):  # sized when the first pruned layer runs (see StaticBuffers.fit)
+            self.static.plan(cache, seq, drops)
         # each row's pruner: a row with a video takes the video pruner (read from the layout,
         # which exists whenever something is chosen; else nothing is, and pruner stands)
         row_pruners = setup.row_pruners(layout)
@@ -219,6 +214,8 @@ class PrefillPass:
                 state.cache = weakref.ref(cache)
                 state.static = is_static(cache)
                 self.states[cache] = state
+                if state.static:
+                    self.static.fit(cache)
             if index in self.setup.stages:
                 local = self._run_stage(state, index, call.module, hidden, cos, sin)
                 state.stage_rows[index] = local
@@ -288,7 +285,7 @@ class PrefillPass:
             if state.static:
                 self.static.build_columns(state, cache)
                 if state.fixation is not None:
-                    state.fixation.record_into(cache.layers[0].max_cache_len - state.full_len)
+                    state.fixation.record_into(self.static.room(cache) - state.full_len)
         return hidden, kwargs
 
     def _kept_positions(self, x: torch.Tensor, current: torch.Tensor, dim: int) -> torch.Tensor:

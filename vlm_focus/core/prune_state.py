@@ -124,6 +124,9 @@ class PruneState:
     # (built once, at the end of the prompt: a compiled step then only gathers).
     static: bool = False
     static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
+    # with sliding windows, static_cols holds each slot's original position instead, and this
+    # per layer whether the slot holds a key ([B, slots]) and how many prompt tokens it holds
+    static_keys: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     prefilling: bool = True  # the prompt's own call (False from the first decode step on)
     # per stage layer, the local indices its stage kept (a recomputed layer, e.g. under
     # gradient checkpointing, slices the same tokens again instead of scoring twice)

@@ -6,6 +6,13 @@ pruned layer's buffer to its kept prompt plus the room left for generated tokens
 buffer slot reads (:meth:`StaticBuffers.build_columns`); a decode step then only gathers, which
 lets ``torch.compile`` trace it as one graph that no step recompiles. Every mask is as wide as
 the cache; slots past it read one masked column appended to the mask.
+
+A model with sliding-window layers (Gemma 3) keeps each sliding layer's newest keys in a ring
+buffer (``StaticSlidingWindowLayer``) that rolls by buffer slot, and the model sizes its masks
+by its first layer of each kind, which may be pruned. So on such a model every pruned sliding
+layer gets a plain buffer of its kept prompt and the generated tokens (``StaticLayer``), and
+each pruned layer's decode mask is built from the original position of every slot, the window
+included (:meth:`StaticBuffers.windowed_decode`).
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ import weakref
 from typing import Any
 
 import torch
+from transformers.cache_utils import StaticLayer
 
-from .prune_state import EngineSetup, PruneState
+from .attention import allowed_keys, layer_window
+from .calls import static_length
+from .prune_state import EngineSetup, LayerCall, PruneState
 from .slicing import decode_columns, gather_seq, on_device_of, slice_mask
 
 _NEEDS_4D_MASK = (
@@ -52,10 +62,20 @@ def resize(layer: Any, slots: int) -> None:
             layer.is_initialized = False
 
 
-def check_room(cache: Any, needed: int, prompt: int) -> None:
+def cache_room(cache: Any) -> int | None:
+    """How many tokens a static cache holds: its full-attention layers' width (a sliding
+    layer's buffer holds only its window)."""
+    widths = [
+        layer.max_cache_len
+        for layer in cache.layers
+        if not getattr(layer, "is_sliding", False) and hasattr(layer, "max_cache_len")
+    ]
+    return max(widths) if widths else getattr(cache.layers[0], "max_cache_len", None)
+
+
+def check_room(room: int | None, needed: int, prompt: int) -> None:
     """A static cache too short for the tokens of this call raises, saying the size needed
     (the buffers cannot grow)."""
-    room = getattr(cache.layers[0], "max_cache_len", None)
     if room is not None and needed > room:
         raise ValueError(
             f"the static cache holds {room} tokens, and this step needs {needed} (a prompt of "
@@ -69,31 +89,66 @@ class StaticBuffers:
 
     def __init__(self, setup: EngineSetup) -> None:
         self.setup = setup
-        self._resized: weakref.WeakSet = weakref.WeakSet()
+        # per resized cache: its width and the sliding layers it lent (index -> layer)
+        self._resized: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._planned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> sizes
+        # the windows of the pruned layers (None: full attention); any window means every
+        # pruned layer's decode mask is built here (windowed_decode)
+        self.windows = {
+            index: layer_window(setup.adapter, setup.layers[index])
+            for index in range(setup.first_layer, len(setup.layers))
+        }
+        self.windowed = any(w is not None for w in self.windows.values())
 
-    def fit(self, cache: Any, seq: int, drops: list[int]) -> None:
+    def room(self, cache: Any) -> int | None:
+        """How many tokens ``cache`` holds (its width before any layer was resized)."""
+        held = self._resized.get(cache)
+        return held[0] if held is not None else cache_room(cache)
+
+    def plan(self, cache: Any, seq: int, drops: list[int]) -> None:
+        """A prompt of ``seq`` tokens that drops ``drops`` per stage starts on ``cache``."""
+        self._planned[cache] = (seq, drops)
+
+    def fit(self, cache: Any) -> None:
         """Size each pruned layer's static buffer to what it holds: its kept prompt and the
         tokens generated after it (the room the cache leaves past the prompt). Attention in
         decode then reads only those slots. Layer 0 keeps the cache's width: the model sizes
-        every mask by it."""
-        room = cache.layers[0].max_cache_len
+        every mask by it. On a model with sliding-window layers, each pruned sliding layer
+        (layer 0 included) trades its ring buffer for a plain one of that size. Called when
+        the first pruned layer runs: the decoder has built the prompt's masks from the
+        cache's own sizes by then (it sizes them by its first layer of each kind)."""
+        if cache not in self._planned:
+            return
+        seq, drops = self._planned.pop(cache)
+        room = self.room(cache)
         if room is None or room < seq:
             return  # too short for the prompt: the prompt's mask check says so
+        lent = self._resized.setdefault(cache, (room, {}))[1]
         held, stage = seq, 0
         stages = [layer for layer, _ in self.setup.config.stages]
-        for index in range(1, len(cache.layers)):
+        for index in range(len(cache.layers)):
             while stage < len(stages) and stages[stage] <= index:
                 held -= drops[stage]
                 stage += 1
-            resize(cache.layers[index], held + room - seq)
-        self._resized.add(cache)
+            if self.windows.get(index) is not None:
+                if index not in lent:
+                    lent[index] = cache.layers[index]
+                    cache.layers[index] = StaticLayer(max_cache_len=held + room - seq)
+                resize(cache.layers[index], held + room - seq)
+            elif index > 0:
+                resize(cache.layers[index], held + room - seq)
 
     def restore(self) -> None:
-        """Give every resized cache's pruned layers their full width back."""
-        for cache in list(self._resized):
-            room = cache.layers[0].max_cache_len
+        """Give every resized cache's pruned layers their full width back, and its sliding
+        layers their ring buffers (emptied: what a pruned layer held is not the model's)."""
+        for cache, (room, lent) in list(self._resized.items()):
+            for index, layer in lent.items():
+                layer.reset()
+                cache.layers[index] = layer
             for layer in cache.layers:
-                resize(layer, room)
+                if not getattr(layer, "is_sliding", False):
+                    resize(layer, room)
+        self._resized = weakref.WeakKeyDictionary()
 
     def prefill_mask(
         self, state: PruneState, mask: Any, current: torch.Tensor, slots: int
@@ -121,6 +176,9 @@ class StaticBuffers:
         0's kept prompt with K = 0 (layer 0's short cache sizes it); the layers of a stage
         share one map."""
         first = self.setup.first_layer
+        if self.windowed:
+            self._build_keys(state, cache)
+            return
         compact = first == 0
         prompt = state.per_layer[0].shape[1] if compact else state.full_len
         width = cache.layers[0].max_cache_len  # every decode mask's
@@ -131,6 +189,48 @@ class StaticBuffers:
             if key not in built:
                 built[key] = static_columns(held, prompt, key[1], width)
             state.static_cols[index] = built[key]
+
+    def _build_keys(self, state: PruneState, cache: Any) -> None:
+        """Per pruned layer of a model with sliding windows: the original position of the
+        token each buffer slot holds (its kept prompt, then ``S, S + 1, ...``) and whether
+        that token is a key at all (not padding), ``[B, slots]`` each."""
+        valid = state.valid
+        for index in range(self.setup.first_layer, len(self.setup.layers)):
+            kept = state.per_layer[index]
+            slots = cache.layers[index].max_cache_len
+            tail = torch.arange(state.full_len, state.full_len + slots - kept.shape[1])
+            positions = torch.cat([kept, tail.to(kept.device).expand(kept.shape[0], -1)], 1)
+            is_key = torch.cat(
+                [
+                    valid.gather(1, kept.to(valid.device)),
+                    valid.new_ones(kept.shape[0], slots - kept.shape[1]),
+                ],
+                1,
+            )
+            state.static_cols[index] = positions
+            state.static_keys[index] = (is_key.to(kept.device), kept.shape[1])
+
+    def windowed_decode(self, state: PruneState, call: LayerCall) -> dict:
+        """A decode step's mask for a pruned layer of a model with sliding windows, built from
+        original positions: the step at position ``q`` sees the slots holding a key at
+        position ``p <= q`` (and ``p > q - window`` on a sliding layer). ``q`` comes from the
+        layer's own length on the device (its kept prompt and the tokens generated so far),
+        so a compiled step reads nothing on the host."""
+        index, hidden = call.index, call.hidden
+        positions = state.static_cols[index]  # [B, slots] original positions
+        is_key, held = state.static_keys[index]
+        first = static_length(call.cache, index).to(positions.device) + (state.full_len - held)
+        query = first + torch.arange(hidden.shape[1], device=positions.device)
+        query = query.expand(positions.shape[0], -1)  # [B, T]
+        allowed = allowed_keys(is_key, query, positions, window=self.windows[index])[:, None]
+        mask = call.kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            blocked = torch.finfo(mask.dtype).min
+            zeros = torch.zeros(allowed.shape, dtype=mask.dtype, device=allowed.device)
+            allowed = zeros.masked_fill(~allowed, blocked)
+        kwargs = dict(call.kwargs)
+        kwargs["attention_mask"] = allowed.to(hidden.device)  # [B, 1, T, slots]
+        return kwargs
 
     def decode_layer(self, state: PruneState, index: int, kwargs: dict) -> dict:
         """A decode step's kwargs for a layer's static buffer: slot ``j`` reads the mask

@@ -75,7 +75,6 @@ GEMMA3 = ModelAdapter(
     fallback_geometry={0: ("resize",)},  # Gemma3ImageProcessor resizes to the square side
     mask_rule="image_blocks",
     attention_window="sliding_window",
-    static_cache=False,  # sliding-window layers: the engine refuses the static cache
     qk_norms=("q_norm", "k_norm"),
     visual_marker_attrs=("boi_token_id", "eoi_token_id"),
     multi_image_views=True,
