@@ -52,11 +52,14 @@ organism-qwen's four stages (`qwen_train`): `vision` (tower + merger with a per-
 then frozen; category embeddings start at their mean merged feature), `presence` (packed
 category-last presence questions), `cat_last` (the task mix, packed category-last), `chat`
 (one question per row in the chat template, the answer also taught at the question's last
-word; {cat_last_share}% of rows stay category-last). The circuit terms that read every
-layer's attention are off (the DeltaNet layers have none); the image tokens' places and the
-anchor's place are read from hidden states, and a two-hop question's answering position
-holds the anchor's centre and the direction at the input of the last full-attention layer,
-where one head reads the hop-2 object (`losses.read_hop_loss`).
+word; {cat_last_share}% of rows stay category-last). The DeltaNet layers have no attention maps
+to supervise, so the circuit follows the full-attention layers: the first one looks up the object
+a question names (one head, from that category token, puts its mass on the object's tokens:
+`losses.look_loss`); the last one reads the hop-2 object from the position that answers
+(`losses.read_hop_loss`; that position holds the anchor's centre and the direction at the
+layer's input) and copies a chat answer from its question's category token (`losses.copy_loss`);
+the image tokens' and the anchor's places are read from hidden states. The vision stage may come
+from an earlier run (`--vision-from RUN/vision.pt`), counted with its own minutes.
 - AdamW, cosine with warm-up, {threads} CPU thread(s) plus one data process. The DeltaNet
   layers run transformers' torch fallback (no flash-linear-attention on CPU).
 - Steps and time: {steps}; in all {minutes:.1f} minutes wall-clock, {cpu_minutes:.1f} CPU
