@@ -63,10 +63,16 @@ SLIDING_STATIC = (
 )
 
 
+#: Mask kinds a call's mask dict may hold beside its full one: a linear-attention layer's 2-D
+#: padding mask (a hybrid decoder's) says nothing that the full mask does not.
+_BESIDE_FULL = {"full_attention", "linear_attention"}
+
+
 def full_attention_mask(mask: Any) -> Any:
     """The mask of a call: a model that takes one mask per attention type (``generate()`` with
-    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen) gives its full one."""
-    if isinstance(mask, dict) and set(mask) == {"full_attention"}:
+    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen, and adds
+    ``"linear_attention"`` for a hybrid decoder) gives its full one."""
+    if isinstance(mask, dict) and "full_attention" in mask and set(mask) <= _BESIDE_FULL:
         return mask["full_attention"]
     return mask
 

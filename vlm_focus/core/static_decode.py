@@ -6,6 +6,11 @@ pruned layer's buffer to its kept prompt plus the room left for generated tokens
 buffer slot reads (:meth:`StaticBuffers.build_columns`); a decode step then only gathers, which
 lets ``torch.compile`` trace it as one graph that no step recompiles. Every mask is as wide as
 the cache; slots past it read one masked column appended to the mask.
+
+A hybrid decoder's linear-attention layers hold fixed-size states beside the buffers: they get
+no per-slot mask (a decode step's is ``None``, a prompt's their 2-D padding mask), and the model
+sizes its masks by its first attention buffer, which may sit after the first stage
+(:func:`mask_layer`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,22 @@ def static_mask(mask: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tenso
     return slice_mask(torch.cat([mask, pad], dim=-1), rows, cols)
 
 
+def mask_layer(cache: Any) -> int:
+    """The layer whose buffer sizes the model's full-attention masks: transformers takes the
+    first full-attention layer's, the first with a buffer (a hybrid decoder's linear layers
+    hold fixed-size states instead, and layer 0 may be one)."""
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "max_cache_len", None) is not None:
+            return index
+    return 0
+
+
+def buffer_width(cache: Any) -> int | None:
+    """How many tokens a static cache holds: its mask layer's width (``None`` when no layer
+    has a buffer)."""
+    return getattr(cache.layers[mask_layer(cache)], "max_cache_len", None)
+
+
 def resize(layer: Any, slots: int) -> None:
     """Give a static cache layer ``slots`` slots; its buffers are allocated again, empty, at
     its next write (the prompt's, on a cache that holds nothing yet)."""
@@ -55,7 +76,7 @@ def resize(layer: Any, slots: int) -> None:
 def check_room(cache: Any, needed: int, prompt: int) -> None:
     """A static cache too short for the tokens of this call raises, saying the size needed
     (the buffers cannot grow)."""
-    room = getattr(cache.layers[0], "max_cache_len", None)
+    room = buffer_width(cache)
     if room is not None and needed > room:
         raise ValueError(
             f"the static cache holds {room} tokens, and this step needs {needed} (a prompt of "
@@ -74,26 +95,29 @@ class StaticBuffers:
     def fit(self, cache: Any, seq: int, drops: list[int]) -> None:
         """Size each pruned layer's static buffer to what it holds: its kept prompt and the
         tokens generated after it (the room the cache leaves past the prompt). Attention in
-        decode then reads only those slots. Layer 0 keeps the cache's width: the model sizes
-        every mask by it."""
-        room = cache.layers[0].max_cache_len
+        decode then reads only those slots. The mask layer keeps the cache's width: the model
+        sizes every mask by it. Linear layers have no buffer to size."""
+        sizer = mask_layer(cache)
+        room = buffer_width(cache)
         if room is None or room < seq:
             return  # too short for the prompt: the prompt's mask check says so
         held, stage = seq, 0
         stages = [layer for layer, _ in self.setup.config.stages]
-        for index in range(1, len(cache.layers)):
+        for index in range(len(cache.layers)):
             while stage < len(stages) and stages[stage] <= index:
                 held -= drops[stage]
                 stage += 1
-            resize(cache.layers[index], held + room - seq)
+            if index != sizer and index not in self.setup.linear_layers:
+                resize(cache.layers[index], held + room - seq)
         self._resized.add(cache)
 
     def restore(self) -> None:
         """Give every resized cache's pruned layers their full width back."""
         for cache in list(self._resized):
-            room = cache.layers[0].max_cache_len
-            for layer in cache.layers:
-                resize(layer, room)
+            room = buffer_width(cache)
+            for index, layer in enumerate(cache.layers):
+                if index not in self.setup.linear_layers:
+                    resize(layer, room)
 
     def prefill_mask(
         self, state: PruneState, mask: Any, current: torch.Tensor, slots: int
@@ -116,19 +140,26 @@ class StaticBuffers:
         return static_mask(mask, on_device_of(current, mask), cols)
 
     def build_columns(self, state: PruneState, cache: Any) -> None:
-        """At the end of a prompt on a static cache: per hooked layer, the mask column each
-        slot of its buffer reads in decode. A decode mask spans the original prompt, or layer
-        0's kept prompt with K = 0 (layer 0's short cache sizes it); the layers of a stage
-        share one map."""
-        first = self.setup.first_layer
-        compact = first == 0
-        prompt = state.per_layer[0].shape[1] if compact else state.full_len
-        width = cache.layers[0].max_cache_len  # every decode mask's
+        """At the end of a prompt on a static cache: per hooked attention layer, the mask
+        column each slot of its buffer reads in decode; the layers of a stage share one map.
+
+        A decode mask places its query at the mask layer's length (:func:`mask_layer`). When
+        that layer is unpruned, its columns are the original prompt's; when it is pruned, the
+        first ``S_m`` columns stand for its kept prompt (the token it holds in slot j is column
+        j) and the generated tokens follow. Left padding comes first and is never pruned, so
+        column j of the 2-D padding mask is as valid as the j-th kept token in either case."""
+        sizer = mask_layer(cache)
+        base = state.per_layer.get(sizer) if sizer >= self.setup.first_layer else None
+        prompt = state.full_len if base is None else base.shape[1]
+        width = cache.layers[sizer].max_cache_len  # every decode mask's
         built: dict[tuple[int, int], torch.Tensor] = {}
-        for index in range(first, len(self.setup.layers)):
-            held = state.decode_cols[index] if compact else state.per_layer[index]
-            key = (id(held), cache.layers[index].max_cache_len)
+        for index in range(self.setup.first_layer, len(self.setup.layers)):
+            if index in self.setup.linear_layers:
+                continue
+            kept = state.per_layer[index]
+            key = (id(kept), cache.layers[index].max_cache_len)
             if key not in built:
+                held = kept if base is None else torch.searchsorted(base, kept)
                 built[key] = static_columns(held, prompt, key[1], width)
             state.static_cols[index] = built[key]
 
