@@ -8,6 +8,11 @@ valid kept row and 6 cached decode steps agree, for each pruner at a linear and 
 layer, K = 0 and K >= 1, SDPA and eager, a left-padded batch of 2, two images in one prompt and
 a video; the real processor builds images of two sizes and a video. The reference itself equals
 the unpruned model when it keeps everything.
+
+On a static cache (``cache_implementation="static"``, or a ``StaticCache`` the caller builds)
+greedy generation, with or without compiled decode steps (one graph, no recompilation), equals
+the dynamic-cache run at every stage layer and on a decoder with two full-attention layers and
+three stages, with no host read per decode step.
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ import dataclasses
 import host_reads
 import pytest
 import torch
+import torch._dynamo
 from host_reads import on_device, per_forward
+from reference import greedy_generate
 from reference_hybrid import HybridReference
+from test_static_cache import compiled
 from tiny_models import _qwen_types, make_case
 from tiny_processors import hybrid_processor, noise_image, noise_video
+from torch._dynamo.utils import counters
+from transformers import StaticCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 import vlm_focus as vf
@@ -90,10 +100,13 @@ def _stage_rows(trace, seq: int) -> dict[int, torch.Tensor]:
     return stages
 
 
-def _decode(model, inputs: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode(
+    model, inputs: dict, tokens: torch.Tensor, cache=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill logits, then one cached step per column of ``tokens`` (positioned as generate()
-    positions a Qwen step: the mask's count plus ``rope_deltas``), their logits."""
-    out = model(**inputs, use_cache=True)
+    positions a Qwen step: the mask's count plus ``rope_deltas``), their logits; on ``cache``
+    when given (else a dynamic one)."""
+    out = model(**inputs, cache=cache, use_cache=True)
     cache, mask = out.past_key_values, inputs["attention_mask"]
     steps = []
     for t in range(tokens.shape[1]):
@@ -371,15 +384,142 @@ def test_generate_matches_the_manual_decode():
     assert torch.equal(greedy, out[:, -4:])
 
 
-def test_static_cache_is_refused_with_its_reason():
-    model = _model()
-    inputs = _inputs(model, "image")
-    with vf.wrap(model, pruner="fastv", keep=0.5, layer=LINEAR):
-        with pytest.raises(ValueError, match="on a static cache: its linear-attention layers"):
-            model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
-
-
 def test_decode_time_pruner_is_refused():
     model = _model()
     with pytest.raises(ValueError, match="cannot do"):
         vf.wrap(model, pruner="fixation", keep=0.5, layer=LINEAR)
+
+
+# --- a static cache and compiled decode steps -----------------------------------------------
+# The full-attention layers hold StaticLayer buffers (each pruned one only its kept tokens), the
+# linear layers their fixed-size states; the run equals the same pruned run on the default
+# dynamic cache, which the tests above check against the hybrid reference.
+STATIC_STEPS = 8
+#: six layers, two of them full: the first (layer 1) sizes the model's masks, layer 4 is resized
+TWO_FULL = ["linear_attention", "full_attention", "linear_attention"] * 2
+
+
+def _static_equals_dynamic(model, inputs, backend=None, cache=None, **wrap):
+    """Greedy generate on a static cache (built by generate(), or ``cache``; decode steps
+    compiled with ``backend``) equals the dynamic-cache run of the same pruning; returns the
+    trace and the static cache's layers when ``cache`` was given."""
+    static = {"cache_implementation": "static"} if cache is None else {"cache": cache}
+    if backend is not None:
+        static.update(compiled(backend))
+    with torch.no_grad(), vf.wrap(model, **wrap) as handle:
+        sequences, logits = greedy_generate(model, inputs, STATIC_STEPS, **static)
+        trace = handle.last_trace
+        widths = None if cache is None else [_width(layer) for layer in cache.layers]
+        ref_sequences, ref_logits = greedy_generate(model, inputs, STATIC_STEPS)
+    if backend is not None:  # each hooked frame and the forward compiled once, for every step
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert all(n < v for n, v in zip(trace.n_kept, trace.n_visual, strict=True))
+    assert torch.equal(sequences, ref_sequences)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    return trace, widths
+
+
+def _width(layer) -> int | None:
+    """A static attention layer's buffer width, ``None`` for a linear layer (no buffer)."""
+    keys = getattr(layer, "keys", None)
+    return None if keys is None else keys.shape[2]
+
+
+@pytest.mark.parametrize("layer", [0, LINEAR, FULL, 3])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_static_cache_equals_the_dynamic_cache_run(attn, layer):
+    # layers 0-2 prune the layer that sizes the masks (FULL), layer 3 prunes after it
+    model = _model(attn)
+    _static_equals_dynamic(model, _inputs(model, "image"), pruner="fastv", keep=0.5, layer=layer)
+
+
+@pytest.mark.parametrize("layer", [0, FULL])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_compiled_static_decode_equals_the_dynamic_cache_run(attn, layer):
+    model = _model(attn)
+    inputs = _inputs(model, "image")
+    _static_equals_dynamic(model, inputs, "eager", pruner="fastv", keep=0.5, layer=layer)
+
+
+def test_moe_on_a_compiled_static_cache_equals_the_dynamic_cache_run():
+    model = _model(kind="qwen3_5_moe")
+    inputs = _inputs(model, "image")
+    _static_equals_dynamic(model, inputs, "eager", pruner="fastv", keep=0.5, layer=LINEAR)
+
+
+def test_compiled_decode_steps_do_not_recompile_for_new_pixels():
+    model = _model()
+    inputs = _inputs(model, "image")
+    other = make_case("qwen3_vl", "image", model, batch=2, seed=1)  # same length, new pixels
+    assert other["input_ids"].shape == inputs["input_ids"].shape
+    options = dict(cache_implementation="static", **compiled("eager"))
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=LINEAR):
+        greedy_generate(model, inputs, STATIC_STEPS, **options)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for case in (inputs, other):
+                greedy_generate(model, case, STATIC_STEPS, **options)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_two_full_layers_and_three_stages_on_a_static_cache(backend):
+    model = tiny_model("qwen3_5", text={"layer_types": TWO_FULL, "num_hidden_layers": 6})
+    inputs = _inputs(model, "image")
+    wrap = dict(pruner="fastv", keep=(0.75, 0.5, 0.25), layer=(0, 2, 4))
+    if backend is None:  # this decoder's dynamic-cache run is its reference's, like the others'
+        _check(model, inputs, **wrap)
+    room = inputs["input_ids"].shape[1] + STATIC_STEPS
+    cache = StaticCache(config=model.config.get_text_config(), max_cache_len=room)
+    trace, widths = _static_equals_dynamic(model, inputs, backend, cache, **wrap)
+    assert [s.layer for s in trace.stages] == [0, 2, 4]
+    dropped = sum(int(s.keep.logical_not().sum(1).min()) for s in trace.stages)
+    # the mask layer (1) keeps the cache's width, layer 4 holds its kept prompt and the steps,
+    # the linear layers hold no buffer
+    assert widths == [None, room, None, None, room - dropped, None]
+
+
+def test_remove_gives_the_static_buffers_their_width_back():
+    model = tiny_model("qwen3_5", text={"layer_types": TWO_FULL, "num_hidden_layers": 6})
+    inputs = _inputs(model, "image")
+    room = inputs["input_ids"].shape[1] + STATIC_STEPS
+    cache = StaticCache(config=model.config.get_text_config(), max_cache_len=room)
+    handle = vf.wrap(model, pruner="fastv", keep=0.25, layer=2)
+    with torch.no_grad():
+        greedy_generate(model, inputs, STATIC_STEPS, cache=cache)
+    assert cache.layers[4].max_cache_len < room
+    handle.remove()  # the cache is whole again, for the unwrapped model
+    buffers = [layer.max_cache_len for layer in cache.layers if hasattr(layer, "max_cache_len")]
+    assert buffers == [room, room]
+    cache.reset()
+    with torch.no_grad():
+        ref_sequences, ref_logits = greedy_generate(model, inputs, STATIC_STEPS)
+        sequences, logits = greedy_generate(model, inputs, STATIC_STEPS, cache=cache)
+    assert torch.equal(sequences, ref_sequences)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layer", [0, FULL])
+def test_a_manual_decode_loop_on_a_static_cache_equals_the_dynamic_one(layer):
+    # the model builds its own masks from the 2-D mask (no generate())
+    model = _model()
+    inputs = _inputs(model, "image")
+    width = inputs["input_ids"].shape[1] + TOKENS.shape[1]
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=layer):
+        logits, steps = _decode(model, inputs, TOKENS)
+        cache = StaticCache(config=model.config.get_text_config(), max_cache_len=width)
+        static_logits, static_steps = _decode(model, inputs, TOKENS, cache)
+    torch.testing.assert_close(static_logits, logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(static_steps, steps, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layer", [0, FULL])
+def test_no_host_reads_per_static_decode_step(layer):
+    model = _model()
+    inputs = on_device(_inputs(model, "image"))
+    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=layer):
+        with per_forward(model) as marks:
+            model.generate(
+                **inputs, max_new_tokens=4, do_sample=False, cache_implementation="static"
+            )
+    assert marks[1:] == [marks[1]] * (len(marks) - 1), f"{marks} {dict(host_reads.reads)}"

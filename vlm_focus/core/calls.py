@@ -55,8 +55,9 @@ def static_length(cache: Any, layer: int) -> torch.Tensor:
 
 def full_attention_mask(mask: Any) -> Any:
     """The mask of a call: a model that takes one mask per attention type (``generate()`` with
-    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen, and a
-    ``"sliding_attention"`` one beside it for Gemma 3) gives its full one."""
+    a static cache builds ``{"full_attention": [B, 1, q, L]}`` for Qwen, with a
+    ``"sliding_attention"`` one beside it for Gemma 3 and a ``"linear_attention"`` one for a
+    hybrid decoder) gives its full one."""
     if isinstance(mask, dict) and "full_attention" in mask:
         return mask["full_attention"]
     return mask

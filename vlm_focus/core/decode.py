@@ -90,6 +90,8 @@ class Decode:
     def _masked(self, state: PruneState, call: LayerCall) -> dict:
         """The step's mask as the layer holds its keys: per buffer slot on a static cache,
         else column-sliced, with this layer's masked prompt keys kept masked."""
+        if state.static and call.index in self.setup.linear_layers:
+            return call.kwargs  # its step mask is None, or the new tokens' own: nothing to map
         if state.static and self.static.windowed:
             return self.static.windowed_decode(state, call)
         if state.static:

@@ -42,7 +42,7 @@ from ..model_adapters import ModelAdapter
 from ..trace import FocusTrace
 from .attention import layer_window
 from .cache_lengths import report_original_length
-from .calls import CallState, CallTracker, cache_length, cache_of, is_static
+from .calls import CallState, CallTracker, cache_length, cache_of
 from .decode import Decode
 from .prefill import PrefillPass
 from .prune_state import EngineSetup, LayerCall, PrunedLayers, PruneState
@@ -195,13 +195,6 @@ class FocusEngine:
         if not self._active:
             return args, kwargs
         cache = cache_of(kwargs)
-        if self.setup.recurrent and self.tracker.has_images and is_static(cache):
-            raise ValueError(
-                f"vlm_focus cannot prune '{self.adapter.model_type}' on a static cache: its "
-                "linear-attention layers hold fixed-size states that the static path's per-slot "
-                "4-D masks cannot address; use the default dynamic cache (no "
-                "cache_implementation='static')"
-            )
         # A call brings images when it carries pixels or (inside generate()) encoder outputs;
         # an image-token id that decoding emits is only text, so ids alone never decide.
         tracker = self.tracker

@@ -223,9 +223,7 @@ class PrefillPass:
                 state.current = state.current.gather(1, local.to(state.current.device))
             current = state.current
             state.per_layer[index] = current
-        state.decode_cols[index] = state.once(
-            "cols", None, current, lambda: self._columns(state, current)
-        )
+        state.decode_cols[index] = current
         kwargs = dict(kwargs)
         # The decoder hands every layer the same full-length cos/sin, mask and position ids (one
         # set per layer type where it has several, e.g. sliding-window and full layers), and the
@@ -236,7 +234,7 @@ class PrefillPass:
             state.once("sin" + kind, sin, current, lambda: self._kept_positions(sin, current, 1)),
         )
         mask = kwargs.get("attention_mask")
-        if state.static:
+        if state.static and index not in self.setup.linear_layers:
             slots = cache.layers[index].max_cache_len
             kwargs["attention_mask"] = state.once(
                 f"mask{slots}",
@@ -297,14 +295,6 @@ class PrefillPass:
         if self.setup.config.positions == "compact":
             return x.narrow(dim, 0, current.shape[1])
         return gather_seq(x, on_device_of(current, x), dim)
-
-    def _columns(self, state: PruneState, current: torch.Tensor) -> torch.Tensor:
-        """Prefill columns of the decode mask a layer holding ``current`` keeps: the decode mask
-        spans the full prompt, or layer 0's kept prompt on a static cache at K = 0 (the decoder
-        hook sliced it)."""
-        static_k0 = self.setup.first_layer == 0 and state.static
-        base = state.per_layer.get(0) if static_k0 else None
-        return current if base is None else torch.searchsorted(base, current)
 
     def _run_stage(
         self,

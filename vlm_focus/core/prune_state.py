@@ -38,6 +38,8 @@ class EngineSetup:
     #: a pruned layer keeps a recurrent state (a hybrid decoder's linear attention): it reads
     #: every token it holds, so no key can be masked in it
     recurrent: bool = False
+    #: every linear-attention layer (pruned or not): it holds fixed-size states, no keys
+    linear_layers: frozenset[int] = frozenset()
     video_pruner: Pruner | None = None
 
     @classmethod
@@ -51,6 +53,7 @@ class EngineSetup:
     ) -> EngineSetup:
         stages = dict(config.stages)
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+        linear = adapter.recurrent_layers(model)
         return cls(
             model=model,
             adapter=adapter,
@@ -60,7 +63,8 @@ class EngineSetup:
             stages=stages,
             first_layer=min(stages),
             flash=attn.startswith("flash"),
-            recurrent=any(i >= min(stages) for i in adapter.recurrent_layers(model)),
+            recurrent=any(i >= min(stages) for i in linear),
+            linear_layers=linear,
             video_pruner=video_pruner,
         )
 
@@ -111,17 +115,18 @@ class PruneState:
     current: torch.Tensor  # [B, S'] original positions still present
     prompt_end: int | None = None  # rows a pruner scores with (a teacher-forced pass), or all
     per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Per layer: which prefill columns of the decode mask it keeps. The decode mask spans the
-    # full prompt, or layer 0's kept prompt when K = 0 (the decoder hook sliced it already).
+    # Per layer: which prefill columns of the decode mask it keeps (a dynamic cache's decode
+    # mask spans the full prompt; a static cache's are mapped per slot, see static_cols).
     decode_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     cache: Any = None  # weakref to the cache this prefill filled
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage
     fixation: StepFixation | None = None  # decode-time selection (a decode_time pruner)
     pruners: list[Pruner] = field(default_factory=list)  # per row, the one that chooses
-    # A static cache: every layer writes at its own length into a buffer as wide as the cache,
-    # and every mask is that wide. Per layer, the mask column each buffer slot reads in decode
-    # (built once, at the end of the prompt: a compiled step then only gathers).
+    # A static cache: every attention layer writes at its own length into a buffer as wide as
+    # the cache, and every full-attention mask is that wide. Per attention layer, the mask
+    # column each buffer slot reads in decode (built once, at the end of the prompt: a
+    # compiled step then only gathers).
     static: bool = False
     static_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     # with sliding windows, static_cols holds each slot's original position instead, and this

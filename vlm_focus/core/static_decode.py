@@ -13,6 +13,11 @@ by its first layer of each kind, which may be pruned. So on such a model every p
 layer gets a plain buffer of its kept prompt and the generated tokens (``StaticLayer``), and
 each pruned layer's decode mask is built from the original position of every slot, the window
 included (:meth:`StaticBuffers.windowed_decode`).
+
+A hybrid decoder's linear-attention layers hold fixed-size states beside the buffers: they get
+no per-slot mask (a decode step's is ``None``, a prompt's their 2-D padding mask), and the model
+sizes its masks by its first attention buffer, which may sit after the first stage
+(:func:`mask_layer`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,27 @@ def static_mask(mask: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tenso
     return slice_mask(torch.cat([mask, pad], dim=-1), rows, cols)
 
 
+def mask_layer(cache: Any) -> int:
+    """The layer whose buffer sizes the model's full-attention masks and places their query:
+    transformers takes the first full-attention layer's, the first with a buffer that is not
+    a sliding window (a hybrid decoder's linear layers hold fixed-size states, and a sliding
+    layer only its window; layer 0 may be either). On a model with sliding layers, those masks
+    are sized by the first layer of each kind; vlm_focus builds every pruned layer's decode
+    mask itself there (:meth:`StaticBuffers.windowed_decode`)."""
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "max_cache_len", None) is not None and not getattr(
+            layer, "is_sliding", False
+        ):
+            return index
+    return 0
+
+
+def cache_room(cache: Any) -> int | None:
+    """How many tokens a static cache holds: its mask layer's width (``None`` when no layer
+    has a buffer)."""
+    return getattr(cache.layers[mask_layer(cache)], "max_cache_len", None)
+
+
 def resize(layer: Any, slots: int) -> None:
     """Give a static cache layer ``slots`` slots; its buffers are allocated again, empty, at
     its next write (the prompt's, on a cache that holds nothing yet)."""
@@ -60,17 +86,6 @@ def resize(layer: Any, slots: int) -> None:
         if layer.is_initialized:
             layer.keys = layer.values = None
             layer.is_initialized = False
-
-
-def cache_room(cache: Any) -> int | None:
-    """How many tokens a static cache holds: its full-attention layers' width (a sliding
-    layer's buffer holds only its window)."""
-    widths = [
-        layer.max_cache_len
-        for layer in cache.layers
-        if not getattr(layer, "is_sliding", False) and hasattr(layer, "max_cache_len")
-    ]
-    return max(widths) if widths else getattr(cache.layers[0], "max_cache_len", None)
 
 
 def check_room(room: int | None, needed: int, prompt: int) -> None:
@@ -112,15 +127,20 @@ class StaticBuffers:
     def fit(self, cache: Any) -> None:
         """Size each pruned layer's static buffer to what it holds: its kept prompt and the
         tokens generated after it (the room the cache leaves past the prompt). Attention in
-        decode then reads only those slots. Layer 0 keeps the cache's width: the model sizes
-        every mask by it. On a model with sliding-window layers, each pruned sliding layer
-        (layer 0 included) trades its ring buffer for a plain one of that size. Called when
-        the first pruned layer runs: the decoder has built the prompt's masks from the
-        cache's own sizes by then (it sizes them by its first layer of each kind)."""
+        decode then reads only those slots. The mask layer (:func:`mask_layer`) keeps the
+        cache's width: the model sizes its masks by it. Linear layers have no buffer to size.
+        On a model with sliding-window layers, each pruned sliding layer (layer 0 included)
+        trades its ring buffer for a plain one of that size, and the mask layer is sized like
+        the others (every pruned layer's decode mask is built here). Called when the first
+        pruned layer runs: the decoder has built the prompt's masks from the cache's own sizes
+        by then (it sizes them by its first layer of each kind)."""
         if cache not in self._planned:
             return
         seq, drops = self._planned.pop(cache)
         room = self.room(cache)
+        if room is None or room < seq:
+            return  # too short for the prompt: the prompt's mask check says so
+        keep_width = None if self.windowed else mask_layer(cache)
         if room is None or room < seq:
             return  # too short for the prompt: the prompt's mask check says so
         lent = self._resized.setdefault(cache, (room, {}))[1]
@@ -130,23 +150,27 @@ class StaticBuffers:
             while stage < len(stages) and stages[stage] <= index:
                 held -= drops[stage]
                 stage += 1
-            if self.windows.get(index) is not None:
-                if index not in lent:
-                    lent[index] = cache.layers[index]
-                    cache.layers[index] = StaticLayer(max_cache_len=held + room - seq)
-                resize(cache.layers[index], held + room - seq)
-            elif index > 0:
-                resize(cache.layers[index], held + room - seq)
+            if index < self.setup.first_layer or index == keep_width:
+                continue  # unpruned layers keep the model's own buffers, as does the mask layer
+            if index in self.setup.linear_layers:
+                continue  # fixed-size states, no buffer
+            if self.windows.get(index) is not None and index not in lent:
+                lent[index] = cache.layers[index]
+                cache.layers[index] = StaticLayer(max_cache_len=held + room - seq)
+            resize(cache.layers[index], held + room - seq)
 
     def restore(self) -> None:
         """Give every resized cache's pruned layers their full width back, and its sliding
-        layers their ring buffers (emptied: what a pruned layer held is not the model's)."""
+        layers their ring buffers (emptied: what a pruned layer held is not the model's).
+        Linear layers were never resized."""
         for cache, (room, lent) in list(self._resized.items()):
             for index, layer in lent.items():
                 layer.reset()
                 cache.layers[index] = layer
-            for layer in cache.layers:
-                if not getattr(layer, "is_sliding", False):
+            for index, layer in enumerate(cache.layers):
+                if index not in self.setup.linear_layers and not getattr(
+                    layer, "is_sliding", False
+                ):
                     resize(layer, room)
         self._resized = weakref.WeakKeyDictionary()
 
@@ -171,22 +195,31 @@ class StaticBuffers:
         return static_mask(mask, on_device_of(current, mask), cols)
 
     def build_columns(self, state: PruneState, cache: Any) -> None:
-        """At the end of a prompt on a static cache: per hooked layer, the mask column each
-        slot of its buffer reads in decode. A decode mask spans the original prompt, or layer
-        0's kept prompt with K = 0 (layer 0's short cache sizes it); the layers of a stage
-        share one map."""
-        first = self.setup.first_layer
+        """At the end of a prompt on a static cache: per hooked attention layer, the mask
+        column each slot of its buffer reads in decode; the layers of a stage share one map.
+
+        A decode mask places its query at the mask layer's length (:func:`mask_layer`). When
+        that layer is unpruned, its columns are the original prompt's; when it is pruned, the
+        first ``S_m`` columns stand for its kept prompt (the token it holds in slot j is column
+        j) and the generated tokens follow. Left padding comes first and is never pruned, so
+        column j of the 2-D padding mask is as valid as the j-th kept token in either case.
+        A model with sliding-window layers keeps, instead, each slot's original position
+        (:meth:`_build_keys`)."""
         if self.windowed:
             self._build_keys(state, cache)
             return
-        compact = first == 0
-        prompt = state.per_layer[0].shape[1] if compact else state.full_len
-        width = cache.layers[0].max_cache_len  # every decode mask's
+        sizer = mask_layer(cache)
+        base = state.per_layer.get(sizer) if sizer >= self.setup.first_layer else None
+        prompt = state.full_len if base is None else base.shape[1]
+        width = cache.layers[sizer].max_cache_len  # every decode mask's
         built: dict[tuple[int, int], torch.Tensor] = {}
-        for index in range(first, len(self.setup.layers)):
-            held = state.decode_cols[index] if compact else state.per_layer[index]
-            key = (id(held), cache.layers[index].max_cache_len)
+        for index in range(self.setup.first_layer, len(self.setup.layers)):
+            if index in self.setup.linear_layers:
+                continue
+            kept = state.per_layer[index]
+            key = (id(kept), cache.layers[index].max_cache_len)
             if key not in built:
+                held = kept if base is None else torch.searchsorted(base, kept)
                 built[key] = static_columns(held, prompt, key[1], width)
             state.static_cols[index] = built[key]
 
@@ -196,6 +229,8 @@ class StaticBuffers:
         that token is a key at all (not padding), ``[B, slots]`` each."""
         valid = state.valid
         for index in range(self.setup.first_layer, len(self.setup.layers)):
+            if index in self.setup.linear_layers:
+                continue
             kept = state.per_layer[index]
             slots = cache.layers[index].max_cache_len
             tail = torch.arange(state.full_len, state.full_len + slots - kept.shape[1])

@@ -164,6 +164,6 @@ class DeltaNetScorer:
 
 QWEN3_5 = HybridAdapter(
     **{f.name: getattr(QWEN2_VL, f.name) for f in dataclasses.fields(QWEN2_VL)}
-    | {"model_type": "qwen3_5", "qk_norms": ("q_norm", "k_norm"), "static_cache": False}
+    | {"model_type": "qwen3_5", "qk_norms": ("q_norm", "k_norm")}
 )
 QWEN3_5_MOE = dataclasses.replace(QWEN3_5, model_type="qwen3_5_moe")
