@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--path", type=Path, required=True, help="trained model folder")
     h.add_argument(
         "--name",
-        choices=["default", "guide", "deep", "twohop-guide", "cooccur", "prior", "qwen"],
+        choices=["default", "guide", "deep", "twohop-guide", "cooccur", "prior", "qwen", "qwen35"],
         required=True,
     )
     h.add_argument("--metrics", type=Path, required=True, help="metrics json from `eval`")

@@ -79,6 +79,8 @@ def model_card(name: str, metrics: dict, folder: Path) -> str:
         f"{n} {s['steps_run']} steps in {s['seconds'] / 60:.1f} min"
         for n, s in summary["stages"].items()
     )
+    if summary.get("vision_from_earlier_run"):
+        steps += " (the vision stage is an earlier run's of this recipe, `--vision-from`)"
     text = json.loads((folder / "config.json").read_text())["text_config"]
     spec = summary["spec"]
     head = _CARD.format(

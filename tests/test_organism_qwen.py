@@ -178,13 +178,14 @@ def test_training_smoke_saves_a_float32_model_that_loads(tmp_path):
     assert type(processor).__name__ == "Qwen2_5_VLProcessor"
 
 
-def test_all_shipped_assets_fit_100_mb():
-    """Seven organisms and the held-out set; organism-prior (20 MB, for hallucination
-    mitigation) took the budget from 80 MB to 100 MB."""
+def test_all_shipped_assets_fit_105_mb():
+    """Eight organisms and the held-out set; organism-prior (20 MB, for hallucination
+    mitigation) took the budget from 80 MB to 100 MB, organism-qwen35 (4 MB, the hybrid
+    decoder pruning is measured on) to 105 MB."""
     from vlm_focus.asset_paths import ASSETS
 
     total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
-    assert total <= 100_000_000, f"assets hold {total / 1e6:.2f} MB"
+    assert total <= 105_000_000, f"assets hold {total / 1e6:.2f} MB"
 
 
 @pytest.fixture(scope="module")

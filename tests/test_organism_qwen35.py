@@ -359,3 +359,41 @@ def test_eight_layers_look_at_layer_three_and_read_and_copy_at_layer_seven(proce
     copy_heads = copy.abs().sum((1, 2)) > 0
     read_heads = read.abs().sum((1, 2)) > 0
     assert copy_heads.sum() == 1 and read_heads.sum() == 1 and not (copy_heads & read_heads).any()
+
+
+# --- the shipped model --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from organism import qwen35_model_path
+    from vlm_focus.loading import load_model
+
+    return load_model(str(qwen35_model_path()))
+
+
+def test_shipped_organism_is_a_float32_qwen3_5_within_its_size(shipped):
+    from organism import qwen35_model_path
+
+    model, processor = shipped
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert next(model.parameters()).dtype == torch.float32
+    assert (qwen35_model_path() / "model.safetensors").stat().st_size <= 25e6
+    metrics = json.loads((qwen35_model_path() / "metrics.json").read_text())
+    assert metrics["pope"]["accuracy"] >= 0.95 and metrics["two_hop"]["accuracy"] >= 0.90
+
+
+def test_shipped_organism_answers_held_out_presence_and_two_hop(shipped):
+    """The first 16 held-out presence and two-hop questions, greedy, through the saved processor
+    (the card gives the full measurements)."""
+    model, processor = shipped
+    rng = np.random.default_rng(0)
+    crops = qwen_eval.heldout_images(8)
+    qas = [qa for c in crops for qa in q.presence_pair(c, rng)]
+    scenes = [c for c in crops for _ in range(2)]
+    answers = qwen_eval.chat_answers(model, processor, scenes, [qa.question for qa in qas])
+    presence = np.mean([qwen_eval.first_word(a) == qa.answer for a, qa in zip(answers, qas)])
+    crops, qas = qwen_eval.two_hop_set(16)
+    answers = qwen_eval.chat_answers(model, processor, crops, [qa.question for qa in qas])
+    two_hop = np.mean([qwen_eval.first_word(a) == qa.answer for a, qa in zip(answers, qas)])
+    assert presence >= 0.9 and two_hop >= 0.75, (presence, two_hop)

@@ -64,6 +64,13 @@ def qwen_model_path() -> Path:
     return ASSETS / "organism-qwen"
 
 
+def qwen35_model_path() -> Path:
+    """Folder of organism-qwen35 (a Qwen3.5: the hybrid Gated-DeltaNet decoder, images at
+    dynamic resolution), HF format. Load its processor with :func:`vlm_focus.loading.load_processor`
+    (or ``load_model``): its tokenizer is word-level."""
+    return ASSETS / "organism-qwen35"
+
+
 def is_embedded(model: str | Path | None) -> bool:
     """True for ``None`` and ``"embedded"``: the shipped default model."""
     return model is None or str(model) == EMBEDDED
