@@ -128,7 +128,7 @@ class Decode:
         layer = call.cache.layers[index]
         held = (layer.keys.shape[-2] if layer.is_initialized else 0) + n_new
         width = cache_length(call.cache, index) + n_new  # reported in original positions
-        kept = state.decode_cols[index]
+        kept = state.per_layer[index]
         key_pos = decode_columns(kept, state.full_len, width)[:, -held:]  # [B, held]
         prompt = state.valid.to(kept.device)
         valid = torch.ones(key_pos.shape, dtype=torch.bool, device=kept.device)
@@ -163,7 +163,7 @@ class Decode:
         own = held_length(call.cache, index)
         if width == own + n_new or (mask.dim() == 2 and width == n_new):
             return kwargs  # as wide as the layer holds, or a recurrent layer's new tokens only
-        kept_cols = state.decode_cols[index]
+        kept_cols = state.per_layer[index]
         prompt = state.full_len
         if width - prompt != own - kept_cols.shape[1] + n_new:
             raise RuntimeError(f"layer {index}: decode mask width {width} matches no cache length")

@@ -223,7 +223,6 @@ class PrefillPass:
                 state.current = state.current.gather(1, local.to(state.current.device))
             current = state.current
             state.per_layer[index] = current
-        state.decode_cols[index] = current
         kwargs = dict(kwargs)
         # The decoder hands every layer the same full-length cos/sin, mask and position ids (one
         # set per layer type where it has several, e.g. sliding-window and full layers), and the

@@ -115,9 +115,6 @@ class PruneState:
     current: torch.Tensor  # [B, S'] original positions still present
     prompt_end: int | None = None  # rows a pruner scores with (a teacher-forced pass), or all
     per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Per layer: which prefill columns of the decode mask it keeps (a dynamic cache's decode
-    # mask spans the full prompt; a static cache's are mapped per slot, see static_cols).
-    decode_cols: dict[int, torch.Tensor] = field(default_factory=dict)
     cache: Any = None  # weakref to the cache this prefill filled
     frames: torch.Tensor | None = None  # [B, S] image / frame id (budget="frame")
     memo: dict = field(default_factory=dict)  # slices reused across the layers of a stage

@@ -141,8 +141,6 @@ class StaticBuffers:
         if room is None or room < seq:
             return  # too short for the prompt: the prompt's mask check says so
         keep_width = None if self.windowed else mask_layer(cache)
-        if room is None or room < seq:
-            return  # too short for the prompt: the prompt's mask check says so
         lent = self._resized.setdefault(cache, (room, {}))[1]
         held, stage = seq, 0
         stages = [layer for layer, _ in self.setup.config.stages]

@@ -181,7 +181,7 @@ class ModelAdapter:
     #: ``pixel_values`` and ``image_grid_thw``); any other pixel input has one entry per image.
     patch_grids: Mapping[str, str] = field(default_factory=dict)
     #: the engine prunes on a static cache (``cache_implementation="static"``); ``False`` where
-    #: it refuses (a decoder with sliding-window layers)
+    #: the engine refuses it for this model class
     static_cache: bool = True
 
     def __post_init__(self) -> None:
