@@ -476,25 +476,69 @@ def test_delegates_cover_every_supported_model_or_say_why_not():
     assert sorted(DELEGATES) == sorted(vf.supported_models())
     for model_type, spec in DELEGATES.items():
         assert (spec.class_path is None) == bool(spec.left_out), model_type
-    left_out = sorted(t for t, spec in DELEGATES.items() if spec.class_path is None)
-    # lmms-eval 0.7.3 picks its MoE classes by name
-    assert left_out == ["qwen3_5_moe", "qwen3_vl_moe"]
+    # every supported model type has an lmms-eval class (the MoE ones through the config)
+    assert [t for t, spec in DELEGATES.items() if spec.class_path is None] == []
 
 
 def test_a_left_out_model_type_says_why_before_weights_load(monkeypatch, tmp_path):
     from transformers import PreTrainedModel, Qwen3VLMoeConfig
 
-    from vlm_focus.integrations.lmms_eval import DELEGATES, VlmFocus
+    from vlm_focus.integrations import lmms_eval
 
     def no_weights(*args, **kwargs):
         raise AssertionError("model weights were loaded before the model type was checked")
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    why = "no lmms-eval class reads this checkpoint"
+    delegates = {**lmms_eval.DELEGATES, "qwen3_vl_moe": lmms_eval.Delegate(None, left_out=why)}
+    monkeypatch.setattr(lmms_eval, "DELEGATES", delegates)
     Qwen3VLMoeConfig().save_pretrained(tmp_path)
     with pytest.raises(ValueError) as err:
-        VlmFocus(pretrained=str(tmp_path))
+        lmms_eval.VlmFocus(pretrained=str(tmp_path))
     message = str(err.value)
     assert message.startswith("--model vlm_focus does not run model_type 'qwen3_vl_moe'")
-    assert DELEGATES["qwen3_vl_moe"].left_out in message
+    assert why in message
     assert "It runs: gemma3, internvl, llava, " in message
     assert "qwen3_vl_moe" not in message.split("It runs:")[1]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_vl_moe", "qwen3_5"])
+def test_the_moe_class_is_chosen_by_the_config_not_the_checkpoint_name(tmp_path, model_type):
+    """lmms-eval 0.7.3 loads the MoE model only when the path has a part like 'A3B': a local
+    folder without one still loads as what its config says, and a dense one named like an MoE
+    loads dense."""
+    from tiny_processors import hybrid_processor
+
+    from vlm_focus.integrations.lmms_eval import VlmFocus
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    name = "Dense-A3B" if model_type == "qwen3_5" else "model"
+    path = tmp_path / name
+    model = tiny_model(model_type, vision={"patch_size": 16})
+    model.save_pretrained(path)
+    hybrid_processor(model).save_pretrained(path)  # Qwen3-VL's processor, all three classes'
+    lm = VlmFocus(pretrained=str(path), pruner="fastv", keep=0.5, layer=0)
+    assert type(lm.delegate.model) is type(model)
+    lm.remove()
+
+
+def test_a_folder_declaring_the_generic_tokenizer_keeps_it_in_the_delegate():
+    """transformers gives a qwen3_5 folder Qwen3.5's BPE tokenizer whatever it declares; the
+    delegate gets organism-qwen35's word tokenizer, as ``load_processor`` reads it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from vlm_focus.asset_paths import qwen35_model_path
+    from vlm_focus.integrations.lmms_eval import _read_declared_tokenizer
+    from vlm_focus.loading import load_processor
+
+    path = str(qwen35_model_path())
+    guessed = AutoTokenizer.from_pretrained(path)
+    delegate = SimpleNamespace(processor=SimpleNamespace(tokenizer=guessed), _tokenizer=guessed)
+    _read_declared_tokenizer(delegate, path)
+    text = "is there a red_circle in the image ?"
+    want = load_processor(path).tokenizer(text)["input_ids"]
+    assert guessed(text)["input_ids"] != want
+    assert delegate.processor.tokenizer(text)["input_ids"] == want
+    assert delegate._tokenizer(text)["input_ids"] == want

@@ -84,13 +84,22 @@ def load_processor(path: str, trust_remote_code: bool = False) -> Any:
     which misreads any other ``tokenizer.json`` (organism-qwen35's word-level one becomes unknown
     tokens). ``TokenizersBackend`` reads ``tokenizer.json`` as written, so honouring a folder
     that declares it is right for every model."""
-    from transformers import AutoProcessor, TokenizersBackend
+    from transformers import AutoProcessor
+
+    tokenizer = declared_tokenizer(path)
+    extra = {} if tokenizer is None else {"tokenizer": tokenizer}
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+
+
+def declared_tokenizer(path: str) -> Any:
+    """The tokenizer of `path` read as written when its ``tokenizer_config.json`` declares the
+    generic ``TokenizersBackend`` (see :func:`load_processor`); ``None`` otherwise."""
+    from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-    extra = {}
-    if get_tokenizer_config(path).get("tokenizer_class") == "TokenizersBackend":
-        extra["tokenizer"] = TokenizersBackend.from_pretrained(path)
-    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+    if get_tokenizer_config(path).get("tokenizer_class") != "TokenizersBackend":
+        return None
+    return TokenizersBackend.from_pretrained(path)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.model_utils.gen_metrics import log_metrics
 from loguru import logger
 
-from ..loading import resolve_model_path
+from ..loading import declared_tokenizer, resolve_model_path
 from ..model_adapters import get_adapter
 from .model_args import FocusArgs, split_model_args
 
@@ -55,7 +55,14 @@ class Delegate:
     chat: bool = True
     max_batch: int | None = None
     left_out: str | None = None
+    #: the lmms-eval module whose ``_resolve_model_class(pretrained, is_moe)`` picks the HF
+    #: class, where lmms-eval decides ``is_moe`` from the checkpoint's name (``None``: no such)
+    class_by_name: str | None = None
 
+
+# lmms-eval 0.7.3's Qwen3-VL and Qwen3.5 classes load the mixture-of-experts model when the
+# checkpoint's name has a part like "A3B" (:func:`_class_from_config` decides from the config).
+QWEN3_CLASSES = "lmms_eval.models.simple.qwen3_vl"
 
 # Every model type vlm_focus supports, with lmms-eval 0.7.3's HF class or why there is none.
 # The llava chat class and the simple qwen2_vl class answer one request per generate() call.
@@ -65,24 +72,16 @@ DELEGATES: dict[str, Delegate] = {
     "llava_onevision": Delegate("lmms_eval.models.chat.llava_hf.LlavaHf", max_batch=1),
     "qwen2_vl": Delegate("lmms_eval.models.simple.qwen2_vl.Qwen2_VL", chat=False, max_batch=1),
     "qwen2_5_vl": Delegate("lmms_eval.models.chat.qwen2_5_vl.Qwen2_5_VL"),
-    "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL"),
+    "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL", class_by_name=QWEN3_CLASSES),
     # its processor output (token_type_ids included) goes straight to generate()
     "gemma3": Delegate("lmms_eval.models.simple.gemma3.Gemma3", chat=False, max_batch=1),
     "qwen3_vl_moe": Delegate(
-        None,
-        left_out="lmms-eval 0.7.3's Qwen3_VL picks its mixture-of-experts class from the "
-        "checkpoint's name (a part like 'A3B'), not from its config, so a local or renamed "
-        "checkpoint would load as the dense model; `vlm-focus eval` runs it",
+        "lmms_eval.models.chat.qwen3_vl.Qwen3_VL", class_by_name=QWEN3_CLASSES
     ),
     "internvl": Delegate("lmms_eval.models.chat.internvl_hf.InternVLHf", max_batch=1),
     # the Qwen3-VL chat class with Qwen3.5's defaults; it batches like Qwen3-VL's
-    "qwen3_5": Delegate("lmms_eval.models.chat.qwen3_5.Qwen3_5"),
-    "qwen3_5_moe": Delegate(
-        None,
-        left_out="lmms-eval 0.7.3's Qwen3.5 class picks its mixture-of-experts class from the "
-        "checkpoint's name (a part like 'A3B'), not from its config; `vf.wrap` on the HF model "
-        "runs it",
-    ),
+    "qwen3_5": Delegate("lmms_eval.models.chat.qwen3_5.Qwen3_5", class_by_name=QWEN3_CLASSES),
+    "qwen3_5_moe": Delegate("lmms_eval.models.chat.qwen3_5.Qwen3_5", class_by_name=QWEN3_CLASSES),
 }
 
 
@@ -149,7 +148,9 @@ class VlmFocus(lmms):
                 rest.setdefault("device_map", rest.get("device", "cpu"))
         self.spec = spec
         self.model_type = model_type
-        self.delegate = delegate_cls(pretrained=path, **rest)
+        with _class_from_config(spec, model_type):
+            self.delegate = delegate_cls(pretrained=path, **rest)
+        _read_declared_tokenizer(self.delegate, path)
         self.run_setting = self.focus.setting()
         self.setting = self.run_setting.tag
         self._rows: list[_Row] = []
@@ -367,6 +368,37 @@ def _delegate(model_type: str | None, pretrained: str) -> Delegate:
             f"{pretrained!r}): {spec.left_out}. It runs: {runs}"
         )
     return spec
+
+
+@contextlib.contextmanager
+def _class_from_config(spec: Delegate, model_type: str):
+    """While the delegate loads, its HF class is the mixture-of-experts one exactly when the
+    config's ``model_type`` says so, whatever the checkpoint's name (a local folder, a renamed
+    copy)."""
+    if spec.class_by_name is None:
+        yield
+        return
+    module = importlib.import_module(spec.class_by_name)
+    by_name = module._resolve_model_class
+    is_moe = model_type.endswith("_moe")
+    module._resolve_model_class = lambda pretrained, _guess: by_name(pretrained, is_moe)
+    try:
+        yield
+    finally:
+        module._resolve_model_class = by_name
+
+
+def _read_declared_tokenizer(delegate: Any, path: str) -> None:
+    """Give the delegate the tokenizer its folder declares where transformers would build
+    another (:func:`vlm_focus.loading.declared_tokenizer`: organism-qwen35's word tokenizer)."""
+    tokenizer = declared_tokenizer(path)
+    if tokenizer is None:
+        return
+    processor = getattr(delegate, "processor", None)
+    if processor is not None and hasattr(processor, "tokenizer"):
+        processor.tokenizer = tokenizer
+    if hasattr(delegate, "_tokenizer"):
+        delegate._tokenizer = tokenizer
 
 
 def _init_parameters(cls: type) -> list[str]:
