@@ -13,7 +13,10 @@ Questions: per held-out image a yes and a no presence question, and the fixed tw
 accuracies; retention is that score over the unpruned one, same questions, same run. Every answer
 is greedy through the chat template (``vf.wrap`` on the unmodified model, ``generate``).
 
-    python benchmarks/qwen35_organism.py --model DIR [--images 100] [--parts rules pruners]
+    python benchmarks/qwen35_organism.py [--model DIR] [--images 100] [--parts rules pruners]
+        [--threads 2]
+
+``--model`` defaults to the shipped organism-qwen35.
 
 Writes ``qwen35_organism.json`` (after every setting, so a killed run resumes where it stopped)
 and ``qwen35_organism.md`` under ``--out``.
@@ -35,6 +38,7 @@ from tqdm import tqdm
 from organism import qwen_data as q
 from organism.qwen_eval import QUESTION_SEED, heldout_images, two_hop_set
 from vlm_focus import FocusConfig
+from vlm_focus.asset_paths import qwen35_model_path
 from vlm_focus.loading import load_model
 from vlm_focus.model_adapters import get_adapter, register_adapter
 from vlm_focus.pruners import pruners
@@ -201,19 +205,27 @@ def _rule_summary(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, required=True, help="a saved organism-qwen35")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a saved organism-qwen35 (default: the shipped one)",
+    )
     parser.add_argument("--images", type=int, default=100)
     parser.add_argument("--parts", nargs="+", default=["rules", "pruners"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, processor = load_model(str(args.model))
+    path = args.model or qwen35_model_path()
+    model, processor = load_model(str(path))
     model.eval()
     rows = questions(args.images)
     meta = {
-        "command": f"python benchmarks/qwen35_organism.py --images {args.images}",
-        "model": args.model.name,
+        "command": "python benchmarks/qwen35_organism.py "
+        + (f"--model {args.model} " if args.model else "")
+        + f"--images {args.images} --parts {' '.join(args.parts)} --threads {args.threads}",
+        "model": Path(path).name,
         "images": args.images,
         "questions": len(rows),
         "twohop": sum(r[3] == "twohop" for r in rows),
