@@ -303,8 +303,9 @@ def test_pan_and_scan_frames_are_where_the_processor_cut_the_crops():
     )
 
 
-def test_cli_run_on_a_saved_checkpoint(tmp_path, capsys):
-    """``vlm-focus run --model <path>`` on a saved tiny Gemma 3 and its processor."""
+def test_cli_run_and_bench_on_a_saved_checkpoint(tmp_path, capsys):
+    """``vlm-focus run`` and ``bench --model <path>`` on a saved tiny Gemma 3 and its
+    processor."""
     import json
 
     from vlm_focus import cli
@@ -319,6 +320,10 @@ def test_cli_run_on_a_saved_checkpoint(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["model"] == "gemma3" and report["pruned"]
     assert (report["visual_total"], report["visual_kept"]) == (TOKENS, TOKENS // 2)
+    bench = ["bench", *argv[1:5], "--keeps", "1.0,0.5", "--repeats", "1"]
+    assert cli.main(bench) == 0
+    out = capsys.readouterr().out
+    assert f"kept {TOKENS:>4}/{TOKENS}" in out and f"kept {TOKENS // 2:>4}/{TOKENS}" in out, out
 
 
 def test_refusals_name_the_problem():

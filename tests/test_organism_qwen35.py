@@ -397,3 +397,27 @@ def test_shipped_organism_answers_held_out_presence_and_two_hop(shipped):
     answers = qwen_eval.chat_answers(model, processor, crops, [qa.question for qa in qas])
     two_hop = np.mean([qwen_eval.first_word(a) == qa.answer for a, qa in zip(answers, qas)])
     assert presence >= 0.9 and two_hop >= 0.75, (presence, two_hop)
+
+
+def test_run_and_bench_on_the_shipped_organism(tmp_path, capsys):
+    """``vlm-focus run`` and ``bench`` on the shipped hybrid checkpoint and a held-out scene:
+    pruned at the linear layer 2, it answers a presence question both ways as unpruned."""
+    from PIL import Image
+
+    from organism import qwen35_model_path
+    from vlm_focus import cli
+
+    crop = qwen_eval.heldout_images(1)[0]
+    Image.fromarray(crop.image()).save(tmp_path / "scene.png")
+    yes, no = q.presence_pair(crop, np.random.default_rng(0))
+    argv = ["--model", str(qwen35_model_path()), "--image", str(tmp_path / "scene.png")]
+    for qa in (yes, no):
+        run = ["run", *argv, "--prompt", qa.question, "--keep", "0.25", "--layer", "2"]
+        assert cli.main([*run, "--repeats", "1", "--max-new-tokens", "2", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["model"] == "qwen3_5" and report["pruned"]
+        assert 4 * report["visual_kept"] <= report["visual_total"] + 3
+        for side in ("unpruned", "pruned"):
+            assert qwen_eval.first_word(report[f"answer_{side}"]) == qa.answer, report
+    assert cli.main(["bench", *argv, "--keeps", "1.0,0.25", "--repeats", "1"]) == 0
+    assert "kept" in capsys.readouterr().out
