@@ -236,6 +236,8 @@ def test_bad_input_raises_naming_the_problem():
     with pytest.raises(ValueError, match=r"row 0: 2 images given for 5 image blocks.*one image"):
         G.GroundingPass(model, inputs, processor=processor, images=[[wide, square]])
     assert len(G.GroundingPass(model, inputs, processor=processor).layouts[0]) == 5  # no sizes
+    with pytest.raises(ValueError, match=r"sizes per row \[6\] do not match the images per row"):
+        G.GroundingPass(model, inputs, processor=processor, images=[[wide] * 6])
     inputs = _inputs("gemma3", [wide], processor)
     with pytest.raises(ValueError, match="3 pan-and-scan crops cannot come from a 30x30 image"):
         G.GroundingPass(model, inputs, processor=processor, images=[square])

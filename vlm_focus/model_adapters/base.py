@@ -229,11 +229,14 @@ class ModelAdapter:
         writes an image's crops as image blocks of their own (``processor_rule="pan_and_scan"``)
         and ``images`` (images per row, as the caller gave them) counts fewer images than
         blocks: in a row of one image the first block is the image and the rest its crops.
-        ``None`` when every block is an image of its own. Which crops belong to which image of
-        a row of several is not in the inputs, so such a row raises."""
+        ``None`` when every block is an image of its own (or ``images`` counts more images than
+        a row has blocks). Which crops belong to which image of a row of several is not in the
+        inputs, so such a row raises."""
         blocks = [len(row) for row in layouts]
         if self.processor_rule != "pan_and_scan" or images is None or images == blocks:
             return None
+        if len(images) != len(blocks) or any(i > n for i, n in zip(images, blocks, strict=True)):
+            return None  # more images than blocks: the sizes' own check says so
         groups = []
         for b, (n_images, n_blocks) in enumerate(zip(images, blocks, strict=True)):
             if n_images == n_blocks:
