@@ -46,8 +46,13 @@ rectangle (per axis, processed = ``a * original + b``):
   cut into one tile has that one view. Without the processor the tile count the visual tokens
   show picks the canvas; with it, a size whose tile count differs is caught;
 * video frames are squashed to the grid (the frame is the whole frame);
-* Gemma 3's pan-and-scan crops (:func:`pan_and_scan_frames`): each crop is an image of its own
-  in the prompt, squashed to the square side; its frame is its crop of the original image.
+* Gemma 3's pan-and-scan crops (``processor_rule="pan_and_scan"``): each crop is an image
+  block of its own after the image's, squashed to the square side; its frame is its crop of
+  the original image (:func:`pan_and_scan_frames` from the processor's settings,
+  :func:`pan_and_scan_crops` from the crop count alone).
+
+Views that are pieces of the image (tiles, crops) are joined on one grid over the whole image
+by :func:`piece_grid` and :func:`regrid` (each cell's mass split by area).
 
 Which of these the processor follows is the model adapter's declaration
 (``ModelAdapter.processor_rule``, one of :data:`PROCESSOR_RULES`); the processor's settings give
@@ -69,6 +74,8 @@ from .maps import (
     coverage,
     describe_seen,
     frame_aspect,
+    piece_grid,
+    regrid,
     seen_region,
     upsample,
 )
@@ -78,7 +85,9 @@ from .processors import (
     best_resolution,
     check_processor_rule,
     image_processor_of,
+    most_crops,
     native_side,
+    pan_and_scan_crops,
     pan_and_scan_frames,
     processor_frames,
     smart_resize_grid,
@@ -86,7 +95,14 @@ from .processors import (
     tile_grid,
 )
 from .shapes import Frame, Size, as_frame
-from .sizes import Sizes, as_size, as_sizes, layout_sizes, unknown_size_message
+from .sizes import (
+    Sizes,
+    as_size,
+    as_sizes,
+    images_per_row,
+    layout_sizes,
+    unknown_size_message,
+)
 
 __all__ = [
     "PROCESSOR_RULES",
@@ -106,10 +122,15 @@ __all__ = [
     "describe_seen",
     "frame_aspect",
     "image_processor_of",
+    "images_per_row",
     "layout_sizes",
+    "most_crops",
     "native_side",
+    "pan_and_scan_crops",
     "pan_and_scan_frames",
+    "piece_grid",
     "processor_frames",
+    "regrid",
     "rule_frame",
     "seen_region",
     "smart_resize_grid",

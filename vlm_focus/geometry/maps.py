@@ -110,6 +110,51 @@ def box_cover(frame: Frame, grid: tuple[int, int], box: Any) -> torch.Tensor:
     return dx * dy / area
 
 
+def _overlaps(start: float, length: float, n: int, to: tuple[float, float, int]) -> torch.Tensor:
+    """``[n, m]`` float64: the share of each of ``n`` equal cells over ``[start, start +
+    length)`` that lies in each of ``m`` equal cells over ``to = (start, length, m)``."""
+    src = start + torch.arange(n + 1, dtype=torch.float64) * length / n
+    dst = to[0] + torch.arange(to[2] + 1, dtype=torch.float64) * to[1] / to[2]
+    lo = torch.maximum(src[:-1, None], dst[None, :-1])
+    hi = torch.minimum(src[1:, None], dst[None, 1:])
+    return (hi - lo).clamp(min=0) / (length / n)
+
+
+def regrid(
+    grid_map: torch.Tensor, frame: Frame, target: Frame, grid: tuple[int, int]
+) -> torch.Tensor:
+    """A ``[rows, cols]`` mass map spanning ``frame``, moved onto a ``grid`` of cells spanning
+    ``target``: each cell's mass is split by the share of its area inside each target cell
+    (``out = W_y^T map W_x``), so the mass inside ``target`` is kept and none is invented."""
+    rows, cols = grid_map.shape
+    wy = _overlaps(frame.y0, frame.height, rows, (target.y0, target.height, grid[0]))
+    wx = _overlaps(frame.x0, frame.width, cols, (target.x0, target.width, grid[1]))
+    return (wy.T @ grid_map.double() @ wx).float()
+
+
+def piece_grid(
+    size: Size, frames: Sequence[Frame], grids: Sequence[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """``(rows, cols)`` of one grid over the whole ``size`` image at the cell pitch of its
+    pieces, when two or more views are pieces of it that do not overlap (InternVL's tiles,
+    Gemma 3's pan-and-scan crops): the pitch of the largest piece (the first of equals, so a
+    last crop cut short does not set it). ``None`` for any other layout (one view, a base and
+    an anyres view, the frames of a video)."""
+    width, height = as_size(size)
+    whole = width * height
+    pieces = [(f, g) for f, g in zip(frames, grids, strict=True) if f.area < whole * (1 - 1e-6)]
+    if len(pieces) < 2:
+        return None
+    for i, (a, _) in enumerate(pieces):
+        for b, _ in pieces[i + 1 :]:
+            dx = min(a.x1, b.x1) - max(a.x0, b.x0)
+            dy = min(a.y1, b.y1) - max(a.y0, b.y0)
+            if dx > 1e-6 * width and dy > 1e-6 * height:
+                return None
+    frame, (rows, cols) = max(pieces, key=lambda p: p[0].area)
+    return max(1, round(height * rows / frame.height)), max(1, round(width * cols / frame.width))
+
+
 def frame_aspect(frame: Frame) -> float:
     """``width / height`` of a view's frame: the shape a crop needs to fill that view exactly
     (1 for a CLIP-style centre crop or a pad to a square; the image's own for a plain resize or

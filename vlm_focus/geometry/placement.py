@@ -10,6 +10,7 @@ from .processors import (
     PROCESSOR_RULES,
     check_processor_rule,
     image_processor_of,
+    pan_and_scan_crops,
     processor_frames,
     smart_resize_grid,
     tile_frames,
@@ -72,6 +73,12 @@ def check_size(
         check_processor_rule(processor_rule)
     if processor_rule == "tiled":
         _check_tiles(layout, size, image_processor, where)
+        return
+    if processor_rule == "pan_and_scan" and len(layout.grids) > 1:
+        try:
+            pan_and_scan_crops(size, len(layout.grids) - 1)
+        except ValueError as err:
+            raise ValueError(f"{where}size {size} cannot be this image's: {err}") from None
         return
     dynamic = image_processor is not None and processor_rule == "dynamic"
     if dynamic and smart_resize_grid(size, image_processor) == grid:
@@ -144,4 +151,6 @@ def view_frames(
     if processor_rule == "tiled" and n_views > 1:  # the view count tells the tile count
         return tile_frames(size, tile_grid(size, tiles=n_views - 1), n_views)
     rules = list(fallback) or ["resize"]
+    if processor_rule == "pan_and_scan" and n_views > 1:  # the view count tells the crops
+        return [rule_frame(size, rules[0]), *pan_and_scan_crops(size, n_views - 1)]
     return [rule_frame(size, rules[min(v, len(rules) - 1)]) for v in range(n_views)]

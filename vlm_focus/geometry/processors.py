@@ -18,8 +18,11 @@ from .shapes import Frame, Size
 #: tiled high-resolution view from ``image_grid_pinpoints``), ``"dynamic"`` (the whole image
 #: squashed to the ``smart_resize`` size, Qwen-VL's), ``"tiled"`` (the image squashed onto a
 #: ``rows x cols`` canvas of square tiles whose shape follows its aspect ratio, each tile one
-#: view, then a thumbnail of the whole image; InternVL's ``GotOcr2ImageProcessor``).
-PROCESSOR_RULES = ("single", "anyres", "dynamic", "tiled")
+#: view, then a thumbnail of the whole image; InternVL's ``GotOcr2ImageProcessor``),
+#: ``"pan_and_scan"`` (the whole image as ``"single"`` places it, then, with pan-and-scan on,
+#: its crops along the long side, each written as an image of its own right after it; Gemma 3's
+#: ``Gemma3ImageProcessor``).
+PROCESSOR_RULES = ("single", "anyres", "dynamic", "tiled", "pan_and_scan")
 
 
 @dataclass
@@ -293,6 +296,10 @@ def processor_frames(
         return [whole] * n_views
     if processor_rule == "tiled":
         return tile_frames(size, tile_grid(size, ip), n_views)
+    if processor_rule == "pan_and_scan" and n_views > 1:  # the image, then its crops
+        return processor_frames(ip, layout, size, processor_rule="single")[:1] + (
+            pan_and_scan_crops(size, n_views - 1)
+        )
     if processor_rule == "anyres":
         if n_views == 1:  # an image the processor did not tile
             chain = _Chain(size)
@@ -373,15 +380,37 @@ def pan_and_scan_frames(size: Size, settings: Any, **overrides: Any) -> list[Fra
             "pan-and-scan needs pan_and_scan_min_ratio_to_activate, pan_and_scan_min_crop_size "
             "and pan_and_scan_max_num_crops (pass them as keyword overrides)"
         )
-    wide = size.width >= size.height
-    long, short = (size.width, size.height) if wide else (size.height, size.width)
+    long, short = max(size), min(size)
     if long / short < ratio:
         return []
     n = min(math.floor(long / short + 0.5), math.floor(long / min_crop))
     n = min(max(2, n), max_crops)
-    side = math.ceil(long / n)
-    if min(side, short) < min_crop:
+    if min(math.ceil(long / n), short) < min_crop:
         return []
+    return pan_and_scan_crops(size, n)
+
+
+def most_crops(size: Size) -> int:
+    """The most crops pan-and-scan cuts a ``size`` image into, whatever its settings:
+    ``max(2, round(long / short))`` (the aspect ratio rounded half up, at least 2)."""
+    return max(2, math.floor(max(size) / min(size) + 0.5))
+
+
+def pan_and_scan_crops(size: Size, n: int) -> list[Frame]:
+    """The frames of the ``n`` crops pan-and-scan cuts a ``size`` image into, in prompt order:
+    along the long side (the width when it equals the height), each ``ceil(long / n)`` pixels
+    long, the last one ending at the image's edge. The count alone fixes them, so a prompt's
+    crop blocks place without the settings of the call that made them. ``ValueError`` for a
+    count pan-and-scan never gives (1, more than :func:`most_crops`, or a crop left empty)."""
+    size = Size(*size)
+    wide = size.width >= size.height
+    long, short = (size.width, size.height) if wide else (size.height, size.width)
+    side = math.ceil(long / n) if n >= 1 else 0
+    if n < 2 or n > most_crops(size) or side * (n - 1) >= long:
+        raise ValueError(
+            f"{n} pan-and-scan crops cannot come from a {size.width}x{size.height} image: "
+            f"pan-and-scan cuts it into 2 to {most_crops(size)} crops along its long side"
+        )
     frames = []
     for i in range(n):
         start = side * i

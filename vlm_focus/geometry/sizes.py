@@ -69,6 +69,20 @@ def as_sizes(value: Any, *, name: str = "images") -> Sizes | None:
     return as_size(value, name=name)
 
 
+def images_per_row(given: Sizes | None, blocks: list[int]) -> list[int] | None:
+    """How many images each row holds, as ``given`` (the sizes a caller passed, see
+    :func:`layout_sizes`) counts them, for rows of ``blocks`` image blocks each: one list per
+    row counts its own; a flat list of one size per row (and not one per block) is one image
+    per row. ``None`` when the sizes do not tell (none, one for every image, one per block)."""
+    if given is None or isinstance(given, Size):
+        return None
+    if given and isinstance(given[0], list):
+        return [len(row) for row in given]
+    if len(given) == len(blocks) and len(given) != sum(blocks):
+        return [1] * len(blocks)
+    return None
+
+
 def layout_sizes(layouts: list[list[Any]], given: Sizes | None) -> list[list[Size | None]]:
     """Each image's original size, per row: the layout's own (from the processor's
     ``image_sizes``) checked against ``given``, else ``given``'s, else ``None``.

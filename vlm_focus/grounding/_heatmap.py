@@ -5,6 +5,14 @@ view's grid sits in the original image is :mod:`vlm_focus.geometry`'s job
 (:meth:`~vlm_focus.model_adapters.ModelAdapter.frames`). The pixel map is the attention
 *density* (mass per pixel), bilinearly interpolated between cell centres and summed over views,
 so it integrates to the mass the grid cells hold.
+
+Views that are pieces of the image (InternVL's tiles, Gemma 3's pan-and-scan crops) combine the
+same way: each piece's cells land on its own part of the image, the whole-image view (thumbnail,
+global view) on all of it, and a pixel's density is the sum over the views covering it. The sum
+keeps a map's total equal to the attention mass on the image, which box scores and region
+scores count; every pixel of a tiled or pan-and-scanned image is covered by exactly two views
+(its piece and the whole-image view), so a per-pixel mean of the covering views would be the
+same map halved, with the same peak and boxes.
 """
 
 from __future__ import annotations
@@ -14,7 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..geometry import Frame, Size, coverage, seen_region, unknown_size_message, upsample
+from ..geometry import (
+    Frame,
+    Size,
+    coverage,
+    piece_grid,
+    regrid,
+    seen_region,
+    unknown_size_message,
+    upsample,
+)
 from ..model_adapters import ImageLayout
 
 
@@ -24,7 +41,11 @@ class HeatMap:
 
     Attributes:
         grid: ``[rows, cols]`` mass per cell of the finest view (LLaVA-NeXT: the unpadded
-            anyres composite; Qwen: the merged grid, summed over frames of a video).
+            anyres composite; Qwen: the merged grid, summed over frames of a video). With
+            views that are pieces of the image (InternVL's tiles, Gemma 3's pan-and-scan
+            crops) and a known size: one grid over the whole image at the pieces' cell pitch
+            (``rows * side`` by ``cols * side`` for InternVL's tiles), every view's mass moved
+            onto it by area (:func:`vlm_focus.geometry.regrid`).
         views: every view's ``[rows, cols]`` map (LLaVA-NeXT: base grid, then anyres grid; a
             video: one per frame, see :attr:`frame_maps`).
         size: the original image's :class:`~vlm_focus.geometry.Size` ``(width, height)``, or
@@ -134,12 +155,16 @@ def build_map(
         views.append(grid)
     if frames is not None and len(frames) != len(views):
         raise ValueError(f"{len(frames)} frames for {len(views)} views")
+    frames = None if frames is None or size is None else list(frames)
+    size = size if frames else None
+    pieces = None if size is None else piece_grid(size, frames, layout.grids)
     shapes = {tuple(g.shape) for g in views}
-    if len(shapes) == 1:
+    if pieces is not None:  # tiles or crops and the whole image: one grid over the image
+        whole = Frame(0.0, 0.0, float(size.width), float(size.height))
+        finest = sum(regrid(g, f, whole, pieces) for g, f in zip(views, frames, strict=True))
+    elif len(shapes) == 1:
         finest = torch.stack(views).sum(0)  # frames of a video share one grid
     else:
         finest = max(views, key=lambda g: g.numel())
     other = float(values[~has_cell].sum())
-    frames = None if frames is None or size is None else list(frames)
-    size = size if frames else None
     return HeatMap(finest, views, size, frames, other, row, image, layout, model_type)

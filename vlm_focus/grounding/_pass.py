@@ -31,12 +31,13 @@ from ..geometry import (
     Size,
     as_sizes,
     describe_seen,
+    images_per_row,
     layout_sizes,
     seen_region,
     unknown_size_message,
 )
 from ..loading import to_model
-from ..model_adapters import get_adapter
+from ..model_adapters import get_adapter, merge_views
 from ._boxes import Box, boxes, point
 from ._defaults import default_layers
 from ._heatmap import HeatMap, build_map
@@ -57,6 +58,16 @@ from ._words import find_mentions
 #: contrast asks it too).
 GENERIC_PROMPT = "Write a general description of the image."
 SOURCES = ("prompt", "answer")
+
+
+def _grouped(
+    per_row: list[list[torch.Tensor]], groups: list[list[list[int]]], dim: int
+) -> list[list[torch.Tensor]]:
+    """Per row, each group's image blocks' tensors joined along ``dim`` (their tokens)."""
+    return [
+        [torch.cat([row[i] for i in group], dim) for group in row_groups]
+        for row, row_groups in zip(per_row, groups, strict=True)
+    ]
 
 
 class UnseenRegionWarning(UserWarning):
@@ -172,6 +183,16 @@ class GroundingPass:
         self.weights = head_weights(heads, probed.layers, probed.n_heads)  # [L, H]
         self.layouts = probed.layout
         self._slabs = image_rows(probed, self.weights)  # per row, image: [Tq, n]
+        # an image and the crops its processor wrote as blocks of their own: one image
+        self._groups = self.adapter.crop_groups(
+            self.layouts, images_per_row(given, [len(row) for row in self.layouts])
+        )
+        if self._groups is not None:
+            self.layouts = [
+                [merge_views([row[i] for i in group]) for group in groups]
+                for row, groups in zip(self.layouts, self._groups, strict=True)
+            ]
+            self._slabs = _grouped(self._slabs, self._groups, dim=1)
         self._positions = probed.records[0].positions.cpu()  # [B, Tq]
         self._recorded = probed.records[0].mask.cpu()  # [B, Tq]
         self.sizes: list[list[Size | None]] = layout_sizes(self.layouts, given)
@@ -186,6 +207,9 @@ class GroundingPass:
         if relative_to is not None:
             generic = GroundingPass(model, relative_to, layers=self.layers, heads=heads, rows=None)
             values = generic._values(generic._instruction, range(len(generic.layouts)))
+            blocks = [sum(map(len, groups)) for groups in self._groups or []]
+            if self._groups is not None and [len(row) for row in values] == blocks:
+                values = _grouped(values, self._groups, dim=0)
             if len(values) != len(self.layouts) or any(
                 len(a) != len(b) or any(g.shape[0] != s.shape[1] for g, s in zip(a, b))
                 for a, b in zip(values, self._slabs, strict=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter
+from .base import ImageLayout, ModelAdapter, merge_views
 from .gemma3 import GEMMA3
 from .internvl import INTERNVL
 from .llava import LLAVA
@@ -21,6 +21,7 @@ __all__ = [
     "ImageLayout",
     "ModelAdapter",
     "get_adapter",
+    "merge_views",
     "register_adapter",
     "supported_models",
 ]

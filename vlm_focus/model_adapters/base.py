@@ -117,7 +117,8 @@ class ModelAdapter:
             them); it then names its video token in ``video_token_attrs``.
         processor_rule: the arithmetic the family's image processor places the image by, one
             of :data:`vlm_focus.geometry.PROCESSOR_RULES` (``"single"``, ``"anyres"``,
-            ``"dynamic"``); the processor's settings give the numbers.
+            ``"dynamic"``, ``"tiled"``, ``"pan_and_scan"``); the processor's settings give the
+            numbers.
         aspect_grids: the grid's rows and columns follow the image's aspect ratio (dynamic
             resolution), so a size with width and height swapped can be caught.
         multi_image_views: the family was trained on conversations with several images, so it
@@ -221,6 +222,37 @@ class ModelAdapter:
             fallback=fallback,
         )
 
+    def crop_groups(
+        self, layouts: list[list[ImageLayout]], images: list[int] | None
+    ) -> list[list[list[int]]] | None:
+        """Per row, per image, the indices of the image blocks that show it, when the processor
+        writes an image's crops as image blocks of their own (``processor_rule="pan_and_scan"``)
+        and ``images`` (images per row, as the caller gave them) counts fewer images than
+        blocks: in a row of one image the first block is the image and the rest its crops.
+        ``None`` when every block is an image of its own (or ``images`` counts more images than
+        a row has blocks). Which crops belong to which image of a row of several is not in the
+        inputs, so such a row raises."""
+        blocks = [len(row) for row in layouts]
+        if self.processor_rule != "pan_and_scan" or images is None or images == blocks:
+            return None
+        if len(images) != len(blocks) or any(i > n for i, n in zip(images, blocks, strict=True)):
+            return None  # more images than blocks: the sizes' own check says so
+        groups = []
+        for b, (n_images, n_blocks) in enumerate(zip(images, blocks, strict=True)):
+            if n_images == n_blocks:
+                groups.append([[i] for i in range(n_blocks)])
+            elif n_images == 1 and n_blocks > 1:
+                groups.append([list(range(n_blocks))])
+            else:
+                raise ValueError(
+                    f"row {b}: {n_images} images given for {n_blocks} image blocks. With "
+                    f"pan-and-scan, {self.model_type}'s processor writes each image's crops as "
+                    "image blocks of their own after it, and the inputs do not say which crops "
+                    "are whose: ground one image per row (its crops follow from the count), or "
+                    "call the processor without do_pan_and_scan"
+                )
+        return groups
+
     # --- resolution helpers -------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:
         """The text decoder module (owner of ``layers`` and ``rotary_emb``)."""
@@ -320,6 +352,23 @@ class ModelAdapter:
         if inputs.get(grid) is None:
             raise ValueError(f"{key} needs {grid} (pass the processor's output)")
         return [int(n) for n in torch.as_tensor(inputs[grid]).prod(-1).tolist()]
+
+
+def merge_views(blocks: list[ImageLayout]) -> ImageLayout:
+    """One image of several views from image blocks laid out one view each (an image and the
+    pan-and-scan crops written after it): block ``v``'s grid becomes view ``v``."""
+    cells = []
+    for v, block in enumerate(blocks):
+        if len(block.grids) != 1:
+            raise ValueError(f"block {v} has {len(block.grids)} views; merge_views takes one each")
+        cells.append(torch.cat([torch.full_like(block.cells[:, :1], v), block.cells[:, 1:]], 1))
+    return ImageLayout(
+        torch.cat([block.positions for block in blocks]),
+        torch.cat(cells),
+        [block.grids[0] for block in blocks],
+        image_size=blocks[0].image_size,
+        n_crops=len(blocks),
+    )
 
 
 def runs(positions: torch.Tensor) -> list[torch.Tensor]:

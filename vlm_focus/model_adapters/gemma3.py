@@ -5,7 +5,11 @@ The SigLIP tower's patches are average-pooled to a ``sqrt(mm_tokens_per_image)``
 ``<start_of_image>`` + the grid's tokens + ``<end_of_image>``. With pan-and-scan the processor
 adds each crop as one more such block after the image's own; the model's inputs do not say
 which blocks are crops of which image (the processor keeps ``num_crops`` to itself), so each
-block is laid out as an image of its own.
+block is laid out as an image of its own. Grounding, which knows how many images a row holds
+(``images=``), joins a row's one image and its crops into one image of several views
+(``processor_rule="pan_and_scan"``, :meth:`~vlm_focus.model_adapters.ModelAdapter.crop_groups`):
+view 0 the whole image, then the crops, placed by
+:func:`vlm_focus.geometry.pan_and_scan_crops` from their count.
 
 What differs from LLaMA-style decoders, and where the core reads it:
 
@@ -73,6 +77,7 @@ GEMMA3 = ModelAdapter(
     required_with_images=("token_type_ids",),
     vision_layers=None,  # SigLIP has no CLS token
     fallback_geometry={0: ("resize",)},  # Gemma3ImageProcessor resizes to the square side
+    processor_rule="pan_and_scan",  # the image whole, then its crops as blocks of their own
     mask_rule="image_blocks",
     attention_window="sliding_window",
     qk_norms=("q_norm", "k_norm"),
