@@ -1,8 +1,13 @@
 """Decode tokens/s, pruned against unpruned, over caches, execution modes, batch sizes and
 visual context lengths, each ratio beside the bytes-moved bound it could reach.
 
-Model: the random-weight Qwen2.5-VL architecture of ``fixation_decode.py`` (text: hidden 512,
-8 layers, 8 heads over 4 kv heads, MLP 1376), one image of N merged visual tokens per row.
+Models (``--arch``), each random-weight with the same text size (hidden 512, 8 layers, 8 heads
+over 4 kv heads, MLP 1376), one image of N merged visual tokens per row:
+
+- ``qwen2_5_vl``: the Qwen2.5-VL architecture of ``fixation_decode.py``;
+- ``gemma3``: Gemma 3, sliding-window layers (window 1024, as the real checkpoints) at 3:1 with
+  full-attention ones, the image's tokens as one bidirectional block (N a square);
+- ``qwen3_5``: Qwen3.5, Gated DeltaNet layers at 3:1 with full-attention ones (N a square).
 Every run is a greedy ``generate()`` of ``--steps`` tokens; a streamer stamps each token, and
 the decode time runs from the first token (the prompt's) to the last, so the prefill is not in
 it. Unwrapped and wrapped runs alternate in one process (ABBA: every other pair starts with the
@@ -17,10 +22,12 @@ The bound: a decode step reads the language model's weights and, per layer, the 
 its attention reads: ``B * 2 * kv_heads * head_dim`` elements per cached token.
 A dynamic cache reads what it holds (on average the prompt plus half the steps), a static one
 its whole buffer (prompt plus steps; a pruned layer's buffer holds only its kept prompt);
-fixation reads, at layers >= K, the columns it keeps, plus every key of layer K once to score
-them. ``bound = bytes unpruned / bytes pruned``, and ``share = ratio / bound``.
+a sliding-window layer at most its window; a linear-attention layer its fixed-size recurrent
+and convolution state, pruned or not. Fixation reads, at layers >= K, the columns it keeps,
+plus every key of layer K once to score them. ``bound = bytes unpruned / bytes pruned``, and
+``share = ratio / bound``.
 
-    python benchmarks/decode.py [--visual 576 2880 8192] [--batch 1 8]
+    python benchmarks/decode.py [--arch qwen2_5_vl] [--visual 576 2880 8192] [--batch 1 8]
         [--modes dynamic static compiled] [--settings fastv fixation keep1] [--pairs 3]
 
 Rows are added to ``results/decode.json`` as each finishes (a killed run keeps them), and the
@@ -43,6 +50,15 @@ from transformers.generation.streamers import BaseStreamer
 
 import vlm_focus as vf
 from vlm_focus.config import keep_count
+from vlm_focus.model_adapters.tiny import (
+    BOS,
+    IMAGE,
+    IMAGE_END,
+    IMAGE_START,
+    VISION_END,
+    VISION_START,
+    tiny_model,
+)
 from vlm_focus.timing import alternate
 
 
@@ -63,6 +79,86 @@ SETTINGS = {
     "keep1": Setting("hooks only (fastv keep 1.0, K=2)", "fastv", 1.0, 2),
 }
 MODES = ("dynamic", "static", "compiled")
+#: the text model every architecture shares (``fixation_decode.build_model``'s)
+TEXT = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+THREE_TO_ONE = [(i + 1) % 4 == 0 for i in range(LAYERS)]  # full attention at layers 3 and 7
+
+
+def gemma3_model(n_visual: int) -> torch.nn.Module:
+    """Its SigLIP tower sized so that pooling keeps every patch: one token per 14 px patch."""
+    kinds = ["full_attention" if full else "sliding_attention" for full in THREE_TO_ONE]
+    text = dict(TEXT, query_pre_attn_scalar=64, sliding_window=1024, layer_types=kinds)
+    vision = dict(image_size=14 * _side(n_visual), patch_size=14)
+    return tiny_model("gemma3", text=text, vision=vision, mm_tokens_per_image=n_visual)
+
+
+def qwen3_5_model(n_visual: int) -> torch.nn.Module:
+    kinds = ["full_attention" if full else "linear_attention" for full in THREE_TO_ONE]
+    text = dict(
+        TEXT,
+        layer_types=kinds,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        rope_parameters={"mrope_section": [6, 5, 5]},  # 32 rotary dims of 64, as Qwen3.5's share
+    )
+    return tiny_model("qwen3_5", text=text, vision={"out_hidden_size": TEXT["hidden_size"]})
+
+
+def _side(n_visual: int) -> int:
+    side = round(n_visual**0.5)
+    if side * side != n_visual:
+        raise ValueError(f"--visual {n_visual}: this architecture needs a square token count")
+    return side
+
+
+def gemma3_inputs(model, n_visual: int) -> dict:
+    """20 text tokens, one image of ``n_visual`` tokens, 20 text tokens."""
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(3, 100, (40,), generator=gen).tolist()
+    ids = [BOS] + text[:20] + [IMAGE_START] + [IMAGE] * n_visual + [IMAGE_END] + text[20:]
+    ids = torch.tensor([ids])
+    size = model.config.vision_config.image_size
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "token_type_ids": (ids == IMAGE).long(),
+        "pixel_values": torch.randn(1, 3, size, size, generator=gen),
+    }
+
+
+def qwen3_5_inputs(model, n_visual: int) -> dict:
+    side = _side(n_visual)
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(3, 100, (40,), generator=gen).tolist()
+    ids = [BOS] + text[:20] + [VISION_START] + [IMAGE] * n_visual + [VISION_END] + text[20:]
+    ids = torch.tensor([ids])
+    vision = model.config.vision_config
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == IMAGE).long(),
+        "pixel_values": torch.randn(4 * n_visual, patch, generator=gen),
+        "image_grid_thw": torch.tensor([[1, 2 * side, 2 * side]]),
+    }
+
+
+#: ``--arch`` -> (build the model for images of ``n_visual`` tokens, its inputs)
+ARCHS = {
+    "qwen2_5_vl": (lambda n_visual: build_model(), lambda model, n_visual: build_inputs(n_visual)),
+    "gemma3": (gemma3_model, gemma3_inputs),
+    "qwen3_5": (qwen3_5_model, qwen3_5_inputs),
+}
 
 
 class TokenClock(BaseStreamer):
@@ -83,11 +179,15 @@ class TokenClock(BaseStreamer):
         return self.stamps[-1] - self.stamps[1]
 
 
-def batch_inputs(n_visual: int, batch: int, device: str, dtype: torch.dtype) -> dict:
+def batch_inputs(
+    arch: str, model, n_visual: int, batch: int, device: str, dtype: torch.dtype
+) -> dict:
     """``batch`` copies of one prompt with an image of ``n_visual`` merged tokens."""
-    one = build_inputs(n_visual)
+    one = ARCHS[arch][1](model, n_visual)
     out = {k: v.repeat(batch, *[1] * (v.dim() - 1)) for k, v in one.items()}
-    out["pixel_values"] = one["pixel_values"].repeat(batch, 1).to(dtype)
+    out["pixel_values"] = out["pixel_values"].to(dtype)
+    if "image_grid_thw" not in one:  # one image per row: one tower input per row
+        out["pixel_values"] = one["pixel_values"].repeat(batch, 1, 1, 1).to(dtype)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -119,16 +219,30 @@ def bytes_bound(
     lm = model.model.language_model
     weights = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
     weights += model.lm_head.weight.numel()
-    head_dim = text.hidden_size // text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_token = batch * 2 * text.num_key_value_heads * head_dim
     drop = n_visual - keep_count(setting.keep, n_visual)
     generated = steps if mode != "dynamic" else steps / 2  # a static buffer is read whole
     full = prompt + generated
-    pruned = (full - drop) * (LAYERS - setting.layer) + full * setting.layer
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * LAYERS
+
+    def read(kind: str, tokens: float) -> float:
+        if kind == "linear_attention":  # its state, whatever the tokens
+            keys = text.linear_num_key_heads * text.linear_key_head_dim
+            values = text.linear_num_value_heads * text.linear_value_head_dim
+            state = text.linear_num_value_heads * text.linear_key_head_dim
+            state *= text.linear_value_head_dim
+            return batch * (state + (2 * keys + values) * (text.linear_conv_kernel_dim - 1))
+        if kind == "sliding_attention":
+            tokens = min(tokens, text.sliding_window)
+        return per_token * tokens
+
+    unpruned = sum(read(kind, full) for kind in kinds)
+    pruned = sum(read(k, full - drop if i >= setting.layer else full) for i, k in enumerate(kinds))
     if setting.pruner == "fixation":
-        pruned += full / 2  # the focal layer's keys, scored
+        pruned += per_token * full / 2  # the focal layer's keys, scored
     # weights and cache share one dtype, so elements stand in for bytes
-    return (weights + per_token * full * LAYERS) / (weights + per_token * pruned)
+    return (weights + unpruned) / (weights + pruned)
 
 
 def measure(model, inputs, setting: Setting, mode: str, steps: int, pairs: int, cuda: bool):
@@ -143,16 +257,34 @@ def measure(model, inputs, setting: Setting, mode: str, steps: int, pairs: int, 
     return alternate(lambda: decode_seconds(model, inputs, kwargs), wrapped, repeats=pairs)
 
 
+def _arch(row: dict) -> str:
+    return row.get("arch", "qwen2_5_vl")  # rows from before --arch
+
+
+def _key(row: dict) -> tuple:
+    return (_arch(row), row["visual"], row["batch"], row["mode"], row["setting"], row["machine"])
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| visual | B | mode | setting | tok/s unpruned | tok/s pruned | ratio (min-max, pairs) "
-        "| bound | share |",
-        "|---:|---:|---|---|---:|---:|---|---:|---:|",
+        "| model | visual | B | mode | setting | tok/s unpruned | tok/s pruned "
+        "| ratio (min-max, pairs) | bound | share |",
+        "|---|---:|---:|---|---|---:|---:|---|---:|---:|",
     ]
-    order = {m: i for i, m in enumerate(MODES)}
-    for r in sorted(rows, key=lambda r: (r["visual"], r["batch"], order[r["mode"]], r["setting"])):
+    archs, modes = list(ARCHS), list(MODES)
+
+    def order(r: dict) -> tuple:
+        return (
+            archs.index(_arch(r)),
+            r["visual"],
+            r["batch"],
+            modes.index(r["mode"]),
+            r["setting"],
+        )
+
+    for r in sorted(rows, key=order):
         lines.append(
-            f"| {r['visual']} | {r['batch']} | {r['mode']} | {r['setting']} | "
+            f"| {_arch(r)} | {r['visual']} | {r['batch']} | {r['mode']} | {r['setting']} | "
             f"{r['tok_s_unpruned']:.1f} | {r['tok_s_pruned']:.1f} | {r['ratio']:.2f}x "
             f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, {r['runs']}) | {r['bound']:.2f}x | "
             f"{r['share']:.0%} |"
@@ -161,6 +293,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run_grid(
+    arch: str,
     visual: list[int],
     batches: list[int],
     modes: list[str],
@@ -173,15 +306,15 @@ def run_grid(
     ``out/decode.json`` as each finishes, the table to ``out/decode.md``."""
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    model = build_model().to(device=device, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "decode.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
     where = torch.cuda.get_device_name() if cuda else machine()
     print(f"machine: {where}")
     for n_visual in visual:
+        model = ARCHS[arch][0](n_visual).to(device=device, dtype=dtype)
         for batch in batches:
-            inputs = batch_inputs(n_visual, batch, device, dtype)
+            inputs = batch_inputs(arch, model, n_visual, batch, device, dtype)
             for mode in modes:
                 for key in settings:
                     setting = SETTINGS[key]
@@ -190,6 +323,7 @@ def run_grid(
                     prompt = inputs["input_ids"].shape[1]
                     bound = bytes_bound(model, batch, prompt, n_visual, setting, mode, steps)
                     row = {
+                        "arch": arch,
                         "visual": n_visual,
                         "batch": batch,
                         "prompt": prompt,
@@ -203,24 +337,33 @@ def run_grid(
                         "bound": bound,
                         "share": timing.ratio / bound,
                     }
-                    same = ("visual", "batch", "mode", "setting", "machine")
-                    rows = [r for r in rows if any(r[k] != row[k] for k in same)] + [row]
+                    rows = [r for r in rows if _key(r) != _key(row)] + [row]
                     path.write_text(json.dumps({"rows": rows}, indent=1))
                     print(markdown([row]).splitlines()[-1], flush=True)
-    write_table(out, model)
+    write_table(out, {arch: model})
     return rows
 
 
-def write_table(out: Path, model=None) -> None:
-    """``decode.md`` from every row of ``decode.json``, bounds computed by :func:`bytes_bound`."""
-    model = build_model() if model is None else model
+def write_table(out: Path, models: dict | None = None) -> None:
+    """``decode.md`` from every row of ``decode.json``, bounds computed by :func:`bytes_bound`
+    (``models``: the models already built, per architecture)."""
+    models = dict(models or {})
     path = out / "decode.json"
     rows = json.loads(path.read_text())["rows"]
     names = {s.name: s for s in SETTINGS.values()}
     for row in rows:
         setting = names[row["setting"]]
+        arch = _arch(row)
+        if arch not in models:
+            models[arch] = ARCHS[arch][0](row["visual"])  # the text model: the same at any
         row["bound"] = bytes_bound(
-            model, row["batch"], row["prompt"], row["visual"], setting, row["mode"], row["steps"]
+            models[arch],
+            row["batch"],
+            row["prompt"],
+            row["visual"],
+            setting,
+            row["mode"],
+            row["steps"],
         )
         row["share"] = row["ratio"] / row["bound"]
     path.write_text(json.dumps({"rows": rows}, indent=1))
@@ -232,6 +375,7 @@ def write_table(out: Path, model=None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", choices=list(ARCHS), default="qwen2_5_vl")
     parser.add_argument("--visual", type=int, nargs="+", default=[576, 2880, 8192])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -249,7 +393,16 @@ def main() -> None:
     if args.table:
         write_table(args.out)
         return
-    run_grid(args.visual, args.batch, args.modes, args.settings, args.pairs, args.steps, args.out)
+    run_grid(
+        args.arch,
+        args.visual,
+        args.batch,
+        args.modes,
+        args.settings,
+        args.pairs,
+        args.steps,
+        args.out,
+    )
 
 
 if __name__ == "__main__":
