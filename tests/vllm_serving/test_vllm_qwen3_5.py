@@ -13,6 +13,9 @@ transformers' unpruned run. vLLM's CPU Gated DeltaNet runs in bfloat16 only (it 
 the engine runs in bfloat16 against the float32 reference: the kept cells are equal, and the
 greedy tokens equal step by step up to the first step where the reference's two best logits lie
 within bfloat16's error (``TIE``); a continuation may part there, never before.
+
+Qwen3.5's mixture-of-experts model (``qwen3_5_moe``: the same class with mixture-of-experts
+MLPs) runs an unpruned image, ``fastv`` and ``pool`` through its own engine.
 """
 
 from __future__ import annotations
@@ -35,19 +38,36 @@ from transformers_side import prompt_text  # noqa: E402
 from vllm_offline import video_item  # noqa: E402
 
 QUESTION = "where are the red shapes"
-CASES = [  # (images, pruner, keep, per-request mm_processor_kwargs or None: the server's)
-    (["image.png"], None, 1.0, {"vlm_focus_keep": 1.0}),  # unpruned
-    (["image.png"], "fastv", 0.25, None),
-    (["image.png"], "text", 0.5, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.5}),
-    (["wide.png"], "debiased", 0.25, {"vlm_focus_pruner": "debiased"}),
-    (["image.png"], "pyramid", 0.25, {"vlm_focus_pruner": "pyramid"}),
-    (["image.png"], "pool", 0.25, {"vlm_focus_pruner": "pool"}),
-    (["image.png", "square.png"], "pool", 0.5, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}),
-]
-VIDEO = [(None, 1.0), ("fastv", 0.25), ("pool", 0.5)]  # (pruner, keep), by frame; 1.0: unpruned
-OVERRIDES = {
-    "architectures": ["VlmFocusQwen3_5ForConditionalGeneration"],
-    "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+UNPRUNED = (["image.png"], None, 1.0, {"vlm_focus_keep": 1.0})
+CASES = {  # family -> [(images, pruner, keep, per-request mm_processor_kwargs or None)]
+    "qwen3_5": [
+        UNPRUNED,
+        (["image.png"], "fastv", 0.25, None),  # None: the server's setting
+        (["image.png"], "text", 0.5, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.5}),
+        (["wide.png"], "debiased", 0.25, {"vlm_focus_pruner": "debiased"}),
+        (["image.png"], "pyramid", 0.25, {"vlm_focus_pruner": "pyramid"}),
+        (["image.png"], "pool", 0.25, {"vlm_focus_pruner": "pool"}),
+        (
+            ["image.png", "square.png"],
+            "pool",
+            0.5,
+            {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5},
+        ),
+    ],
+    # the same class with mixture-of-experts MLPs: its own engine, so the fewest cases
+    "qwen3_5_moe": [
+        UNPRUNED,
+        (["image.png"], "fastv", 0.25, None),
+        (["image.png"], "pool", 0.25, {"vlm_focus_pruner": "pool"}),
+    ],
+}
+VIDEO = {  # family -> [(pruner, keep)], by frame; the first (keep 1.0) is the unpruned video
+    "qwen3_5": [(None, 1.0), ("fastv", 0.25), ("pool", 0.5)],
+    "qwen3_5_moe": [],
+}
+CLASSES = {
+    "qwen3_5": "VlmFocusQwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "VlmFocusQwen3_5MoeForConditionalGeneration",
 }
 ENGINE = {"dtype": "bfloat16"}  # vLLM's CPU Gated DeltaNet asserts bfloat16
 #: Logit gap under which bfloat16 may pick the other of the reference's two best tokens (the
@@ -55,13 +75,18 @@ ENGINE = {"dtype": "bfloat16"}  # vLLM's CPU Gated DeltaNet asserts bfloat16
 TIE = 0.02
 
 
+@pytest.fixture(scope="module", params=sorted(CLASSES))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(family, tmp_path_factory) -> Path:
     import numpy as np
 
-    path = tmp_path_factory.mktemp("tiny_qwen3_5")
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
     subprocess.run(
-        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), "qwen3_5"],
+        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), family],
         check=True,
         cwd=REPO,
         timeout=300,
@@ -73,11 +98,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory) -> list[dict]:
+def reference(family, model_dir, tmp_path_factory) -> list[dict]:
     work = tmp_path_factory.mktemp("reference")
     cases = [
         {"prompt": prompt_text(QUESTION, len(images)), "images": images, "pruner": p, "keep": k}
-        for images, p, k, _ in CASES
+        for images, p, k, _ in CASES[family]
     ]
     return _transformers_run(model_dir, cases, work)
 
@@ -104,7 +129,9 @@ def _assert_same_greedy(got: list[int], want: dict, setting) -> None:
             return
 
 
-def _video_reference(model_dir: Path, prompt_ids: list[int], work: Path) -> list[dict]:
+def _video_reference(
+    model_dir: Path, prompt_ids: list[int], settings: list[tuple], work: Path
+) -> list[dict]:
     """``transformers_side.py run-inputs`` on the video's pixels, as the vLLM environment's
     video processor makes them, in vLLM's unpruned prompt ``prompt_ids``."""
     import torch
@@ -116,7 +143,7 @@ def _video_reference(model_dir: Path, prompt_ids: list[int], work: Path) -> list
     inputs = {"input_ids": torch.tensor([prompt_ids]), **pixels}
     cases = [
         {"inputs": inputs, "pruner": pruner, "keep": keep, "budget": "frame"}
-        for pruner, keep in VIDEO
+        for pruner, keep in settings
     ]
     torch.save(cases, work / "inputs.pt")
     command = [
@@ -131,33 +158,40 @@ def _video_reference(model_dir: Path, prompt_ids: list[int], work: Path) -> list
     return json.loads((work / "expected.json").read_text())
 
 
-def test_served_qwen3_5_equals_transformers(model_dir, reference, tmp_path):
-    video = str(model_dir / "video.npy")
+def test_served_qwen3_5_equals_transformers(family, model_dir, reference, tmp_path):
+    cases, video = CASES[family], str(model_dir / "video.npy")
     videos = [
         {
             "prompt": PROMPT,
             "video": video,
             "request": {"vlm_focus_pruner": pruner or "fastv", "vlm_focus_keep": keep},
         }
-        for pruner, keep in VIDEO
+        for pruner, keep in VIDEO[family]
     ]
-    result = _offline(model_dir, _cases(model_dir, CASES) + videos, tmp_path, OVERRIDES, ENGINE)
+    overrides = {
+        "architectures": [CLASSES[family]],
+        "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+    }
+    result = _offline(model_dir, _cases(model_dir, cases) + videos, tmp_path, overrides, ENGINE)
     assert result["plugin_loaded"]
     config = json.loads((model_dir / "config.json").read_text())
     recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
-    images, served_videos = result["outputs"][: len(CASES)], result["outputs"][len(CASES) :]
-    for setting, want, output in zip(CASES, reference, images, strict=True):
+    images, served_videos = result["outputs"][: len(cases)], result["outputs"][len(cases) :]
+    for setting, want, output in zip(cases, reference, images, strict=True):
         kept = want["kept_per_image"]
         assert output["prompt_token_ids"].count(config["image_token_id"]) == sum(map(len, kept))
         for n, cells in zip(want["n_per_image"], kept, strict=True):
             assert (n, tuple(cells)) in recorded, setting
         _assert_same_greedy(output["tokens"], want, setting)
 
-    expected = _video_reference(model_dir, served_videos[0]["prompt_token_ids"], tmp_path)
+    if not videos:
+        return
+    ids = served_videos[0]["prompt_token_ids"]  # the unpruned video's prompt
+    expected = _video_reference(model_dir, ids, VIDEO[family], tmp_path)
     token = config["video_token_id"]
     n = expected[0]["n"]
     assert n == served_videos[0]["prompt_token_ids"].count(token) == 48
-    for setting, want, output in zip(VIDEO, expected, served_videos, strict=True):
+    for setting, want, output in zip(VIDEO[family], expected, served_videos, strict=True):
         assert output["prompt_token_ids"].count(token) == len(want["kept"]), setting
         assert (want["n"], tuple(want["kept"])) in recorded, setting
         _assert_same_greedy(output["tokens"], want, setting)

@@ -197,6 +197,22 @@ def qwen3_5_model(seed: int = 0):
     layer 1 (gated queries, q/k norms, RoPE over half the head dim, interleaved M-RoPE), the
     Qwen3-VL tower without DeepStack. Layer 0 is linear, so attention pruners score with
     layer 1 (the adapter's ``"next_full"`` rule)."""
+    return _qwen3_5("qwen3_5", seed)
+
+
+def qwen3_5_moe_model(seed: int = 0):
+    """:func:`qwen3_5_model` with a mixture-of-experts MLP in every layer (4 experts, 2 per
+    token, and the shared expert)."""
+    moe = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+    return _qwen3_5("qwen3_5_moe", seed, **moe)
+
+
+def _qwen3_5(model_type: str, seed: int, **extra):
     from vlm_focus.model_adapters.tiny import tiny_model
 
     rope = {
@@ -216,9 +232,10 @@ def qwen3_5_model(seed: int = 0):
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         rope_parameters=rope,
+        **extra,
     )
     return tiny_model(
-        "qwen3_5",
+        model_type,
         seed=seed,
         text=text,
         vision=dict(depth=2, patch_size=4, out_hidden_size=VLLM_TEXT["hidden_size"]),
@@ -227,7 +244,12 @@ def qwen3_5_model(seed: int = 0):
 
 
 #: ``build``'s families: the tiny model of each.
-BUILDERS = {"qwen2_5_vl": qwen2_5_vl_model, "qwen3_vl": qwen3_vl_model, "qwen3_5": qwen3_5_model}
+BUILDERS = {
+    "qwen2_5_vl": qwen2_5_vl_model,
+    "qwen3_vl": qwen3_vl_model,
+    "qwen3_5": qwen3_5_model,
+    "qwen3_5_moe": qwen3_5_moe_model,
+}
 
 
 def prompt_text(question: str, images: int = 1) -> str:
