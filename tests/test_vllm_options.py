@@ -53,7 +53,10 @@ def test_bad_settings_name_what_is_allowed(options, message):
 
 
 def test_unknown_model_type_and_missing_or_unknown_config_entries_raise():
-    supported = "'llava', 'llava_next', 'llava_onevision', 'qwen2_5_vl', 'qwen3_vl'"
+    supported = (
+        "'llava', 'llava_next', 'llava_onevision', 'qwen2_5_vl', 'qwen3_5', 'qwen3_5_moe', "
+        "'qwen3_vl'"
+    )
     with pytest.raises(ValueError, match=f"supported: \\[{supported}\\]"):
         plugin.hf_overrides("gemma3")
     with pytest.raises(ValueError, match="--hf-overrides"):
@@ -246,6 +249,9 @@ def test_the_vllm_models_cover_the_supported_models_or_say_why_not():
     table = plugin.support_markdown().splitlines()
     assert [row.split("|")[1].strip(" `") for row in table[2:]] == vf.supported_models()
     assert "| `qwen2_5_vl` | `VlmFocusQwen2_5_VLForConditionalGeneration` | fastv, debiased, " in (
+        plugin.support_markdown()
+    )
+    assert "| `qwen3_5` | `VlmFocusQwen3_5ForConditionalGeneration` | fastv, debiased, " in (
         plugin.support_markdown()
     )
 

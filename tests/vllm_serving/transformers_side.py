@@ -1,26 +1,27 @@
 """The transformers side of the vLLM plugin tests; runs in the MAIN environment (the
 transformers vlm_focus supports), called by the tests in the vLLM environment as a script:
 
-    python tests/vllm_serving/transformers_side.py build DIR [qwen3_vl]  # tiny model + processor
+    python tests/vllm_serving/transformers_side.py build DIR [FAMILY]  # tiny model + processor
     python tests/vllm_serving/transformers_side.py run DIR CASES.json OUT.json
     python tests/vllm_serving/transformers_side.py run-inputs DIR CASES.pt OUT.json
 
-``build`` saves a random-weight Qwen2.5-VL (text hidden 128, head_dim 32: the smallest head
-vLLM's CPU attention takes) with ``save_pretrained``, a word-level tokenizer with Qwen's special
-tokens and a chat template, the image processor's config, and ``image.png`` (48 x 64 px, so
-the merged grid is 8 rows x 6 columns and the processor does not resize it).
+``build`` saves a random-weight Qwen2.5-VL, or ``FAMILY`` (one of ``BUILDERS``), (text hidden
+128, head_dim 32: the smallest head vLLM's CPU attention takes) with ``save_pretrained``, a
+word-level tokenizer with Qwen's special tokens and a chat template, the image processor's
+config, and ``image.png`` (48 x 64 px, so the merged grid is 8 rows x 6 columns and the
+processor does not resize it).
 
 ``run`` reads cases ``[{"prompt": str, "pruner": str | null, "keep": float}]`` (optionally
 ``"images"``: file names, one per placeholder of the prompt, default ``["image.png"]``, and
 ``"budget"``, default ``"frame"``) and writes, per case, the greedy continuation of
 ``vf.wrap(model, pruner, keep, layer=0, budget=budget)`` (``alpha=0`` for ``pyramid``; unwrapped
-for ``pruner: null``) and the kept cells of each image (indices into its merged grid, raster
-order).
+for ``pruner: null``) with each step's gap between its two best logits, and the kept cells of
+each image (indices into its merged grid, raster order).
 
 ``run-inputs`` reads cases ``[{"inputs": {...}, "pruner": str | null, "keep", "budget"}]`` whose
 inputs another environment's processor made (a video's: its pixels and the unpruned prompt ids)
-and writes, per case, the greedy continuation and the kept tokens (indices into the prompt's
-visual tokens, in prompt order).
+and writes, per case, the greedy continuation with its logit gaps and the kept tokens (indices
+into the prompt's visual tokens, in prompt order).
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
-    model = (qwen3_vl_model if family == "qwen3_vl" else qwen2_5_vl_model)(seed)
+    model = BUILDERS[family](seed)
     model.save_pretrained(path)
     pixels = {"min_pixels": 16, "max_pixels": 64 * 64}
     processor = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor" if family == "qwen3_vl" else "Qwen2_5_VLProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor",
         "do_resize": True,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
@@ -113,7 +114,7 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
         **pixels,
     }
     (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
-    kind = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    kind = "Qwen2VLVideoProcessor" if family == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
     video = dict(processor, video_processor_type=kind, max_pixels=VIDEO_PIXELS)
     video["size"] = {"shortest_edge": pixels["min_pixels"], "longest_edge": VIDEO_PIXELS}
     video.pop("image_processor_type")
@@ -191,6 +192,66 @@ def qwen3_vl_model(seed: int = 0):
     )
 
 
+def qwen3_5_model(seed: int = 0):
+    """The tiny Qwen3.5 at vLLM's sizes: Gated DeltaNet layers 0, 2 and 3 around full-attention
+    layer 1 (gated queries, q/k norms, RoPE over half the head dim, interleaved M-RoPE), the
+    Qwen3-VL tower without DeepStack. Layer 0 is linear, so attention pruners score with
+    layer 1 (the adapter's ``"next_full"`` rule)."""
+    return _qwen3_5("qwen3_5", seed)
+
+
+def qwen3_5_moe_model(seed: int = 0):
+    """:func:`qwen3_5_model` with a mixture-of-experts MLP in every layer (4 experts, 2 per
+    token, and the shared expert)."""
+    moe = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+    return _qwen3_5("qwen3_5_moe", seed, **moe)
+
+
+def _qwen3_5(model_type: str, seed: int, **extra):
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    }
+    text = dict(
+        VLLM_TEXT,
+        num_hidden_layers=4,
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        rope_parameters=rope,
+        **extra,
+    )
+    return tiny_model(
+        model_type,
+        seed=seed,
+        text=text,
+        vision=dict(depth=2, patch_size=4, out_hidden_size=VLLM_TEXT["hidden_size"]),
+        tie_word_embeddings=False,
+    )
+
+
+#: ``build``'s families: the tiny model of each.
+BUILDERS = {
+    "qwen2_5_vl": qwen2_5_vl_model,
+    "qwen3_vl": qwen3_vl_model,
+    "qwen3_5": qwen3_5_model,
+    "qwen3_5_moe": qwen3_5_moe_model,
+}
+
+
 def prompt_text(question: str, images: int = 1) -> str:
     """The prompt the chat template makes for ``images`` images and ``question``."""
     return (
@@ -198,6 +259,21 @@ def prompt_text(question: str, images: int = 1) -> str:
         + "<|vision_start|><|image_pad|><|vision_end|>" * images
         + f"{question}<|im_end|><|im_start|>assistant "
     )
+
+
+def greedy(model, inputs: dict) -> tuple[list[int], list[float]]:
+    """The greedy continuation of one prompt and, per step, the gap between its two highest
+    logits (how far the step is from a tie, for a reference in another precision)."""
+    out = model.generate(
+        **inputs,
+        max_new_tokens=MAX_NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    top2 = torch.stack(out.logits)[:, 0].float().topk(2, dim=-1).values  # [steps, 2]
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, (top2[:, 0] - top2[:, 1]).tolist()
 
 
 def run(path: Path, cases: list[dict]) -> list[dict]:
@@ -237,10 +313,9 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
             pixel_values=visual["pixel_values"],
             image_grid_thw=grid,
         )
-        generate = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         with torch.no_grad():
             if case["pruner"] is None:
-                tokens = model.generate(**inputs, **generate)
+                tokens, margins = greedy(model, inputs)
                 kept_positions = torch.nonzero(input_ids[0] == image_id).flatten()
             else:
                 options = {"alpha": 0.0} if case["pruner"] == "pyramid" else {}
@@ -252,7 +327,7 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
                     budget=case.get("budget", "frame"),
                     **options,
                 ) as handle:
-                    tokens = model.generate(**inputs, **generate)
+                    tokens, margins = greedy(model, inputs)
                     kept_positions = handle.last_trace.kept[0]
         kept = [
             [p - start for p in kept_positions.tolist() if start <= p < start + n]
@@ -261,7 +336,8 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
         out.append(
             dict(
                 case,
-                tokens=tokens[0, input_ids.shape[1] :].tolist(),
+                tokens=tokens,
+                margins=margins,
                 kept=kept[0],
                 n=cells[0],
                 kept_per_image=kept,
@@ -288,19 +364,19 @@ def run_inputs(path: Path, cases: list[dict]) -> list[dict]:
         inputs["attention_mask"] = torch.ones_like(ids)
         inputs["mm_token_type_ids"] = image.long() + 2 * video.long()
         visual = torch.nonzero(image[0] | video[0]).flatten().tolist()
-        generate = dict(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         with torch.no_grad():
             if case["pruner"] is None:
-                tokens = model.generate(**inputs, **generate)
+                tokens, margins = greedy(model, inputs)
                 kept = visual
             else:
                 wrap = dict(pruner=case["pruner"], keep=case["keep"], layer=0)
                 with vf.wrap(model, **wrap, budget=case["budget"]) as handle:
-                    tokens = model.generate(**inputs, **generate)
+                    tokens, margins = greedy(model, inputs)
                     kept = handle.last_trace.kept[0].tolist()
         out.append(
             {
-                "tokens": tokens[0, ids.shape[1] :].tolist(),
+                "tokens": tokens,
+                "margins": margins,
                 "kept": [visual.index(p) for p in kept],
                 "n": len(visual),
             }

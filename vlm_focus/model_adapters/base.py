@@ -10,7 +10,7 @@ layout functions read ``input_ids``, the config and the processor outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,7 +303,12 @@ class ModelAdapter:
         """The module whose input norm and attention score a pruning stage at decoder layer
         ``index``: the layer itself by default. A stand-in that computes its own q/k defines
         ``query_key(hidden, cos, sin, rows)`` (:func:`vlm_focus.core.attention.layer_qk`)."""
-        return self.decoder_layers(model)[index]
+        return self.scoring_layer_of(self.decoder_layers(model), index)
+
+    def scoring_layer_of(self, layers: Sequence[nn.Module], index: int) -> nn.Module:
+        """:meth:`scoring_layer` among the decoder ``layers`` themselves (another runtime's
+        modules of the same model, e.g. vLLM's, named as this adapter names them)."""
+        return layers[index]
 
     def token_ids(self, model: nn.Module) -> tuple[int | None, int | None]:
         """(image token id, video token id or None)."""

@@ -30,6 +30,7 @@ Choose the other rule by registering a copy of the adapter::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,10 @@ class HybridAdapter(ModelAdapter):
 
     def layer_types(self, model: nn.Module) -> list[str]:
         """Per decoder layer, ``"linear_attention"`` or ``"full_attention"``."""
-        layers = self.decoder_layers(model)
+        return self.types_of(self.decoder_layers(model))
+
+    def types_of(self, layers: Sequence[nn.Module]) -> list[str]:
+        """:meth:`layer_types` of the decoder ``layers`` themselves."""
         return [
             "linear_attention" if hasattr(layer, self.linear_attention) else "full_attention"
             for layer in layers
@@ -80,9 +84,8 @@ class HybridAdapter(ModelAdapter):
             i for i, kind in enumerate(self.layer_types(model)) if kind == "linear_attention"
         )
 
-    def scoring_layer(self, model: nn.Module, index: int) -> nn.Module:
-        layers = self.decoder_layers(model)
-        kinds = self.layer_types(model)
+    def scoring_layer_of(self, layers: Sequence[nn.Module], index: int) -> nn.Module:
+        kinds = self.types_of(layers)
         if kinds[index] == "full_attention":
             return layers[index]
         if self.linear_scoring == "delta_qk":

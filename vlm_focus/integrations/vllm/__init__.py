@@ -75,8 +75,9 @@ class VllmModel:
         return f"{__name__}.{self.module}:{self.pruning_architecture}"
 
 
-#: ``model_type`` -> its vLLM facts. Qwen3-VL writes a timestamp before every frame, so a
-#: frame's placeholder count is fixed before the encoder runs: only ``"frame"`` can fix it.
+#: ``model_type`` -> its vLLM facts. Qwen3-VL and Qwen3.5 write a timestamp before every
+#: frame, so a frame's placeholder count is fixed before the encoder runs: only ``"frame"``
+#: can fix it.
 MODELS = {
     "llava": VllmModel("LlavaForConditionalGeneration", "_llava"),
     "llava_next": VllmModel("LlavaNextForConditionalGeneration", "_llava_next"),
@@ -87,6 +88,8 @@ MODELS = {
     ),
     "qwen2_5_vl": VllmModel("Qwen2_5_VLForConditionalGeneration", "_qwen2_5_vl", ("frame", "span")),
     "qwen3_vl": VllmModel("Qwen3VLForConditionalGeneration", "_qwen3_vl", ("frame",)),
+    "qwen3_5": VllmModel("Qwen3_5ForConditionalGeneration", "_qwen3_5", ("frame",)),
+    "qwen3_5_moe": VllmModel("Qwen3_5MoeForConditionalGeneration", "_qwen3_5_moe", ("frame",)),
 }
 #: ``model_type``s that ``vlm_focus.supported_models()`` lists and the plugin does not serve,
 #: with the reason.
@@ -98,11 +101,6 @@ NOT_SERVED = {
     "internvl": "no pruning class for vLLM's InternVL yet (1-D RoPE as LLaVA's class, but each "
     "image's tile count and its thumbnail come from vLLM's own InternVL processing, which the "
     "class would have to follow)",
-    "qwen3_5": "no pruning class for vLLM's Qwen3.5 yet: its hybrid decoder keeps the "
-    "linear-attention layers' states in vLLM's own cache, and no hook there drops tokens "
-    "inside the decoder",
-    "qwen3_5_moe": "no pruning class for vLLM's Qwen3.5 mixture-of-experts model yet (the same "
-    "hybrid decoder as qwen3_5)",
     "gemma3": "no pruning class for vLLM's Gemma3ForConditionalGeneration yet: its image "
     "tokens attend to their block both ways and half its layers use a sliding window, so "
     "a kept set needs vLLM's per-layer attention metadata, not only new positions",

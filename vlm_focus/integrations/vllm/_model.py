@@ -36,7 +36,8 @@ class PruningModel:
     """Mixed in before a vLLM model class of the module that :data:`MODELS` names for a
     ``model_type``: what it serves (``pruners``, default first; ``served_positions``) follows
     from that entry, the model's adapter and the pruner registry, and ``layer_adapter`` carries
-    the adapter's ``frames`` (for ``debiased``). The class sets ``image_token_id``.
+    the adapter's ``frames`` (for ``debiased``) and its rule for the layer that scores
+    (``scoring_layer_of``). The class sets ``image_token_id``.
 
     ``last_kept`` holds, for the most recent images and videos encoded in this process (newest
     last), the pair ``(n_tokens, kept)`` with ``kept`` the kept token indices in the item's
@@ -48,7 +49,8 @@ class PruningModel:
         model_type = model_type_of(type(self).__module__)
         self.pruners = served_pruners(model_type)
         self.served_positions = served_positions(model_type)
-        self.layer_adapter = VllmLayerAdapter(adapter_of(model_type).frames)
+        adapter = adapter_of(model_type)
+        self.layer_adapter = VllmLayerAdapter(adapter.frames, adapter.scoring_layer_of)
         self.vlm_focus = serve_options(self.config, self.pruners, self.served_positions)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             # later stages would not see what the first one kept
