@@ -87,6 +87,7 @@ MODELS = {
     ),
     "qwen2_5_vl": VllmModel("Qwen2_5_VLForConditionalGeneration", "_qwen2_5_vl", ("frame", "span")),
     "qwen3_vl": VllmModel("Qwen3VLForConditionalGeneration", "_qwen3_vl", ("frame",)),
+    "internvl": VllmModel("InternVLForConditionalGeneration", "_internvl"),
 }
 #: ``model_type``s that ``vlm_focus.supported_models()`` lists and the plugin does not serve,
 #: with the reason.
@@ -95,9 +96,6 @@ NOT_SERVED = {
     "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
     "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
     "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
-    "internvl": "no pruning class for vLLM's InternVL yet (1-D RoPE as LLaVA's class, but each "
-    "image's tile count and its thumbnail come from vLLM's own InternVL processing, which the "
-    "class would have to follow)",
     "qwen3_5": "no pruning class for vLLM's Qwen3.5 yet: its hybrid decoder keeps the "
     "linear-attention layers' states in vLLM's own cache, and no hook there drops tokens "
     "inside the decoder",
