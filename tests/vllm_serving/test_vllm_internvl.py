@@ -9,7 +9,8 @@ with two images under ``pool``, all through one engine in one batch, in prefill 
 tokens (an image's block spans several): greedy tokens and their logprobs, the pruned prompt's
 ids (``<img>`` and ``</img>`` around each image's kept tokens) and the kept tokens equal
 transformers'. Both sides read the pixels the vLLM environment's own processor makes. A video
-gets the plugin's own message.
+gets the plugin's own message. A second engine, with ``positions="compact"``, equals
+``vf.wrap(..., positions="compact")`` on ``fastv`` and ``pool``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ IMAGES = ("wide.png", "odd.png", "square.png")
 #: the two-image prompt's images and its setting (a score-free pruner: the attention pruners
 #: score one image per prompt)
 PAIR = (("wide.png", "odd.png"), ("pool", 0.25, {"vlm_focus_pruner": "pool"}))
+#: (image, setting) served by a second engine with positions="compact"
+COMPACT = [("wide.png", SETTINGS[0]), ("odd.png", SETTINGS[3])]
 OVERRIDES = {
     "architectures": ["VlmFocusInternVLForConditionalGeneration"],
     "vlm_focus": {"pruner": "fastv", "keep": 0.25},
@@ -62,46 +65,24 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def test_served_internvl_equals_transformers(model_dir, tmp_path):
-    import numpy as np
-    import torch
+def _processed(model_dir: Path, names: tuple[str, ...], prompt: str) -> dict:
+    """The vLLM environment's own processor outputs for ``names`` under ``prompt``."""
     from PIL import Image
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
+    images = [Image.open(model_dir / name).convert("RGB") for name in names]
+    return dict(processor(images=images, text=prompt, return_tensors="pt"))
 
-    def load(name: str):
-        return Image.open(model_dir / name).convert("RGB")
 
-    cases, requests = [], []
-    for name in IMAGES:
-        inputs = dict(processor(images=load(name), text=PROMPT, return_tensors="pt"))
-        for pruner, keep, request in SETTINGS:
-            cases.append({"inputs": inputs, "pruner": pruner, "keep": keep})
-            requests.append({"prompt": PROMPT, "image": str(model_dir / name), "request": request})
-    names, (pruner, keep, request) = PAIR
-    images = [load(name) for name in names]
-    inputs = dict(processor(images=images, text=TWO_IMAGES, return_tensors="pt"))
-    cases.append({"inputs": inputs, "pruner": pruner, "keep": keep})
-    paths = [str(model_dir / name) for name in names]
-    requests.append({"prompt": TWO_IMAGES, "images": paths, "request": request})
-    torch.save(cases, tmp_path / "inputs.pt")
-    _main_env("run", str(model_dir), str(tmp_path / "inputs.pt"), str(tmp_path / "expected.json"))
-    expected = json.loads((tmp_path / "expected.json").read_text())
-    # a video, which the class does not take: its error, after the batch
-    frames = (np.random.default_rng(0).random((4, 32, 32, 3)) * 255).astype(np.uint8)
-    np.save(tmp_path / "video.npy", frames)
-    video = {"prompt": "<s> user <video> where assistant", "video": str(tmp_path / "video.npy")}
-    requests.append({**video, "expect_error": True})
-    result = _offline(model_dir, requests, tmp_path, OVERRIDES, {"max_num_batched_tokens": CHUNK})
-    video_error = result["outputs"].pop()["error"]
-    assert "prunes images only" in video_error, video_error
+def _assert_equal(cases: list[dict], expected: list[dict], result: dict) -> None:
+    """vLLM's tokens, logprobs, pruned prompt and kept tokens are vf.wrap's, case by case."""
+    import torch
+
     assert result["plugin_loaded"]
     recorded = [(r["n"], tuple(r["kept"])) for r in result["kept"]]
-    n_tiles = {want["n"] for want in expected[:-1]}
-    assert n_tiles == {48, 112, 16}, n_tiles  # three tile counts: 3, 7 and 1 views of 16
     for case, want, output in zip(cases, expected, result["outputs"], strict=True):
-        key = (case["pruner"], case["keep"], want["n"])
+        key = (case["pruner"], case["keep"], want["n"], case.get("positions"))
         assert output["prompt_token_ids"] == want["pruned_ids"], key
         assert output["tokens"] == want["tokens"], key
         assert output["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), key
@@ -112,3 +93,67 @@ def test_served_internvl_equals_transformers(model_dir, tmp_path):
             kept = torch.tensor(want["kept"])
             assert (first, tuple(kept[kept < first].tolist())) in recorded, key
             assert (second, tuple((kept[kept >= first] - first).tolist())) in recorded, key
+
+
+def _cases(model_dir: Path) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per engine ("original", "compact"): the transformers cases and the vLLM requests."""
+    out = {"original": ([], []), "compact": ([], [])}
+    cases, requests = out["original"]
+    for name in IMAGES:
+        inputs = _processed(model_dir, (name,), PROMPT)
+        for pruner, keep, request in SETTINGS:
+            cases.append({"inputs": inputs, "pruner": pruner, "keep": keep})
+            requests.append({"prompt": PROMPT, "image": str(model_dir / name), "request": request})
+    names, (pruner, keep, request) = PAIR
+    cases.append(
+        {"inputs": _processed(model_dir, names, TWO_IMAGES), "pruner": pruner, "keep": keep}
+    )
+    paths = [str(model_dir / name) for name in names]
+    requests.append({"prompt": TWO_IMAGES, "images": paths, "request": request})
+    cases, requests = out["compact"]
+    for name, (pruner, keep, request) in COMPACT:
+        inputs = _processed(model_dir, (name,), PROMPT)
+        cases.append({"inputs": inputs, "pruner": pruner, "keep": keep, "positions": "compact"})
+        requests.append({"prompt": PROMPT, "image": str(model_dir / name), "request": request})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> dict[str, tuple[list, list, list[dict]]]:
+    """Per engine: its cases, its requests and vf.wrap's outputs (one transformers run)."""
+    import torch
+
+    work = tmp_path_factory.mktemp("reference")
+    cases = _cases(model_dir)
+    everything = [case for kind in cases.values() for case in kind[0]]
+    torch.save(everything, work / "inputs.pt")
+    _main_env("run", str(model_dir), str(work / "inputs.pt"), str(work / "expected.json"))
+    expected = iter(json.loads((work / "expected.json").read_text()))
+    return {
+        kind: (these, requests, [next(expected) for _ in these])
+        for kind, (these, requests) in cases.items()
+    }
+
+
+def test_served_internvl_equals_transformers(model_dir, reference, tmp_path):
+    import numpy as np
+
+    cases, requests, expected = reference["original"]
+    assert {want["n"] for want in expected[:-1]} == {48, 112, 16}  # 3, 7 and 1 tile views
+    # a video, which the class does not take: its error, after the batch
+    frames = (np.random.default_rng(0).random((4, 32, 32, 3)) * 255).astype(np.uint8)
+    np.save(tmp_path / "video.npy", frames)
+    video = {"prompt": "<s> user <video> where assistant", "video": str(tmp_path / "video.npy")}
+    requests = [*requests, {**video, "expect_error": True}]
+    result = _offline(model_dir, requests, tmp_path, OVERRIDES, {"max_num_batched_tokens": CHUNK})
+    video_error = result["outputs"].pop()["error"]
+    assert "prunes images only" in video_error, video_error
+    _assert_equal(cases, expected, result)
+
+
+def test_served_internvl_at_compact_positions_equals_transformers(model_dir, reference, tmp_path):
+    """A server with positions="compact": vLLM's own consecutive numbering of the pruned
+    prompt is ``vf.wrap(..., positions="compact")``'s."""
+    cases, requests, expected = reference["compact"]
+    overrides = {**OVERRIDES, "vlm_focus": {**OVERRIDES["vlm_focus"], "positions": "compact"}}
+    _assert_equal(cases, expected, _offline(model_dir, requests, tmp_path, overrides))

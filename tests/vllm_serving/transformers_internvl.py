@@ -10,10 +10,11 @@ a word-level tokenizer with InternVL's ``<img>``, ``</img>`` and ``<IMG_CONTEXT>
 processor (up to 6 tiles plus a thumbnail) and three images: 64 x 32 px (2 tiles + thumbnail),
 50 x 38 px (3 x 2 tiles + thumbnail) and 32 x 32 px (one tile, no thumbnail). ``run`` reads the
 processor outputs the vLLM environment's own processor made (``INPUTS.pt``: ``[{"inputs": {...},
-"pruner", "keep"}]``, the pixels vLLM sees) and writes, per case, the greedy continuation
-(tokens and their logprobs) of ``vf.wrap(model, pruner, keep, layer=0, budget="frame")``
-(``alpha=0`` for ``pyramid``), the kept tokens (indices into the prompt's image tokens, in prompt
-order), each image's token count and the pruned prompt's ids.
+"pruner", "keep", "positions" (default "original")}]``, the pixels vLLM sees) and writes, per
+case, the greedy continuation (tokens and their logprobs) of ``vf.wrap(model, pruner, keep,
+layer=0, budget="frame", positions=positions)`` (``alpha=0`` for ``pyramid``), the kept tokens
+(indices into the prompt's image tokens, in prompt order), each image's token count and the
+pruned prompt's ids.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
         ids = inputs["input_ids"][0]
         where = torch.nonzero(ids == image).flatten()
         wrap = dict(pruner=case["pruner"], keep=case["keep"], layer=0, budget="frame")
+        wrap["positions"] = case.get("positions", "original")
         if case["pruner"] == "pyramid":  # the plugin's before-LLM pyramid: alpha=0
             wrap["alpha"] = 0.0
         with torch.no_grad(), vf.wrap(model, **wrap) as handle:
