@@ -54,8 +54,8 @@ def test_bad_settings_name_what_is_allowed(options, message):
 
 def test_unknown_model_type_and_missing_or_unknown_config_entries_raise():
     supported = (
-        "'llava', 'llava_next', 'llava_onevision', 'qwen2_5_vl', 'qwen3_5', 'qwen3_5_moe', "
-        "'qwen3_vl'"
+        "'internvl', 'llava', 'llava_next', 'llava_onevision', 'qwen2_5_vl', 'qwen3_5', "
+        "'qwen3_5_moe', 'qwen3_vl'"
     )
     with pytest.raises(ValueError, match=f"supported: \\[{supported}\\]"):
         plugin.hf_overrides("gemma3")

