@@ -498,7 +498,7 @@ def test_a_left_out_model_type_says_why_before_weights_load(monkeypatch, tmp_pat
     message = str(err.value)
     assert message.startswith("--model vlm_focus does not run model_type 'qwen3_vl_moe'")
     assert why in message
-    assert "It runs: gemma3, internvl, llava, " in message
+    assert "It runs: gemma3, gemma4, internvl, llava, " in message
     assert "qwen3_vl_moe" not in message.split("It runs:")[1]
 
 

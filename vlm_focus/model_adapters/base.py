@@ -10,7 +10,7 @@ layout functions read ``input_ids``, the config and the processor outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +192,17 @@ class ModelAdapter:
                 f"adapter '{self.model_type}' declares video=True but no video_token_attrs: "
                 "name the config attribute holding the video token id"
             )
+
+    def check(self, model: nn.Module, stages: Sequence[int]) -> None:
+        """``ValueError`` naming why when this adapter cannot prune ``model`` exactly at the
+        stage layers ``stages`` (``vf.wrap`` asks before it attaches anything). Every
+        configuration and stage layer can be, by default."""
+
+    def key_source(self, model: nn.Module, index: int) -> int:
+        """The decoder layer whose cache holds the keys and values layer ``index`` attends to:
+        the layer itself by default. A KV-shared layer (Gemma 4's last layers) reads another
+        layer's and holds no cache of its own."""
+        return index
 
     # --- geometry -----------------------------------------------------------------------------
     def frames(

@@ -106,6 +106,9 @@ NOT_SERVED = {
     "gemma3": "no pruning class for vLLM's Gemma3ForConditionalGeneration yet: its image "
     "tokens attend to their block both ways and half its layers use a sliding window, so "
     "a kept set needs vLLM's per-layer attention metadata, not only new positions",
+    "gemma4": "no pruning class for vLLM's Gemma4ForConditionalGeneration yet: as Gemma 3, "
+    "its image blocks attend both ways on the sliding-window layers, so a kept set needs "
+    "vLLM's per-layer attention metadata, not only new positions",
 }
 
 
