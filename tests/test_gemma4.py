@@ -14,6 +14,7 @@ from tiny_processors import gemma4_processor, ramp_image
 
 import vlm_focus as vf
 from vlm_focus.core.attention import allowed_keys, image_blocks
+from vlm_focus.core.probe import AttentionProbe
 from vlm_focus.model_adapters import get_adapter
 from vlm_focus.model_adapters.tiny import IMAGE, tiny_model
 
@@ -100,6 +101,30 @@ def test_stage_scores_equal_the_models_own_attention():
             text &= inputs["attention_mask"][b].bool()
             expected = attentions[layer][b].mean(0)[text].mean(0)[visual[b]]
             torch.testing.assert_close(stage.scores[b], expected, atol=1e-6, rtol=0)
+
+
+def test_probe_rows_of_image_tokens_follow_each_layers_mask():
+    """Attention rows the probes compute for image-token queries equal the model's own (eager)
+    rows at every layer: an image token sees later tokens of its block on the sliding layers,
+    and only earlier ones on the full layers."""
+    model = gemma4_model("eager", sliding_window=64)
+    inputs = gemma4_inputs(model)
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions
+    rows = inputs["input_ids"] == IMAGE
+    with torch.no_grad(), AttentionProbe(model, layers=None, rows=rows) as probe:
+        model(**inputs)
+    assert [r.layer for r in probe.records] == [0, 1, 2, 3]
+    for record in probe.records:
+        for b in range(2):
+            positions = record.positions[b][record.mask[b]]
+            expected = attentions[record.layer][b][:, positions]  # [H, Tq, S]
+            torch.testing.assert_close(
+                record.probs[b][:, record.mask[b]], expected, atol=1e-6, rtol=0
+            )
+    first = torch.nonzero(rows[0]).min()
+    assert (attentions[0][0][:, first, first + 1 : first + 8] > 0).all()  # sliding: both ways
+    assert (attentions[1][0][:, first, first + 1 :] == 0).all()  # full: causal
 
 
 def test_window_image_blocks_rule_by_hand():
