@@ -80,7 +80,7 @@ def test_unknown_model_type_lists_supported_and_registration_works():
     with pytest.raises(
         ValueError,
         match=(
-            "supported: gemma3, internvl, llava, llava_next, llava_onevision, .*qwen2_vl, "
+            "supported: gemma3, gemma4, internvl, llava, llava_next, llava_onevision, .*qwen2_vl, "
             "qwen3_5, qwen3_5_moe, qwen3_vl"
         ),
     ):
@@ -113,7 +113,8 @@ def test_every_supported_class_has_a_tiny_config_and_others_are_named():
     assert rope["rope_theta"] == 1e6 and rope["mrope_interleaved"] is True
     assert rope["mrope_section"] == [2, 3, 3]
     with pytest.raises(
-        ValueError, match="model_type='gpt2' has no tiny config; allowed: gemma3, internvl, llava"
+        ValueError,
+        match="model_type='gpt2' has no tiny config; allowed: gemma3, gemma4, internvl, llava",
     ):
         tiny_config("gpt2")
 
@@ -142,8 +143,8 @@ def test_adapters_declare_their_processors_arithmetic():
 def test_video_and_mask_rule_are_declared_and_match_the_classes():
     """``video`` is what the real class can do (it encodes videos, its config names a video
     token); every built-in adapter's mask is causal but Gemma 3's (bidirectional image
-    blocks); an unknown rule does not build, and ``allowed_keys`` refuses one it has no
-    branch for."""
+    blocks) and Gemma 4's (the same, on its sliding-window layers only); an unknown rule does
+    not build, and ``allowed_keys`` refuses one it has no branch for."""
     from vlm_focus.core.attention import MASK_RULES, allowed_keys
     from vlm_focus.model_adapters.tiny import tiny_model
 
@@ -153,7 +154,8 @@ def test_video_and_mask_rule_are_declared_and_match_the_classes():
         reads_videos = hasattr(model, "get_video_features")
         assert adapter.video == reads_videos, name
         assert (adapter.token_ids(model)[1] is not None) == reads_videos, name
-        rule = "image_blocks" if name == "gemma3" else "causal"
+        rules = {"gemma3": "image_blocks", "gemma4": "window_image_blocks"}
+        rule = rules.get(name, "causal")
         assert adapter.mask_rule == rule, name
     assert vf.supported_models(video=True) == [
         "llava_onevision",
@@ -165,7 +167,7 @@ def test_video_and_mask_rule_are_declared_and_match_the_classes():
         "qwen3_vl_moe",
     ]
     llava = get_adapter(make_model("llava"))
-    assert MASK_RULES == ("causal", "image_blocks")
+    assert MASK_RULES == ("causal", "image_blocks", "window_image_blocks")
     with pytest.raises(ValueError, match="mask_rule='sliding_window'; allowed"):
         dataclasses.replace(llava, mask_rule="sliding_window")
     with pytest.raises(ValueError, match="declares video=True but no video_token_attrs"):

@@ -246,6 +246,26 @@ def test_lmms_eval_runs_the_qwen3_5_chat_class_pruned_batch_2_equals_batch_1(
     assert all(2 * kept == total > 0 for _, kept, total in runs[1].values())
 
 
+@pytest.mark.slow
+def test_lmms_eval_runs_the_gemma4_class_pruned_batch_2_equals_batch_1(tmp_path):
+    """lmms-eval's Gemma 4 class under the plugin on a saved tiny checkpoint with its real
+    processor, offline: batch 2 gives batch 1's answers and kept counts, half of each row's
+    visual tokens (the class's own ``max_soft_tokens`` passed through)."""
+    from tiny_processors import gemma4_processor
+
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    path = tmp_path / "gemma4"
+    model = tiny_model("gemma4")
+    model.save_pretrained(path)
+    gemma4_processor(model).save_pretrained(path)
+    env = _env(tmp_path)
+    args = f"pretrained={path},pruner=fastv,keep=0.5,layer=1,max_soft_tokens=70"
+    runs = {batch: _answers_and_counts(tmp_path, env, args, batch, limit=4) for batch in (1, 2)}
+    assert len(runs[1]) == 4 and runs[2] == runs[1]
+    assert all(2 * kept == total > 0 for _, kept, total in runs[1].values())
+
+
 def test_entry_point_registers_the_model():
     (ep,) = [e for e in entry_points(group="lmms_eval.models") if e.name == "vlm_focus"]
     from lmms_eval.models import get_model
@@ -498,7 +518,7 @@ def test_a_left_out_model_type_says_why_before_weights_load(monkeypatch, tmp_pat
     message = str(err.value)
     assert message.startswith("--model vlm_focus does not run model_type 'qwen3_vl_moe'")
     assert why in message
-    assert "It runs: gemma3, internvl, llava, " in message
+    assert "It runs: gemma3, gemma4, internvl, llava, " in message
     assert "qwen3_vl_moe" not in message.split("It runs:")[1]
 
 

@@ -306,6 +306,7 @@ def test_default_modes_come_from_the_model_type():
     assert zoom.default_mode(make_model("qwen2_vl")) == "both"
     both = {
         "gemma3",
+        "gemma4",
         "internvl",
         "llava_onevision",
         "qwen2_vl",

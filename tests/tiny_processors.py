@@ -17,6 +17,9 @@ from PIL import Image
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from vlm_focus.model_adapters.tiny import (
+    AUDIO,
+    AUDIO_END,
+    AUDIO_START,
     BOS,
     EOS,
     IMAGE,
@@ -47,6 +50,15 @@ _GEMMA3_SPECIAL = {
     "<image_soft_token>": IMAGE,
     "<start_of_image>": IMAGE_START,
     "<end_of_image>": IMAGE_END,
+}
+
+_GEMMA4_SPECIAL = {
+    "<image_soft_token>": IMAGE,
+    "<start_of_image>": IMAGE_START,
+    "<end_of_image>": IMAGE_END,
+    "<audio_soft_token>": AUDIO,
+    "<start_of_audio>": AUDIO_START,
+    "<end_of_audio>": AUDIO_END,
 }
 
 
@@ -337,6 +349,31 @@ def noise_video(frames: int, width: int, height: int, seed: int) -> np.ndarray:
     """``[frames, height, width, 3]`` uint8."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}\n"
+    + _content("<image_soft_token>", "<|video|>")
+    + "\n{% endfor %}{% if add_generation_prompt %}assistant\n{% endif %}"
+)
+
+
+def gemma4_processor(model) -> transformers.ProcessorMixin:
+    """Gemma 4's real processor, matched to its tiny config: an aspect-preserving resize to at
+    most 70 pooled tokens (the smallest budget it allows), so each image gets its own grid.
+    Kept out of :data:`KINDS` (its tests live in ``tests/test_gemma4.py``)."""
+    vision = model.config.vision_config
+    names = ("image_token", "boi_token", "eoi_token", "audio_token", "boa_token", "eoa_token")
+    tokenizer = word_tokenizer(_GEMMA4_SPECIAL, dict(zip(names, _GEMMA4_SPECIAL, strict=True)))
+    sizes = dict(patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size)
+    return transformers.Gemma4Processor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+        image_processor=transformers.Gemma4ImageProcessor(**sizes, max_soft_tokens=70),
+        tokenizer=tokenizer,
+        video_processor=transformers.Gemma4VideoProcessor(**sizes),
+        chat_template=GEMMA4_TEMPLATE,
+        image_seq_length=70,
+    )
 
 
 def hybrid_processor(model) -> transformers.ProcessorMixin:

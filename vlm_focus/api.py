@@ -104,6 +104,7 @@ def wrap(model: nn.Module, config: FocusConfig | None = None, **options: Any) ->
             raise ValueError(
                 f"layer={layer} is out of range: this model has layers [0, {n_layers})"
             )
+    adapter.check(model, [layer for layer, _ in config.stages])
     if config.positions == "compact":
         _check_compact(config, adapter)
     video_cls = video_pruner_class(config)  # the pruner of prompts with a video, if another

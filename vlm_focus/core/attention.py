@@ -73,10 +73,11 @@ def layer_qk(
 #: The attention-mask rules the core understands, as a model adapter declares its model's
 #: (``ModelAdapter.mask_rule``): ``"causal"``, a query sees every key at or before it;
 #: ``"image_blocks"`` (Gemma 3), causal, and a visual token also sees every token of its own
-#: image block (a run of consecutive visual tokens), before or after it. A layer's sliding
-#: window (its attention module's, see ``ModelAdapter.attention_window``) narrows either rule.
-#: :func:`allowed_keys` is the one place a rule becomes a mask.
-MASK_RULES = ("causal", "image_blocks")
+#: image block (a run of consecutive visual tokens), before or after it; ``"window_image_blocks"``
+#: (Gemma 4), ``"image_blocks"`` on sliding-window layers and ``"causal"`` on the others. A
+#: layer's sliding window (its attention module's, see ``ModelAdapter.attention_window``) narrows
+#: every rule. :func:`allowed_keys` is the one place a rule becomes a mask.
+MASK_RULES = ("causal", "image_blocks", "window_image_blocks")
 
 
 def check_mask_rule(rule: object) -> str:
@@ -112,16 +113,17 @@ def allowed_keys(
     * ``"image_blocks"``: causal, or query and key in the same image block; ``blocks`` is
       ``(query_block [B, Tq], key_block [B, S])`` (:func:`image_blocks`, -1 off images),
       required with this rule;
+    * ``"window_image_blocks"``: ``"image_blocks"`` when ``window`` is set, else ``"causal"``;
     * ``window`` (a sliding-window layer): additionally ``key_pos > query_pos - window``.
     """
     if key_pos is None:
         key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)[None]
     rule = check_mask_rule(rule)
     seen = key_pos[:, None, :] <= query_pos[:, :, None]  # [B, Tq, S]
-    if rule == "image_blocks":
+    if rule == "image_blocks" or (rule == "window_image_blocks" and window is not None):
         if blocks is None:
             raise ValueError(
-                "mask_rule='image_blocks' needs blocks=(query_block, key_block): the image "
+                f"mask_rule={rule!r} needs blocks=(query_block, key_block): the image "
                 "block of each query and key (vlm_focus.core.attention.image_blocks)"
             )
         query_block, key_block = blocks

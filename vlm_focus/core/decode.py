@@ -39,6 +39,7 @@ class Decode:
             check_room(room, call.past + call.input_ids.shape[1], state.full_len)
         state.prefilling = False
         state.memo.clear()  # slices of the last call only
+        state.step_masks.clear()
         state.prompt.inputs = {}  # pixel inputs served the prefill's stages; let them go
         if state.fixation is not None:
             # which cached keys are padding (a 2-D mask, whatever mask the call has; a static
@@ -83,9 +84,19 @@ class Decode:
 
     def layer(self, state: PruneState, call: LayerCall) -> dict:
         """The kwargs of a hooked layer's call in a decode step."""
+        source = self.setup.key_sources.get(call.index)
+        if source is not None:  # it attends to its source's keys: the source's mask
+            if source not in state.step_masks:
+                raise RuntimeError(
+                    f"layer {call.index} reuses layer {source}'s keys, which ran unhooked"
+                )
+            return {**call.kwargs, "attention_mask": state.step_masks[source]}
         if state.fixation is not None:
-            return self._fixated(state, call)
-        return self._masked(state, call)
+            kwargs = self._fixated(state, call)
+        else:
+            kwargs = self._masked(state, call)
+        state.step_masks[call.index] = kwargs.get("attention_mask")
+        return kwargs
 
     def _masked(self, state: PruneState, call: LayerCall) -> dict:
         """The step's mask as the layer holds its keys: per buffer slot on a static cache,

@@ -276,6 +276,8 @@ class FocusEngine:
         cache = state.cache() if state.cache is not None else None
         if cache is not None and not state.static:
             for index in range(setup.first_layer, len(setup.layers)):
+                if index in setup.key_sources:
+                    continue  # a KV-shared layer's cache entry holds nothing
                 dropped = state.full_len - state.per_layer[index].shape[1]
                 if dropped and index < len(cache.layers):
                     report_original_length(cache.layers[index], dropped)
@@ -303,8 +305,12 @@ class FocusEngine:
                 return None
             cache = cache_of(kwargs)
             hidden = args[0] if args else kwargs["hidden_states"]
-            # a static cache's length lives on the device: its prefill is known per call instead
-            prefill = state.prefilling if state.static else cache_length(cache, index) == 0
+            # a static cache's length lives on the device, and a KV-shared layer holds no
+            # cache: their prefill is known per call instead
+            if state.static or index in self.setup.key_sources:
+                prefill = state.prefilling
+            else:
+                prefill = cache_length(cache, index) == 0
             call = LayerCall(index, module, hidden, kwargs, cache)
             if prefill:
                 hidden, kwargs = self._prefill.layer(state, call)

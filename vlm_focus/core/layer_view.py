@@ -47,8 +47,8 @@ class LayerView:
     (``0 .. width-1``). ``valid [B, L]`` marks the non-padding keys, ``allowed [B, T, L]`` what
     the layer's own mask lets each row see (``None``: causal + padding), ``past`` its cache.
     A sliding-window layer (``window``) holds only the newest keys of its cache. ``blocks
-    [B, width]`` is the image block of each of the call's tokens under the
-    ``"image_blocks"`` mask rule (else ``None``).
+    [B, width]`` is the image block of each of the call's tokens under a mask rule with image
+    blocks (else ``None``).
     """
 
     index: int
@@ -239,7 +239,7 @@ def layer_view(
     if keys is not None:
         valid = valid.gather(1, keys)
     blocks = None
-    if adapter.mask_rule == "image_blocks" and tracker.prefill is not None:
+    if adapter.mask_rule != "causal" and tracker.prefill is not None:
         visual = tracker.prefill.visual.to(device)
         blocks = torch.nn.functional.pad(
             image_blocks(visual), (0, width - visual.shape[1]), value=-1

@@ -113,6 +113,11 @@ class PrefillPass:
             layout = prefill.layout(setup.model, setup.adapter)
         batch, seq = input_ids.shape
         if is_static(cache):  # sized when the first pruned layer runs (see StaticBuffers.fit)
+            if not setup.adapter.static_cache:
+                raise ValueError(
+                    f"vlm_focus does not prune '{setup.adapter.model_type}' on a static cache "
+                    "(cache_implementation='static'); use the default dynamic cache"
+                )
             self.static.plan(cache, seq, drops)
         # each row's pruner: a row with a video takes the video pruner (read from the layout,
         # which exists whenever something is chosen; else nothing is, and pruner stands)
@@ -206,7 +211,9 @@ class PrefillPass:
             if index in state.stage_rows:
                 hidden = gather_seq(hidden, state.stage_rows[index].to(hidden.device), 1)
         else:
-            if hidden.shape[1] != state.current.shape[1]:
+            if hidden.shape[1] != state.current.shape[1] and (
+                index in self.setup.stages or not self._last_rows(state, index, hidden)
+            ):
                 raise RuntimeError(
                     f"layer {index} got {hidden.shape[1]} tokens, expected {state.current.shape[1]}"
                 )
@@ -228,10 +235,15 @@ class PrefillPass:
         # set per layer type where it has several, e.g. sliding-window and full layers), and the
         # kept set changes only at a stage: slice each once per stage and type (on its device).
         kind = f":{id(cos)}"
-        kwargs["position_embeddings"] = (
-            state.once("cos" + kind, cos, current, lambda: self._kept_positions(cos, current, 1)),
-            state.once("sin" + kind, sin, current, lambda: self._kept_positions(sin, current, 1)),
-        )
+        rows = current  # the original positions of the layer's queries
+        if hidden.shape[1] < current.shape[1]:
+            # the decoder kept only the last rows (and their cos/sin and mask rows) itself
+            rows = current[:, current.shape[1] - hidden.shape[1] :]
+        else:
+            kwargs["position_embeddings"] = (
+                state.once("cos" + kind, cos, current, lambda: self._kept_positions(cos, rows, 1)),
+                state.once("sin" + kind, sin, current, lambda: self._kept_positions(sin, rows, 1)),
+            )
         mask = kwargs.get("attention_mask")
         if state.static and index not in self.setup.linear_layers:
             slots = cache.layers[index].max_cache_len
@@ -242,11 +254,18 @@ class PrefillPass:
                 lambda: self.static.prefill_mask(state, mask, current, slots),
             )
         else:
+            mask_rows = (
+                rows if isinstance(mask, torch.Tensor) and mask.shape[-2] > rows.shape[1] else None
+            )
             kwargs["attention_mask"] = state.once(
-                "mask" + kind,
+                f"mask{kind}:{rows.shape[1]}",
                 mask,
                 current,
-                lambda: slice_mask(mask, on_device_of(current, mask), on_device_of(current, mask)),
+                lambda: slice_mask(
+                    mask,
+                    None if mask_rows is None else on_device_of(mask_rows, mask),
+                    on_device_of(current, mask),
+                ),
             )
         if state.masked is not None:
             masked = state.once(
@@ -270,10 +289,10 @@ class PrefillPass:
             kwargs["position_ids"] = None
         elif isinstance(position_ids, torch.Tensor):
             kwargs["position_ids"] = state.once(
-                "position_ids",
+                f"position_ids:{rows.shape[1]}",
                 position_ids,
                 current,
-                lambda: self._kept_positions(position_ids, current, position_ids.dim() - 1),
+                lambda: self._kept_positions(position_ids, rows, position_ids.dim() - 1),
             )
         if index == self.setup.last_layer and not replay:
             state.trace.sequence = current
@@ -284,6 +303,29 @@ class PrefillPass:
                 if state.fixation is not None:
                     state.fixation.record_into(self.static.room(cache) - state.full_len)
         return hidden, kwargs
+
+    @staticmethod
+    def _last_rows(state: PruneState, index: int, hidden: torch.Tensor) -> bool:
+        """The decoder handed layer ``index`` only the last rows of the tokens it holds (before
+        layers that reuse earlier layers' keys, when only the last logits are needed), with
+        their cos/sin and mask rows in original positions; the layer still attends to every
+        kept key. ``RuntimeError`` when those rows are not the last original positions (a
+        pruned token at the end of the prompt)."""
+        n, current = hidden.shape[1], state.current
+        if n >= current.shape[1]:
+            return False
+        tail = current[:, current.shape[1] - n :]
+        expected = torch.arange(state.full_len - n, state.full_len, device=tail.device)
+        # one host read per prefill, not one per layer
+        kept = state.once(
+            f"last_rows:{n}", current, current, lambda: bool((tail == expected).all())
+        )
+        if not kept:
+            raise RuntimeError(
+                f"layer {index} got the last {n} rows of the prompt, but pruning removed "
+                "some of them"
+            )
+        return True
 
     def _kept_positions(self, x: torch.Tensor, current: torch.Tensor, dim: int) -> torch.Tensor:
         """``x`` (cos, sin or position ids along ``dim``) for the tokens a layer holding

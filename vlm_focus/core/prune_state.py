@@ -41,6 +41,9 @@ class EngineSetup:
     #: every linear-attention layer (pruned or not): it holds fixed-size states, no keys
     linear_layers: frozenset[int] = frozenset()
     video_pruner: Pruner | None = None
+    #: each KV-shared layer to the layer whose keys and values it reuses
+    #: (:meth:`~vlm_focus.model_adapters.ModelAdapter.key_source`); it holds no cache
+    key_sources: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -54,18 +57,21 @@ class EngineSetup:
         stages = dict(config.stages)
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
         linear = adapter.recurrent_layers(model)
+        layers = adapter.decoder_layers(model)
+        sources = {i: adapter.key_source(model, i) for i in range(len(layers))}
         return cls(
             model=model,
             adapter=adapter,
             config=config,
             pruner=pruner,
-            layers=adapter.decoder_layers(model),
+            layers=layers,
             stages=stages,
             first_layer=min(stages),
             flash=attn.startswith("flash"),
             recurrent=any(i >= min(stages) for i in linear),
             linear_layers=linear,
             video_pruner=video_pruner,
+            key_sources={i: j for i, j in sources.items() if i != j},
         )
 
     @property
@@ -133,6 +139,9 @@ class PruneState:
     # per stage layer, the local indices its stage kept (a recomputed layer, e.g. under
     # gradient checkpointing, slices the same tokens again instead of scoring twice)
     stage_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # in a decode step, the mask each layer a KV-shared layer reads from was given: the
+    # shared layer attends to the same keys
+    step_masks: dict[int, Any] = field(default_factory=dict)
     # labels: the next-token target of every original position ([B, S]) and the loss kwargs;
     # the loss is taken over the positions the last layer holds (see core.pruned_loss)
     targets: torch.Tensor | None = None

@@ -75,6 +75,9 @@ DELEGATES: dict[str, Delegate] = {
     "qwen3_vl": Delegate("lmms_eval.models.chat.qwen3_vl.Qwen3_VL", class_by_name=QWEN3_CLASSES),
     # its processor output (token_type_ids included) goes straight to generate()
     "gemma3": Delegate("lmms_eval.models.simple.gemma3.Gemma3", chat=False, max_batch=1),
+    # its chat-template output (mm_token_type_ids and image_position_ids included) goes
+    # straight to generate(), a batch of requests at a time
+    "gemma4": Delegate("lmms_eval.models.simple.gemma4.Gemma4", chat=False),
     "qwen3_vl_moe": Delegate(
         "lmms_eval.models.chat.qwen3_vl.Qwen3_VL", class_by_name=QWEN3_CLASSES
     ),

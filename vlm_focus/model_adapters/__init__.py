@@ -9,6 +9,7 @@ from torch import nn
 
 from .base import ImageLayout, ModelAdapter, merge_views
 from .gemma3 import GEMMA3
+from .gemma4 import GEMMA4
 from .internvl import INTERNVL
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT
@@ -84,3 +85,4 @@ for _adapter in (
 ):
     register_adapter(_adapter)
 register_adapter(GEMMA3)
+register_adapter(GEMMA4)

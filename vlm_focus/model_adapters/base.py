@@ -194,6 +194,17 @@ class ModelAdapter:
                 "name the config attribute holding the video token id"
             )
 
+    def check(self, model: nn.Module, stages: Sequence[int]) -> None:
+        """``ValueError`` naming why when this adapter cannot prune ``model`` exactly at the
+        stage layers ``stages`` (``vf.wrap`` asks before it attaches anything). Every
+        configuration and stage layer can be, by default."""
+
+    def key_source(self, model: nn.Module, index: int) -> int:
+        """The decoder layer whose cache holds the keys and values layer ``index`` attends to:
+        the layer itself by default. A KV-shared layer (Gemma 4's last layers) reads another
+        layer's and holds no cache of its own."""
+        return index
+
     # --- geometry -----------------------------------------------------------------------------
     def frames(
         self, layout: ImageLayout, size: Size, *, processor: Any = None, rule: str | None = None

