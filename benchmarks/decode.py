@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 from fixation_decode import LAYERS, build_inputs, build_model
+from fixation_decode import TEXT as FIXATION_TEXT
 from prefill import machine
 from transformers import CompileConfig
 from transformers.generation.streamers import BaseStreamer
@@ -80,15 +81,7 @@ SETTINGS = {
 }
 MODES = ("dynamic", "static", "compiled")
 #: the text model every architecture shares (``fixation_decode.build_model``'s)
-TEXT = dict(
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-)
+TEXT = dict(FIXATION_TEXT, head_dim=64)
 THREE_TO_ONE = [(i + 1) % 4 == 0 for i in range(LAYERS)]  # full attention at layers 3 and 7
 
 

@@ -28,16 +28,22 @@ LAYERS, STEPS = 8, 16
 IMAGE, VIDEO, START, END = 31990, 31991, 31992, 31993
 
 
+#: the text model (``decode.py`` gives its other architectures the same)
+TEXT = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
+
+
 def build_model() -> torch.nn.Module:
     return tiny_model(
         "qwen2_5_vl",
         text=dict(
-            vocab_size=32000,
-            hidden_size=512,
-            intermediate_size=1376,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            TEXT,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 1e6,
