@@ -174,6 +174,24 @@ def test_remove_gives_the_cache_its_ring_buffers_back():
         assert torch.equal(before[0], run[0]) and torch.equal(before[1], run[1])
 
 
+def test_remove_after_decoding_under_inference_mode():
+    """A static cache that ``generate()`` builds under ``torch.inference_mode()`` (and keeps on
+    the model for the next call) holds inference tensors, which only inference mode may change
+    in place: ``remove()`` outside it still gives the ring buffers back, and the unwrapped model
+    then decodes as before."""
+    model = gemma_model("sdpa")
+    inputs = gemma_inputs()
+    static = dict(cache_implementation="static")
+    with torch.inference_mode():
+        before = greedy_generate(model, inputs, STEPS, **static)
+    with vf.wrap(model, pruner="fastv", keep=0.25, layer=2):
+        with torch.inference_mode():
+            greedy_generate(model, inputs, STEPS, **static)
+    with torch.inference_mode():
+        again = greedy_generate(model, inputs, STEPS, **static)
+    assert torch.equal(before[0], again[0]) and torch.equal(before[1], again[1])
+
+
 @pytest.mark.parametrize("layer", [0, 2])
 def test_no_host_reads_per_decode_step(layer):
     model = gemma_model("sdpa")

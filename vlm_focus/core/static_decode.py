@@ -88,6 +88,15 @@ def resize(layer: Any, slots: int) -> None:
             layer.is_initialized = False
 
 
+def empty(layer: Any) -> None:
+    """``layer.reset()``, in inference mode when the layer's tensors were made in it (a cache
+    that ``generate()`` built under ``torch.inference_mode()``): only there may they change in
+    place, and ``remove()`` may come after that block."""
+    made_there = any(isinstance(t, torch.Tensor) and t.is_inference() for t in vars(layer).values())
+    with torch.inference_mode(made_there):
+        layer.reset()
+
+
 def check_room(room: int | None, needed: int, prompt: int) -> None:
     """A static cache too short for the tokens of this call raises, saying the size needed
     (the buffers cannot grow)."""
@@ -163,7 +172,7 @@ class StaticBuffers:
         Linear layers were never resized."""
         for cache, (room, lent) in list(self._resized.items()):
             for index, layer in lent.items():
-                layer.reset()
+                empty(layer)
                 cache.layers[index] = layer
             for index, layer in enumerate(cache.layers):
                 if index not in self.setup.linear_layers and not getattr(
