@@ -397,3 +397,46 @@ def test_hidden_states_and_attentions_line_up_with_positions_at(layer):
             out.hidden_states[i + 1][real], expected[real], atol=1e-4, rtol=0
         )
     assert torch.equal(trace.positions_at(len(layers) - 1), trace.sequence)
+
+
+# --- the newer classes, whose inputs their own test files build -----------------------------
+def _newer_case(kind: str):
+    if kind == "gemma3":
+        from test_gemma3 import gemma_inputs, gemma_model
+
+        return gemma_model(), gemma_inputs()
+    if kind == "gemma4":
+        from test_gemma4 import gemma4_inputs, gemma4_model
+
+        model = gemma4_model()
+        return model, gemma4_inputs(model)
+    from test_qwen3_5 import _model as qwen3_5_model
+    from test_qwen3_5 import _two_images
+
+    model = qwen3_5_model()
+    return model, _two_images(model)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma4", "qwen3_5"])
+def test_keep_1_changes_nothing_on_the_newer_classes(kind):
+    """With nothing pruned, labels (the loss), ``use_cache=False`` and ``generate()`` with and
+    without a cache give the unwrapped model's results, on batch 2 with left padding."""
+    model, inputs = _newer_case(kind)
+    labels = inputs["input_ids"].clone()
+
+    def run():
+        with torch.no_grad():
+            scored = model(**inputs, labels=labels)
+            uncached = model(**inputs, use_cache=False).logits
+            greedy = dict(max_new_tokens=4, do_sample=False)
+            plain = model.generate(**inputs, use_cache=False, **greedy)
+            cached = model.generate(**inputs, **greedy)
+        return scored.loss, scored.logits, uncached, plain, cached
+
+    want = run()
+    with vf.wrap(model, pruner="fastv", keep=1.0, layer=1):
+        got = run()
+    torch.testing.assert_close(got[0], want[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[2], want[2], atol=ATOL, rtol=0)
+    assert torch.equal(got[3], want[3]) and torch.equal(got[4], want[4])
