@@ -120,14 +120,12 @@ class OriginalPositionsModel:
         pieces, start, position = [], 0, 0
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
             place = feature.mm_position
-            embed = torch.nonzero(
-                torch.ones(place.length, dtype=torch.bool)
-                if place.is_embed is None
-                else place.is_embed.cpu()
-            ).flatten()
-            first, kept = int(embed[0]), embed.numel()
-            if int(embed[-1]) - first + 1 != kept:
-                raise ValueError("an image's kept tokens must form one run in its placeholder")
+            first, kept = 0, place.length  # the whole placeholder is the image's tokens
+            if place.is_embed is not None:  # or only the run is_embed marks
+                embed = torch.nonzero(place.is_embed.cpu()).flatten()
+                first, kept = int(embed[0]), embed.numel()
+                if int(embed[-1]) - first + 1 != kept:
+                    raise ValueError("an image's kept tokens must form one run in its placeholder")
             before = place.offset - start + first  # text, then the image's own leading text
             after = place.length - first - kept  # the image's own trailing text
             position += before
