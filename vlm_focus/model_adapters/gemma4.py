@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, grid_cells, rows_per_prompt, runs
+from .base import ImageLayout, ModelAdapter, grid_cells, has_video, rows_per_prompt, runs
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def gemma4_layout(
 ) -> list[list[ImageLayout]]:
     """Each row's image blocks take the grids of ``image_position_ids`` in order, across the
     batch (``generate()``'s repeated rows share their prompt's grids)."""
-    if inputs.get("pixel_values_videos") is not None:
+    if has_video(inputs):
         warnings.warn(
             "vlm_focus: gemma4 prunes images only; this prompt's video tokens are all kept "
             "(run the video's frames as images to prune them)",
