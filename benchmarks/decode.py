@@ -15,8 +15,10 @@ wrapped run); each ratio is the median pair's, with the pairs' min-max.
 
 Modes: ``dynamic`` (the default cache, eager), ``static`` (``cache_implementation="static"``,
 eager) and ``compiled`` (static, with ``generate()``'s own ``compile_config``: inductor, and
-CUDA graphs on a GPU). Settings: ``fastv`` keep 0.25 at K = 2, ``fixation`` keep 0.05 at K = 1,
-and ``keep1`` (fastv keep 1.0: the hooks alone, nothing dropped).
+CUDA graphs on a GPU; ``dynamic=False``, or transformers' default ``dynamic=None`` for a model
+with sliding-window layers, see :func:`generate_kwargs`). Settings: ``fastv`` keep 0.25 at
+K = 2, ``fixation`` keep 0.05 at K = 1, and ``keep1`` (fastv keep 1.0: the hooks alone, nothing
+dropped).
 
 The bound: a decode step reads the language model's weights and, per layer, the keys and values
 its attention reads: ``B * 2 * kv_heads * head_dim`` elements per cached token.
@@ -184,13 +186,17 @@ def batch_inputs(
     return {k: v.to(device) for k, v in out.items()}
 
 
-def generate_kwargs(mode: str, steps: int, cuda: bool) -> dict:
+def generate_kwargs(mode: str, steps: int, cuda: bool, sliding: bool = False) -> dict:
+    """``generate()``'s arguments for `mode`; `sliding`: the model has sliding-window layers."""
     kwargs = {"max_new_tokens": steps, "min_new_tokens": steps, "do_sample": False}
     if mode in ("static", "compiled"):
         kwargs["cache_implementation"] = "static"
     if mode == "compiled":
-        # CUDA graphs on a GPU (transformers' default mode); plain inductor on a CPU
-        config = CompileConfig(fullgraph=True, dynamic=False)
+        # CUDA graphs on a GPU (transformers' default mode); plain inductor on a CPU. A
+        # sliding-window layer's static buffer guards on its Python length, so with
+        # dynamic=False every step recompiles (unwrapped too) until fullgraph fails; transformers'
+        # default dynamic=None compiles such a model twice, pruned or not
+        config = CompileConfig(fullgraph=True, dynamic=None if sliding else False)
         config.mode = "reduce-overhead" if cuda else "default"
         config._compile_all_devices = True  # transformers compiles only on accelerators
         kwargs["compile_config"] = config
@@ -241,7 +247,8 @@ def bytes_bound(
 def measure(model, inputs, setting: Setting, mode: str, steps: int, pairs: int, cuda: bool):
     """Paired decode seconds, unpruned and wrapped, in ABBA order; the warm-up run of each
     side compiles and fills the allocator."""
-    kwargs = generate_kwargs(mode, steps, cuda)
+    types = getattr(model.config.text_config, "layer_types", None) or []
+    kwargs = generate_kwargs(mode, steps, cuda, sliding="sliding_attention" in types)
 
     def wrapped() -> float:
         with setting.wrap(model):
