@@ -141,8 +141,8 @@ def test_adapters_declare_their_processors_arithmetic():
 
 
 def test_video_and_mask_rule_are_declared_and_match_the_classes():
-    """``video`` is what the real class can do (it encodes videos, its config names a video
-    token); every built-in adapter's mask is causal but Gemma 3's (bidirectional image
+    """``video`` is what the real class can do (its base model encodes videos, its config names
+    a video token); every built-in adapter's mask is causal but Gemma 3's (bidirectional image
     blocks) and Gemma 4's (the same, on its sliding-window layers only); an unknown rule does
     not build, and ``allowed_keys`` refuses one it has no branch for."""
     from vlm_focus.core.attention import MASK_RULES, allowed_keys
@@ -151,13 +151,15 @@ def test_video_and_mask_rule_are_declared_and_match_the_classes():
     for name in vf.supported_models():
         model = tiny_model(name)
         adapter = get_adapter(model)
-        reads_videos = hasattr(model, "get_video_features")
+        # the base model encodes (Gemma 4's top-level class does not forward the method)
+        reads_videos = hasattr(model.model, "get_video_features")
         assert adapter.video == reads_videos, name
         assert (adapter.token_ids(model)[1] is not None) == reads_videos, name
         rules = {"gemma3": "image_blocks", "gemma4": "window_image_blocks"}
         rule = rules.get(name, "causal")
         assert adapter.mask_rule == rule, name
     assert vf.supported_models(video=True) == [
+        "gemma4",
         "llava_onevision",
         "qwen2_5_vl",
         "qwen2_vl",

@@ -204,31 +204,84 @@ def test_static_cache_is_refused(sdpa):
     assert out.logits.shape[1] < inputs["input_ids"].shape[1]
 
 
-def test_a_prompt_with_a_video_prunes_its_image_and_keeps_the_video():
-    """An image and a 4-frame video through the real processor: the video's tokens stay (with a
-    warning), the image is pruned, and the run equals the masked reference, whose mask is the
-    model's own (each frame a bidirectional block on the sliding layers)."""
-    model = gemma4_model()
+def video_inputs(model, batch: int = 2) -> dict:
+    """A left-padded batch from the real processor: row 0 an image and a 4-frame video of
+    6 x 10 pooled tokens a frame, row 1 a 2-frame video of 8 x 8 and a shorter prompt."""
     processor = gemma4_processor(model)
-    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}]
-    message = [{"role": "user", "content": content + [{"type": "text", "text": "describe"}]}]
-    text = processor.apply_chat_template(message, add_generation_prompt=True)
-    frames = np.stack([np.asarray(ramp_image(40, 24))] * 4)
+    image = {"type": "image"}
+    rows = [
+        ([image, {"type": "text", "text": "and"}, {"type": "video"}], (40, 24), 4),
+        ([{"type": "video"}], (36, 36), 2),
+    ][:batch]
+    texts, images, videos = [], [], []
+    for content, (w, h), n in rows:
+        message = [{"role": "user", "content": content + [{"type": "text", "text": "what"}]}]
+        texts.append(processor.apply_chat_template(message, add_generation_prompt=True))
+        images.append([ramp_image(36, 36)] if image in content else [])
+        # noise frames: no two tokens alike, so a diversity pruner meets no ties
+        rng = np.random.default_rng(n)
+        videos.append(rng.integers(0, 256, size=(n, h, w, 3), dtype=np.uint8))
     inputs = dict(
         processor(
-            text=[text],
-            images=[[ramp_image(36, 36)]],
-            videos=[frames],
-            num_frames=4,
+            text=texts,
+            images=images,
+            videos=videos,
+            padding=True,
             return_tensors="pt",
+            videos_kwargs={"do_sample_frames": False},
         )
     )
     # the processor adds its video token to the word tokenizer; the tiny config has its own id
     inputs["input_ids"][inputs["input_ids"] == processor.video_token_id] = VIDEO
-    assert int((inputs["input_ids"] == VIDEO).sum()) > 0
-    with pytest.warns(UserWarning, match="video tokens are all kept"):
-        trace = assert_pruned_equals_masked(
-            model, inputs, steps=3, pruner="fastv", keep=0.5, layer=1
-        )
-    assert trace.n_visual == [int((inputs["input_ids"] == IMAGE).sum())]
-    assert trace.n_kept[0] < trace.n_visual[0]
+    # generate() numbers a left-padded row from its first token, a bare forward from the
+    # padding; the same numbers in both keep the hidden states bitwise equal, which max-min's
+    # near-ties between tokens need for generate() to keep the forward's set
+    inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return inputs
+
+
+def test_layout_one_view_per_video_frame():
+    model = gemma4_model()
+    inputs = video_inputs(model)
+    layout = get_adapter(model).layout(model, inputs["input_ids"], inputs)
+    assert [[(i.kind, i.grids) for i in row] for row in layout] == [
+        [("image", [(8, 8)]), ("video", [(6, 10)] * 4)],
+        [("video", [(8, 8)] * 2)],
+    ]
+    for b, row in enumerate(layout):
+        video = torch.nonzero(inputs["input_ids"][b] == VIDEO).flatten()
+        assert torch.equal(row[-1].positions, video)
+        # each frame a view, row-major: the second frame's eighth token is row 0, column 7
+        width = row[-1].grids[0][1]
+        frame = row[-1].cells[row[-1].cells[:, 0] == 1]
+        assert frame[7].tolist() == [1, 7 // width, 7 % width]
+
+
+@pytest.mark.parametrize(
+    "attn,layer,pruner,video_pruner",
+    [
+        ("sdpa", 1, "fastv", "auto"),
+        ("eager", 0, "fastv", "auto"),
+        ("sdpa", 2, "fastv", None),
+        ("eager", 1, "random", "diverse"),
+    ],
+)
+def test_videos_pruned_equal_masked_reference(attn, layer, pruner, video_pruner):
+    """Videos beside an image, batch 2 with left padding: prefill and 4 cached greedy steps
+    equal the masked reference, whose mask is the model's own (each frame a block both ways
+    on the sliding layers), at a sliding (0, 2) and a full (1) layer."""
+    model = gemma4_model(attn)
+    inputs = video_inputs(model)
+    assert bool((inputs["attention_mask"][1] == 0).any())
+    trace = assert_pruned_equals_masked(
+        model,
+        inputs,
+        steps=4,
+        pruner=pruner,
+        keep=0.5,
+        layer=layer,
+        video_pruner=video_pruner,
+    )
+    visual = (inputs["input_ids"] == IMAGE) | (inputs["input_ids"] == VIDEO)
+    assert trace.n_visual == visual.sum(1).tolist()
+    assert all(k < n for k, n in zip(trace.n_kept, trace.n_visual, strict=True))

@@ -27,8 +27,9 @@ What differs from Gemma 3, and where the core reads it:
   (:meth:`Gemma4Adapter.check`). Before its shared layers the decoder keeps only the rows
   ``generate()`` needs (the last), which the core follows.
 
-A video's tokens are kept whole (with a warning); images beside it are pruned, and the model's
-own mask, which also lets each video frame's tokens see each other both ways, applies to them.
+A video is ``<timestamp> <boi>`` + one frame's tokens + ``<eoi>`` per frame, each frame a block
+of its own (both ways on the sliding-window layers, as an image block): one layout per video,
+a view per frame, grids from ``video_position_ids`` split by ``num_frames_per_video``.
 
 Configurations the adapter refuses: ``use_bidirectional_attention`` other than ``"vision"``
 (``"all"`` makes text bidirectional too, ``None`` keeps images causal; the released checkpoints
@@ -37,7 +38,6 @@ set ``"vision"``), as the mask rule above would not describe them.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,11 +122,9 @@ def per_layer_input_hooks(
     ]
 
 
-def _grids(model: nn.Module, inputs: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """``(rows, cols)`` of each image's pooled grid, from ``image_position_ids``."""
-    positions = inputs.get("image_position_ids")
-    if positions is None:
-        raise ValueError("gemma4 needs image_position_ids (pass the processor's output)")
+def _grids(model: nn.Module, positions: Any) -> list[tuple[int, int]]:
+    """``(rows, cols)`` of each image's (or video frame's) pooled grid, from its patch positions
+    (``[n, max_patches, 2]``, ``(x, y)`` per patch, ``-1`` for padding)."""
     k = model.config.vision_config.pooling_kernel_size
     grids = []
     for xy in torch.as_tensor(positions).cpu():  # [max_patches, 2], (x, y)
@@ -136,45 +134,90 @@ def _grids(model: nn.Module, inputs: Mapping[str, Any]) -> list[tuple[int, int]]
     return grids
 
 
+def _videos(model: nn.Module, inputs: Mapping[str, Any]) -> list[list[tuple[int, int]]]:
+    """Each video's frame grids, from ``video_position_ids`` (every video's frames
+    concatenated) split by ``num_frames_per_video``."""
+    positions, frames = inputs.get("video_position_ids"), inputs.get("num_frames_per_video")
+    if positions is None or frames is None:
+        raise ValueError(
+            "gemma4 needs video_position_ids and num_frames_per_video with a video (pass the "
+            "processor's output)"
+        )
+    grids = _grids(model, positions)
+    counts = [int(n) for n in torch.as_tensor(frames).reshape(-1).tolist()]
+    if sum(counts) != len(grids):
+        raise ValueError(
+            f"gemma4: num_frames_per_video sums to {sum(counts)} frames but "
+            f"video_position_ids holds {len(grids)}"
+        )
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [grids[s : s + n] for s, n in zip(starts, counts, strict=True)]
+
+
+def _block_grids(kind: str, blocks: list[torch.Tensor], grids: list) -> list[ImageLayout]:
+    """One layout per image (``grids``: one grid per block) or per video (``grids``: a list of
+    frame grids per video, each frame its own block), checked against the blocks' sizes."""
+    if kind == "image":
+        grids = [[g] for g in grids]
+    sizes = [[r * c for r, c in frames] for frames in grids]
+    if [n.numel() for n in blocks] != [n for frames in sizes for n in frames]:
+        raise ValueError(
+            f"{kind} blocks of {[n.numel() for n in blocks]} tokens, but the {kind} position ids "
+            f"give grids of {sizes}; input_ids and the {kind} inputs disagree"
+        )
+    layouts, next_block = [], 0
+    for frames in grids:
+        own = blocks[next_block : next_block + len(frames)]
+        next_block += len(frames)
+        cells = [grid_cells(r, c, view=v) for v, (r, c) in enumerate(frames)]
+        layouts.append(ImageLayout(torch.cat(own), torch.cat(cells), list(frames), kind=kind))
+    return layouts
+
+
 def gemma4_layout(
     model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, Any]
 ) -> list[list[ImageLayout]]:
     """Each row's image blocks take the grids of ``image_position_ids`` in order, across the
-    batch (``generate()``'s repeated rows share their prompt's grids)."""
-    if has_video(inputs):
-        warnings.warn(
-            "vlm_focus: gemma4 prunes images only; this prompt's video tokens are all kept "
-            "(run the video's frames as images to prune them)",
-            stacklevel=2,
-        )
-    grids = _grids(model, inputs)
-    visual = GEMMA4.visual_mask(model, input_ids).cpu()  # one copy to the host for all rows
+    batch, and its video frames (a block each) those of ``video_position_ids``, video by video
+    (``generate()``'s repeated rows share their prompt's grids)."""
+    image_id, video_id = GEMMA4.token_ids(model)
+    ids = input_ids.cpu()  # one copy to the host for all rows
+    reads_video = has_video(inputs)
+    videos = _videos(model, inputs) if reads_video and bool((ids == video_id).any()) else []
+    images = []
+    if bool((ids == image_id).any()):
+        if inputs.get("image_position_ids") is None:
+            raise ValueError("gemma4 needs image_position_ids (pass the processor's output)")
+        images = _grids(model, inputs["image_position_ids"])
+    described = sum(r * c for r, c in images) + sum(r * c for v in videos for r, c in v)
+    visual = GEMMA4.visual_mask(model, ids, inputs)
     batch = visual.shape[0]
     repeat = rows_per_prompt(
-        int(visual.sum()), sum(r * c for r, c in grids), batch, "image tokens", "image grids"
+        int(visual.sum()), described, batch, "visual tokens", "image and video position ids"
     )
     layouts: list[list[ImageLayout]] = []
-    next_grid = 0
+    next_image = next_video = 0
     for b in range(batch):
         if b % repeat:
             layouts.append(layouts[-1])
             continue
-        blocks = runs(torch.nonzero(visual[b]).flatten())
-        row_grids = grids[next_grid : next_grid + len(blocks)]
-        next_grid += len(blocks)
-        sizes = [r * c for r, c in row_grids]
-        if len(row_grids) != len(blocks) or [n.numel() for n in blocks] != sizes:
-            raise ValueError(
-                f"gemma4 row {b}: image blocks of {[n.numel() for n in blocks]} tokens, but "
-                f"image_position_ids gives grids of {sizes}; input_ids and the image inputs "
-                "disagree"
-            )
-        layouts.append(
-            [
-                ImageLayout(block, grid_cells(r, c), [(r, c)])
-                for block, (r, c) in zip(blocks, row_grids, strict=True)
-            ]
-        )
+        image_blocks = runs(torch.nonzero(ids[b] == image_id).flatten())
+        row_images = images[next_image : next_image + len(image_blocks)]
+        next_image += len(image_blocks)
+        frame_blocks = runs(torch.nonzero(visual[b] & (ids[b] == video_id)).flatten())
+        row_videos, n_frames = [], 0
+        while n_frames < len(frame_blocks) and next_video < len(videos):
+            row_videos.append(videos[next_video])
+            n_frames += len(videos[next_video])
+            next_video += 1
+        try:
+            if len(row_images) != len(image_blocks):
+                raise ValueError(f"{len(image_blocks)} image blocks, {len(row_images)} grids")
+            row = _block_grids("image", image_blocks, row_images)
+            row += _block_grids("video", frame_blocks, row_videos)
+        except ValueError as error:
+            raise ValueError(f"gemma4 row {b}: {error}") from None
+        layouts.append(sorted(row, key=lambda layout: int(layout.positions[0])))
     return layouts
 
 
@@ -182,10 +225,14 @@ GEMMA4 = Gemma4Adapter(
     model_type="gemma4",
     layout=gemma4_layout,
     image_token_attrs=("image_token_id",),
+    video=True,
+    video_token_attrs=("video_token_id",),
+    pixel_inputs=("pixel_values", "pixel_values_videos"),
     # without them the model's own prefill mask is causal over the image blocks
     required_with_images=("mm_token_type_ids",),
-    # generate() hands the patch positions to the image encoder, not to forward
-    layout_inputs=("image_position_ids",),
+    # generate() hands the patch positions to the image and video encoders, not to forward
+    layout_inputs=("image_position_ids", "video_position_ids", "num_frames_per_video"),
+    encoders=("get_image_features", "get_video_features"),
     vision_layers=None,  # no CLS token
     fallback_geometry={0: ("resize",)},  # an aspect-preserving resize, no crop or pad
     mask_rule="window_image_blocks",
