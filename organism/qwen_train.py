@@ -121,10 +121,10 @@ class QwenBatcher:
             return make_clip(self._seed())
         return q.cropped_scene(self._seed())
 
-    def row(self, stage: StageConfig, form: str) -> q.Row:
-        """One row of `stage`; its `mix` may set the clip share ("video") and the image
-        questions' weights ("presence", "relation")."""
-        media = self.media(stage.mix.get("video"))
+    def row(self, stage: StageConfig, form: str, video: float | None = None) -> q.Row:
+        """One row of `stage`; its `mix` may set the clip share ("video", unless `video` is
+        given) and the image questions' weights ("presence", "relation", "twohop")."""
+        media = self.media(stage.mix.get("video") if video is None else video)
         image_mix = {k: v for k, v in stage.mix.items() if k != "video"} or self.recipe.image_mix
         n = int(self.rng.integers(stage.turns[0], stage.turns[1] + 1)) if form == "cat_last" else 1
         if isinstance(media, Clip):
@@ -152,12 +152,16 @@ class QwenBatcher:
         return batch
 
     def lm_batch(self, stage: StageConfig) -> dict:
+        """`stage.batch` rows; with the recipe's `video_batches`, all clips or all images."""
         rows, targets = [], stage.relation_weight > 0
+        video = None
+        if self.recipe.video_batches:  # an image batch is then never padded to a clip's length
+            video = float(self.rng.random() < stage.mix.get("video", self.recipe.video))
         for _ in range(stage.batch):
             form = "chat" if stage.name == "chat" else "cat_last"
             if form == "chat" and self.rng.random() < self.recipe.cat_last_share:
                 form = "cat_last"
-            row = self.row(stage, form)
+            row = self.row(stage, form, video)
             rows.append(q.encode_row(self.processor, row, form, query_labels=True, targets=targets))
         return q.collate(rows, QWEN_ID["<pad>"])
 
@@ -268,7 +272,7 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 class CircuitProbe(RelationProbe):
     """The relation circuit's read-outs, each clip token's own temporal patch (`time`), the
     patches a start / end question's object is on screen in (`seen`) and the two-hop read-outs
-    of a hybrid decoder (`hop`)."""
+    of a hybrid decoder (`hop`). Where `time` and `seen` are read: :func:`_time_layer`."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
@@ -278,10 +282,11 @@ class CircuitProbe(RelationProbe):
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
-    """Each clip token holds its temporal patch after layer 0 (`hidden`: that layer's output;
-    `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have no time in their
-    pixels, and the tower none in its positions: the LM must find it through M-RoPE's temporal
-    section, which it otherwise learns too slowly for "at the start / end" questions."""
+    """Each clip token holds its temporal patch in `hidden` (the hidden states at
+    :func:`_time_layer`; `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have
+    no time in their pixels, and the tower none in its positions: the LM must find it through
+    M-RoPE's temporal section (organism-qwen) or the frame timestamps (organism-qwen35), which
+    it otherwise learns too slowly for "at the start / end" questions."""
     per_patch = (CLIP_SIZE // TOKEN) ** 2
     patch = torch.arange(GROUPS).repeat_interleave(per_patch).float() * (2 / (GROUPS - 1)) - 1
     target = patch.repeat(int(video.sum()) // len(patch))
@@ -289,8 +294,9 @@ def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) ->
 
 
 def seen_loss(probe: CircuitProbe, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """A start / end question's category token holds, after the circuit's first layer
-    (`hidden`), the temporal patches its object is on screen in (`targets`: row, position, 1 or
+    """A start / end question's category token holds, after the layer that gathers it
+    (`hidden`: the hidden states one layer after :func:`_time_layer`), the temporal patches its
+    object is on screen in (`targets`: row, position, 1 or
     0 per patch). The answer then needs only the first or last of them; without this term the
     chat form answered "at the start" at chance."""
     rows, pos = targets[:, 0].long(), targets[:, 1].long()
@@ -303,7 +309,8 @@ def _loss(
 ) -> dict[str, torch.Tensor]:
     """The answers' cross-entropy (`answer`) and, with `relation_probe`, the circuits' terms:
     the relation hops (`losses.relation_loss`, read from eager attention), the clip tokens'
-    `time`, the start / end questions' `seen` and the chat rows' `copy` (`losses.copy_loss`).
+    `time`, the start / end questions' `seen` (where: :func:`_time_layer`) and the chat rows'
+    `copy` (`losses.copy_loss`).
     Without `attention` (a decoder whose layers are not all attention) the terms that read
     every layer's attention are off: the image tokens' `grid` and the named objects' `place`
     run, and two-hop questions get `losses.read_hop_loss` at the last full-attention layer."""
@@ -339,10 +346,11 @@ def _loss(
             image_places=grid[:, 1:],
             layer=1,
         )
+        at = _time_layer(model, attention)
         if video.any():
-            terms["time"] = time_loss(relation_probe, out.hidden_states[1], video)
+            terms["time"] = time_loss(relation_probe, out.hidden_states[at], video)
         if len(seen):
-            terms["seen"] = seen_loss(relation_probe, out.hidden_states[2], seen)
+            terms["seen"] = seen_loss(relation_probe, out.hidden_states[at + 1], seen)
         # a hybrid decoder's attentions are its full-attention layers' alone; the copy reads the
         # later half of them, so it needs two
         if len(copies) and (attention or len(out.attentions) > 1):
@@ -376,11 +384,25 @@ def _hybrid_terms(model, probe, out, hops, hop_masks, looks, look_masks) -> dict
     return terms
 
 
-def _last_full_attention(model) -> int:
+def _full_attention_layers(model) -> list[int]:
     types = getattr(model.config.text_config, "layer_types", None)
     if not types or "full_attention" not in types:
-        raise ValueError("the hop read needs a decoder with a full-attention layer")
-    return len(types) - 1 - types[::-1].index("full_attention")
+        raise ValueError("a hybrid circuit needs a decoder with a full-attention layer")
+    return [i for i, t in enumerate(types) if t == "full_attention"]
+
+
+def _last_full_attention(model) -> int:
+    return _full_attention_layers(model)[-1]
+
+
+def _time_layer(model, attention: bool = True) -> int:
+    """The layer whose input holds each clip token's temporal patch (`time_loss`); the layer
+    itself gathers a start / end question's patches (`seen_loss`). organism-qwen finds time in
+    layer 0 through M-RoPE and gathers in layer 1. A hybrid's layer 0 is linear attention,
+    without RoPE: its linear layers carry the frame timestamps (`<1.2 seconds>`) forward to
+    the first full-attention layer, whose M-RoPE also sees each frame's place, and that layer
+    gathers."""
+    return 1 if attention else _full_attention_layers(model)[0]
 
 
 def train_lm(
