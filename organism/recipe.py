@@ -291,18 +291,18 @@ class Qwen35Recipe(QwenRecipe):
 
 
 def qwen35_recipe(scale: float = 1.0) -> Qwen35Recipe:
-    """organism-qwen35's recipe: 13 + 4 + 13 + 29 = 59 minutes on 2 cores; `scale` multiplies
+    """organism-qwen35's recipe: 13 + 4 + 13 + 28.5 = 58.5 minutes on 2 cores; `scale` multiplies
     steps and minutes (0.01 for a smoke run). The steps are upper bounds a CPU does not reach:
     Qwen3.5's Gated-DeltaNet layers run transformers' torch fallback (about 0.5 s per 8-row
     language step at 8 layers), so the language stages take 8 rows a step and warm up in 20.
 
     Clips: a batch of 8 clips (228 tokens each with their timestamps) costs about three image
     batches, and two-hop ended 0.7 points above its bar on images alone, so the chat stage,
-    where two-hop is learnt, takes clips in 8% of its batches and 3 more minutes (1 from the
-    presence stage, which had reached 98% in 4); the clip questions are learnt mostly in the
+    where two-hop is learnt, takes clips in 8% of its batches and 2.5 more minutes (1 from
+    the presence stage, which had reached 98% in 4); the clip questions are learnt mostly in the
     category-last stage (15% of its batches), where one clip carries 6-8 questions."""
     names = ("vision", "presence", "cat_last", "chat")
-    minutes, steps = (13.0, 4.0, 13.0, 29.0), (8000, 1000, 4000, 10000)
+    minutes, steps = (13.0, 4.0, 13.0, 28.5), (8000, 1000, 4000, 10000)
     batches = (16, 8, 8, 8)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (6, 8), (1, 1))
     mixes = ({}, {"video": 0.0, "presence": 1.0}, {"video": 0.15}, {"video": 0.08})
