@@ -70,10 +70,10 @@ object's tokens: `losses.look_loss`); the last one reads the hop-2 object from t
 that answers (`losses.read_hop_loss`; that position holds the anchor's centre and the direction
 at the layer's input) and copies a chat answer from its question's category token
 (`losses.copy_loss`); the image tokens' and the anchor's places are read from hidden states.
-Layer 0 has no RoPE, so each clip token's temporal patch is read at the first full-attention
-layer's input (the linear layers carry the timestamps), and after that layer a start / end
-question's category token holds the patches its object is on screen in
-(`qwen_train._time_layer`). The vision stage may come from an earlier run (`--vision-from
+Layer 0 has no RoPE, so each clip token's temporal patch is read after the first
+full-attention layer (its M-RoPE sees each frame group's place), and after the linear layer
+that follows a start / end question's category token holds the patches its object is on screen
+in (`qwen_train._time_layer`). The vision stage may come from an earlier run (`--vision-from
 RUN/vision.pt`), counted with its own minutes.
 - AdamW, cosine with warm-up, {threads} CPU thread(s) plus one data process. The DeltaNet
   layers run transformers' torch fallback (no flash-linear-attention on CPU).

@@ -315,10 +315,10 @@ def test_clip_batches_hold_clips_alone(processor):
 
 
 def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
-    """Clip rows on the 8-layer hybrid: each clip token's temporal patch is read at the input of
-    the first full-attention layer (layer 3; the linear layers 0-2 carry the timestamps), a
-    start / end question's patches after it (layer 3 gathers them), and one AdamW step on the
-    answer and circuit terms lowers the loss on the same batch."""
+    """Clip rows on the 8-layer hybrid: each clip token's temporal patch is read after the first
+    full-attention layer (layer 3 finds it through M-RoPE), a start / end question's patches
+    after the next layer (linear layer 4 gathers them), and one AdamW step on the answer and
+    circuit terms lowers the loss on the same batch."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     from organism import qwen_train
@@ -327,7 +327,7 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
     spec = dataclasses.replace(MICRO, text_layers=8, text_heads=4, text_kv_heads=2)
     model = Qwen3_5ForConditionalGeneration(build_qwen35_config(spec))
     model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
-    assert qwen_train._time_layer(model, attention=False) == 3
+    assert qwen_train._time_layer(model, attention=False) == 4
     batch = q.collate(_clip_rows(processor), QWEN_ID["<pad>"])
     assert len(batch["seen_targets"]) > 0 and len(batch["copy_targets"]) > 0
     probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
@@ -340,10 +340,10 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
         (g,) = torch.autograd.grad(terms[term], weight, retain_graph=True, allow_unused=True)
         return None if g is None else g.abs().sum()
 
-    assert grad("time", layers[2].linear_attn.in_proj_qkv.weight) > 0
-    assert grad("time", layers[3].self_attn.q_proj.weight) is None
-    assert grad("seen", layers[3].self_attn.q_proj.weight) > 0
-    assert grad("seen", layers[4].linear_attn.in_proj_qkv.weight) is None
+    assert grad("time", layers[3].self_attn.q_proj.weight) > 0
+    assert grad("time", layers[4].linear_attn.in_proj_qkv.weight) is None
+    assert grad("seen", layers[4].linear_attn.in_proj_qkv.weight) > 0
+    assert grad("seen", layers[5].linear_attn.in_proj_qkv.weight) is None
     params = [*model.model.language_model.parameters(), *probe.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3)
     before = sum(terms.values())
