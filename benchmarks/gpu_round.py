@@ -53,7 +53,8 @@ def _inputs(model, n_visual: int, batch: int, device: str, dtype: torch.dtype) -
 
 def _model(shape: dict, n_visual: int, device: str, dtype: torch.dtype):
     side = int(round(n_visual**0.5))  # 24^2 = 576; 2,880 is not a square: 54^2 = 2,916
-    model = prefill.build_model(**shape, image_size=side * 14, patch_size=14)
+    with torch.device(device):  # a 7B random init takes minutes on a CPU, moments on a GPU
+        model = prefill.build_model(**shape, image_size=side * 14, patch_size=14)
     return model.to(device=device, dtype=dtype), side * side
 
 

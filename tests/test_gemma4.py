@@ -27,12 +27,12 @@ def gemma4_model(attn: str = "sdpa", **text) -> torch.nn.Module:
     return tiny_model("gemma4", attn=attn, text=text or None)
 
 
-def gemma4_inputs(model) -> dict:
+def gemma4_inputs(model, batch: int = 2) -> dict:
     """A left-padded batch from the real processor: row 0 has two images of different shapes
     with text between them, row 1 one square image and a shorter prompt."""
     processor = gemma4_processor(model)
     texts, images = [], []
-    for sizes, prompt in zip(SIZES, PROMPTS, strict=True):
+    for sizes, prompt in zip(SIZES[:batch], PROMPTS[:batch], strict=True):
         content = []
         for _ in sizes:
             content += [{"type": "image"}, {"type": "text", "text": prompt}]
