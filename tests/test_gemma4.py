@@ -7,6 +7,7 @@ longer than the window, so decode steps read sliding caches that dropped keys.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from reference import assert_pruned_equals_masked
@@ -16,7 +17,7 @@ import vlm_focus as vf
 from vlm_focus.core.attention import allowed_keys, image_blocks
 from vlm_focus.core.probe import AttentionProbe
 from vlm_focus.model_adapters import get_adapter
-from vlm_focus.model_adapters.tiny import IMAGE, tiny_model
+from vlm_focus.model_adapters.tiny import IMAGE, VIDEO, tiny_model
 
 # (width, height) of each row's images: grids of 10 x 6, 4 x 14 and 8 x 8 pooled tokens
 SIZES = [[(24, 40), (60, 20)], [(36, 36)]]
@@ -201,3 +202,33 @@ def test_static_cache_is_refused(sdpa):
         # and the unpruned model is untouched by the refusal: a dynamic cache still works
         out = model(**inputs)  # the refusal left the handle working: a dynamic cache prunes
     assert out.logits.shape[1] < inputs["input_ids"].shape[1]
+
+
+def test_a_prompt_with_a_video_prunes_its_image_and_keeps_the_video():
+    """An image and a 4-frame video through the real processor: the video's tokens stay (with a
+    warning), the image is pruned, and the run equals the masked reference, whose mask is the
+    model's own (each frame a bidirectional block on the sliding layers)."""
+    model = gemma4_model()
+    processor = gemma4_processor(model)
+    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}]
+    message = [{"role": "user", "content": content + [{"type": "text", "text": "describe"}]}]
+    text = processor.apply_chat_template(message, add_generation_prompt=True)
+    frames = np.stack([np.asarray(ramp_image(40, 24))] * 4)
+    inputs = dict(
+        processor(
+            text=[text],
+            images=[[ramp_image(36, 36)]],
+            videos=[frames],
+            num_frames=4,
+            return_tensors="pt",
+        )
+    )
+    # the processor adds its video token to the word tokenizer; the tiny config has its own id
+    inputs["input_ids"][inputs["input_ids"] == processor.video_token_id] = VIDEO
+    assert int((inputs["input_ids"] == VIDEO).sum()) > 0
+    with pytest.warns(UserWarning, match="video tokens are all kept"):
+        trace = assert_pruned_equals_masked(
+            model, inputs, steps=3, pruner="fastv", keep=0.5, layer=1
+        )
+    assert trace.n_visual == [int((inputs["input_ids"] == IMAGE).sum())]
+    assert trace.n_kept[0] < trace.n_visual[0]

@@ -4,8 +4,8 @@ With ``keep=1.0`` every hook runs and nothing is dropped, so every API must beha
 unwrapped. Pruned runs keep each contract that does not depend on the sequence length:
 continuing from a returned cache, ``use_cache=False``, assisted decoding, beam search,
 sampling, ``num_return_sequences``, ``labels`` (the masked reference's loss and gradients; on
-Qwen3.5's hybrid decoder the hand-dropped forward's) and ``inputs_embeds``. The images give every row 16 or more visual tokens, so keep 0.5
-really drops some.
+Qwen3.5's hybrid decoder the hand-dropped forward's) and ``inputs_embeds``. The images give
+every row 16 or more visual tokens, so keep 0.5 really drops some.
 """
 
 from __future__ import annotations

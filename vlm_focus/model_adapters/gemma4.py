@@ -27,6 +27,9 @@ What differs from Gemma 3, and where the core reads it:
   (:meth:`Gemma4Adapter.check`). Before its shared layers the decoder keeps only the rows
   ``generate()`` needs (the last), which the core follows.
 
+A video's tokens are kept whole (with a warning); images beside it are pruned, and the model's
+own mask, which also lets each video frame's tokens see each other both ways, applies to them.
+
 Configurations the adapter refuses: ``use_bidirectional_attention`` other than ``"vision"``
 (``"all"`` makes text bidirectional too, ``None`` keeps images causal; the released checkpoints
 set ``"vision"``), as the mask rule above would not describe them.
@@ -34,6 +37,7 @@ set ``"vision"``), as the mask rule above would not describe them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ImageLayout, ModelAdapter, grid_cells, rows_per_prompt, runs
+from .base import ImageLayout, ModelAdapter, grid_cells, has_video, rows_per_prompt, runs
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,12 @@ def gemma4_layout(
 ) -> list[list[ImageLayout]]:
     """Each row's image blocks take the grids of ``image_position_ids`` in order, across the
     batch (``generate()``'s repeated rows share their prompt's grids)."""
+    if has_video(inputs):
+        warnings.warn(
+            "vlm_focus: gemma4 prunes images only; this prompt's video tokens are all kept "
+            "(run the video's frames as images to prune them)",
+            stacklevel=2,
+        )
     grids = _grids(model, inputs)
     visual = GEMMA4.visual_mask(model, input_ids).cpu()  # one copy to the host for all rows
     batch = visual.shape[0]
