@@ -34,6 +34,7 @@ from .losses import (
     COPY_HEAD,
     HOP_ANCHOR_HEAD,
     HOP_HEAD,
+    POINTER_HEAD,
     RELATION_HEAD,
     HopProbe,
     RelationProbe,
@@ -279,6 +280,22 @@ class CircuitProbe(RelationProbe):
         self.time = nn.Linear(hidden, 1)
         self.seen = nn.Linear(hidden, GROUPS)
         self.hop = HopProbe(hidden)  # two-hop questions on a hybrid decoder (`read_hop_loss`)
+        self.gather = GatherProbe(hidden)  # start / end questions on a hybrid decoder
+
+
+class GatherProbe(nn.Module):
+    """A hybrid decoder's start / end read-outs (`gather_terms`): each clip token's temporal
+    patch as one yes / no per patch (`patch`, so that an average over the patches an object is
+    on screen in still tells them apart), and, at the position that answers, the object named
+    and the word asked before the gather (`category`, `word`) and the patches gathered after it
+    (`seen`)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.patch = nn.Linear(hidden, GROUPS)
+        self.category = nn.Linear(hidden, len(CATEGORIES))
+        self.word = nn.Linear(hidden, 2)
+        self.seen = nn.Linear(hidden, GROUPS)
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
@@ -318,6 +335,7 @@ def _loss(
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
     grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
     copies = batch.pop("copy_targets", None)
+    gathers, gather_masks = batch.pop("gather_targets", None), batch.pop("gather_masks", None)
     hops, hop_masks = batch.pop("hop_targets", None), batch.pop("hop_masks", None)
     looks, look_masks = batch.pop("look_targets", None), batch.pop("look_masks", None)
     if not attention and relations is not None:
@@ -349,7 +367,7 @@ def _loss(
         at = _time_layer(model, attention)
         if video.any():
             terms["time"] = time_loss(relation_probe, out.hidden_states[at], video)
-        if len(seen) and at + 1 < len(out.hidden_states):  # a layer left to gather
+        if attention and len(seen):  # a hybrid gathers later: `gather_terms`
             terms["seen"] = seen_loss(relation_probe, out.hidden_states[at + 1], seen)
         # a hybrid decoder's attentions are its full-attention layers' alone; the copy reads the
         # later half of them, so it needs two
@@ -357,6 +375,9 @@ def _loss(
             terms["copy"] = copy_loss(out.attentions, copies.long())
         if not attention:
             terms |= _hybrid_terms(model, relation_probe, out, hops, hop_masks, looks, look_masks)
+            terms |= gather_terms(
+                model, relation_probe.gather, out, batch["input_ids"], gathers, gather_masks, at
+            )
     return terms
 
 
@@ -381,6 +402,51 @@ def _hybrid_terms(model, probe, out, hops, hop_masks, looks, look_masks) -> dict
             _last_full_attention(model),
             read,
         )
+    return terms
+
+
+GATHER_HEAD = POINTER_HEAD  # a head the last full-attention layer's copy and hop read leave free
+
+
+def gather_terms(model, probe, out, ids, targets, masks, time_layer: int) -> dict:
+    """A hybrid decoder's start / end circuit ("At the start of the video, is there a
+    red_circle?"). The patches an object is on screen in cannot be gathered by the linear layers
+    (a delta rule keeps a key's latest value, so the object's last patch alone), so the last
+    full-attention layer gathers them, as it reads a two-hop question's object:
+    - each clip token holds its temporal patch, one yes / no per patch, where `time` is read
+      (`patch`; `time_layer` as in :func:`_time_layer`);
+    - at that layer's input the position that answers holds the object named and the word asked
+      (`gather_word`: both as classes);
+    - there GATHER_HEAD puts its mass, from that position, on the object's tokens in every patch
+      (`gather`: mean -log mass) and after the layer the position holds those patches (`seen`).
+    `targets` and `masks` as in `qwen_data.gather_targets`, with the row first."""
+    terms = {}
+    video = ids == VIDEO_PAD
+    if video.any():
+        per_patch = (CLIP_SIZE // TOKEN) ** 2
+        patch = torch.arange(GROUPS).repeat_interleave(per_patch)
+        target = (
+            nn.functional.one_hot(patch, GROUPS).float().repeat(int(video.sum()) // len(patch), 1)
+        )
+        logits = probe.patch(out.hidden_states[time_layer][video].float())
+        terms["patch"] = nn.functional.binary_cross_entropy_with_logits(logits, target)
+    if targets is None or not len(targets):
+        return terms
+    layer = _last_full_attention(model)
+    rows, q = targets[:, 0].long(), targets[:, 1].long()
+    before = out.hidden_states[layer][rows, q].float()
+    terms["gather_word"] = nn.functional.cross_entropy(
+        probe.category(before), targets[:, 2].long()
+    ) + nn.functional.cross_entropy(probe.word(before), targets[:, 3].long())
+    # a clip's tokens are interleaved with its timestamps: the row's own clip token positions
+    cols = torch.stack([video[r].nonzero().squeeze(1)[: masks.shape[1]] for r in rows.tolist()])
+    attention = out.attentions[-1][rows, GATHER_HEAD % out.attentions[-1].shape[1], q]
+    mass = (attention.gather(1, cols).float() * masks).sum(1)
+    terms["gather"] = -mass.clamp(min=1e-12).log().mean()
+    after = out.hidden_states[layer + 1][rows, q].float()
+    terms["seen"] = nn.functional.binary_cross_entropy_with_logits(
+        probe.seen(after), targets[:, 4:]
+    )
     return terms
 
 

@@ -311,14 +311,15 @@ def test_clip_batches_hold_clips_alone(processor):
     assert any(kinds) and not all(kinds)
     assert not qwen_recipe().video_batches and recipe.video_batches
     assert "video" in recipe.probe_kinds
-    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.08]
+    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.05]
 
 
 def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
     """Clip rows on the 8-layer hybrid: each clip token's temporal patch is read after the first
-    full-attention layer (layer 3 finds it through M-RoPE), a start / end question's patches
-    after the next layer (linear layer 4 gathers them), and one AdamW step on the answer and
-    circuit terms lowers the loss on the same batch."""
+    full-attention layer (layer 3 finds it through M-RoPE); a start / end question's patches are
+    gathered by the last full-attention layer (7) from the position that answers, which holds
+    the object and the word asked at its input; one AdamW step on the answer and circuit terms
+    lowers the loss on the same batch."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     from organism import qwen_train
@@ -329,10 +330,10 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
     model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
     assert qwen_train._time_layer(model, attention=False) == 4
     batch = q.collate(_clip_rows(processor), QWEN_ID["<pad>"])
-    assert len(batch["seen_targets"]) > 0 and len(batch["copy_targets"]) > 0
+    assert len(batch["gather_targets"]) > 0 and len(batch["copy_targets"]) > 0
     probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
     terms = qwen_train._loss(model, dict(batch), probe, attention=False)
-    assert {"answer", "time", "seen", "copy"} <= set(terms)
+    assert {"answer", "time", "patch", "gather_word", "gather", "seen", "copy"} <= set(terms)
     assert not {"grid", "place", "look", "hop_read"} & set(terms)  # no image in the batch
     layers = model.model.language_model.layers
 
@@ -341,9 +342,11 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
         return None if g is None else g.abs().sum()
 
     assert grad("time", layers[3].self_attn.q_proj.weight) > 0
-    assert grad("time", layers[4].linear_attn.in_proj_qkv.weight) is None
-    assert grad("seen", layers[4].linear_attn.in_proj_qkv.weight) > 0
-    assert grad("seen", layers[5].linear_attn.in_proj_qkv.weight) is None
+    assert grad("patch", layers[4].linear_attn.in_proj_qkv.weight) is None
+    assert grad("gather_word", layers[6].linear_attn.in_proj_qkv.weight) > 0
+    assert grad("gather_word", layers[7].self_attn.q_proj.weight) is None
+    assert grad("gather", layers[7].self_attn.q_proj.weight) > 0
+    assert grad("seen", layers[7].self_attn.v_proj.weight) > 0
     params = [*model.model.language_model.parameters(), *probe.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3)
     before = sum(terms.values())
@@ -353,6 +356,40 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
     with torch.no_grad():
         after = sum(qwen_train._loss(model, dict(batch), probe, attention=False).values())
     assert after < before
+
+
+def test_gather_targets_mark_the_named_objects_tokens_in_its_patches(processor):
+    """A start / end question about a shown object gathers that object's tokens in the patches
+    it is on screen in, from its category token (category-last) or the chat answer's position;
+    a question about an object the clip does not show has nothing to gather."""
+    from organism.scenes import CATEGORIES
+
+    clip = make_clip(5)
+    track = clip.tracks[0]
+    name = CATEGORIES[track.category]
+    rng, asked = np.random.default_rng(0), {}
+    while len(asked) < 2:  # one question about the first track, one about an absent object
+        qa = q.video_qa(clip, rng, "end")
+        named = next(c for c in CATEGORIES if QWEN_ID[c] == qa.short[-1])
+        if named == name or CATEGORIES.index(named) not in clip.categories:
+            asked[named == name] = (named, qa)
+    rows = [
+        (form, cat, q.encode_row(processor, q.Row(clip, [qa]), form, True, True))
+        for form in ("cat_last", "chat")
+        for cat, qa in asked.values()
+    ]
+    for form, cat, out in rows:
+        targets, masks = out["gather_targets"], out["gather_masks"]
+        if cat != name:
+            assert targets.shape == (0, 3 + GROUPS)
+            continue
+        (pos, category, word, *on) = targets[0].tolist()
+        ids = out["input_ids"][0].tolist()
+        assert (category, word) == (track.category, 1)
+        assert on == [float(track.start <= g < track.stop) for g in range(GROUPS)]
+        assert ids[int(pos)] == QWEN_ID[name] if form == "cat_last" else int(pos) == len(ids) - 3
+        per_patch = masks.reshape(GROUPS, -1).sum(1)
+        assert ((per_patch > 0).float().tolist()) == on
 
 
 @pytest.mark.slow  # 4 stages and their probes through the DeltaNet torch fallback: 1-2 min
