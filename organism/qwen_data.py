@@ -391,9 +391,10 @@ def gather_targets(
     that answers (the category token in the category-last form, `chat_answer` in a chat row),
     one head puts its mass on that object's tokens in every temporal patch, and after that
     layer the position holds the patches the object is on screen in.
-    `gather_targets`: (answering position, category index, 0 for "start" or 1 for "end", then
-    1 or 0 per temporal patch); `gather_masks` (`[CLIP_TOKENS]`: 1 on the object's merged
-    tokens, patch by patch as the clip's tokens run)."""
+    `gather_targets`: (answering position, the category token's position, category index, 0
+    for "start" or 1 for "end", then 1 or 0 per temporal patch); `gather_masks`
+    (`[CLIP_TOKENS]`: 1 on the object's merged tokens, patch by patch as the clip's tokens
+    run)."""
     gathers, masks = [], []
     if row.is_video:
         side = CLIP_SIZE // TOKEN
@@ -414,10 +415,10 @@ def gather_targets(
                 cover = [_covered(groups[g][k], (side, side))[: side * side] for g in range(GROUPS)]
                 mask = np.concatenate([c * v for c, v in zip(cover, on, strict=True)])
                 q = start + i if chat_answer is None else chat_answer
-                gathers.append((q, category, word, *on))
+                gathers.append((q, start + i, category, word, *on))
                 masks.append(mask)
     return {
-        "gather_targets": torch.tensor(gathers, dtype=torch.float32).reshape(-1, 3 + GROUPS),
+        "gather_targets": torch.tensor(gathers, dtype=torch.float32).reshape(-1, 4 + GROUPS),
         "gather_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, CLIP_TOKENS),
     }
 

@@ -272,8 +272,9 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 
 class CircuitProbe(RelationProbe):
     """The relation circuit's read-outs, each clip token's own temporal patch (`time`), the
-    patches a start / end question's object is on screen in (`seen`) and the two-hop read-outs
-    of a hybrid decoder (`hop`). Where `time` and `seen` are read: :func:`_time_layer`."""
+    patches a start / end question's object is on screen in (`seen`; where both are read:
+    :func:`_time_layer`), and a hybrid decoder's two-hop (`hop`) and start / end (`gather`)
+    read-outs."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
@@ -406,6 +407,7 @@ def _hybrid_terms(model, probe, out, hops, hop_masks, looks, look_masks) -> dict
 
 
 GATHER_HEAD = POINTER_HEAD  # a head the last full-attention layer's copy and hop read leave free
+FETCH_HEAD = COPY_HEAD  # a head the first full-attention layer's lookup leaves free
 
 
 def gather_terms(model, probe, out, ids, targets, masks, time_layer: int) -> dict:
@@ -416,7 +418,9 @@ def gather_terms(model, probe, out, ids, targets, masks, time_layer: int) -> dic
     - each clip token holds its temporal patch, one yes / no per patch, where `time` is read
       (`patch`; `time_layer` as in :func:`_time_layer`);
     - at that layer's input the position that answers holds the object named and the word asked
-      (`gather_word`: both as classes);
+      (`gather_word`: both as classes); a chat row's answer, six tokens after the question's
+      category token, fetches them in the first full-attention layer (`fetch`: FETCH_HEAD's
+      -log mass on that token), since the linear layers did not learn to carry them there;
     - there GATHER_HEAD puts its mass, from that position, on the object's tokens in every patch
       (`gather`: mean -log mass) and after the layer the position holds those patches (`seen`).
     `targets` and `masks` as in `qwen_data.gather_targets`, with the row first."""
@@ -433,11 +437,16 @@ def gather_terms(model, probe, out, ids, targets, masks, time_layer: int) -> dic
     if targets is None or not len(targets):
         return terms
     layer = _last_full_attention(model)
-    rows, q = targets[:, 0].long(), targets[:, 1].long()
+    rows, q, named = targets[:, 0].long(), targets[:, 1].long(), targets[:, 2].long()
+    chat = q != named
+    if chat.any():
+        first = out.attentions[0][rows[chat], FETCH_HEAD % out.attentions[0].shape[1], q[chat]]
+        mass = first.gather(1, named[chat, None]).squeeze(1).float()
+        terms["fetch"] = -mass.clamp(min=1e-12).log().mean()
     before = out.hidden_states[layer][rows, q].float()
     terms["gather_word"] = nn.functional.cross_entropy(
-        probe.category(before), targets[:, 2].long()
-    ) + nn.functional.cross_entropy(probe.word(before), targets[:, 3].long())
+        probe.category(before), targets[:, 3].long()
+    ) + nn.functional.cross_entropy(probe.word(before), targets[:, 4].long())
     # a clip's tokens are interleaved with its timestamps: the row's own clip token positions
     cols = torch.stack([video[r].nonzero().squeeze(1)[: masks.shape[1]] for r in rows.tolist()])
     attention = out.attentions[-1][rows, GATHER_HEAD % out.attentions[-1].shape[1], q]
@@ -445,7 +454,7 @@ def gather_terms(model, probe, out, ids, targets, masks, time_layer: int) -> dic
     terms["gather"] = -mass.clamp(min=1e-12).log().mean()
     after = out.hidden_states[layer + 1][rows, q].float()
     terms["seen"] = nn.functional.binary_cross_entropy_with_logits(
-        probe.seen(after), targets[:, 4:]
+        probe.seen(after), targets[:, 5:]
     )
     return terms
 
@@ -462,22 +471,30 @@ def _last_full_attention(model) -> int:
 
 
 def _time_layer(model, attention: bool = True) -> int:
-    """The layer whose input holds each clip token's temporal patch (`time_loss`); the layer
-    itself gathers a start / end question's patches (`seen_loss`). organism-qwen finds time in
-    layer 0 through M-RoPE and gathers in layer 1. A hybrid's layer 0 is linear attention,
-    without RoPE, and its linear layers did not learn to carry the frame timestamps
-    (`<1.2 seconds>`) forward: on clip batches alone the time term stayed at chance for 75
-    steps at the first full-attention layer's input, and fell to 0.002 in 50 at its output.
-    So that layer finds time through M-RoPE, as organism-qwen's layer 0 does, and the linear
-    layer after it gathers."""
+    """The layer whose input holds each clip token's temporal patch (`time_loss`). organism-qwen
+    finds time in layer 0 through M-RoPE, and that layer gathers a start / end question's
+    patches (`seen_loss`). A hybrid's layer 0 is linear attention, without RoPE, and its linear
+    layers did not learn to carry the frame timestamps (`<1.2 seconds>`) forward: on clip
+    batches alone the time term stayed at chance for 75 steps at the first full-attention
+    layer's input, and fell to 0.002 in 50 at its output. So that layer finds time through
+    M-RoPE, as organism-qwen's layer 0 does, and the last full-attention layer gathers
+    (`gather_terms`)."""
     return 1 if attention else _full_attention_layers(model)[0] + 1
 
 
 def train_lm(
-    model, stage: StageConfig, batches, probe, log, eval_every: int, attention: bool = True
+    model,
+    stage: StageConfig,
+    batches,
+    probe,
+    log,
+    eval_every: int,
+    attention: bool = True,
+    circuit: CircuitProbe | None = None,
 ) -> None:
     """A language stage: the LM alone learns the stage's rows, with the relation circuit's
-    losses (weight `stage.relation_weight`) where set; `attention` as in :func:`_loss`."""
+    losses (weight `stage.relation_weight`) where set, read by `circuit` (a fresh probe where
+    None); `attention` as in :func:`_loss`."""
     visual = model.model.visual
     for p in model.parameters():
         p.requires_grad_(False)
@@ -488,7 +505,7 @@ def train_lm(
         p.requires_grad_(True)
     relation_probe = None
     if stage.relation_weight:
-        relation_probe = CircuitProbe(model.config.text_config.hidden_size)
+        relation_probe = circuit or CircuitProbe(model.config.text_config.hidden_size)
         params += list(relation_probe.parameters())
         # the circuit's losses read the LM's attention probabilities; the tower keeps SDPA
         model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
@@ -546,6 +563,11 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     batcher = QwenBatcher(recipe, processor)
     stages: dict[str, dict] = {}
     probe = Probe(processor, kinds=recipe.probe_kinds)
+    # a hybrid's read-outs carry over from stage to stage: a fresh start / end probe's loss
+    # (about 10 against 0.01 at the stage before's end) pulls the circuit it reads apart
+    circuit = None
+    if not build.attention_circuits:
+        circuit = CircuitProbe(model.config.text_config.hidden_size)
     for stage in recipe.stages:
         start, cpu_start = time.time(), time.process_time()
         if stage.name == "vision" and recipe.vision_from:
@@ -562,7 +584,16 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
             init_category_embeddings(model, batches)
         else:
             batches = prefetch(lambda s=stage: batcher.lm_batch(s))
-            train_lm(model, stage, batches, probe, log, recipe.eval_every, build.attention_circuits)
+            train_lm(
+                model,
+                stage,
+                batches,
+                probe,
+                log,
+                recipe.eval_every,
+                build.attention_circuits,
+                circuit,
+            )
         del batches
         steps = [json.loads(line) for line in log_path.read_text().splitlines()]
         stages[stage.name] = {

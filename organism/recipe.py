@@ -305,7 +305,7 @@ def qwen35_recipe(scale: float = 1.0) -> Qwen35Recipe:
     minutes, steps = (13.0, 4.0, 13.0, 28.5), (8000, 1000, 4000, 10000)
     batches = (16, 8, 8, 8)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (6, 8), (1, 1))
-    mixes = ({}, {"video": 0.0, "presence": 1.0}, {"video": 0.15}, {"video": 0.05})
+    mixes = ({}, {"video": 0.0, "presence": 1.0}, {"video": 0.15}, {"video": 0.06})
     # the circuit's hidden-state terms (image tokens' places, the named anchor's place, clip
     # tokens' time) and the full-attention layers' lookup, gather, hop read and copy
     # (`qwen_train._hybrid_terms`, `qwen_train._time_layer`)

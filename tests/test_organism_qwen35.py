@@ -311,7 +311,7 @@ def test_clip_batches_hold_clips_alone(processor):
     assert any(kinds) and not all(kinds)
     assert not qwen_recipe().video_batches and recipe.video_batches
     assert "video" in recipe.probe_kinds
-    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.05]
+    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.06]
 
 
 def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
@@ -333,7 +333,9 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
     assert len(batch["gather_targets"]) > 0 and len(batch["copy_targets"]) > 0
     probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
     terms = qwen_train._loss(model, dict(batch), probe, attention=False)
-    assert {"answer", "time", "patch", "gather_word", "gather", "seen", "copy"} <= set(terms)
+    assert {"answer", "time", "patch", "fetch", "gather_word", "gather", "seen", "copy"} <= set(
+        terms
+    )
     assert not {"grid", "place", "look", "hop_read"} & set(terms)  # no image in the batch
     layers = model.model.language_model.layers
 
@@ -346,6 +348,8 @@ def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
     assert grad("gather_word", layers[6].linear_attn.in_proj_qkv.weight) > 0
     assert grad("gather_word", layers[7].self_attn.q_proj.weight) is None
     assert grad("gather", layers[7].self_attn.q_proj.weight) > 0
+    assert grad("fetch", layers[3].self_attn.q_proj.weight) > 0
+    assert grad("fetch", layers[4].linear_attn.in_proj_qkv.weight) is None
     assert grad("seen", layers[7].self_attn.v_proj.weight) > 0
     params = [*model.model.language_model.parameters(), *probe.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -381,13 +385,14 @@ def test_gather_targets_mark_the_named_objects_tokens_in_its_patches(processor):
     for form, cat, out in rows:
         targets, masks = out["gather_targets"], out["gather_masks"]
         if cat != name:
-            assert targets.shape == (0, 3 + GROUPS)
+            assert targets.shape == (0, 4 + GROUPS)
             continue
-        (pos, category, word, *on) = targets[0].tolist()
+        (pos, named, category, word, *on) = targets[0].tolist()
         ids = out["input_ids"][0].tolist()
         assert (category, word) == (track.category, 1)
         assert on == [float(track.start <= g < track.stop) for g in range(GROUPS)]
-        assert ids[int(pos)] == QWEN_ID[name] if form == "cat_last" else int(pos) == len(ids) - 3
+        assert ids[int(named)] == QWEN_ID[name]
+        assert int(pos) == (int(named) if form == "cat_last" else len(ids) - 3)
         per_patch = masks.reshape(GROUPS, -1).sum(1)
         assert ((per_patch > 0).float().tolist()) == on
 
