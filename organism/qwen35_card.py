@@ -119,7 +119,7 @@ def model_card(name: str, metrics: dict, folder: Path) -> str:
         megabytes=megabytes,
         sides=", ".join(map(str, q.IMAGE_SIDES)),
         min_side=q.MIN_SIDE,
-        image_mix=summary["image_mix"],
+        image_mix=_image_weights(summary),
         train_seed=q.TRAIN_SEED_BASE,
         heldout_seed=q.HELDOUT_SEED_BASE,
         cat_last_share=round(100 * summary["cat_last_share"]),
@@ -151,3 +151,14 @@ def _details(metrics: dict) -> list[str]:
         "Re-measure: `python -m organism eval --path <model folder>`.",
         "",
     ]
+
+
+def _image_weights(summary: dict) -> str:
+    """The recipe's image question weights, and those of any stage that sets its own."""
+    own = {
+        n: {k: v for k, v in s["mix"].items() if k != "video"}
+        for n, s in summary["stages"].items()
+        if n != "vision"
+    }
+    stages = [f"{n}: {mix}" for n, mix in own.items() if mix and mix != summary["image_mix"]]
+    return f"{summary['image_mix']}" + (f" ({'; '.join(stages)})" if stages else "")

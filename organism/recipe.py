@@ -297,15 +297,23 @@ def qwen35_recipe(scale: float = 1.0) -> Qwen35Recipe:
     language step at 8 layers), so the language stages take 8 rows a step and warm up in 20.
 
     Clips: a batch of 8 clips (228 tokens each with their timestamps) costs about three image
-    batches, and two-hop ended 0.7 points above its bar on images alone, so the chat stage,
-    where two-hop is learnt, takes clips in 8% of its batches and 2.5 more minutes (1 from
-    the presence stage, which had reached 98% in 4); the clip questions are learnt mostly in the
-    category-last stage (15% of its batches), where one clip carries 6-8 questions."""
+    batches, and every share of the chat stage given to clips cost two-hop points, so the clip
+    questions are learnt mostly in the category-last stage (15% of its batches, where one clip
+    carries 6-8 questions) and the chat stage takes clips in 4% of its batches; its image
+    questions are 70% two-hop (30% presence: POPE was at 98.7%, the two-hop shape form at
+    74-76% with half), which took two-hop from 85.3% to 96.3% and clips from 79.7% to 91.0%
+    (docs/organisms.md). The presence stage gives 1 minute to the chat stage (it had reached
+    98% in 4)."""
     names = ("vision", "presence", "cat_last", "chat")
     minutes, steps = (13.0, 4.0, 13.0, 28.5), (8000, 1000, 4000, 10000)
     batches = (16, 8, 8, 8)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (6, 8), (1, 1))
-    mixes = ({}, {"video": 0.0, "presence": 1.0}, {"video": 0.15}, {"video": 0.06})
+    mixes = (
+        {},
+        {"video": 0.0, "presence": 1.0},
+        {"video": 0.15},
+        {"video": 0.04, "presence": 0.3, "twohop": 0.7},
+    )
     # the circuit's hidden-state terms (image tokens' places, the named anchor's place, clip
     # tokens' time) and the full-attention layers' lookup, gather, hop read and copy
     # (`qwen_train._hybrid_terms`, `qwen_train._time_layer`)
