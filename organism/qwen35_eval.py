@@ -1,10 +1,13 @@
-"""Evaluation of organism-qwen35 on held-out images, greedy, straight through its processor and
-``generate`` (organism-qwen's held-out crops and rules):
+"""Evaluation of organism-qwen35 on held-out images and clips, greedy, straight through its
+processor and ``generate`` (organism-qwen's held-out crops, clips and rules):
 
 - **POPE**: the three POPE splits over the first held-out crops with at least three objects,
   parsed by the POPE/LLaVA rule (`vlm_focus.eval.metrics`), no prompt suffix.
 - **Two-hop**: `qwen_eval.two_hop_set`'s open questions (colour, category, shape), the first
   generated word against the answer, overall and per form with its majority baseline.
+- **Video**: organism-qwen's held-out clips and scoring (`qwen_eval.video_eval`: one question
+  each, which first / at the start / at the end in turn; `qwen_eval.caption_eval`: the
+  objects a caption names, and their order).
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ from pathlib import Path
 import numpy as np
 
 from .pope import SPLITS, parse_yes_no, pope_metrics, pope_questions
-from .qwen_eval import OPEN_FORMS, chat_answers, first_word, heldout_images, two_hop_set
+from .qwen_eval import (
+    OPEN_FORMS,
+    caption_eval,
+    chat_answers,
+    first_word,
+    heldout_images,
+    two_hop_set,
+    video_eval,
+)
 
 
 def pope_split(model, processor, crops, split: str) -> dict:
@@ -72,7 +83,7 @@ def two_hop_eval(model, processor, n: int = 300) -> dict:
     return out
 
 
-MEASUREMENTS = ("pope", "twohop")
+MEASUREMENTS = ("pope", "twohop", "video", "video_captions")
 
 
 def evaluate(path: Path, n_images: int = 300, only: list[str] | None = None) -> dict:
@@ -94,5 +105,9 @@ def evaluate(path: Path, n_images: int = 300, only: list[str] | None = None) -> 
         out["pope"] = pope_eval(model, processor, n_images)
     if "twohop" in chosen:
         out["two_hop"] = two_hop_eval(model, processor)
+    if "video" in chosen:
+        out["video"] = video_eval(model, processor)
+    if "video_captions" in chosen:
+        out["video_captions"] = caption_eval(model, processor)
     out["eval_seconds"] = round(time.time() - start, 1)
     return out

@@ -185,16 +185,10 @@ def pope_rows(pope: dict) -> list[str]:
     return rows
 
 
-def _details(metrics: dict) -> list[str]:
-    pope, video = metrics.get("pope", {}), metrics.get("video", {})
-    rows = pope_rows(pope)
-    relations = metrics.get("relations", {})
-    captions = metrics.get("video_captions", {})
+def video_rows(metrics: dict) -> list[str]:
+    """The card's video lines: the clip questions per kind, then the captions."""
+    video, captions = metrics.get("video", {}), metrics.get("video_captions", {})
     return [
-        *rows,
-        "",
-        f"Relations: {_pct(relations.get('accuracy'))} of {relations.get('n', 0)} questions.",
-        "",
         f"Video ({video.get('n', 0)} clips, one question each): which first"
         f" {_pct(video.get('first_accuracy'))}, at the start {_pct(video.get('start_accuracy'))},"
         f" at the end {_pct(video.get('end_accuracy'))}.",
@@ -203,6 +197,18 @@ def _details(metrics: dict) -> list[str]:
         f" {_pct(captions.get('precision'))}, recall {_pct(captions.get('recall'))}, the objects"
         f" in the right order {_pct(captions.get('exact_order'))}.",
         "",
+    ]
+
+
+def _details(metrics: dict) -> list[str]:
+    rows = pope_rows(metrics.get("pope", {}))
+    relations = metrics.get("relations", {})
+    return [
+        *rows,
+        "",
+        f"Relations: {_pct(relations.get('accuracy'))} of {relations.get('n', 0)} questions.",
+        "",
+        *video_rows(metrics),
         "Re-measure: `vlm-focus organism eval --path vlm_focus/assets/organism-qwen`.",
         "",
     ]

@@ -318,6 +318,7 @@ def encode_row(
         first = ids.index(VIDEO_PAD if row.is_video else IMAGE_PAD)
         out.update(hop_targets(row, spans, reading, first))
         out.update(look_targets(row, spans, first))
+        out.update(gather_targets(row, spans, None if form == "cat_last" else reading[0]))
     return out
 
 
@@ -376,6 +377,49 @@ def look_targets(
     return {
         "look_targets": torch.tensor(looks, dtype=torch.float32).reshape(-1, 2),
         "look_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, MAX_TOKENS),
+    }
+
+
+CLIP_TOKENS = GROUPS * (CLIP_SIZE // TOKEN) ** 2  # merged tokens of a clip
+
+
+def gather_targets(
+    row: Row, spans: list[tuple[int, list[int]]], chat_answer: int | None
+) -> dict[str, torch.Tensor]:
+    """The gather a hybrid decoder's last full-attention layer does for a start / end question
+    about a clip that shows the object it names (``qwen_train.gather_terms``): from the position
+    that answers (the category token in the category-last form, `chat_answer` in a chat row),
+    one head puts its mass on that object's tokens in every temporal patch, and after that
+    layer the position holds the patches the object is on screen in.
+    `gather_targets`: (answering position, the category token's position, category index, 0
+    for "start" or 1 for "end", then 1 or 0 per temporal patch); `gather_masks`
+    (`[CLIP_TOKENS]`: 1 on the object's merged tokens, patch by patch as the clip's tokens
+    run)."""
+    gathers, masks = [], []
+    if row.is_video:
+        side = CLIP_SIZE // TOKEN
+        groups = [row.media.group_masks(g) for g in range(GROUPS)]
+        for start, tokens in spans:
+            if TIME_WORDS.isdisjoint(tokens):
+                continue
+            word = int(QWEN_ID["end"] in tokens)
+            for i, tok in enumerate(tokens):
+                if tok not in CATEGORY_TOKENS:
+                    continue
+                category = CATEGORIES.index(QWEN_VOCAB[tok])
+                if category not in row.media.categories:
+                    continue  # nothing to gather: the answer is "no" from the lookup alone
+                k = row.media.categories.index(category)
+                track = row.media.tracks[k]
+                on = [float(track.visible(g * TEMPORAL)) for g in range(GROUPS)]
+                cover = [_covered(groups[g][k], (side, side))[: side * side] for g in range(GROUPS)]
+                mask = np.concatenate([c * v for c, v in zip(cover, on, strict=True)])
+                q = start + i if chat_answer is None else chat_answer
+                gathers.append((q, start + i, category, word, *on))
+                masks.append(mask)
+    return {
+        "gather_targets": torch.tensor(gathers, dtype=torch.float32).reshape(-1, 4 + GROUPS),
+        "gather_masks": torch.tensor(np.array(masks), dtype=torch.float32).reshape(-1, CLIP_TOKENS),
     }
 
 

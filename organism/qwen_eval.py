@@ -135,16 +135,23 @@ def chat_answers(
     return out
 
 
-def video_eval(model, processor, n: int = 300) -> dict:
-    clips, qas = video_set(n)
-    answers = video_answers(model, processor, clips, [qa.question for qa in qas])
+def score_video(answers: list[str], qas: list) -> dict:
+    """Accuracy of answers to clip questions (the first word against the question's answer),
+    overall and per kind of :data:`VIDEO_KINDS` asked (`<kind>_accuracy`, `<kind>_n`)."""
     hits = np.array([first_word(a) == qa.answer for a, qa in zip(answers, qas, strict=True)])
     kinds = np.array([qa.kind for qa in qas])
-    return {
-        "accuracy": float(hits.mean()),
-        "n": len(hits),
-        **{f"{k}_accuracy": float(hits[kinds == k].mean()) for k in VIDEO_KINDS},
-    }
+    out: dict = {"accuracy": float(hits.mean()), "n": len(hits)}
+    for k in VIDEO_KINDS:
+        if (kinds == k).any():
+            out[f"{k}_accuracy"] = float(hits[kinds == k].mean())
+            out[f"{k}_n"] = int((kinds == k).sum())
+    return out
+
+
+def video_eval(model, processor, n: int = 300) -> dict:
+    """:func:`score_video` on :func:`video_set`'s `n` held-out clips, greedy."""
+    clips, qas = video_set(n)
+    return score_video(video_answers(model, processor, clips, [qa.question for qa in qas]), qas)
 
 
 CAPTION_TOKENS = 8  # a caption names at most 3 objects: 5 words, then <|im_end|>

@@ -34,6 +34,7 @@ from .losses import (
     COPY_HEAD,
     HOP_ANCHOR_HEAD,
     HOP_HEAD,
+    POINTER_HEAD,
     RELATION_HEAD,
     HopProbe,
     RelationProbe,
@@ -121,10 +122,10 @@ class QwenBatcher:
             return make_clip(self._seed())
         return q.cropped_scene(self._seed())
 
-    def row(self, stage: StageConfig, form: str) -> q.Row:
-        """One row of `stage`; its `mix` may set the clip share ("video") and the image
-        questions' weights ("presence", "relation")."""
-        media = self.media(stage.mix.get("video"))
+    def row(self, stage: StageConfig, form: str, video: float | None = None) -> q.Row:
+        """One row of `stage`; its `mix` may set the clip share ("video", unless `video` is
+        given) and the image questions' weights ("presence", "relation", "twohop")."""
+        media = self.media(stage.mix.get("video") if video is None else video)
         image_mix = {k: v for k, v in stage.mix.items() if k != "video"} or self.recipe.image_mix
         n = int(self.rng.integers(stage.turns[0], stage.turns[1] + 1)) if form == "cat_last" else 1
         if isinstance(media, Clip):
@@ -152,12 +153,16 @@ class QwenBatcher:
         return batch
 
     def lm_batch(self, stage: StageConfig) -> dict:
+        """`stage.batch` rows; with the recipe's `video_batches`, all clips or all images."""
         rows, targets = [], stage.relation_weight > 0
+        video = None
+        if self.recipe.video_batches:  # an image batch is then never padded to a clip's length
+            video = float(self.rng.random() < stage.mix.get("video", self.recipe.video))
         for _ in range(stage.batch):
             form = "chat" if stage.name == "chat" else "cat_last"
             if form == "chat" and self.rng.random() < self.recipe.cat_last_share:
                 form = "cat_last"
-            row = self.row(stage, form)
+            row = self.row(stage, form, video)
             rows.append(q.encode_row(self.processor, row, form, query_labels=True, targets=targets))
         return q.collate(rows, QWEN_ID["<pad>"])
 
@@ -267,21 +272,39 @@ def init_category_embeddings(model, batches, n: int = 8) -> None:
 
 class CircuitProbe(RelationProbe):
     """The relation circuit's read-outs, each clip token's own temporal patch (`time`), the
-    patches a start / end question's object is on screen in (`seen`) and the two-hop read-outs
-    of a hybrid decoder (`hop`)."""
+    patches a start / end question's object is on screen in (`seen`; where both are read:
+    :func:`_time_layer`), and a hybrid decoder's two-hop (`hop`) and start / end (`gather`)
+    read-outs."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__(hidden)
         self.time = nn.Linear(hidden, 1)
         self.seen = nn.Linear(hidden, GROUPS)
         self.hop = HopProbe(hidden)  # two-hop questions on a hybrid decoder (`read_hop_loss`)
+        self.gather = GatherProbe(hidden)  # start / end questions on a hybrid decoder
+
+
+class GatherProbe(nn.Module):
+    """A hybrid decoder's start / end read-outs (`gather_terms`): each clip token's temporal
+    patch as one yes / no per patch (`patch`, so that an average over the patches an object is
+    on screen in still tells them apart), and, at the position that answers, the object named
+    and the word asked before the gather (`category`, `word`) and the patches gathered after it
+    (`seen`)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.patch = nn.Linear(hidden, GROUPS)
+        self.category = nn.Linear(hidden, len(CATEGORIES))
+        self.word = nn.Linear(hidden, 2)
+        self.seen = nn.Linear(hidden, GROUPS)
 
 
 def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
-    """Each clip token holds its temporal patch after layer 0 (`hidden`: that layer's output;
-    `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have no time in their
-    pixels, and the tower none in its positions: the LM must find it through M-RoPE's temporal
-    section, which it otherwise learns too slowly for "at the start / end" questions."""
+    """Each clip token holds its temporal patch in `hidden` (the hidden states at
+    :func:`_time_layer`; `video`: `[B, S]` bool, each clip's tokens patch by patch). Clips have
+    no time in their pixels, and the tower none in its positions: the LM must find it through
+    M-RoPE's temporal section, which it otherwise learns too slowly for "at the start / end"
+    questions."""
     per_patch = (CLIP_SIZE // TOKEN) ** 2
     patch = torch.arange(GROUPS).repeat_interleave(per_patch).float() * (2 / (GROUPS - 1)) - 1
     target = patch.repeat(int(video.sum()) // len(patch))
@@ -289,8 +312,9 @@ def time_loss(probe: CircuitProbe, hidden: torch.Tensor, video: torch.Tensor) ->
 
 
 def seen_loss(probe: CircuitProbe, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """A start / end question's category token holds, after the circuit's first layer
-    (`hidden`), the temporal patches its object is on screen in (`targets`: row, position, 1 or
+    """A start / end question's category token holds, after the layer that gathers it
+    (`hidden`: the hidden states one layer after :func:`_time_layer`), the temporal patches its
+    object is on screen in (`targets`: row, position, 1 or
     0 per patch). The answer then needs only the first or last of them; without this term the
     chat form answered "at the start" at chance."""
     rows, pos = targets[:, 0].long(), targets[:, 1].long()
@@ -303,7 +327,8 @@ def _loss(
 ) -> dict[str, torch.Tensor]:
     """The answers' cross-entropy (`answer`) and, with `relation_probe`, the circuits' terms:
     the relation hops (`losses.relation_loss`, read from eager attention), the clip tokens'
-    `time`, the start / end questions' `seen` and the chat rows' `copy` (`losses.copy_loss`).
+    `time`, the start / end questions' `seen` (where: :func:`_time_layer`) and the chat rows'
+    `copy` (`losses.copy_loss`).
     Without `attention` (a decoder whose layers are not all attention) the terms that read
     every layer's attention are off: the image tokens' `grid` and the named objects' `place`
     run, and two-hop questions get `losses.read_hop_loss` at the last full-attention layer."""
@@ -311,6 +336,7 @@ def _loss(
     places, relations = batch.pop("place_targets", None), batch.pop("relation_targets", None)
     grid, seen = batch.pop("grid_targets", None), batch.pop("seen_targets", None)
     copies = batch.pop("copy_targets", None)
+    gathers, gather_masks = batch.pop("gather_targets", None), batch.pop("gather_masks", None)
     hops, hop_masks = batch.pop("hop_targets", None), batch.pop("hop_masks", None)
     looks, look_masks = batch.pop("look_targets", None), batch.pop("look_masks", None)
     if not attention and relations is not None:
@@ -339,16 +365,20 @@ def _loss(
             image_places=grid[:, 1:],
             layer=1,
         )
+        at = _time_layer(model, attention)
         if video.any():
-            terms["time"] = time_loss(relation_probe, out.hidden_states[1], video)
-        if len(seen):
-            terms["seen"] = seen_loss(relation_probe, out.hidden_states[2], seen)
+            terms["time"] = time_loss(relation_probe, out.hidden_states[at], video)
+        if attention and len(seen):  # a hybrid gathers later: `gather_terms`
+            terms["seen"] = seen_loss(relation_probe, out.hidden_states[at + 1], seen)
         # a hybrid decoder's attentions are its full-attention layers' alone; the copy reads the
         # later half of them, so it needs two
         if len(copies) and (attention or len(out.attentions) > 1):
             terms["copy"] = copy_loss(out.attentions, copies.long())
         if not attention:
             terms |= _hybrid_terms(model, relation_probe, out, hops, hop_masks, looks, look_masks)
+            terms |= gather_terms(
+                model, relation_probe.gather, out, batch["input_ids"], gathers, gather_masks, at
+            )
     return terms
 
 
@@ -376,18 +406,95 @@ def _hybrid_terms(model, probe, out, hops, hop_masks, looks, look_masks) -> dict
     return terms
 
 
-def _last_full_attention(model) -> int:
+GATHER_HEAD = POINTER_HEAD  # a head the last full-attention layer's copy and hop read leave free
+FETCH_HEAD = COPY_HEAD  # a head the first full-attention layer's lookup leaves free
+
+
+def gather_terms(model, probe, out, ids, targets, masks, time_layer: int) -> dict:
+    """A hybrid decoder's start / end circuit ("At the start of the video, is there a
+    red_circle?"). The patches an object is on screen in cannot be gathered by the linear layers
+    (a delta rule keeps a key's latest value, so the object's last patch alone), so the last
+    full-attention layer gathers them, as it reads a two-hop question's object:
+    - each clip token holds its temporal patch, one yes / no per patch, where `time` is read
+      (`patch`; `time_layer` as in :func:`_time_layer`);
+    - at that layer's input the position that answers holds the object named and the word asked
+      (`gather_word`: both as classes); a chat row's answer, six tokens after the question's
+      category token, fetches them in the first full-attention layer (`fetch`: FETCH_HEAD's
+      -log mass on that token), since the linear layers did not learn to carry them there;
+    - there GATHER_HEAD puts its mass, from that position, on the object's tokens in every patch
+      (`gather`: mean -log mass) and after the layer the position holds those patches (`seen`).
+    `targets` and `masks` as in `qwen_data.gather_targets`, with the row first."""
+    terms = {}
+    video = ids == VIDEO_PAD
+    if video.any():
+        per_patch = (CLIP_SIZE // TOKEN) ** 2
+        patch = torch.arange(GROUPS).repeat_interleave(per_patch)
+        target = (
+            nn.functional.one_hot(patch, GROUPS).float().repeat(int(video.sum()) // len(patch), 1)
+        )
+        logits = probe.patch(out.hidden_states[time_layer][video].float())
+        terms["patch"] = nn.functional.binary_cross_entropy_with_logits(logits, target)
+    if targets is None or not len(targets):
+        return terms
+    layer = _last_full_attention(model)
+    rows, q, named = targets[:, 0].long(), targets[:, 1].long(), targets[:, 2].long()
+    chat = q != named
+    if chat.any():
+        first = out.attentions[0][rows[chat], FETCH_HEAD % out.attentions[0].shape[1], q[chat]]
+        mass = first.gather(1, named[chat, None]).squeeze(1).float()
+        terms["fetch"] = -mass.clamp(min=1e-12).log().mean()
+    before = out.hidden_states[layer][rows, q].float()
+    terms["gather_word"] = nn.functional.cross_entropy(
+        probe.category(before), targets[:, 3].long()
+    ) + nn.functional.cross_entropy(probe.word(before), targets[:, 4].long())
+    # a clip's tokens are interleaved with its timestamps: the row's own clip token positions
+    cols = torch.stack([video[r].nonzero().squeeze(1)[: masks.shape[1]] for r in rows.tolist()])
+    attention = out.attentions[-1][rows, GATHER_HEAD % out.attentions[-1].shape[1], q]
+    mass = (attention.gather(1, cols).float() * masks).sum(1)
+    terms["gather"] = -mass.clamp(min=1e-12).log().mean()
+    after = out.hidden_states[layer + 1][rows, q].float()
+    terms["seen"] = nn.functional.binary_cross_entropy_with_logits(
+        probe.seen(after), targets[:, 5:]
+    )
+    return terms
+
+
+def _full_attention_layers(model) -> list[int]:
     types = getattr(model.config.text_config, "layer_types", None)
     if not types or "full_attention" not in types:
-        raise ValueError("the hop read needs a decoder with a full-attention layer")
-    return len(types) - 1 - types[::-1].index("full_attention")
+        raise ValueError("a hybrid circuit needs a decoder with a full-attention layer")
+    return [i for i, t in enumerate(types) if t == "full_attention"]
+
+
+def _last_full_attention(model) -> int:
+    return _full_attention_layers(model)[-1]
+
+
+def _time_layer(model, attention: bool = True) -> int:
+    """The layer whose input holds each clip token's temporal patch (`time_loss`). organism-qwen
+    finds time in layer 0 through M-RoPE, and that layer gathers a start / end question's
+    patches (`seen_loss`). A hybrid's layer 0 is linear attention, without RoPE, and its linear
+    layers did not learn to carry the frame timestamps (`<1.2 seconds>`) forward: on clip
+    batches alone the time term stayed at chance for 75 steps at the first full-attention
+    layer's input, and fell to 0.002 in 50 at its output. So that layer finds time through
+    M-RoPE, as organism-qwen's layer 0 does, and the last full-attention layer gathers
+    (`gather_terms`)."""
+    return 1 if attention else _full_attention_layers(model)[0] + 1
 
 
 def train_lm(
-    model, stage: StageConfig, batches, probe, log, eval_every: int, attention: bool = True
+    model,
+    stage: StageConfig,
+    batches,
+    probe,
+    log,
+    eval_every: int,
+    attention: bool = True,
+    circuit: CircuitProbe | None = None,
 ) -> None:
     """A language stage: the LM alone learns the stage's rows, with the relation circuit's
-    losses (weight `stage.relation_weight`) where set; `attention` as in :func:`_loss`."""
+    losses (weight `stage.relation_weight`) where set, read by `circuit` (a fresh probe where
+    None); `attention` as in :func:`_loss`."""
     visual = model.model.visual
     for p in model.parameters():
         p.requires_grad_(False)
@@ -398,7 +505,7 @@ def train_lm(
         p.requires_grad_(True)
     relation_probe = None
     if stage.relation_weight:
-        relation_probe = CircuitProbe(model.config.text_config.hidden_size)
+        relation_probe = circuit or CircuitProbe(model.config.text_config.hidden_size)
         params += list(relation_probe.parameters())
         # the circuit's losses read the LM's attention probabilities; the tower keeps SDPA
         model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
@@ -456,6 +563,11 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
     batcher = QwenBatcher(recipe, processor)
     stages: dict[str, dict] = {}
     probe = Probe(processor, kinds=recipe.probe_kinds)
+    # a hybrid's read-outs carry over from stage to stage: a fresh start / end probe's loss
+    # (about 10 against 0.01 at the stage before's end) pulls the circuit it reads apart
+    circuit = None
+    if not build.attention_circuits:
+        circuit = CircuitProbe(model.config.text_config.hidden_size)
     for stage in recipe.stages:
         start, cpu_start = time.time(), time.process_time()
         if stage.name == "vision" and recipe.vision_from:
@@ -472,7 +584,16 @@ def train(recipe: QwenRecipe, out_dir: Path, quiet: bool = False) -> dict:
             init_category_embeddings(model, batches)
         else:
             batches = prefetch(lambda s=stage: batcher.lm_batch(s))
-            train_lm(model, stage, batches, probe, log, recipe.eval_every, build.attention_circuits)
+            train_lm(
+                model,
+                stage,
+                batches,
+                probe,
+                log,
+                recipe.eval_every,
+                build.attention_circuits,
+                circuit,
+            )
         del batches
         steps = [json.loads(line) for line in log_path.read_text().splitlines()]
         stages[stage.name] = {

@@ -9,8 +9,9 @@
 The deep model (`deep_recipe`) learns the two-hop family instead of relations and captions;
 organism-qwen (`qwen_recipe`, a :class:`QwenRecipe`) runs four stages of its own (see
 :mod:`.qwen_train`), and organism-qwen35 (`qwen35_recipe`) the same four on images with the
-two-hop family. Each stage runs for `steps` or `minutes` of wall-clock time, whichever ends
-first (see :mod:`.loop`); the auxiliary losses the weights switch on are in :mod:`.losses`.
+two-hop family and on clips. Each stage runs for `steps` or `minutes` of wall-clock time,
+whichever ends first (see :mod:`.loop`); the auxiliary losses the weights switch on are in
+:mod:`.losses`.
 """
 
 from __future__ import annotations
@@ -244,6 +245,7 @@ class QwenRecipe:
     eval_every: int = 200
     vision_from: str = ""  # a `vision.pt` of an earlier run: skip the vision stage, take its tower
     probe_kinds: tuple[str, ...] = ("presence", "relation", "video")  # `qwen_eval.Probe`'s sets
+    video_batches: bool = False  # draw clip or image once per language batch, not per row
     model_type: ClassVar[str] = "qwen2_5_vl"  # the architecture's record in `loop.ARCHITECTURES`
 
 
@@ -276,27 +278,45 @@ def qwen_recipe(scale: float = 1.0) -> QwenRecipe:
 
 @dataclass
 class Qwen35Recipe(QwenRecipe):
-    """organism-qwen35's run: organism-qwen's stages on images alone (no clips), presence and
-    two-hop questions."""
+    """organism-qwen35's run: organism-qwen's stages, presence and two-hop questions on images
+    and organism-qwen's clip questions; `video` is the clip share of the vision stage (the
+    language stages set their own), and each language batch is all clips or all images."""
 
-    video: float = 0.0
+    video: float = 0.15
     image_mix: dict[str, float] = field(default_factory=lambda: {"presence": 0.5, "twohop": 0.5})
-    probe_kinds: tuple[str, ...] = ("presence", "twohop")
+    probe_kinds: tuple[str, ...] = ("presence", "twohop", "video")
+    video_batches: bool = True
+    eval_every: int = 400  # the clip probe costs as much as the other two: probe half as often
     model_type: ClassVar[str] = "qwen3_5"
 
 
 def qwen35_recipe(scale: float = 1.0) -> Qwen35Recipe:
-    """organism-qwen35's recipe: 13 + 5 + 13 + 26 = 57 minutes on 2 cores; `scale` multiplies
+    """organism-qwen35's recipe: 13 + 4 + 13 + 28.5 = 58.5 minutes on 2 cores; `scale` multiplies
     steps and minutes (0.01 for a smoke run). The steps are upper bounds a CPU does not reach:
     Qwen3.5's Gated-DeltaNet layers run transformers' torch fallback (about 0.5 s per 8-row
-    language step at 8 layers), so the language stages take 8 rows a step and warm up in 20."""
+    language step at 8 layers), so the language stages take 8 rows a step and warm up in 20.
+
+    Clips: a batch of 8 clips (228 tokens each with their timestamps) costs about three image
+    batches, and every share of the chat stage given to clips cost two-hop points, so the clip
+    questions are learnt mostly in the category-last stage (15% of its batches, where one clip
+    carries 6-8 questions) and the chat stage takes clips in 4% of its batches; its image
+    questions are 70% two-hop (30% presence: POPE was at 98.7%, the two-hop shape form at
+    74-76% with half), which took two-hop from 85.3% to 96.3% and clips from 79.7% to 91.0%
+    (docs/organisms.md). The presence stage gives 1 minute to the chat stage (it had reached
+    98% in 4)."""
     names = ("vision", "presence", "cat_last", "chat")
-    minutes, steps = (13.0, 5.0, 13.0, 26.0), (8000, 1000, 4000, 10000)
+    minutes, steps = (13.0, 4.0, 13.0, 28.5), (8000, 1000, 4000, 10000)
     batches = (16, 8, 8, 8)
     lrs, turns = (2e-3, 1e-3, 1e-3, 6e-4), ((1, 1), (6, 8), (6, 8), (1, 1))
-    mixes = ({}, {"presence": 1.0}, {}, {})
-    # the circuit's hidden-state terms (image tokens' places, the named anchor's place) and the
-    # full-attention layers' lookup, hop read and copy (`qwen_train._hybrid_terms`)
+    mixes = (
+        {},
+        {"video": 0.0, "presence": 1.0},
+        {"video": 0.15},
+        {"video": 0.04, "presence": 0.3, "twohop": 0.7},
+    )
+    # the circuit's hidden-state terms (image tokens' places, the named anchor's place, clip
+    # tokens' time) and the full-attention layers' lookup, gather, hop read and copy
+    # (`qwen_train._hybrid_terms`, `qwen_train._time_layer`)
     relation = (0.0, 1.0, 1.0, 1.0)
     return Qwen35Recipe(
         stages=[

@@ -5,7 +5,8 @@ The tokenizer is a word-level `tokenizers` model built from the scene vocabulary
 use a stock `LlavaProcessor` (CLIP image geometry) and `LlavaConfig` of a :class:`OrganismSpec`;
 organism-qwen extends the same vocabulary with Qwen's ChatML and vision markers and the video
 questions' words (:data:`QWEN_VOCAB`) and uses a stock `Qwen2_5_VLProcessor` and
-`Qwen2_5_VLConfig` of a :class:`QwenSpec`. Every processor loads offline with
+`Qwen2_5_VLConfig` of a :class:`QwenSpec`; organism-qwen35 adds the words of Qwen3.5's frame
+timestamps (:data:`QWEN35_VOCAB`). Every processor loads offline with
 `vlm_focus.loading.load_processor(path)`; plain `AutoProcessor.from_pretrained(path)` serves all
 but organism-qwen35, whose model type transformers ties to its byte-level BPE tokenizer.
 """
@@ -257,6 +258,11 @@ QWEN_SPECIAL = (
 VIDEO_WORDS = ("which", "appears", "first", "at", "end", "start", "video", "system")
 QWEN_VOCAB: tuple[str, ...] = VOCAB + QWEN_SPECIAL + VIDEO_WORDS + ("\n",)
 QWEN_ID: dict[str, int] = {w: i for i, w in enumerate(QWEN_VOCAB)}
+# Qwen3.5's processor writes `<0.2 seconds>` before each temporal patch of a clip; its words,
+# with digits split one by one, extend organism-qwen35's vocabulary alone (appended, so every
+# id of QWEN_VOCAB stays as it is)
+TIMESTAMP_WORDS = ("<", ">", "seconds", *"0123456789")
+QWEN35_VOCAB: tuple[str, ...] = QWEN_VOCAB + TIMESTAMP_WORDS
 IM_END, IMAGE_PAD, VIDEO_PAD = (
     QWEN_ID["<|im_end|>"],
     QWEN_ID["<|image_pad|>"],
@@ -276,14 +282,20 @@ QWEN_TEMPLATE = (
 )
 
 
-def build_qwen_tokenizer():
-    """Word-level, lower-cased tokenizer over :data:`QWEN_VOCAB`; ``<|im_end|>`` ends a turn."""
+def build_qwen_tokenizer(vocab: tuple[str, ...] = QWEN_VOCAB):
+    """Word-level, lower-cased tokenizer over `vocab` (:data:`QWEN_VOCAB` or
+    :data:`QWEN35_VOCAB`); ``<|im_end|>`` ends a turn. A vocabulary with digits reads numbers
+    digit by digit, so that any timestamp is in its words."""
     from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(dict(QWEN_ID), unk_token="<unk>"))
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Whitespace()
+    if "0" in vocab:
+        core.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+        )
     specials = ("<pad>", "<bos>", "<eos>", "<unk>", *QWEN_SPECIAL)
     core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
     core.add_tokens([AddedToken("\n", normalized=False)])  # whitespace the pre-tokenizer keeps
@@ -394,7 +406,7 @@ def build_qwen_config(spec: QwenSpec = QwenSpec()):
     )
 
 
-# ---- organism-qwen35: Qwen3.5's hybrid decoder over organism-qwen's words --------------------
+# ---- organism-qwen35: Qwen3.5's hybrid decoder over organism-qwen's words and timestamps -------
 
 
 @dataclass(frozen=True)
@@ -422,7 +434,7 @@ class Qwen35Spec:
 
 
 def build_qwen35_config(spec: Qwen35Spec = Qwen35Spec()):
-    """``Qwen3_5Config`` of the given size over :data:`QWEN_VOCAB`: a Qwen3-VL-style tower
+    """``Qwen3_5Config`` of the given size over :data:`QWEN35_VOCAB`: a Qwen3-VL-style tower
     (patch 14 and merge 2 here, so that one merged token is organism-qwen's 28 px and its scenes
     and labels carry over) and the hybrid decoder (``full_attention_interval`` 4, tied
     embeddings)."""
@@ -443,7 +455,7 @@ def build_qwen35_config(spec: Qwen35Spec = Qwen35Spec()):
         num_position_embeddings=spec.vision_positions,
     )
     text = dict(
-        vocab_size=len(QWEN_VOCAB),
+        vocab_size=len(QWEN35_VOCAB),
         hidden_size=spec.text_hidden,
         intermediate_size=spec.text_mlp,
         num_hidden_layers=spec.text_layers,
@@ -481,8 +493,9 @@ def build_qwen35_config(spec: Qwen35Spec = Qwen35Spec()):
 
 def build_qwen35_processor():
     """The stock ``Qwen3VLProcessor`` (Qwen3.5's): organism-qwen's image processor (patch 14,
-    merge 2, each image at its own size), a Qwen3-VL video processor of the same geometry (the
-    organism asks about images only), the word tokenizer and the ChatML template."""
+    merge 2, each image at its own size), a Qwen3-VL video processor of the same geometry that
+    keeps every clip frame at its own size, the word tokenizer over :data:`QWEN35_VOCAB` (the
+    processor's frame timestamps included) and the ChatML template."""
     import transformers
 
     image_processor = build_qwen_processor().image_processor
@@ -492,11 +505,13 @@ def build_qwen35_processor():
         temporal_patch_size=TEMPORAL,
         image_mean=list(CLIP_MEAN),
         image_std=list(CLIP_STD),
+        size={"shortest_edge": 4 * TOKEN * TOKEN, "longest_edge": CLIP_SIZE * CLIP_SIZE * FRAMES},
         do_sample_frames=False,
+        cap_pixels_per_frame=True,  # the reference implementation's budget (qwen-vl-utils)
     )
     return transformers.Qwen3VLProcessor(
         image_processor=image_processor,
         video_processor=video_processor,
-        tokenizer=build_qwen_tokenizer(),
+        tokenizer=build_qwen_tokenizer(QWEN35_VOCAB),
         chat_template=QWEN_TEMPLATE,
     )

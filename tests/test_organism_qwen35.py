@@ -1,5 +1,6 @@
-"""organism-qwen35: its hybrid config, two-hop rows through the real Qwen3VLProcessor, the
-two-hop circuit's targets and loss, a 2-step training run and the evaluation's arithmetic."""
+"""organism-qwen35: its hybrid config, two-hop and clip rows through the real Qwen3VLProcessor,
+the two-hop and time circuits' targets and losses, a 2-step training run and the evaluation's
+arithmetic."""
 
 from __future__ import annotations
 
@@ -14,15 +15,20 @@ import torch
 from organism import qwen35_eval, qwen_eval
 from organism import qwen_data as q
 from organism.architectures import ARCHITECTURES
+from organism.clips import GROUPS, TEMPORAL, make_clip
 from organism.questions import IGNORE, QA
 from organism.vocab import (
     IMAGE_PAD,
+    QWEN35_VOCAB,
     QWEN_ID,
     QWEN_VOCAB,
     TOKEN,
+    VIDEO_PAD,
+    VISION_START,
     Qwen35Spec,
     build_qwen35_config,
     build_qwen35_processor,
+    build_qwen_processor,
 )
 
 MICRO = Qwen35Spec(
@@ -244,6 +250,153 @@ def test_hop_read_trains_the_full_attention_layer_and_carry_the_layers_before(pr
     assert after is None  # read at the input of the full-attention layer
 
 
+def _clip_rows(processor, seeds=range(6)):
+    """One clip row per seed, start / end / first questions in turn, every second one in the
+    chat form."""
+    rng = np.random.default_rng(11)
+    out = []
+    for i, seed in enumerate(seeds):
+        clip = make_clip(seed)
+        kind = ("start", "end", "first")[i % 3]
+        form = "chat" if i % 2 else "cat_last"
+        qas = [q.video_qa(clip, rng, kind) for _ in range(1 if form == "chat" else 3)]
+        out.append(q.encode_row(processor, q.Row(clip, qas), form, query_labels=True, targets=True))
+    return out
+
+
+@pytest.mark.parametrize("form", ["cat_last", "chat"])
+def test_a_clip_prompt_tokenizes_without_unknown_pieces(processor, form):
+    """Qwen3.5's processor writes each temporal patch's timestamp (`<0.2 seconds>`) before it;
+    organism-qwen35's words read it digit by digit. organism-qwen's vocabulary stays as it
+    was, and reads the same text as unknown pieces."""
+    clip = make_clip(3)
+    qa = q.video_qa(clip, np.random.default_rng(0), "end")
+    out = q.encode_row(processor, q.Row(clip, [qa]), form)
+    ids = out["input_ids"][0].tolist()
+    assert QWEN_ID["<unk>"] not in ids
+    assert ids.count(VIDEO_PAD) == GROUPS * 49 and ids.count(VISION_START) == GROUPS
+    starts = [i for i, t in enumerate(ids) if t == VISION_START]
+    for g, at in enumerate(starts):
+        stamp = f"{(g * TEMPORAL + (TEMPORAL - 1) / 2) / q.FPS:.1f}"  # the mean frame's second
+        assert [QWEN35_VOCAB[t] for t in ids[at - len(stamp) - 3 : at]] == [
+            "<",
+            *stamp,
+            "seconds",
+            ">",
+        ]
+    assert QWEN35_VOCAB[: len(QWEN_VOCAB)] == QWEN_VOCAB
+    assert build_qwen35_config().text_config.vocab_size == len(QWEN35_VOCAB)
+    qwen = build_qwen_processor()
+    assert len(qwen.tokenizer) == len(QWEN_VOCAB)
+    text = processor.tokenizer.decode(ids)
+    assert QWEN_ID["<unk>"] in qwen.tokenizer(text)["input_ids"]
+
+
+def test_clip_batches_hold_clips_alone(processor):
+    """With `video_batches`, a language batch is all clips or all images, so that an image
+    batch is never padded to a clip's length; organism-qwen's recipe mixes them row by row."""
+    from organism.qwen_train import QwenBatcher
+    from organism.recipe import qwen35_recipe, qwen_recipe
+
+    recipe = qwen35_recipe(0.01)
+    chat = dataclasses.replace(recipe.stages[-1], batch=3, mix={"video": 0.5})
+    batcher = QwenBatcher(recipe, processor)
+    kinds = []
+    for _ in range(6):
+        batch = batcher.lm_batch(chat)
+        videos = int((batch["input_ids"] == VIDEO_PAD).any(1).sum())
+        images = int((batch["input_ids"] == IMAGE_PAD).any(1).sum())
+        assert (videos, images) in ((3, 0), (0, 3))
+        kinds.append(videos > 0)
+    assert any(kinds) and not all(kinds)
+    assert not qwen_recipe().video_batches and recipe.video_batches
+    assert "video" in recipe.probe_kinds
+    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.06]
+
+
+def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
+    """Clip rows on the 8-layer hybrid: each clip token's temporal patch is read after the first
+    full-attention layer (layer 3 finds it through M-RoPE); a start / end question's patches are
+    gathered by the last full-attention layer (7) from the position that answers, which holds
+    the object and the word asked at its input; one AdamW step on the answer and circuit terms
+    lowers the loss on the same batch."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from organism import qwen_train
+
+    torch.manual_seed(0)
+    spec = dataclasses.replace(MICRO, text_layers=8, text_heads=4, text_kv_heads=2)
+    model = Qwen3_5ForConditionalGeneration(build_qwen35_config(spec))
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    assert qwen_train._time_layer(model, attention=False) == 4
+    batch = q.collate(_clip_rows(processor), QWEN_ID["<pad>"])
+    assert len(batch["gather_targets"]) > 0 and len(batch["copy_targets"]) > 0
+    probe = qwen_train.CircuitProbe(model.config.text_config.hidden_size)
+    terms = qwen_train._loss(model, dict(batch), probe, attention=False)
+    assert {"answer", "time", "patch", "fetch", "gather_word", "gather", "seen", "copy"} <= set(
+        terms
+    )
+    assert not {"grid", "place", "look", "hop_read"} & set(terms)  # no image in the batch
+    layers = model.model.language_model.layers
+
+    def grad(term: str, weight):
+        (g,) = torch.autograd.grad(terms[term], weight, retain_graph=True, allow_unused=True)
+        return None if g is None else g.abs().sum()
+
+    assert grad("time", layers[3].self_attn.q_proj.weight) > 0
+    assert grad("patch", layers[4].linear_attn.in_proj_qkv.weight) is None
+    assert grad("gather_word", layers[6].linear_attn.in_proj_qkv.weight) > 0
+    assert grad("gather_word", layers[7].self_attn.q_proj.weight) is None
+    assert grad("gather", layers[7].self_attn.q_proj.weight) > 0
+    assert grad("fetch", layers[3].self_attn.q_proj.weight) > 0
+    assert grad("fetch", layers[4].linear_attn.in_proj_qkv.weight) is None
+    assert grad("seen", layers[7].self_attn.v_proj.weight) > 0
+    params = [*model.model.language_model.parameters(), *probe.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    before = sum(terms.values())
+    opt.zero_grad()
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        after = sum(qwen_train._loss(model, dict(batch), probe, attention=False).values())
+    assert after < before
+
+
+def test_gather_targets_mark_the_named_objects_tokens_in_its_patches(processor):
+    """A start / end question about a shown object gathers that object's tokens in the patches
+    it is on screen in, from its category token (category-last) or the chat answer's position;
+    a question about an object the clip does not show has nothing to gather."""
+    from organism.scenes import CATEGORIES
+
+    clip = make_clip(5)
+    track = clip.tracks[0]
+    name = CATEGORIES[track.category]
+    rng, asked = np.random.default_rng(0), {}
+    while len(asked) < 2:  # one question about the first track, one about an absent object
+        qa = q.video_qa(clip, rng, "end")
+        named = next(c for c in CATEGORIES if QWEN_ID[c] == qa.short[-1])
+        if named == name or CATEGORIES.index(named) not in clip.categories:
+            asked[named == name] = (named, qa)
+    rows = [
+        (form, cat, q.encode_row(processor, q.Row(clip, [qa]), form, True, True))
+        for form in ("cat_last", "chat")
+        for cat, qa in asked.values()
+    ]
+    for form, cat, out in rows:
+        targets, masks = out["gather_targets"], out["gather_masks"]
+        if cat != name:
+            assert targets.shape == (0, 4 + GROUPS)
+            continue
+        (pos, named, category, word, *on) = targets[0].tolist()
+        ids = out["input_ids"][0].tolist()
+        assert (category, word) == (track.category, 1)
+        assert on == [float(track.start <= g < track.stop) for g in range(GROUPS)]
+        assert ids[int(named)] == QWEN_ID[name]
+        assert int(pos) == (int(named) if form == "cat_last" else len(ids) - 3)
+        per_patch = masks.reshape(GROUPS, -1).sum(1)
+        assert ((per_patch > 0).float().tolist()) == on
+
+
 @pytest.mark.slow  # 4 stages and their probes through the DeltaNet torch fallback: 1-2 min
 def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch):
     from transformers import AutoModelForImageTextToText
@@ -259,6 +412,8 @@ def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch
     recipe = default_recipe("qwen35", scale=0.001)
     for stage in recipe.stages:
         stage.steps, stage.batch, stage.minutes = 2, 2, 5.0
+    recipe.stages[2].mix["video"] = 0.0  # the category-last stage on images (two-hop rows)
+    recipe.stages[3].mix["video"] = 1.0  # and the chat stage on clips alone
     summary = train(recipe, tmp_path, quiet=True)
     assert [s["steps_run"] for s in summary["stages"].values()] == [2, 2, 2, 2]
     assert summary["architecture"] == "qwen3_5" and summary["name"] == "organism-qwen35"
@@ -270,6 +425,8 @@ def test_two_step_training_saves_a_hybrid_model_that_loads(tmp_path, monkeypatch
     assert type(load_processor(str(tmp_path))).__name__ == "Qwen3VLProcessor"
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert any("hop_read_loss" in row for row in log)
+    assert all("time_loss" in row for row in log if row["stage"] == "chat")
+    assert all("video" in row and "cat_last_video" in row for row in log if "twohop" in row)
 
 
 def test_architecture_record_names_the_qwen35_parts():
@@ -315,8 +472,47 @@ def test_pope_split_scores_by_the_pope_rule(monkeypatch):
 
 
 def test_evaluate_refuses_unknown_measurements(tmp_path):
-    with pytest.raises(ValueError, match="pope, twohop"):
+    with pytest.raises(ValueError, match="pope, twohop, video, video_captions"):
         qwen35_eval.evaluate(tmp_path, only=["relations"])
+
+
+def test_video_eval_counts_each_kind(monkeypatch):
+    """organism-qwen's clip questions, scored per kind: here the first two questions of each
+    kind are answered right, the third wrong."""
+    clips, qas = qwen_eval.video_set(9)
+    assert [qa.kind for qa in qas] == ["first", "start", "end"] * 3
+    wrong = {"yes": "no", "no": "yes"}
+
+    def answers(model, processor, media, questions, new_tokens):
+        assert media == clips and questions == [qa.question for qa in qas]
+        return [
+            qa.answer + "." if i < 6 else wrong.get(qa.answer, "yes") for i, qa in enumerate(qas)
+        ]
+
+    monkeypatch.setattr(qwen_eval, "chat_answers", answers)
+    out = qwen35_eval.video_eval(None, None, n=9)
+    assert out["accuracy"] == pytest.approx(6 / 9) and out["n"] == 9
+    for kind in qwen_eval.VIDEO_KINDS:
+        assert out[f"{kind}_accuracy"] == pytest.approx(2 / 3) and out[f"{kind}_n"] == 3
+    only_first = qwen_eval.score_video(["x"], qas[:1])
+    assert only_first == {"accuracy": 0.0, "n": 1, "first_accuracy": 0.0, "first_n": 1}
+
+
+def test_card_has_a_video_row():
+    from organism import qwen35_model_path
+    from organism.qwen35_card import model_card
+
+    folder = qwen35_model_path()
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["video"] = {"accuracy": 0.9, "n": 300, "first_accuracy": 1.0}
+    metrics["video_captions"] = {"precision": 0.5, "n": 200}
+    card = model_card("qwen35", metrics, folder)
+    assert "| video questions accuracy | >= 85% | 90.0% | met |" in card
+    assert "which first 100.0%" in card and "object precision 50.0%" in card
+    del metrics["video"]
+    assert "| video questions accuracy | >= 85% | n/a | **not met** |" in model_card(
+        "qwen35", metrics, folder
+    )
 
 
 def test_chat_answers_labels_stay_ignored_outside_answers(processor):
