@@ -311,7 +311,9 @@ def test_clip_batches_hold_clips_alone(processor):
     assert any(kinds) and not all(kinds)
     assert not qwen_recipe().video_batches and recipe.video_batches
     assert "video" in recipe.probe_kinds
-    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.06]
+    assert [s.mix.get("video") for s in recipe.stages] == [None, 0.0, 0.15, 0.04]
+    # the chat stage's image rows: 70% two-hop
+    assert recipe.stages[-1].mix == {"video": 0.04, "presence": 0.3, "twohop": 0.7}
 
 
 def test_a_clip_batch_trains_one_step_on_the_hybrid(processor):
