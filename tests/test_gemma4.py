@@ -261,7 +261,7 @@ def test_layout_one_view_per_video_frame():
     "attn,layer,pruner,video_pruner",
     [
         ("sdpa", 1, "fastv", "auto"),
-        ("eager", 0, "fastv", "auto"),
+        ("eager", 0, "fastv", "auto"),  # auto: diverse on the videos
         ("sdpa", 2, "fastv", None),
         ("eager", 1, "random", "diverse"),
     ],

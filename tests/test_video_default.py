@@ -1,5 +1,5 @@
 """The video default: a prompt that carries a video is pruned by ``video_pruner`` (``"auto"``:
-``diverse`` while ``pruner`` is the default ``fastv`` and pruning starts after layer 0), an image
+``diverse`` while ``pruner`` is the default ``fastv``, at any layer), an image
 prompt by ``pruner``, each row of a mixed batch by its own; the pruned run still equals the
 masked reference; bad values name the option; the command line and ``to_dict`` carry it."""
 
@@ -79,9 +79,9 @@ def test_video_pruner_none_or_a_name_or_another_pruner_chooses_the_video_pruner(
     fastv, names = _kept(model, video, video_pruner=None)
     assert names == ["fastv", "fastv"]
     assert _equal(fastv, _kept(model, video, video_pruner="fastv")[0])
-    # a pruner the caller names runs on videos too; so does fastv at layer 0
+    # a pruner the caller names runs on videos too; the default at layer 0 is diverse's
     assert _kept(model, video, pruner="random")[1] == ["random", "random"]
-    assert _kept(model, video, layer=0)[1] == ["fastv", "fastv"]
+    assert _kept(model, video, layer=0)[1] == ["diverse", "diverse"]
     # a named video pruner runs on videos whatever pruner is, with its own defaults
     temporal, names = _kept(model, video, pruner="random", video_pruner="temporal")
     assert names == ["temporal", "temporal"]
@@ -121,7 +121,7 @@ def test_the_video_default_equals_the_masked_reference(kind, case, attn):
 def test_the_rule_of_pruner_for_video():
     assert FocusConfig().pruner_for_video == "diverse"
     assert FocusConfig(layer=(2, 8), keep=(0.5, 0.25)).pruner_for_video == "diverse"
-    assert FocusConfig(layer=0).pruner_for_video == "fastv"
+    assert FocusConfig(layer=0).pruner_for_video == "diverse"
     assert FocusConfig(pruner="text").pruner_for_video == "text"
     assert FocusConfig(video_pruner=None).pruner_for_video == "fastv"
     assert FocusConfig(pruner="text", video_pruner="temporal").pruner_for_video == "temporal"

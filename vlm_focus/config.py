@@ -19,9 +19,10 @@ POSITIONS = ("original", "compact")
 #: ``video_pruner``'s default: the measured choice for prompts that carry a video
 #: (:attr:`FocusConfig.pruner_for_video`), resolved per setting.
 VIDEO_AUTO = "auto"
-#: what ``video_pruner="auto"`` runs on a video while ``pruner`` is its default and pruning
-#: starts after layer 0: pure max-min diversity keeps "which object comes first" at every keep
-#: where attention pruners lose it (benchmarks/results/video_default.md)
+#: what ``video_pruner="auto"`` runs on a video while ``pruner`` is its default: pure max-min
+#: diversity keeps "which object comes first" where attention pruners lose it, at K = 2 on
+#: organism-qwen and at layer 0 on the hybrid organism-qwen35
+#: (benchmarks/results/video_default.md, video_default_qwen35.md)
 VIDEO_DEFAULT = "diverse"
 KEEP_RULE = "a float ratio in (0, 1] (1.0 keeps every visual token) or an int count >= 2"
 
@@ -191,10 +192,10 @@ class FocusConfig:
     )
     video_pruner: str | None = option(
         VIDEO_AUTO,
-        "the pruner of a prompt that carries a video: 'auto' = 'diverse' (pure max-min; at "
-        "layer 2 it keeps which object comes first where fastv loses it, "
-        "benchmarks/results/video_default.md) while pruner is the default 'fastv' and "
-        "pruning starts after layer 0, else pruner; a registered name = that pruner, with its "
+        "the pruner of a prompt that carries a video: 'auto' = 'diverse' (pure max-min; it "
+        "keeps which object comes first where fastv loses it, "
+        "benchmarks/results/video_default.md) while pruner is the default 'fastv', else "
+        "pruner; a registered name = that pruner, with its "
         "default options, for every prompt with a video; none = pruner for every prompt",
         parse=read_video_pruner,
         tag="v",
@@ -268,17 +269,18 @@ class FocusConfig:
 
         - ``video_pruner=None``: ``pruner``, as for every prompt;
         - ``"auto"`` (the default): ``"diverse"`` (:data:`VIDEO_DEFAULT`, with its default
-          ``pool=1``) while ``pruner`` is its default ``"fastv"`` and the first stage is after
-          layer 0, where it was measured best on videos; ``pruner`` otherwise: a pruner the
-          caller names, and pruning at layer 0 (where fastv keeps more than diverse), apply to
-          videos unchanged;
+          ``pool=1``) while ``pruner`` is its default ``"fastv"``, at any layer: measured on
+          both Qwen organisms' clip questions (at K = 2 the best on organism-qwen, within
+          noise of the best on organism-qwen35; at layer 0 within 2 points of fastv on
+          organism-qwen and 24 above it on organism-qwen35); ``pruner`` otherwise: a pruner
+          the caller names applies to videos unchanged;
         - a name: that pruner, whatever ``pruner`` is.
         """
         if self.video_pruner is None:
             return self.pruner
         if self.video_pruner != VIDEO_AUTO:
             return self.video_pruner
-        if self.pruner == default_of(FocusConfig, "pruner") and self.stages[0][0] > 0:
+        if self.pruner == default_of(FocusConfig, "pruner"):
             return VIDEO_DEFAULT
         return self.pruner
 
