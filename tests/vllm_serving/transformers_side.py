@@ -14,7 +14,8 @@ processor does not resize it).
 ``run`` reads cases ``[{"prompt": str, "pruner": str | null, "keep": float}]`` (optionally
 ``"images"``: file names, one per placeholder of the prompt, default ``["image.png"]``, and
 ``"budget"``, default ``"frame"``) and writes, per case, the greedy continuation of
-``vf.wrap(model, pruner, keep, layer=0, budget=budget)`` (``alpha=0`` for ``pyramid``; unwrapped
+``vf.wrap(model, pruner, keep, layer=0, budget=budget, video_pruner=None)`` (the plugin runs one
+pruner for images and videos; ``alpha=0`` for ``pyramid``; unwrapped
 for ``pruner: null``) with each step's gap between its two best logits, and the kept cells of
 each image (indices into its merged grid, raster order).
 
@@ -325,6 +326,7 @@ def run(path: Path, cases: list[dict]) -> list[dict]:
                     keep=case["keep"],
                     layer=0,
                     budget=case.get("budget", "frame"),
+                    video_pruner=None,
                     **options,
                 ) as handle:
                     tokens, margins = greedy(model, inputs)
@@ -369,7 +371,8 @@ def run_inputs(path: Path, cases: list[dict]) -> list[dict]:
                 tokens, margins = greedy(model, inputs)
                 kept = visual
             else:
-                wrap = dict(pruner=case["pruner"], keep=case["keep"], layer=0)
+                # the plugin's one pruner for images and videos (ServeOptions.video_pruner)
+                wrap = dict(pruner=case["pruner"], keep=case["keep"], layer=0, video_pruner=None)
                 with vf.wrap(model, **wrap, budget=case["budget"]) as handle:
                     tokens, margins = greedy(model, inputs)
                     kept = handle.last_trace.kept[0].tolist()
