@@ -66,8 +66,8 @@ def qwen_model_path() -> Path:
 
 def qwen35_model_path() -> Path:
     """Folder of organism-qwen35 (a Qwen3.5: the hybrid Gated-DeltaNet decoder, images at
-    dynamic resolution and clips), HF format. Load its processor with :func:`vlm_focus.loading.load_processor`
-    (or ``load_model``): its tokenizer is word-level."""
+    dynamic resolution and clips), HF format. Load its processor with
+    :func:`vlm_focus.loading.load_processor` (or ``load_model``): its tokenizer is word-level."""
     return ASSETS / "organism-qwen35"
 
 
