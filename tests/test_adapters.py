@@ -180,3 +180,25 @@ def test_video_and_mask_rule_are_declared_and_match_the_classes():
     assert torch.equal(allowed_keys(valid, query, rule="causal"), expected)
     with pytest.raises(ValueError, match="mask_rule='bidirectional_images'; allowed"):
         allowed_keys(valid, query, rule="bidirectional_images")
+
+
+def test_an_adapter_without_static_cache_support_refuses_one_and_keeps_working():
+    """Every built-in class prunes on a static cache; an adapter registered with
+    ``static_cache=False`` refuses one with a message that names the way that works, and the
+    handle still prunes on the default dynamic cache."""
+    model = make_model("llava")
+    model.config.model_type = "my_dynamic_vlm"
+    llava = get_adapter(make_model("llava"))
+    vf.register_adapter(dataclasses.replace(llava, model_type="my_dynamic_vlm", static_cache=False))
+    try:
+        assert "my_dynamic_vlm" not in vf.supported_models(static_cache=True)
+        inputs = make_inputs("llava", model)
+        with torch.no_grad(), vf.wrap(model, keep=4, layer=1) as handle:
+            with pytest.raises(ValueError, match="static cache.*use the default dynamic cache"):
+                model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
+            model(**inputs)
+        assert handle.last_trace.n_kept == [4]
+    finally:
+        from vlm_focus.model_adapters import _ADAPTERS
+
+        _ADAPTERS.pop("my_dynamic_vlm")

@@ -194,16 +194,6 @@ def test_image_blocks_that_are_not_bidirectional_are_refused():
         vf.wrap(model, pruner="fastv", keep=0.5, layer=1)
 
 
-def test_static_cache_is_refused(sdpa):
-    model, inputs = sdpa
-    with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=1):
-        with pytest.raises(ValueError, match="static cache"):
-            model.generate(**inputs, max_new_tokens=2, cache_implementation="static")
-        # and the unpruned model is untouched by the refusal: a dynamic cache still works
-        out = model(**inputs)  # the refusal left the handle working: a dynamic cache prunes
-    assert out.logits.shape[1] < inputs["input_ids"].shape[1]
-
-
 def video_inputs(model, batch: int = 2) -> dict:
     """A left-padded batch from the real processor: row 0 an image and a 4-frame video of
     6 x 10 pooled tokens a frame, row 1 a 2-frame video of 8 x 8 and a shorter prompt."""

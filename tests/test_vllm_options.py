@@ -54,8 +54,8 @@ def test_bad_settings_name_what_is_allowed(options, message):
 
 def test_unknown_model_type_and_missing_or_unknown_config_entries_raise():
     supported = (
-        "'internvl', 'llava', 'llava_next', 'llava_onevision', 'qwen2_5_vl', 'qwen3_5', "
-        "'qwen3_5_moe', 'qwen3_vl'"
+        "'internvl', 'llava', 'llava_next', 'llava_onevision', 'qwen2_5_vl', 'qwen2_vl', "
+        "'qwen3_5', 'qwen3_5_moe', 'qwen3_vl', 'qwen3_vl_moe'"
     )
     with pytest.raises(ValueError, match=f"supported: \\[{supported}\\]"):
         plugin.hf_overrides("gemma3")
@@ -244,8 +244,8 @@ def test_the_vllm_models_cover_the_supported_models_or_say_why_not():
         assert plugin.model_type_of(model.class_path.partition(":")[0]) == model_type
         assert model.pruning_architecture == "VlmFocus" + model.architecture
         assert not model.video_budgets or plugin.adapter_of(model_type).video  # declared there
-    with pytest.raises(ValueError, match="qwen2_vl.*no pruning class for vLLM's Qwen2VL"):
-        plugin.hf_overrides("qwen2_vl")
+    with pytest.raises(ValueError, match="gemma3.*ignores Gemma 3's image blocks"):
+        plugin.hf_overrides("gemma3")
     table = plugin.support_markdown().splitlines()
     assert [row.split("|")[1].strip(" `") for row in table[2:]] == vf.supported_models()
     assert "| `qwen2_5_vl` | `VlmFocusQwen2_5_VLForConditionalGeneration` | fastv, debiased, " in (

@@ -1,9 +1,10 @@
 """Videos served by vLLM with the plugin equal ``vf.wrap(..., layer=0, budget=...)`` in
 transformers (see ``test_vllm_plugin.py`` for the set-up).
 
-On a tiny random-weight Qwen2.5-VL and Qwen3-VL: one video of 4 frames (two temporal groups of
-a 4 x 6 merged grid, 48 tokens; Qwen3-VL writes a timestamp before each group), the attention
-pruners and ``pool`` set per request, by frame and, on Qwen2.5-VL, by span, all through one
+On a tiny random-weight Qwen2-VL, Qwen2.5-VL and Qwen3-VL: one video of 4 frames (two temporal
+groups of a 4 x 6 merged grid, 48 tokens; Qwen3-VL writes a timestamp before each group), the
+attention pruners and ``pool`` set per request, by frame and, on Qwen2-VL and Qwen2.5-VL, by
+span, all through one
 engine in one batch: greedy tokens, the pruned prompt and the kept tokens equal transformers'.
 The unpruned video (keep 1.0) pins the rest: vLLM's prompt, which the reference reads, and its
 tokens equal transformers' unpruned run. Both sides read the pixels the vLLM environment's own
@@ -34,10 +35,17 @@ PROMPT = (
 )
 FRAMES, HEIGHT, WIDTH = 4, 32, 48  # px: patches of 4, merged 2 x 2, two frames a group
 CLASSES = {
+    "qwen2_vl": "VlmFocusQwen2VLForConditionalGeneration",
     "qwen2_5_vl": "VlmFocusQwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "VlmFocusQwen3VLForConditionalGeneration",
 }
 SETTINGS = {  # family -> [(pruner, keep, budget)]; (None, 1.0, None) is the unpruned video
+    "qwen2_vl": [
+        (None, 1.0, None),
+        ("fastv", 0.25, "frame"),
+        ("text", 0.5, "span"),
+        ("pool", 0.5, "span"),
+    ],
     "qwen2_5_vl": [
         (None, 1.0, None),
         ("fastv", 0.25, "frame"),
@@ -56,6 +64,7 @@ SETTINGS = {  # family -> [(pruner, keep, budget)]; (None, 1.0, None) is the unp
     ],
 }
 BAD = {  # family -> [(request, words its error must hold)]
+    "qwen2_vl": [({"vlm_focus_budget": "all"}, ["budget", "all"])],
     "qwen2_5_vl": [({"vlm_focus_pruner": "pyramid"}, ["pyramid", "does not prune videos"])],
     "qwen3_vl": [({"vlm_focus_budget": "span"}, ["budget='span'", "frame"])],
 }

@@ -97,10 +97,12 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
 
     model = BUILDERS[family](seed)
     model.save_pretrained(path)
+    if family == "qwen3_vl_moe":
+        _released_expert_layout(path)
     pixels = {"min_pixels": 16, "max_pixels": 64 * 64}
     processor = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor",
+        "processor_class": PROCESSORS[family],
         "do_resize": True,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
@@ -115,7 +117,7 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
         **pixels,
     }
     (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
-    kind = "Qwen2VLVideoProcessor" if family == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
+    kind = "Qwen2VLVideoProcessor" if family.startswith("qwen2") else "Qwen3VLVideoProcessor"
     video = dict(processor, video_processor_type=kind, max_pixels=VIDEO_PIXELS)
     video["size"] = {"shortest_edge": pixels["min_pixels"], "longest_edge": VIDEO_PIXELS}
     video.pop("image_processor_type")
@@ -126,6 +128,20 @@ def build(path: Path, family: str = "qwen2_5_vl", seed: int = 0) -> None:
     for name, (width, height) in IMAGES.items():
         array = (rng.random((height, width, 3)) * 255).astype(np.uint8)
         Image.fromarray(array).save(path / name)
+
+
+def _released_expert_layout(path: Path) -> None:
+    """Store Qwen3-VL-MoE's fused expert weights as the released checkpoints do (``gate_up_proj``
+    ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``): vLLM loads only that layout, transformers
+    loads both (it transposes on load) and saves its own (``[E, 2I, H]``, ``[E, H, I]``)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in tensors:
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 #: What vLLM's CPU backend needs on top of the tiny configs
@@ -154,6 +170,21 @@ def text_config(**extra) -> dict:
     }
 
 
+def qwen2_vl_model(seed: int = 0):
+    """The tiny Qwen2-VL at vLLM's sizes (M-RoPE sections of its 16 rotary frequencies; the
+    tower's merger projects to the text width, its ``hidden_size``)."""
+    from vlm_focus.model_adapters.tiny import tiny_model
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    return tiny_model(
+        "qwen2_vl",
+        seed=seed,
+        text=dict(VLLM_TEXT, rope_parameters=rope),
+        vision=dict(hidden_size=VLLM_TEXT["hidden_size"]),
+        tie_word_embeddings=False,
+    )
+
+
 def qwen2_5_vl_model(seed: int = 0):
     """The tiny Qwen2.5-VL at vLLM's sizes (M-RoPE sections of its 16 rotary frequencies)."""
     from vlm_focus.model_adapters.tiny import tiny_model
@@ -171,6 +202,20 @@ def qwen2_5_vl_model(seed: int = 0):
 def qwen3_vl_model(seed: int = 0):
     """The tiny Qwen3-VL at vLLM's sizes: interleaved M-RoPE, per-head q/k norms, DeepStack
     after layers 0 and 1 (the vision tower's two layers, patch 4 as the processor cuts)."""
+    return _qwen3_vl("qwen3_vl", seed)
+
+
+def qwen3_vl_moe_model(seed: int = 0):
+    """:func:`qwen3_vl_model` with a mixture-of-experts MLP in every layer (4 experts, 2 per
+    token). transformers always renormalises the top experts' weights and has dropped
+    ``norm_topk_prob`` from this config; vLLM 0.32's MoE block still reads it (and fails
+    without it), so the saved config sets it to ``true``, which is what transformers does."""
+    # 2 x 32 != 128: no expert matrix is square, so its layout on disk is unambiguous
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return _qwen3_vl("qwen3_vl_moe", seed, norm_topk_prob=True, **moe)
+
+
+def _qwen3_vl(model_type: str, seed: int, **extra):
     from vlm_focus.model_adapters.tiny import tiny_model
 
     rope = {
@@ -180,9 +225,9 @@ def qwen3_vl_model(seed: int = 0):
         "mrope_interleaved": True,
     }
     return tiny_model(
-        "qwen3_vl",
+        model_type,
         seed=seed,
-        text=dict(VLLM_TEXT, head_dim=32, rope_parameters=rope),
+        text=dict(VLLM_TEXT, head_dim=32, rope_parameters=rope, **extra),
         vision=dict(
             depth=2,
             patch_size=4,
@@ -246,10 +291,21 @@ def _qwen3_5(model_type: str, seed: int, **extra):
 
 #: ``build``'s families: the tiny model of each.
 BUILDERS = {
+    "qwen2_vl": qwen2_vl_model,
     "qwen2_5_vl": qwen2_5_vl_model,
     "qwen3_vl": qwen3_vl_model,
+    "qwen3_vl_moe": qwen3_vl_moe_model,
     "qwen3_5": qwen3_5_model,
     "qwen3_5_moe": qwen3_5_moe_model,
+}
+#: The processor class ``build`` names for each family (the Qwen3 ones share Qwen3-VL's).
+PROCESSORS = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    **{
+        family: "Qwen3VLProcessor"
+        for family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+    },
 }
 
 

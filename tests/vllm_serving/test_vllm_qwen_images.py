@@ -1,11 +1,13 @@
-"""Qwen3-VL served by vLLM with the plugin equals ``vf.wrap(..., layer=0, budget="frame")`` in
-transformers (see ``test_vllm_plugin.py`` for the set-up).
+"""Qwen2-VL, Qwen3-VL and Qwen3-VL's mixture-of-experts model served by vLLM with the plugin
+equal ``vf.wrap(..., layer=0, budget="frame")`` in transformers (see ``test_vllm_plugin.py`` for
+the set-up, which tests Qwen2.5-VL the same way).
 
-On a tiny random-weight Qwen3-VL (interleaved M-RoPE, per-head q/k norms, DeepStack after layers
-0 and 1), every pruner the class serves, prompts with one, two and three images of different
-shapes (``pool``), all through one engine in one batch: greedy tokens, the pruned prompt's
-placeholder count and the kept cells equal transformers'. The unpruned reference is checked
-against vLLM's own Qwen3-VL class first, so a difference can only come from the plugin.
+On a tiny random-weight model of each class (Qwen3-VL's: interleaved M-RoPE, per-head q/k
+norms, DeepStack after layers 0 and 1; its MoE model the same with 4 experts), every pruner the
+class serves, prompts with one, two and three images of different shapes (``pool``), all
+through one engine in one batch: greedy tokens, the pruned prompt's placeholder count and the
+kept cells equal transformers'. The unpruned reference is checked against vLLM's own class
+first, so a difference can only come from the plugin.
 """
 
 from __future__ import annotations
@@ -40,17 +42,23 @@ CASES = [  # (images, pruner, keep, per-request mm_processor_kwargs or None: the
         {"vlm_focus_pruner": "pool", "vlm_focus_keep": 19},
     ),
 ]
-OVERRIDES = {
-    "architectures": ["VlmFocusQwen3VLForConditionalGeneration"],
-    "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+CLASSES = {
+    "qwen2_vl": "VlmFocusQwen2VLForConditionalGeneration",
+    "qwen3_vl": "VlmFocusQwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "VlmFocusQwen3VLMoeForConditionalGeneration",
 }
 
 
+@pytest.fixture(scope="module", params=sorted(CLASSES))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_qwen3_vl")
+def model_dir(family, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
     subprocess.run(
-        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), "qwen3_vl"],
+        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), family],
         check=True,
         cwd=REPO,
         timeout=300,
@@ -79,15 +87,19 @@ def _cases(model_dir: Path, settings) -> list[dict]:
     ]
 
 
-def test_vllms_own_qwen3_vl_equals_transformers_unpruned(model_dir, reference, tmp_path):
+def test_vllms_own_class_equals_transformers_unpruned(model_dir, reference, tmp_path):
     result = _offline(
         model_dir, _cases(model_dir, [(["image.png"], None, 1.0, None)]), tmp_path, None
     )
     assert result["outputs"][0]["tokens"] == reference[0]["tokens"]
 
 
-def test_served_qwen3_vl_equals_transformers(model_dir, reference, tmp_path):
-    result = _offline(model_dir, _cases(model_dir, CASES), tmp_path, OVERRIDES)
+def test_served_images_equal_transformers(family, model_dir, reference, tmp_path):
+    overrides = {
+        "architectures": [CLASSES[family]],
+        "vlm_focus": {"pruner": "fastv", "keep": 0.25},
+    }
+    result = _offline(model_dir, _cases(model_dir, CASES), tmp_path, overrides)
     image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
     recorded = {(r["n"], tuple(r["kept"])) for r in result["kept"]}
     for setting, want, output in zip(CASES, reference[1:], result["outputs"], strict=True):
