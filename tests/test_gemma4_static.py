@@ -36,6 +36,16 @@ def _static_cache(model, inputs, steps=STEPS):
     return StaticCache(config=model.config.get_text_config(), max_cache_len=width)
 
 
+def _compile_config(dynamic):
+    """``generate()``'s own compiled decoding, on any device, failing on a graph break;
+    dynamo's caches are emptied first."""
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=dynamic)
+    config._compile_all_devices = True  # transformers' switch for compiling off CUDA
+    torch._dynamo.reset()
+    counters.clear()
+    return config
+
+
 def _check(model, inputs, layer, keep=0.5, pruner="fastv", compiled=None, **options):
     """The pruned run on a static cache against the masked reference of its kept set:
     sequences equal, every step's logits within ATOL. Returns the trace, each cache layer's
@@ -43,11 +53,7 @@ def _check(model, inputs, layer, keep=0.5, pruner="fastv", compiled=None, **opti
     compile config)."""
     cache = _static_cache(model, inputs)
     if compiled is not None:
-        config = CompileConfig(backend="eager", fullgraph=True, dynamic=compiled)
-        config._compile_all_devices = True  # transformers' switch for compiling off CUDA
-        torch._dynamo.reset()
-        counters.clear()
-        options["compile_config"] = config
+        options["compile_config"] = _compile_config(compiled)
     wrap = dict(pruner=pruner, keep=keep, layer=layer)
     with torch.no_grad(), vf.wrap(model, **wrap) as handle:
         sequences, logits = greedy_generate(model, inputs, STEPS, cache=cache, **options)
@@ -159,3 +165,17 @@ def test_no_host_reads_per_decode_step(layer):
             )
     # marks: before each forward (after the engine's model hook), then at the end
     assert marks[1:] == [marks[1]] * (len(marks) - 1), f"{marks} {dict(host_reads.reads)}"
+
+
+def test_compiled_decode_at_layer_2_compiles_as_the_unwrapped_model_does():
+    """At K = 2 layer 0 keeps the model's ring buffer, whose Python length the compiled step
+    guards on, as on Gemma 3: transformers' default ``dynamic=None`` compiles the unwrapped
+    model more than once, and the pruned one no more often."""
+    model = gemma4_model("sdpa")
+    inputs = gemma4_inputs(model)
+    config = _compile_config(None)
+    with torch.no_grad():
+        greedy_generate(model, inputs, STEPS, cache_implementation="static", compile_config=config)
+    unwrapped = counters["stats"]["unique_graphs"]
+    _, _, graphs = _check(model, inputs, 2, compiled=None)
+    assert graphs == unwrapped == 2
