@@ -216,7 +216,7 @@ def test_the_served_pruners_and_positions_come_from_the_registries():
     from vlm_focus.pruners import get_pruner
 
     before_llm = [n for n in vf.pruners() if get_pruner(n).before_llm]
-    assert sorted(before_llm) == ["debiased", "fastv", "pool", "pyramid", "text"]
+    assert sorted(before_llm) == ["debiased", "diverse", "fastv", "pool", "pyramid", "text"]
     for model_type in plugin.MODELS:
         served = plugin.served_pruners(model_type)
         assert served[0] == vf.FocusConfig().pruner and set(served) <= set(before_llm)
@@ -224,11 +224,19 @@ def test_the_served_pruners_and_positions_come_from_the_registries():
         assert ("pyramid" in served) == (adapter.vision_layers is None)  # no [CLS] to read
         compact = ("original", "compact") if adapter.consecutive_positions else ("original",)
         assert plugin.served_positions(model_type) == compact
-    assert plugin.served_pruners("qwen2_5_vl") == ("fastv", "debiased", "pool", "pyramid", "text")
-    assert plugin.served_pruners("llava") == ("fastv", "debiased", "pool", "text")
+    assert plugin.served_pruners("qwen2_5_vl") == (
+        "fastv",
+        "debiased",
+        "diverse",
+        "pool",
+        "pyramid",
+        "text",
+    )
+    assert plugin.served_pruners("llava") == ("fastv", "debiased", "diverse", "pool", "text")
     assert plugin.video_pruners(plugin.served_pruners("qwen3_vl")) == (
         "fastv",
         "debiased",
+        "diverse",
         "pool",
         "text",
     )

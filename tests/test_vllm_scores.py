@@ -41,7 +41,7 @@ def _kept_by_wrap(model, inputs: dict, **options) -> torch.Tensor:
 
 @pytest.mark.parametrize("grid", [(1, 16, 12), (1, 8, 16), (1, 10, 6)])
 @pytest.mark.parametrize("keep", [0.25, 0.5, 7])
-def test_pool_and_pyramid_keep_what_wrap_keeps(grid, keep):
+def test_pool_pyramid_and_diverse_keep_what_wrap_keeps(grid, keep):
     model = make_model("qwen2_5_vl")
     inputs = _inputs(grid, seed=sum(grid))
     rows, cols = grid[1] // 2, grid[2] // 2
@@ -50,7 +50,7 @@ def test_pool_and_pyramid_keep_what_wrap_keeps(grid, keep):
         embeds = model.model.get_image_features(
             inputs["pixel_values"], inputs["image_grid_thw"]
         ).pooler_output[0]  # [rows * cols, D]
-    for pruner, options in (("pool", {}), ("pyramid", {"alpha": 0.0})):
+    for pruner, options in (("pool", {}), ("pyramid", {"alpha": 0.0}), ("diverse", {})):
         expected = _kept_by_wrap(model, inputs, pruner=pruner, keep=keep, **options)
         chosen = before_llm_pruner(FocusConfig(pruner=pruner, layer=0))
         got = item_keep(
@@ -131,3 +131,7 @@ def test_a_pruner_that_cannot_choose_before_the_llm_or_lacks_its_layer_is_refuse
         "norm",
         3,
     )
+    with pytest.raises(ValueError, match=r"runs before the language model with \{'alpha'"):
+        before_llm_pruner(FocusConfig(pruner="pyramid", layer=0), {"alpha": 0.5})
+    with pytest.raises(ValueError, match=r"\{'pool': 2\} needs what exists only inside it"):
+        before_llm_pruner(FocusConfig(pruner="diverse", layer=0), {"pool": 2})

@@ -37,6 +37,7 @@ SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs or None for the s
     ("debiased", 0.25, {"vlm_focus_pruner": "debiased", "vlm_focus_keep": 0.25}),
     ("pool", 0.25, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.25}),
     ("pyramid", 0.25, {"vlm_focus_pruner": "pyramid", "vlm_focus_keep": 0.25}),
+    ("diverse", 0.25, {"vlm_focus_pruner": "diverse", "vlm_focus_keep": 0.25}),
 ]
 IMAGES = ("wide.png", "odd.png", "square.png")
 #: the two-image prompt's images and its setting (a score-free pruner: the attention pruners

@@ -55,6 +55,7 @@ SETTINGS = [  # (pruner, keep, per-request mm_processor_kwargs or None for the s
     ("text", 0.11, {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.11}),
     ("debiased", 0.25, {"vlm_focus_pruner": "debiased", "vlm_focus_keep": 0.25}),
     ("pool", 0.11, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.11}),
+    ("diverse", 0.11, {"vlm_focus_pruner": "diverse", "vlm_focus_keep": 0.11}),
 ]
 TEXT = {"mm_processor_kwargs": {"vlm_focus_pruner": "text", "vlm_focus_keep": 0.11}}
 POOL = {"mm_processor_kwargs": {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.11}}

@@ -7,10 +7,10 @@ video of 4 frames (``budget="frame"``; a timestamp before each temporal group, a
 through one engine in one batch: greedy tokens, the pruned prompt's placeholder count and the
 kept cells equal transformers', for every pruner the class serves. Layer 0 is linear, so the
 attention pruners (``fastv``, ``text``, ``debiased``) score with layer 1 on both sides (the
-adapter's ``"next_full"`` rule); ``pyramid`` and ``pool`` read no attention. The unpruned image
-and video (keep 1.0) pin the rest: vLLM's hybrid decoder on the plugin's positions equals
-transformers' unpruned run. vLLM's CPU Gated DeltaNet runs in bfloat16 only (it asserts so), so
-the engine runs in bfloat16 against the float32 reference: the kept cells are equal, and the
+adapter's ``"next_full"`` rule); ``pyramid``, ``pool`` and ``diverse`` read no attention. The
+unpruned image and video (keep 1.0) pin the rest: vLLM's hybrid decoder on the plugin's positions
+equals transformers' unpruned run. vLLM's CPU Gated DeltaNet runs in bfloat16 only (it asserts so),
+so the engine runs in bfloat16 against the float32 reference: the kept cells are equal, and the
 greedy tokens equal step by step up to the first step where the reference's two best logits lie
 within bfloat16's error (``TIE``); a continuation may part there, never before.
 
@@ -47,6 +47,7 @@ CASES = {  # family -> [(images, pruner, keep, per-request mm_processor_kwargs o
         (["wide.png"], "debiased", 0.25, {"vlm_focus_pruner": "debiased"}),
         (["image.png"], "pyramid", 0.25, {"vlm_focus_pruner": "pyramid"}),
         (["image.png"], "pool", 0.25, {"vlm_focus_pruner": "pool"}),
+        (["wide.png"], "diverse", 0.25, {"vlm_focus_pruner": "diverse"}),
         (
             ["image.png", "square.png"],
             "pool",
@@ -62,7 +63,7 @@ CASES = {  # family -> [(images, pruner, keep, per-request mm_processor_kwargs o
     ],
 }
 VIDEO = {  # family -> [(pruner, keep)], by frame; the first (keep 1.0) is the unpruned video
-    "qwen3_5": [(None, 1.0), ("fastv", 0.25), ("pool", 0.5)],
+    "qwen3_5": [(None, 1.0), ("fastv", 0.25), ("pool", 0.5), ("diverse", 0.25)],
     "qwen3_5_moe": [],
 }
 CLASSES = {

@@ -34,6 +34,7 @@ CASES = [  # (images, pruner, keep, per-request mm_processor_kwargs or None: the
     (["wide.png"], "debiased", 0.25, {"vlm_focus_pruner": "debiased"}),
     (["image.png"], "pyramid", 0.25, {"vlm_focus_pruner": "pyramid"}),
     (["square.png"], "pool", 0.5, {"vlm_focus_pruner": "pool", "vlm_focus_keep": 0.5}),
+    (["wide.png"], "diverse", 0.25, {"vlm_focus_pruner": "diverse"}),
     (["image.png", "square.png"], "pool", 0.25, {"vlm_focus_pruner": "pool"}),
     (
         ["wide.png", "square.png", "image.png"],

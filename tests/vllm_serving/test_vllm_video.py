@@ -54,10 +54,12 @@ SETTINGS = {  # family -> [(pruner, keep, budget)]; (None, 1.0, None) is the unp
         ("debiased", 0.25, "span"),
         ("pool", 0.25, "frame"),
         ("pool", 0.5, "span"),
+        ("diverse", 0.25, "span"),
     ],
     "qwen3_vl": [
         (None, 1.0, None),
         ("fastv", 0.25, "frame"),
+        ("diverse", 0.25, "frame"),
         ("text", 0.5, "frame"),
         ("debiased", 0.25, "frame"),
         ("pool", 0.25, "frame"),

@@ -28,12 +28,22 @@ from .selection import frame_shares, keep_mask, selected_keep
 def before_llm_pruner(config: FocusConfig, options: dict[str, Any] | None = None) -> Pruner:
     """The registered pruner ``config.pruner`` as it runs before the LLM: its class's
     ``before_llm_options`` over its defaults, then ``options``. ``ValueError`` for a pruner
-    that cannot choose there."""
+    that cannot choose there, or ``options`` that change one of its ``before_llm_options``."""
     cls = get_pruner(config.pruner)
     if not cls.before_llm:
         raise ValueError(
             f"pruner {config.pruner!r} cannot choose before the language model; those that "
             f"can: {before_llm_pruners()}"
+        )
+    fixed = {
+        key: value
+        for key, value in (options or {}).items()
+        if key in cls.before_llm_options and value != cls.before_llm_options[key]
+    }
+    if fixed:
+        raise ValueError(
+            f"pruner {config.pruner!r} runs before the language model with "
+            f"{cls.before_llm_options}: {fixed} needs what exists only inside it"
         )
     try:
         chosen = cls.Options(**{**cls.before_llm_options, **(options or {})})

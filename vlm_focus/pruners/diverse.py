@@ -79,6 +79,10 @@ class DiversePruner(Pruner):
     name = "diverse"
     Options = DiverseOptions
     summary = "max-min (cosine) dispersion of hidden states; optional instruction filter"
+    # Before the LLM: max-min over the LLM-input embeddings (the instruction filter reads
+    # attention inside the LLM). One max-min order spans all the row's images.
+    before_llm = reads_whole_prompt = serves_video = True
+    before_llm_options = {"pool": 1.0}
 
     def select(self, ctx: StageContext, n_keep: int) -> Selection:
         relevance = None

@@ -23,8 +23,8 @@ own decoder over the unpruned prompt, :mod:`vlm_focus.core.before_llm`) and retu
 kept embeddings, in prompt order, each at its original position (:func:`served_positions`: the
 classes of 1-D RoPE can also serve them consecutively, ``positions="compact"``). This equals
 ``vf.wrap(model, pruner=..., keep=..., layer=0, budget="frame", positions=...)`` in transformers
-(with the pruner's ``before_llm_options``: ``alpha=0`` for ``pyramid``), where a count above the
-prompt's tokens raises instead.
+(with the pruner's ``before_llm_options``: ``alpha=0`` for ``pyramid``, ``pool=1`` for
+``diverse``), where a count above the prompt's tokens raises instead.
 
 The Qwen-VL classes also prune videos (:data:`MODELS`' ``video_budgets``): a prompt with one
 video keeps ``keep_count(keep, N, clamp=True)`` of its ``N`` tokens, every frame the same share
