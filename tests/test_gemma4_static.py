@@ -18,9 +18,9 @@ import torch
 import torch._dynamo
 from host_reads import on_device, per_forward
 from reference import ATOL, greedy_generate, manual_decode, masked_reference
+from test_gemma3_static import _compile_config, _static_cache
 from test_gemma4 import SHARED, gemma4_inputs, gemma4_model, video_inputs
 from torch._dynamo.utils import counters
-from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
 
 import vlm_focus as vf
@@ -31,27 +31,12 @@ STEPS = 8
 pytestmark = pytest.mark.filterwarnings("ignore:vlm_focus. rows with")
 
 
-def _static_cache(model, inputs, steps=STEPS):
-    width = inputs["input_ids"].shape[1] + steps
-    return StaticCache(config=model.config.get_text_config(), max_cache_len=width)
-
-
-def _compile_config(dynamic):
-    """``generate()``'s own compiled decoding, on any device, failing on a graph break;
-    dynamo's caches are emptied first."""
-    config = CompileConfig(backend="eager", fullgraph=True, dynamic=dynamic)
-    config._compile_all_devices = True  # transformers' switch for compiling off CUDA
-    torch._dynamo.reset()
-    counters.clear()
-    return config
-
-
 def _check(model, inputs, layer, keep=0.5, pruner="fastv", compiled=None, **options):
     """The pruned run on a static cache against the masked reference of its kept set:
     sequences equal, every step's logits within ATOL. Returns the trace, each cache layer's
     class and width while wrapped, and dynamo's graph count (``compiled``: ``dynamic=`` of the
     compile config)."""
-    cache = _static_cache(model, inputs)
+    cache = _static_cache(model, inputs, STEPS)
     if compiled is not None:
         options["compile_config"] = _compile_config(compiled)
     wrap = dict(pruner=pruner, keep=keep, layer=layer)
@@ -126,7 +111,7 @@ def test_a_manual_decode_loop_on_a_caller_built_static_cache(layer):
     model = gemma4_model("sdpa", **SHARED)
     inputs = gemma4_inputs(model)
     with torch.no_grad(), vf.wrap(model, pruner="fastv", keep=0.5, layer=layer) as handle:
-        static = manual_decode(model, inputs, 6, _static_cache(model, inputs))
+        static = manual_decode(model, inputs, 6, _static_cache(model, inputs, STEPS))
         trace = handle.last_trace
     layers = get_adapter(model).decoder_layers(model)
     with torch.no_grad(), masked_reference(model, layers, trace):
@@ -137,7 +122,7 @@ def test_a_manual_decode_loop_on_a_caller_built_static_cache(layer):
 def test_remove_gives_the_cache_its_ring_buffers_back():
     model = gemma4_model("sdpa", **SHARED)
     inputs = gemma4_inputs(model)
-    cache = _static_cache(model, inputs)
+    cache = _static_cache(model, inputs, STEPS)
     kinds = [type(layer) for layer in cache.layers]
     with torch.no_grad():
         before = greedy_generate(model, inputs, STEPS, cache_implementation="static")

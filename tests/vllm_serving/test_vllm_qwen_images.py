@@ -13,7 +13,6 @@ first, so a difference can only come from the plugin.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +21,9 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM environment")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from test_vllm_plugin import _offline, _reference_python, _transformers_run  # noqa: E402
+from test_vllm_plugin import _offline, _transformers_run  # noqa: E402
+from test_vllm_video import _build  # noqa: E402
 from transformers_side import prompt_text  # noqa: E402
 
 QUESTION = "where are the red shapes"
@@ -57,14 +56,7 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(family, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp(f"tiny_{family}")
-    subprocess.run(
-        [_reference_python(), str(HERE / "transformers_side.py"), "build", str(path), family],
-        check=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    return path
+    return _build(family, tmp_path_factory.mktemp(f"tiny_{family}"))
 
 
 @pytest.fixture(scope="module")

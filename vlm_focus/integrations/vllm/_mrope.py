@@ -60,6 +60,16 @@ class MRopeImageProcessor(PruningProcessorMixin):
         return [(t, h * w // merge**2) for t, h, w in data["video_grid_thw"].tolist()]
 
 
+class OneRunVideoProcessor(MRopeImageProcessor):
+    """:class:`MRopeImageProcessor` for the classes that write a video as one run of
+    placeholders, its frames' tokens back to back (Qwen2-VL, Qwen2.5-VL)."""
+
+    def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
+        token = self._video_token()
+        t, n = self._video_frames(data)[i]
+        return [token], [token] * (t * n)
+
+
 def walk_positions(
     ids: list[int], token: int, runs: list[tuple[int, torch.Tensor | None]], start: int = 0
 ) -> tuple[torch.Tensor, int]:

@@ -17,17 +17,12 @@ from vllm.model_executor.models.qwen2_5_vl import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from ._mrope import MRopeImageProcessor, MRopePruningModel
+from ._mrope import MRopePruningModel, OneRunVideoProcessor
 
 
-class VlmFocusQwen2_5_VLMultiModalProcessor(MRopeImageProcessor, Qwen2_5_VLMultiModalProcessor):
+class VlmFocusQwen2_5_VLMultiModalProcessor(OneRunVideoProcessor, Qwen2_5_VLMultiModalProcessor):
     """vLLM's Qwen2.5-VL processor with each image's and video's kept count of placeholders (a
     video is one run of them)."""
-
-    def _unpruned_video(self, data, i: int) -> tuple[list[int], list[int]]:
-        token = self._video_token()
-        t, n = self._video_frames(data)[i]
-        return [token], [token] * (t * n)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
