@@ -1,8 +1,9 @@
 """Qwen2-VL served by vLLM with each image and video pruned before the LLM: vLLM's Qwen2-VL
 processor writes a video as one run of placeholders, as its Qwen2.5-VL one does, and its time
 axis counts temporal groups unscaled (no ``second_per_grid_ts``, so
-:meth:`._mrope.MRopePruningModel.frame_times` steps by one), so the pieces are the Qwen2.5-VL
-ones (:mod:`._qwen2_5_vl`) over vLLM's ``Qwen2VLForConditionalGeneration``."""
+:meth:`._mrope.MRopePruningModel.frame_times` steps by one), so it takes the pieces Qwen2.5-VL
+takes (:class:`._mrope.OneRunVideoProcessor`, :class:`._mrope.MRopePruningModel`) over vLLM's
+``Qwen2VLForConditionalGeneration``."""
 
 from __future__ import annotations
 
